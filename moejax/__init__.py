@@ -1,0 +1,1 @@
+"""moejax: a pure-JAX reference runtime for large Mixture-of-Experts models."""

@@ -1,0 +1,5 @@
+import sys
+
+from moejax.cli import main
+
+sys.exit(main())

@@ -1,0 +1,49 @@
+"""`moejax` command line. Each verb lives in its own module and registers itself here.
+
+Errors a user can cause end as one line on stderr and exit code 2 (argparse's own
+convention for bad arguments), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moejax.config import ConfigError
+
+# Modules that define `register(subparsers)`; each subparser sets `func(args) -> int`.
+VERB_MODULES = ("moejax.commands", "moejax.analysis.commands")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2
+        self.exit(2, f"moejax: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
+    parser = _Parser(prog="moejax", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="verb", required=True, parser_class=_Parser)
+    for name in VERB_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"moejax: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,422 @@
+"""Configuration: dataclasses, presets, YAML/JSON loading, transformers `config.json` import.
+
+One `ModelConfig` describes every supported family; the family name only selects the few
+places where the families really differ (attention kind, router scoring, rope layout).
+`Config` is the whole run: model + layout (placement) + weights + kernel + engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3")
+PLACEMENTS = ("tensor_sliced", "expert_sharded", "hybrid", "ragged_a2a", "weight_prefetch")
+EXPERT_FORMATS = ("bf16", "nvfp4", "mxfp4")
+KERNELS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "interpret")
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A configuration the user wrote that cannot run; the message is one line for the CLI."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    family: str = "qwen3_moe"
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128  # dense MLP layers
+    moe_intermediate_size: int = 32  # one routed expert
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    # MLA (deepseek_v3): q_lora_rank 0 means a plain q projection.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # transformers' rope_parameters minus rope_theta (yarn)
+    partial_rotary_factor: float = 1.0
+    rope_interleave: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    rms_norm_eps: float = 1e-6
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    num_shared_experts: int = 0
+    router_scoring: str = "softmax"  # softmax | sigmoid
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    router_bias: bool = False  # e_score_correction_bias (sigmoid routers)
+    n_group: int = 1
+    topk_group: int = 1
+    dense_layers: tuple[int, ...] = ()
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.02
+
+    @property
+    def is_mla(self) -> bool:
+        return self.family == "deepseek_v3"
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if i not in self.dense_layers)
+
+    @property
+    def rotary_dim(self) -> int:
+        if self.is_mla:
+            return self.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        scale = self.qk_head_dim**-0.5
+        rs = self.rope_scaling or {}
+        if rs.get("rope_type", "default") != "default" and rs.get("mscale_all_dim"):
+            m = yarn_mscale(rs["factor"], rs["mscale_all_dim"])
+            scale *= m * m
+        return scale
+
+    def validate(self) -> None:
+        if self.family not in FAMILIES:
+            raise ConfigError(f"model.family {self.family!r} is not one of {', '.join(FAMILIES)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok {self.num_experts_per_tok} must be in 1..num_experts {self.num_experts}")
+        if self.num_experts % self.n_group or self.topk_group > self.n_group:
+            raise ConfigError(f"n_group {self.n_group} / topk_group {self.topk_group} do not fit {self.num_experts} experts")
+        if self.router_scoring not in ("softmax", "sigmoid"):
+            raise ConfigError(f"router_scoring {self.router_scoring!r} is not softmax or sigmoid")
+        if any(not 0 <= i < self.num_layers for i in self.dense_layers):
+            raise ConfigError(f"dense_layers {self.dense_layers} outside 0..{self.num_layers - 1}")
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutConfig:
+    experts: str = "expert_sharded"  # one of PLACEMENTS
+    devices: int = 1
+    ep: int = 0  # hybrid only; 0 = derived (devices / tp)
+    tp: int = 1
+    attention: str = "tp"  # dp | tp
+    dense: str = "tp"  # tp | replicated
+    shared_expert: str = "tp"  # tp | replicated
+    dispatch_dtype: str = "bf16"  # ragged_a2a: bf16 | nvfp4
+    prefetch_depth: int = 1  # weight_prefetch: layers ahead
+
+    def validate(self) -> None:
+        if self.experts not in PLACEMENTS:
+            raise ConfigError(f"unknown placement {self.experts!r}; choose one of {', '.join(PLACEMENTS)}")
+        if self.devices < 1:
+            raise ConfigError(f"devices must be at least 1, got {self.devices}")
+        for name, value, allowed in (
+            ("attention", self.attention, ("dp", "tp")),
+            ("dense", self.dense, ("tp", "replicated")),
+            ("shared_expert", self.shared_expert, ("tp", "replicated")),
+            ("dispatch_dtype", self.dispatch_dtype, ("bf16", "nvfp4")),
+        ):
+            if value not in allowed:
+                raise ConfigError(f"layout.{name} {value!r} is not one of {', '.join(allowed)}")
+        if self.prefetch_depth < 1:
+            raise ConfigError(f"layout.prefetch_depth must be at least 1, got {self.prefetch_depth}")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightsConfig:
+    expert_format: str = "bf16"  # bf16 | nvfp4 | mxfp4; bf16 means "as loaded" (the run dtype)
+
+    def validate(self) -> None:
+        if self.expert_format not in EXPERT_FORMATS:
+            raise ConfigError(f"weights.expert_format {self.expert_format!r} is not one of {', '.join(EXPERT_FORMATS)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    dtype: str = "float32"
+    prefill_chunk: int = 64
+    max_seq_len: int = 0  # 0 = sized from the prompts and max_new_tokens
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"engine.dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.prefill_chunk < 1:
+            raise ConfigError(f"engine.prefill_chunk must be positive, got {self.prefill_chunk}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = ModelConfig()
+    layout: LayoutConfig = LayoutConfig()
+    weights: WeightsConfig = WeightsConfig()
+    engine: EngineConfig = EngineConfig()
+    kernel: str = "auto"
+
+    def validate(self) -> "Config":
+        self.model.validate()
+        self.layout.validate()
+        self.weights.validate()
+        self.engine.validate()
+        if self.kernel not in KERNELS:
+            raise ConfigError(f"kernel {self.kernel!r} is not one of {', '.join(KERNELS)}")
+        return self
+
+
+# ----------------------------------------------------------------------------- presets
+
+def _tiny_mla(**kw) -> ModelConfig:
+    base = dict(
+        family="deepseek_v3", vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_layers=3, num_heads=4, num_kv_heads=4, head_dim=8, q_lora_rank=32, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True, num_experts=16,
+        num_experts_per_tok=4, num_shared_experts=1, router_scoring="sigmoid", router_bias=True,
+        routed_scaling_factor=2.5, n_group=4, topk_group=2, dense_layers=(0,), initializer_range=0.2,
+        max_position_embeddings=2048,
+    )
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # The default: DeepSeek-V3 / GLM shaped (MLA, shared expert, sigmoid grouped router), seconds on CPU.
+    "tiny": _tiny_mla(),
+    "tiny-deepseek-v3": _tiny_mla(),
+    "tiny-glm-5.3": _tiny_mla(
+        num_experts=32, num_experts_per_tok=8, n_group=1, topk_group=1, num_layers=4, dense_layers=(0,)
+    ),
+    "tiny-qwen3-moe": ModelConfig(
+        family="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, num_experts=16,
+        num_experts_per_tok=4, norm_topk_prob=True, dense_layers=(1,), initializer_range=0.2,
+        rope_theta=1e6,
+    ),
+    "tiny-mixtral": ModelConfig(
+        family="mixtral", vocab_size=512, hidden_size=64, moe_intermediate_size=64, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        initializer_range=0.2, rms_norm_eps=1e-5, rope_theta=1e6,
+    ),
+    "tiny-glm4-moe": ModelConfig(
+        family="glm4_moe", vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, partial_rotary_factor=0.5,
+        attention_bias=True, qk_norm=True, num_experts=16, num_experts_per_tok=4, num_shared_experts=1,
+        router_scoring="sigmoid", router_bias=True, routed_scaling_factor=1.5, n_group=1, topk_group=1,
+        dense_layers=(0,), initializer_range=0.2, rms_norm_eps=1e-5,
+    ),
+    # Mid-size model of the benchmark (issue 2): Qwen3-MoE geometry scaled down.
+    "bench-qwen3-moe": ModelConfig(
+        family="qwen3_moe", vocab_size=32000, hidden_size=1024, intermediate_size=2048,
+        moe_intermediate_size=256, num_layers=4, num_heads=16, num_kv_heads=4, head_dim=64, qk_norm=True,
+        num_experts=64, num_experts_per_tok=8, norm_topk_prob=True, rope_theta=1e6,
+    ),
+    # Full-size models: for `calc` and abstract evaluation, not for running on CPU.
+    "glm-5.3": ModelConfig(
+        family="deepseek_v3", vocab_size=154880, hidden_size=6144, intermediate_size=12288,
+        moe_intermediate_size=2048, num_layers=78, num_heads=64, num_kv_heads=64, head_dim=64,
+        q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
+        rope_interleave=True, num_experts=256, num_experts_per_tok=8, num_shared_experts=1,
+        router_scoring="sigmoid", router_bias=True, routed_scaling_factor=2.5, n_group=1, topk_group=1,
+        dense_layers=(0, 1, 2), rms_norm_eps=1e-5, max_position_embeddings=202752,
+    ),
+    "deepseek-v3": ModelConfig(
+        family="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_layers=61, num_heads=128, num_kv_heads=128, head_dim=64,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        rope_interleave=True, num_experts=256, num_experts_per_tok=8, num_shared_experts=1,
+        router_scoring="sigmoid", router_bias=True, routed_scaling_factor=2.5, n_group=8, topk_group=4,
+        dense_layers=(0, 1, 2), max_position_embeddings=163840,
+        rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    ),
+    "qwen3-moe-30b-a3b": ModelConfig(
+        family="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, qk_norm=True,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, rope_theta=1e6,
+        max_position_embeddings=40960,
+    ),
+    "mixtral-8x7b": ModelConfig(
+        family="mixtral", vocab_size=32000, hidden_size=4096, moe_intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, num_experts=8, num_experts_per_tok=2,
+        rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=32768,
+    ),
+}
+PRESETS["tiny-deepseek-v3"] = PRESETS["tiny"]
+
+
+def preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]
+
+
+# ----------------------------------------------------------------------------- transformers import
+
+def from_hf_config(hf: dict) -> ModelConfig:
+    """A `ModelConfig` from a transformers `config.json` dict (the four supported families)."""
+    model_type = hf.get("model_type")
+    g = hf.get
+    rope = dict(g("rope_parameters") or g("rope_scaling") or {})
+    rope_theta = float(rope.pop("rope_theta", g("rope_theta", 10000.0)))
+    partial = float(rope.pop("partial_rotary_factor", g("partial_rotary_factor", 1.0)))
+    rope_scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+    n = g("num_hidden_layers")
+    common = dict(
+        vocab_size=g("vocab_size"), hidden_size=g("hidden_size"), num_layers=n,
+        num_heads=g("num_attention_heads"), num_kv_heads=g("num_key_value_heads") or g("num_attention_heads"),
+        rope_theta=rope_theta, rope_scaling=rope_scaling, partial_rotary_factor=partial,
+        rms_norm_eps=g("rms_norm_eps", 1e-6), tie_word_embeddings=bool(g("tie_word_embeddings", False)),
+        max_position_embeddings=g("max_position_embeddings", 4096), initializer_range=g("initializer_range", 0.02),
+        num_experts_per_tok=g("num_experts_per_tok"),
+    )
+    head_dim = g("head_dim") or g("hidden_size") // g("num_attention_heads")
+    if g("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act {g('hidden_act')!r} is not supported (only silu)")
+    if model_type == "qwen3_moe":
+        step = g("decoder_sparse_step", 1)
+        only = set(g("mlp_only_layers") or [])
+        dense = tuple(i for i in range(n) if i in only or (i + 1) % step != 0)
+        return ModelConfig(
+            family="qwen3_moe", **common, head_dim=head_dim, intermediate_size=g("intermediate_size"),
+            moe_intermediate_size=g("moe_intermediate_size"), qk_norm=True,
+            attention_bias=bool(g("attention_bias", False)),
+            num_experts=g("num_experts") or g("num_local_experts"), norm_topk_prob=bool(g("norm_topk_prob")),
+            dense_layers=dense,
+        )
+    if model_type == "mixtral":
+        return ModelConfig(
+            family="mixtral", **common, head_dim=head_dim, intermediate_size=g("intermediate_size"),
+            moe_intermediate_size=g("intermediate_size"), num_experts=g("num_local_experts"),
+            norm_topk_prob=True,
+        )
+    if model_type in ("glm4_moe", "deepseek_v3"):
+        sigmoid = dict(
+            intermediate_size=g("intermediate_size"), moe_intermediate_size=g("moe_intermediate_size"),
+            num_experts=g("n_routed_experts") or g("num_local_experts"), num_shared_experts=g("n_shared_experts") or 0,
+            router_scoring="sigmoid", router_bias=True, norm_topk_prob=bool(g("norm_topk_prob", True)),
+            routed_scaling_factor=float(g("routed_scaling_factor", 1.0)), n_group=g("n_group") or 1,
+            topk_group=g("topk_group") or 1, dense_layers=tuple(range(g("first_k_dense_replace") or 0)),
+        )
+        if model_type == "glm4_moe":
+            return ModelConfig(
+                family="glm4_moe", **common, **sigmoid, head_dim=head_dim,
+                attention_bias=bool(g("attention_bias", False)), qk_norm=bool(g("use_qk_norm", False)),
+            )
+        return ModelConfig(
+            family="deepseek_v3", **common, **sigmoid, head_dim=g("qk_rope_head_dim"),
+            q_lora_rank=g("q_lora_rank") or 0, kv_lora_rank=g("kv_lora_rank"),
+            qk_nope_head_dim=g("qk_nope_head_dim"), qk_rope_head_dim=g("qk_rope_head_dim"),
+            v_head_dim=g("v_head_dim"), rope_interleave=bool(g("rope_interleave", True)),
+            attention_bias=bool(g("attention_bias", False)),
+        )
+    raise ConfigError(f"unsupported architecture {model_type!r} (supported: qwen3_moe, mixtral, glm4_moe, deepseek_v3)")
+
+
+# ----------------------------------------------------------------------------- files and overrides
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Checks `value` against a dataclass field type; one clear error naming the key otherwise."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        return _coerce(value, next(a for a in args if a is not type(None)), where)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise ConfigError(f"{where} must be a list of integers, got {value!r}")
+        return tuple(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return value
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping, got {value!r}")
+        return value
+    return value
+
+
+def replace_checked(obj: Any, updates: dict, prefix: str) -> Any:
+    """`dataclasses.replace` that rejects unknown keys and wrongly typed values by name."""
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    clean = {}
+    for key, value in updates.items():
+        where = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"unknown config key {where!r}")
+        clean[key] = _coerce(value, hints[key], where)
+    return dataclasses.replace(obj, **clean)
+
+
+def from_dict(data: dict, base: Config | None = None) -> Config:
+    """Builds a `Config` from the DESIGN.md shape: {preset, model, layout, weights, engine, kernel}."""
+    if not isinstance(data, dict):
+        raise ConfigError("a config file must hold a mapping at the top level")
+    cfg = base or Config()
+    data = dict(data)
+    if "preset" in data:
+        name = data.pop("preset")
+        if not isinstance(name, str):
+            raise ConfigError(f"'preset' must be a string, got {name!r}")
+        cfg = dataclasses.replace(cfg, model=preset(name))
+    sections = {"model": ModelConfig, "layout": LayoutConfig, "weights": WeightsConfig, "engine": EngineConfig}
+    for key, value in data.items():
+        if key in sections:
+            if not isinstance(value, dict):
+                raise ConfigError(f"'{key}' must be a mapping, got {value!r}")
+            cfg = dataclasses.replace(cfg, **{key: replace_checked(getattr(cfg, key), value, f"{key}.")})
+        elif key == "kernel":
+            cfg = dataclasses.replace(cfg, kernel=_coerce(value, str, "kernel"))
+        else:
+            raise ConfigError(f"unknown config key {key!r}")
+    return cfg
+
+
+def load_file(path: str | Path, base: Config | None = None) -> Config:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"config file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
+                          f"{str(e).splitlines()[0]}") from None
+    return from_dict(data or {}, base)
+
+
+def to_dict(cfg: Config) -> dict:
+    d = dataclasses.asdict(cfg)
+    d["model"]["dense_layers"] = list(cfg.model.dense_layers)
+    return d
