@@ -1,0 +1,1 @@
+"""Checkpoints: transformers safetensors import, orbax save/restore into any placement."""

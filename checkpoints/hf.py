@@ -1,0 +1,165 @@
+"""Import a transformers `save_pretrained` directory (config.json + safetensors).
+
+Tensor names are those transformers writes to disk: per-expert
+`mlp.experts.{i}.{gate,up,down}_proj` (Qwen3-MoE, GLM-4.5, DeepSeek-V3) and Mixtral's
+`block_sparse_moe.experts.{i}.w1/w2/w3`; the fused in-memory layout
+(`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) is accepted too. Linear weights are
+stored [out, in] by torch; ours are [in, out], split per head where attention needs it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from checkpoints.safetensors_io import SafetensorsDir
+from moejax.config import ConfigError, ModelConfig, from_hf_config
+from moejax.errors import UsageError
+from moejax.model.params import ParamSpec, param_specs
+
+
+def read_hf_config(directory: str | Path) -> ModelConfig:
+    path = Path(directory) / "config.json"
+    if not Path(directory).is_dir():
+        raise UsageError(f"{directory}: no such directory")
+    if not path.is_file():
+        raise UsageError(f"{directory}: no config.json")
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise UsageError(f"{path}: not valid JSON") from None
+    try:
+        cfg = from_hf_config(hf)
+    except ConfigError as e:
+        raise UsageError(f"{path}: {e}") from None
+    cfg.validate()
+    return cfg
+
+
+def _linear(st: SafetensorsDir, name: str) -> np.ndarray:
+    """torch Linear weight [out, in] -> [in, out]."""
+    return st.get(name + ".weight").T
+
+
+def _attention(st: SafetensorsDir, pre: str, c: ModelConfig) -> dict[str, Callable[[], np.ndarray]]:
+    h, d = c.num_heads, c.hidden_size
+    if c.is_mla:
+        def kv_b(part: slice):
+            w = st.get(pre + "kv_b_proj.weight").reshape(h, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+            return w[:, part].transpose(2, 0, 1)  # [R, H, dim]
+
+        return {
+            "q_a": lambda: _linear(st, pre + "q_a_proj"),
+            "q_a_norm": lambda: st.get(pre + "q_a_layernorm.weight"),
+            "q_b": lambda: _linear(st, pre + "q_b_proj").reshape(c.q_lora_rank, h, c.qk_head_dim),
+            "q": lambda: _linear(st, pre + "q_proj").reshape(d, h, c.qk_head_dim),
+            "kv_a": lambda: _linear(st, pre + "kv_a_proj_with_mqa"),
+            "kv_a_norm": lambda: st.get(pre + "kv_a_layernorm.weight"),
+            "w_uk": lambda: kv_b(slice(0, c.qk_nope_head_dim)),
+            "w_uv": lambda: kv_b(slice(c.qk_nope_head_dim, None)),
+            "o": lambda: _linear(st, pre + "o_proj").reshape(h, c.v_head_dim, d),
+        }
+    kv, dh = c.num_kv_heads, c.head_dim
+    return {
+        "q": lambda: _linear(st, pre + "q_proj").reshape(d, h, dh),
+        "k": lambda: _linear(st, pre + "k_proj").reshape(d, kv, dh),
+        "v": lambda: _linear(st, pre + "v_proj").reshape(d, kv, dh),
+        "o": lambda: _linear(st, pre + "o_proj").reshape(h, dh, d),
+        "q_bias": lambda: st.get(pre + "q_proj.bias").reshape(h, dh),
+        "k_bias": lambda: st.get(pre + "k_proj.bias").reshape(kv, dh),
+        "v_bias": lambda: st.get(pre + "v_proj.bias").reshape(kv, dh),
+        "q_norm": lambda: st.get(pre + "q_norm.weight"),
+        "k_norm": lambda: st.get(pre + "k_norm.weight"),
+    }
+
+
+def _mlp(st: SafetensorsDir, pre: str) -> dict[str, Callable[[], np.ndarray]]:
+    return {p: (lambda p=p: _linear(st, f"{pre}{p}_proj")) for p in ("gate", "up", "down")}
+
+
+def _experts(st: SafetensorsDir, pre: str, c: ModelConfig) -> dict[str, Callable[[], np.ndarray]]:
+    f = c.moe_intermediate_size
+    names = {"gate": "w1", "up": "w3", "down": "w2"} if c.family == "mixtral" else {p: f"{p}_proj" for p in ("gate", "up", "down")}
+    fused = pre + "gate_up_proj" in st
+
+    def per_expert(part: str) -> np.ndarray:
+        if fused:
+            if part == "down":
+                return st.get(pre + "down_proj").transpose(0, 2, 1)  # [E, D, F] -> [E, F, D]
+            w = st.get(pre + "gate_up_proj")  # [E, 2F, D]
+            return (w[:, :f] if part == "gate" else w[:, f:]).transpose(0, 2, 1)
+        return np.stack([_linear(st, f"{pre}{e}.{names[part]}") for e in range(c.num_experts)])
+
+    return {p: (lambda p=p: per_expert(p)) for p in ("gate", "up", "down")}
+
+
+def _sources(st: SafetensorsDir, c: ModelConfig) -> dict:
+    """The same tree as `param_specs`, each leaf a thunk that reads that parameter."""
+    layers = []
+    moe_prefix = "block_sparse_moe." if c.family == "mixtral" else "mlp."
+    for i in range(c.num_layers):
+        pre = f"model.layers.{i}."
+        layer = {
+            "attn_norm": lambda pre=pre: st.get(pre + "input_layernorm.weight"),
+            "attn": _attention(st, pre + "self_attn.", c),
+            "mlp_norm": lambda pre=pre: st.get(pre + "post_attention_layernorm.weight"),
+        }
+        if i in c.dense_layers:
+            layer["mlp"] = _mlp(st, pre + "mlp.")
+        else:
+            m = pre + moe_prefix
+            layer["moe"] = {
+                "router": lambda m=m: _linear(st, m + "gate"),
+                "router_bias": lambda m=m: st.get(m + "gate.e_score_correction_bias"),
+                "experts": _experts(st, m + "experts.", c),
+                "shared": _mlp(st, m + "shared_experts."),
+            }
+        layers.append(layer)
+    return {
+        "embed": lambda: st.get("model.embed_tokens.weight"),
+        "layers": layers,
+        "final_norm": lambda: st.get("model.norm.weight"),
+        "lm_head": lambda: _linear(st, "lm_head"),
+    }
+
+
+def iter_hf_tensors(directory: str | Path, c: ModelConfig) -> Iterator[tuple[tuple, ParamSpec, np.ndarray]]:
+    """Yields (path in the param tree, spec, array) one parameter at a time."""
+    st = SafetensorsDir(directory)
+    sources = _sources(st, c)
+
+    def walk(spec_tree, src_tree, path):
+        if isinstance(spec_tree, ParamSpec):
+            array = src_tree()
+            if array.shape != spec_tree.shape:
+                raise UsageError(f"{directory}: {'/'.join(map(str, path))} has shape {array.shape}, "
+                                 f"config.json implies {spec_tree.shape}")
+            yield path, spec_tree, array
+            return
+        items = spec_tree.items() if isinstance(spec_tree, dict) else enumerate(spec_tree)
+        for k, sub in items:
+            yield from walk(sub, src_tree[k], path + (k,))
+
+    yield from walk(param_specs(c), sources, ())
+
+
+def set_path(tree, path: tuple, value) -> None:
+    for k in path[:-1]:
+        tree = tree[k]
+    tree[path[-1]] = value
+
+
+def load_hf(directory: str | Path, c: ModelConfig, dtype, place: Callable[[ParamSpec, np.ndarray], object]):
+    """Params: every tensor read, cast and handed to `place(spec, array)` (which puts it
+    on its devices) before the next one is read."""
+    import jax
+    import jax.numpy as jnp
+
+    params = jax.tree.map(lambda s: None, param_specs(c), is_leaf=lambda x: isinstance(x, ParamSpec))
+    for path, spec, array in iter_hf_tensors(directory, c):
+        target = np.float32 if spec.float32 else jnp.dtype(dtype)
+        set_path(params, path, place(spec, array.astype(target)))
+    return params

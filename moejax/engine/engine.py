@@ -1,0 +1,157 @@
+"""Pure, jit-compiled `prefill` and `decode_step`, and the host-side generation loop.
+
+State is explicit: (params, KV cache) go in, the new cache comes out, and the cache buffer is
+donated so that a step updates it in place. Shapes are bucketed (batch and cache length to
+powers of two, prompts to whole prefill chunks), so a new request mix recompiles only when a
+bucket changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.config import Config, ModelConfig
+from moejax.engine.kv_cache import init_cache
+from moejax.engine.sampling import Sampling, sample
+from moejax.errors import UsageError
+from moejax.model.transformer import forward, lm_head
+
+
+def prefill(params, cache, tokens, start, last, *, c: ModelConfig, placement, all_logits: bool, record: bool):
+    """One prefill chunk. tokens: [B, C] at positions start..start+C-1; last: [B] each request's
+    last prompt position. Returns (logits: [B, C, V] if all_logits else [B, V] at `last` when it
+    falls in this chunk, cache, picks or None)."""
+    b, chunk = tokens.shape
+    positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
+    h, cache, picks = forward(params, cache, tokens, positions, c, placement)
+    if not all_logits:
+        h = h[jnp.arange(b), jnp.clip(last - start, 0, chunk - 1)]
+    return lm_head(params, h, c), cache, picks if record else None
+
+
+def decode_step(params, cache, tokens, positions, key, *, c: ModelConfig, placement, sampling: Sampling, record: bool):
+    """One decode step. tokens, positions: [B] -> (next tokens [B], logits [B, V], cache, picks)."""
+    h, cache, picks = forward(params, cache, tokens[:, None], positions[:, None], c, placement)
+    logits = lm_head(params, h[:, 0], c)
+    return sample(logits, key, sampling), logits, cache, picks if record else None
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+@dataclasses.dataclass
+class Generation:
+    tokens: list[list[int]]  # new tokens per request
+    finish_reasons: list[str]  # "length" when the cache or max_new_tokens ended the request
+    picks: list | None = None  # per forward pass: [layers, rows, k] router picks (record=True)
+
+
+class Engine:
+    """Binds a model, its (placed) parameters and a placement to jitted prefill/decode."""
+
+    def __init__(self, config: Config, params: dict, placement):
+        self.config = config
+        self.c = config.model
+        self.params = params
+        self.placement = placement
+        self.dtype = jnp.dtype(config.engine.dtype)
+        bind = dict(c=self.c, placement=placement)
+        self._prefill = jax.jit(functools.partial(prefill, **bind), donate_argnums=1, static_argnames=("all_logits", "record"))
+        self._decode = jax.jit(functools.partial(decode_step, **bind), donate_argnums=1, static_argnames=("sampling", "record"))
+
+    # ------------------------------------------------------------------ helpers
+    def check_prompts(self, prompts: list[list[int]]) -> None:
+        if not prompts:
+            raise UsageError("no prompts given")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise UsageError(f"prompt {i} is empty")
+            bad = [t for t in p if not 0 <= t < self.c.vocab_size]
+            if bad:
+                raise UsageError(f"prompt {i} has token id {bad[0]} outside the vocabulary 0..{self.c.vocab_size - 1}")
+
+    def new_cache(self, batch: int, max_len: int) -> list[dict]:
+        return self.placement.place_cache(init_cache(self.c, batch, max_len, self.dtype))
+
+    def _padded(self, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        chunk = self.config.engine.prefill_chunk
+        batch = bucket(len(prompts))
+        width = -(-max(map(len, prompts)) // chunk) * chunk
+        tokens = np.zeros((batch, width), np.int32)
+        lens = np.ones(batch, np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = p
+            lens[i] = len(p)
+        return tokens, lens
+
+    def _run_prefill(self, cache, tokens: np.ndarray, lens: np.ndarray, all_logits: bool, record: bool):
+        chunk = self.config.engine.prefill_chunk
+        last = jnp.asarray(lens - 1)
+        outs, picks = [], []
+        for start in range(0, tokens.shape[1], chunk):
+            logits, cache, p = self._prefill(
+                self.params, cache, jnp.asarray(tokens[:, start : start + chunk]), jnp.int32(start), last,
+                all_logits=all_logits, record=record,
+            )
+            outs.append(logits)
+            picks.append(p)
+        if all_logits:
+            return jnp.concatenate(outs, axis=1), cache, picks
+        in_chunk = [(lens - 1) // chunk == i for i in range(len(outs))]
+        logits = sum(jnp.where(m[:, None], o, 0.0) for m, o in zip(in_chunk, outs))
+        return logits, cache, picks
+
+    # ------------------------------------------------------------------ public
+    def score(self, prompts: list[list[int]]) -> list[np.ndarray]:
+        """Logits [len(prompt), V] of one prefill, per request."""
+        self.check_prompts(prompts)
+        tokens, lens = self._padded(prompts)
+        cache = self.new_cache(tokens.shape[0], bucket(tokens.shape[1], 16))
+        logits, _, _ = self._run_prefill(cache, tokens, lens, all_logits=True, record=False)
+        logits = np.asarray(logits)
+        return [logits[i, : len(p)] for i, p in enumerate(prompts)]
+
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(), seed: int = 0,
+        record: bool = False,
+    ) -> Generation:
+        self.check_prompts(prompts)
+        if max_new_tokens < 1:
+            raise UsageError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        longest = max(map(len, prompts))
+        if longest + max_new_tokens > self.c.max_position_embeddings:
+            raise UsageError(
+                f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the model's context "
+                f"of {self.c.max_position_embeddings}"
+            )
+        tokens, lens = self._padded(prompts)
+        max_len = self.config.engine.max_seq_len or bucket(max(tokens.shape[1], longest + max_new_tokens), 16)
+        if longest >= max_len:
+            raise UsageError(f"prompt of {longest} tokens does not fit the KV cache of {max_len} positions")
+        cache = self.new_cache(tokens.shape[0], max_len)
+        logits, cache, picks = self._run_prefill(cache, tokens, lens, all_logits=False, record=record)
+        key = jax.random.key(seed)
+        tok = sample(logits, jax.random.fold_in(key, 0), sampling)
+        positions = jnp.asarray(lens)
+        out = [tok]
+        for step in range(1, max_new_tokens):
+            tok, _, cache, p = self._decode(
+                self.params, cache, tok, positions, jax.random.fold_in(key, step), sampling=sampling, record=record
+            )
+            positions = positions + 1
+            out.append(tok)
+            picks.append(p)
+        new = np.stack([np.asarray(t) for t in out], axis=1)
+        # A request ends when max_new_tokens are out or its cache is full (it may use every slot).
+        budget = [min(max_new_tokens, max_len - len(p) + 1) for p in prompts]
+        return Generation(
+            tokens=[new[i, : budget[i]].tolist() for i in range(len(prompts))],
+            finish_reasons=["length"] * len(prompts),
+            picks=[jax.device_get(p) for p in picks] if record else None,
+        )

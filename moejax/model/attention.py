@@ -1,0 +1,92 @@
+"""Attention over a preallocated KV cache: grouped-query (GQA) and multi-head latent (MLA).
+
+Both take `x: [B, T, D]` with `positions: [B, T]`, write the new keys at those positions
+(writes past the cache end are dropped; the engine ends such requests) and attend causally
+to every cached position <= the query's own.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moejax.config import ModelConfig
+from moejax.model.layers import apply_rope, rms_norm
+
+
+def cache_specs(c: ModelConfig, batch: int, max_len: int) -> dict:
+    """Per-layer cache entries: name -> (shape, logical axes). MLA caches the compressed latent."""
+    if c.is_mla:
+        return {
+            "latent": ((batch, max_len, c.kv_lora_rank), ("batch", "cache_seq", None)),
+            "k_rope": ((batch, max_len, c.qk_rope_head_dim), ("batch", "cache_seq", None)),
+        }
+    kv = ((batch, max_len, c.num_kv_heads, c.head_dim), ("batch", "cache_seq", "kv_heads", "head_dim"))
+    return {"k": kv, "v": kv}
+
+
+def _write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """cache: [B, S, ...] <- new: [B, T, ...] at positions: [B, T]."""
+    b = jnp.arange(cache.shape[0])[:, None]
+    return cache.at[b, positions].set(new.astype(cache.dtype), mode="drop")
+
+
+def _causal_mask(positions: jax.Array, max_len: int) -> jax.Array:
+    """[B, T, S]: key position s is visible to the query at position p when s <= p."""
+    return jnp.arange(max_len)[None, None, :] <= positions[:, :, None]
+
+
+def _softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
+    scores = jnp.where(mask, scores.astype(jnp.float32), -jnp.inf)
+    return jax.nn.softmax(scores, axis=-1)
+
+
+def gqa(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: ModelConfig, rt):
+    q = jnp.einsum("btd,dhk->bthk", x, p["q"])
+    k = jnp.einsum("btd,dhk->bthk", x, p["k"])
+    v = jnp.einsum("btd,dhk->bthk", x, p["v"])
+    if c.attention_bias:
+        q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+    if c.qk_norm:
+        q, k = rms_norm(q, p["q_norm"], c.rms_norm_eps), rms_norm(k, p["k_norm"], c.rms_norm_eps)
+    cos, sin = cos_sin
+    q, k = apply_rope(q, cos, sin, c.rope_interleave), apply_rope(k, cos, sin, c.rope_interleave)
+    cache = {"k": _write(cache["k"], k, positions), "v": _write(cache["v"], v, positions)}
+    keys = rt.constrain(cache["k"], ("batch", "cache_seq", "kv_heads", "head_dim"))
+    values = rt.constrain(cache["v"], ("batch", "cache_seq", "kv_heads", "head_dim"))
+    b, t, h, dh = q.shape
+    groups = h // c.num_kv_heads
+    q = q.reshape(b, t, c.num_kv_heads, groups, dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys) * c.softmax_scale
+    probs = _softmax(scores, _causal_mask(positions, keys.shape[1])[:, None, None]).astype(values.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(b, t, h, dh)
+    return jnp.einsum("bthk,hkd->btd", out, p["o"]), cache
+
+
+def mla(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: ModelConfig, rt):
+    """DeepSeek's MLA with the key/value up-projections absorbed into the query and output."""
+    if c.q_lora_rank:
+        q_lat = rms_norm(x @ p["q_a"], p["q_a_norm"], c.rms_norm_eps)
+        q = jnp.einsum("btr,rhk->bthk", q_lat, p["q_b"])
+    else:
+        q = jnp.einsum("btd,dhk->bthk", x, p["q"])
+    q_nope, q_rope = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
+    kv = x @ p["kv_a"]
+    latent = rms_norm(kv[..., : c.kv_lora_rank], p["kv_a_norm"], c.rms_norm_eps)
+    k_rope = kv[..., c.kv_lora_rank :][:, :, None, :]  # one rope key shared by all heads
+    cos, sin = cos_sin
+    q_rope = apply_rope(q_rope, cos, sin, c.rope_interleave)
+    k_rope = apply_rope(k_rope, cos, sin, c.rope_interleave)[:, :, 0]
+    cache = {"latent": _write(cache["latent"], latent, positions), "k_rope": _write(cache["k_rope"], k_rope, positions)}
+    lat = rt.constrain(cache["latent"], ("batch", "cache_seq", None))
+    kr = rt.constrain(cache["k_rope"], ("batch", "cache_seq", None))
+    q_abs = jnp.einsum("bthk,rhk->bthr", q_nope, p["w_uk"])  # query in the latent space
+    scores = jnp.einsum("bthr,bsr->bhts", q_abs, lat) + jnp.einsum("bthk,bsk->bhts", q_rope, kr)
+    probs = _softmax(scores * c.softmax_scale, _causal_mask(positions, lat.shape[1])[:, None]).astype(lat.dtype)
+    out_lat = jnp.einsum("bhts,bsr->bthr", probs, lat)
+    out = jnp.einsum("bthr,rhv->bthv", out_lat, p["w_uv"])
+    return jnp.einsum("bthv,hvd->btd", out, p["o"]), cache
+
+
+def attention(p, x, positions, cos_sin, cache, c: ModelConfig, rt):
+    return (mla if c.is_mla else gqa)(p, x, positions, cos_sin, cache, c, rt)

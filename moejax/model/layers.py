@@ -1,0 +1,84 @@
+"""Small building blocks shared by every family: RMSNorm, rotary embedding, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.config import ModelConfig
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """transformers' RMSNorm: statistics in float32, scaled by the weight in the input dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return w * xf.astype(x.dtype)
+
+
+def swiglu(x: jax.Array, p: dict) -> jax.Array:
+    """x: [..., D] -> [..., D] through gate/up [D, F] and down [F, D]."""
+    return (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
+
+
+def rope_inv_freq(c: ModelConfig) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [rotary_dim / 2] and the cos/sin scale (yarn's attention factor)."""
+    dim, base = c.rotary_dim, c.rope_theta
+    pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+    rs = c.rope_scaling or {}
+    if rs.get("rope_type", rs.get("type", "default")) != "yarn":
+        return (1.0 / pos_freqs).astype(np.float32), 1.0
+    # YaRN, as transformers' _compute_yarn_parameters: blend interpolated and extrapolated
+    # frequencies with a linear ramp between the correction dims.
+    factor = rs["factor"]
+    orig = rs["original_max_position_embeddings"]
+    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rs.get("attention_factor")
+    if attention_factor is None:
+        if rs.get("mscale") and rs.get("mscale_all_dim"):
+            attention_factor = mscale(factor, rs["mscale"]) / mscale(factor, rs["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+
+    def correction_dim(rot):
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq.astype(np.float32), float(attention_factor)
+
+
+def rope_cos_sin(c: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """positions: [B, T] -> cos, sin: [B, T, rotary_dim / 2] (float32)."""
+    inv_freq, scale = rope_inv_freq(c)
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    return jnp.cos(freqs) * scale, jnp.sin(freqs) * scale
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleave: bool) -> jax.Array:
+    """x: [B, T, H, R] rotated on its first 2*len(cos) dims; cos, sin: [B, T, R'/2].
+
+    Interleaved layouts (DeepSeek: pairs (x0, x1), (x2, x3) ...) are de-interleaved first, as
+    transformers does; queries and keys are permuted alike, so their dot products are unchanged.
+    """
+    rot = 2 * cos.shape[-1]
+    xr, xp = x[..., :rot], x[..., rot:]
+    if interleave:
+        xr = jnp.concatenate([xr[..., 0::2], xr[..., 1::2]], axis=-1)
+    x1, x2 = jnp.split(xr.astype(jnp.float32), 2, axis=-1)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return jnp.concatenate([out, xp], axis=-1) if xp.shape[-1] else out

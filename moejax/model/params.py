@@ -1,0 +1,144 @@
+"""Parameter specs with logical axis names, and their initialisation.
+
+Every parameter is declared once, as a `ParamSpec` (shape + logical axes). The same spec tree
+gives random initialisation, the shardings of each placement (`sharding/rules.py` maps the
+logical names to mesh axes) and the target shapes of checkpoint loading.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from moejax.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]  # logical axis names, one per dimension
+    init: str = "normal"  # normal | ones | zeros
+    float32: bool = False  # kept in float32 whatever the run dtype (router, as transformers does)
+
+    def __post_init__(self):
+        assert len(self.shape) == len(self.axes), (self.shape, self.axes)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def _mlp_specs(d: int, f: int, axis: str) -> dict:
+    return {
+        "gate": ParamSpec((d, f), ("embed", axis)),
+        "up": ParamSpec((d, f), ("embed", axis)),
+        "down": ParamSpec((f, d), (axis, "embed")),
+    }
+
+
+def _attention_specs(c: ModelConfig) -> dict:
+    d, h = c.hidden_size, c.num_heads
+    if c.is_mla:
+        s = {}
+        if c.q_lora_rank:
+            s["q_a"] = ParamSpec((d, c.q_lora_rank), ("embed", None))
+            s["q_a_norm"] = ParamSpec((c.q_lora_rank,), (None,), "ones")
+            s["q_b"] = ParamSpec((c.q_lora_rank, h, c.qk_head_dim), (None, "heads", None))
+        else:
+            s["q"] = ParamSpec((d, h, c.qk_head_dim), ("embed", "heads", None))
+        s["kv_a"] = ParamSpec((d, c.kv_lora_rank + c.qk_rope_head_dim), ("embed", None))
+        s["kv_a_norm"] = ParamSpec((c.kv_lora_rank,), (None,), "ones")
+        # kv_b split in its key and value halves: attention runs in the latent space (absorbed).
+        s["w_uk"] = ParamSpec((c.kv_lora_rank, h, c.qk_nope_head_dim), (None, "heads", None))
+        s["w_uv"] = ParamSpec((c.kv_lora_rank, h, c.v_head_dim), (None, "heads", None))
+        s["o"] = ParamSpec((h, c.v_head_dim, d), ("heads", None, "embed"))
+        return s
+    kv, dh = c.num_kv_heads, c.head_dim
+    s = {
+        "q": ParamSpec((d, h, dh), ("embed", "heads", "head_dim")),
+        "k": ParamSpec((d, kv, dh), ("embed", "kv_heads", "head_dim")),
+        "v": ParamSpec((d, kv, dh), ("embed", "kv_heads", "head_dim")),
+        "o": ParamSpec((h, dh, d), ("heads", "head_dim", "embed")),
+    }
+    if c.attention_bias:
+        s["q_bias"] = ParamSpec((h, dh), ("heads", "head_dim"), "zeros")
+        s["k_bias"] = ParamSpec((kv, dh), ("kv_heads", "head_dim"), "zeros")
+        s["v_bias"] = ParamSpec((kv, dh), ("kv_heads", "head_dim"), "zeros")
+    if c.qk_norm:
+        s["q_norm"] = ParamSpec((dh,), ("head_dim",), "ones")
+        s["k_norm"] = ParamSpec((dh,), ("head_dim",), "ones")
+    return s
+
+
+def _moe_specs(c: ModelConfig) -> dict:
+    d, e, f = c.hidden_size, c.num_experts, c.moe_intermediate_size
+    s = {
+        "router": ParamSpec((d, e), ("embed", None), float32=True),
+        "experts": {
+            "gate": ParamSpec((e, d, f), ("experts", "embed", "expert_mlp")),
+            "up": ParamSpec((e, d, f), ("experts", "embed", "expert_mlp")),
+            "down": ParamSpec((e, f, d), ("experts", "expert_mlp", "embed")),
+        },
+    }
+    if c.router_bias:
+        # Random, not zero: at zero, sigmoid routers tie and greedy tokens become a coin toss.
+        s["router_bias"] = ParamSpec((e,), (None,), "normal", float32=True)
+    if c.num_shared_experts:
+        s["shared"] = _mlp_specs(d, f * c.num_shared_experts, "shared_mlp")
+    return s
+
+
+def param_specs(c: ModelConfig) -> dict:
+    d = c.hidden_size
+    layers = []
+    for i in range(c.num_layers):
+        layer = {
+            "attn_norm": ParamSpec((d,), ("embed",), "ones"),
+            "attn": _attention_specs(c),
+            "mlp_norm": ParamSpec((d,), ("embed",), "ones"),
+        }
+        if i in c.dense_layers:
+            layer["mlp"] = _mlp_specs(d, c.intermediate_size, "mlp")
+        else:
+            layer["moe"] = _moe_specs(c)
+        layers.append(layer)
+    specs = {
+        "embed": ParamSpec((c.vocab_size, d), ("vocab", "embed")),
+        "layers": layers,
+        "final_norm": ParamSpec((d,), ("embed",), "ones"),
+    }
+    if not c.tie_word_embeddings:
+        specs["lm_head"] = ParamSpec((d, c.vocab_size), ("embed", "vocab"))
+    return specs
+
+
+def logical_axes(c: ModelConfig) -> dict:
+    return jax.tree.map(lambda s: s.axes, param_specs(c), is_leaf=_is_spec)
+
+
+def param_dtype(spec: ParamSpec, dtype) -> jnp.dtype:
+    return jnp.float32 if spec.float32 else jnp.dtype(dtype)
+
+
+def abstract_params(c: ModelConfig, dtype=jnp.float32) -> dict:
+    """`jax.ShapeDtypeStruct`s of every parameter: shapes without memory."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, param_dtype(s, dtype)), param_specs(c), is_leaf=_is_spec)
+
+
+def init_params(c: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
+    """Random parameters as transformers initialises them: normal(0, initializer_range), norms at 1."""
+    specs = param_specs(c)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+    keys = jax.random.split(key, len(leaves))
+
+    def make(spec: ParamSpec, k):
+        dt = param_dtype(spec, dtype)
+        if spec.init == "ones":
+            return jnp.ones(spec.shape, dt)
+        if spec.init == "zeros":
+            return jnp.zeros(spec.shape, dt)
+        return (c.initializer_range * jax.random.normal(k, spec.shape, jnp.float32)).astype(dt)
+
+    return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(leaves, keys)])

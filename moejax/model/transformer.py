@@ -1,0 +1,43 @@
+"""The decoder: embedding, layers (attention + dense MLP or MoE), final norm, LM head."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moejax.config import ModelConfig
+from moejax.model.attention import attention
+from moejax.model.layers import rms_norm, rope_cos_sin, swiglu
+from moejax.model.moe import moe_block
+
+ROWS = ("batch", "seq", "embed")
+
+
+def forward(params: dict, cache: list, tokens: jax.Array, positions: jax.Array, c: ModelConfig, placement):
+    """tokens, positions: [B, T] -> (hidden: [B, T, D] after the final norm, cache, picks).
+
+    picks: one int32 [B*T, k] array per MoE layer (the router's choices, for recording).
+    """
+    x = placement.constrain(params["embed"][tokens], ROWS)
+    cos_sin = rope_cos_sin(c, positions)
+    experts = iter(placement.expert_weights([lp["moe"]["experts"] for lp in params["layers"] if "moe" in lp]))
+    new_cache, picks = [], []
+    for lp, layer_cache in zip(params["layers"], cache):
+        h = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
+        a, layer_cache = attention(lp["attn"], h, positions, cos_sin, layer_cache, c, placement)
+        x = placement.constrain(x + a, ROWS)
+        new_cache.append(layer_cache)
+        h = rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
+        if "moe" in lp:
+            m, ids = moe_block(lp["moe"], next(experts), h, c, placement)
+            picks.append(ids)
+        else:
+            m = swiglu(h, lp["mlp"])
+        x = placement.constrain(x + m, ROWS)
+    return rms_norm(x, params["final_norm"], c.rms_norm_eps), new_cache, picks
+
+
+def lm_head(params: dict, h: jax.Array, c: ModelConfig) -> jax.Array:
+    """h: [..., D] -> float32 logits [..., V]."""
+    w = params["embed"].T if c.tie_word_embeddings else params["lm_head"]
+    return (h @ w).astype(jnp.float32)
