@@ -1,0 +1,24 @@
+"""4-bit expert formats and the grouped GEMM (XLA, Pallas TPU, Pallas GPU backends)."""
+
+from pallas_kernels.formats import (
+    FORMATS,
+    QuantizedArray,
+    dequantize,
+    nbytes,
+    quantize,
+    quantize_rows,
+    values_nbytes,
+)
+from pallas_kernels.registry import BACKENDS, grouped_gemm
+
+__all__ = [
+    "BACKENDS",
+    "FORMATS",
+    "QuantizedArray",
+    "dequantize",
+    "grouped_gemm",
+    "nbytes",
+    "quantize",
+    "quantize_rows",
+    "values_nbytes",
+]

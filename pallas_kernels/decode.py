@@ -1,0 +1,62 @@
+"""Kernel-side decoding of 4-bit tiles with integer/bit arithmetic only.
+
+The Mosaic TPU and Triton lowerings have no float4/float8 converts on every chip, so the
+kernels (and the XLA loop, to share one code path) take codes and scales as uint8 bits and
+build f32 bit patterns. tests/test_formats.py checks these against the ml_dtypes casts that
+`formats.dequantize` uses, for every code.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def _f32(bits: jax.Array) -> jax.Array:
+  return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def e2m1_to_f32(code: jax.Array) -> jax.Array:
+  """e2m1 code (int32, 0..15): sign bit 3, exponent bits 2..1 (bias 1), mantissa bit 0."""
+  e, m = (code >> 1) & 3, code & 1
+  # e == 0 is the subnormal 0 / 0.5; built apart because CPUs flush f32 subnormals.
+  mag = jnp.where(e == 0, m.astype(jnp.float32) * 0.5, _f32(((e + 126) << 23) | (m << 22)))
+  return jnp.where(code >= 8, -mag, mag)
+
+
+def e4m3_to_f32(b: jax.Array) -> jax.Array:
+  """float8_e4m3fn bits (int32): exponent bias 7, subnormals m * 2^-9; NaN never stored."""
+  e, m = (b >> 3) & 15, b & 7
+  mag = jnp.where(e == 0, m.astype(jnp.float32) * 2.0**-9, _f32(((e + 120) << 23) | (m << 20)))
+  return jnp.where(b >= 128, -mag, mag)
+
+
+def e8m0_to_f32(b: jax.Array) -> jax.Array:
+  """float8_e8m0fnu bits (int32): 2^(b - 127). b == 0 (2^-127, an f32 subnormal) gives 0;
+  quantize only stores it for blocks whose amax is below 2^-125, i.e. all-zero blocks."""
+  return _f32(b << 23)
+
+
+def scale_to_f32(bits: jax.Array, fmt: str) -> jax.Array:
+  return e4m3_to_f32(bits) if fmt == "nvfp4" else e8m0_to_f32(bits)
+
+
+def decode_half(codes: jax.Array, scale_bits: jax.Array, block: int, fmt: str) -> jax.Array:
+  """codes [kh, n] int32 with scale bits [kh/block, n] int32 -> [kh, n] f32 (no tensor scale)."""
+  kh, n = codes.shape
+  s = scale_to_f32(scale_bits, fmt)  # [kh/block, n]
+  v = e2m1_to_f32(codes).reshape(kh // block, block, n) * s[:, None, :]
+  return v.reshape(kh, n)
+
+
+def decode_tile(values: jax.Array, scales_lo: jax.Array, scales_hi: jax.Array, block: int,
+                fmt: str) -> tuple[jax.Array, jax.Array]:
+  """values uint8 [kh, n] -> (lo, hi) f32 [kh, n], the two K-halves the bytes hold.
+
+  scales_lo/hi: uint8 [kh/block, n], the scales of those halves. Multiply by the tensor
+  scale (nvfp4) after the dot, where it costs [rows, n] instead of [kh, n] multiplies.
+  """
+  v = values.astype(jnp.int32)
+  return (decode_half(v & 15, scales_lo.astype(jnp.int32), block, fmt),
+          decode_half(v >> 4, scales_hi.astype(jnp.int32), block, fmt))
