@@ -33,8 +33,7 @@ def e4m3_to_f32(b: jax.Array) -> jax.Array:
 
 
 def e8m0_to_f32(b: jax.Array) -> jax.Array:
-  """float8_e8m0fnu bits (int32): 2^(b - 127). b == 0 (2^-127, an f32 subnormal) gives 0;
-  quantize only stores it for blocks whose amax is below 2^-125, i.e. all-zero blocks."""
+  """float8_e8m0fnu bits (int32): 2^(b - 127); quantize never stores b == 0 (see formats)."""
   return _f32(b << 23)
 
 

@@ -18,6 +18,7 @@ The value grids come from the ml_dtypes casts (round to nearest even, e2m1 satur
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import chex
 import flax.struct
@@ -85,6 +86,7 @@ def _check(shape: tuple[int, ...], fmt: str, axis: int) -> int:
   return axis
 
 
+@functools.partial(jax.jit, static_argnames=("fmt", "axis", "tensor_axes"))
 def _quantize(w: jax.Array, fmt: str, axis: int, tensor_axes: tuple[int, ...]) -> QuantizedArray:
   axis = _check(w.shape, fmt, axis)
   spec = FORMATS[fmt]
@@ -93,9 +95,10 @@ def _quantize(w: jax.Array, fmt: str, axis: int, tensor_axes: tuple[int, ...]) -
   blocks = x.reshape(*lead, k // spec.block, spec.block)  # [..., K/B, B]
   amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)  # [..., K/B, 1]
   if fmt == "mxfp4":
-    # All-zero blocks get the smallest scale; their elements are 0 either way.
-    exp = jnp.where(amax > 0, jnp.floor(jnp.log2(jnp.where(amax > 0, amax, 1.0))) - 2, -127)
-    scale = jnp.exp2(jnp.clip(exp, -127, 127)).astype(spec.scale_dtype)
+    # Exponents stop at -126: 2^-127 is an f32 subnormal, which CPUs flush to 0 (a NaN in
+    # e8m0). Only blocks with amax < 2^-124 notice; all-zero blocks stay 0 either way.
+    exp = jnp.floor(jnp.log2(jnp.where(amax > 0, amax, 1.0))) - 2
+    scale = jnp.exp2(jnp.clip(exp, -126, 127)).astype(spec.scale_dtype)
     step = scale.astype(jnp.float32)
     tensor_scale = None
   else:
@@ -148,6 +151,7 @@ def expand_blocks(s: jax.Array, block: int, axis: int) -> jax.Array:
   return jnp.repeat(s, block, axis=axis)
 
 
+@functools.partial(jax.jit, static_argnames=("dtype",))
 def dequantize(q: QuantizedArray, dtype=jnp.float32) -> jax.Array:
   codes = unpack_codes(q.values, q.axis).astype(jnp.uint4)
   v = jax.lax.bitcast_convert_type(codes, jnp.float4_e2m1fn).astype(jnp.float32)
