@@ -9,16 +9,23 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import formats
+from pallas_kernels.gmm_pallas_tpu import gmm_pallas_tpu
 from pallas_kernels.gmm_xla import gmm_xla
 
-BACKENDS = ("auto", "xla")
-_AUTO = {"cpu": "xla"}
+# "interpret" runs the TPU kernel on any platform (CPU tests); "interpret_gpu" the GPU one.
+_IMPLS = {
+    "xla": gmm_xla,
+    "pallas_tpu": gmm_pallas_tpu,
+    "interpret": functools.partial(gmm_pallas_tpu, interpret=True),
+}
+BACKENDS = ("auto", *_IMPLS)
+_AUTO = {"cpu": "xla", "tpu": "pallas_tpu"}
 
 
 def _backend_fn(name: str):
-  if name == "xla":
-    return gmm_xla
-  raise ValueError(f"unknown grouped_gemm backend {name!r}; expected one of {BACKENDS}")
+  if name not in _IMPLS:
+    raise ValueError(f"unknown grouped_gemm backend {name!r}; expected one of {BACKENDS}")
+  return _IMPLS[name]
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "preferred_element_type"))
