@@ -109,8 +109,4 @@ def gmm_pallas_tpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
           dimension_semantics=("parallel", "arbitrary", "arbitrary")),
       interpret=interpret,
   )(group_ids, m_tile_ids, offsets, offset, tscale, *operands)
-  # Rows no local group owns were never written (uninitialized memory): zero them.
-  rows = jnp.arange(m)
-  ends = jnp.minimum(offsets, m_pad)
-  first, last = ends[offset[0]], ends[offset[0] + g_local]
-  return jnp.where(((rows >= first) & (rows < last))[:, None], out[:m], 0).astype(out_dtype)
+  return tiling.zero_foreign_rows(out, offsets, offset[0], g_local, m)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import formats
+from pallas_kernels.gmm_pallas_gpu import gmm_pallas_gpu
 from pallas_kernels.gmm_pallas_tpu import gmm_pallas_tpu
 from pallas_kernels.gmm_xla import gmm_xla
 
@@ -16,10 +17,12 @@ from pallas_kernels.gmm_xla import gmm_xla
 _IMPLS = {
     "xla": gmm_xla,
     "pallas_tpu": gmm_pallas_tpu,
+    "pallas_gpu": gmm_pallas_gpu,
     "interpret": functools.partial(gmm_pallas_tpu, interpret=True),
+    "interpret_gpu": functools.partial(gmm_pallas_gpu, interpret=True),
 }
 BACKENDS = ("auto", *_IMPLS)
-_AUTO = {"cpu": "xla", "tpu": "pallas_tpu"}
+_AUTO = {"cpu": "xla", "tpu": "pallas_tpu", "gpu": "pallas_gpu"}
 
 
 def _backend_fn(name: str):

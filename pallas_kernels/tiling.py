@@ -43,3 +43,15 @@ def compute_dtype(lhs_dtype, rhs) -> jnp.dtype:
   rhs_dtype = lhs_dtype if isinstance(rhs, formats.QuantizedArray) else rhs.dtype
   both_bf16 = jnp.dtype(lhs_dtype) == jnp.bfloat16 and jnp.dtype(rhs_dtype) == jnp.bfloat16
   return jnp.dtype(jnp.bfloat16 if both_bf16 else jnp.float32)
+
+
+def zero_foreign_rows(out: jax.Array, offsets: jax.Array, first_group, g_local: int,
+                      m: int) -> jax.Array:
+  """out [M_pad, N] -> [M, N] with rows no local group owns set to 0.
+
+  The kernels never write those rows (their memory is uninitialized); offsets [G + 1] are
+  megablox's group row offsets, local groups are [first_group, first_group + g_local).
+  """
+  rows = jnp.arange(m)[:, None]
+  mine = (rows >= offsets[first_group]) & (rows < offsets[first_group + g_local])
+  return jnp.where(mine, out[:m], 0).astype(out.dtype)
