@@ -1,0 +1,1 @@
+"""Routing analysis: closed-form calc, router-pick traces, skew and balance metrics, EPLB, plots."""

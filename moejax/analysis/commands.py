@@ -1,0 +1,195 @@
+"""CLI verbs of the routing analysis: `calc`, `record`, `analyze` (registered by moejax.cli)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from moejax.analysis import analyze as analysis
+from moejax.analysis import calc, plots, synthetic
+from moejax.analysis.trace import load_trace, save_trace
+from moejax.config import EXPERT_FORMATS, ConfigError, ModelConfig, from_hf_config, preset
+from moejax.errors import UsageError
+
+GB, MB = 1e9, 1e6
+
+
+def device_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise UsageError(f"--devices takes positive integers separated by commas, got {text!r}")
+    return counts
+
+
+def positive(name: str, value: int) -> int:
+    if value < 1:
+        raise UsageError(f"{name} must be at least 1, got {value}")
+    return value
+
+
+def model_geometry(args) -> tuple[ModelConfig, str]:
+    """The model of --preset or --hf DIR, and a name for it."""
+    if getattr(args, "hf", None):
+        path = Path(args.hf) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{path} does not exist")
+        try:
+            hf = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        return from_hf_config(hf), str(args.hf)
+    return preset(args.preset), args.preset
+
+
+def emit_json(doc: dict) -> None:
+    print(json.dumps(doc, indent=2))
+
+
+# ----------------------------------------------------------------------------- calc
+
+def calc_table(report: dict, cfg: ModelConfig, tokens: int, expert_format: str) -> str:
+    eb, lb, mb, rb = (report[k] for k in ("expert_bytes", "layer_expert_bytes", "model_expert_bytes", "row_bytes"))
+    lines = [
+        f"expert: {report['expert_params'] / 1e6:.1f}M parameters",
+        "bytes          per expert   per layer ({} experts)   all {} MoE layers".format(
+            cfg.num_experts, len(cfg.moe_layers)),
+    ]
+    lines += [f"  {f:<12} {eb[f] / MB:8.1f} MB   {lb[f] / GB:10.2f} GB   {mb[f] / GB:18.1f} GB" for f in eb]
+    lines += [
+        f"row: {rb['bf16']:,} B bf16, {rb['nvfp4']:,} B nvfp4",
+        f"at {tokens} tokens per step; expert bytes read as {expert_format}",
+        "devices  devices/row  copies sent  replicated  slice width  even touched  even balancedness  "
+        "even busiest picks  expert GB read/device",
+    ]
+    for d in report["devices"]:
+        width = d["slice_width"] if d["slice_width"] is not None else "does not divide"
+        lines.append(
+            f"{d['n']:7d}  {d['devices_per_row']:11.2f}  {d['copies_sent_per_row']:11.2f}  {d['copies_replicated']:10d}"
+            f"  {str(width):>11}  {d['even_touched_fraction']:11.1%}  {d['even_balancedness']:17.2f}"
+            f"  {d['even_busiest_picks']:18.1f}  {d['expert_bytes_read_per_device'] / GB:21.3f}"
+        )
+    return "\n".join(lines)
+
+
+def run_calc(args) -> int:
+    cfg, _ = model_geometry(args)
+    devices = device_counts(args.devices)
+    tokens = positive("--tokens", args.tokens)
+    if args.touched is not None and not 0 <= args.touched <= cfg.num_experts:
+        raise UsageError(f"--touched must be between 0 and {cfg.num_experts} experts, got {args.touched}")
+    report = calc.calc_report(cfg, devices, tokens, args.touched, args.expert_format)
+    if args.json:
+        emit_json(report)
+    else:
+        print(calc_table(report, cfg, tokens, args.expert_format))
+    return 0
+
+
+# ----------------------------------------------------------------------------- record
+
+def run_record(args) -> int:
+    # One path to the file for every source: a source yields `save_trace`'s arguments.
+    fields = synthetic.generate(synthetic.SPECS[args.synthetic], positive("--steps", args.steps),
+                                positive("--rows", args.rows), args.seed)
+    trace = save_trace(args.out, **fields)
+    summary = {"out": args.out, "model": trace.model, "steps": trace.num_steps, "layers": int(trace.ids.shape[1]),
+               "rows": int(trace.ids.shape[2]), "k": trace.k, "num_experts": trace.num_experts}
+    if args.json:
+        emit_json(summary)
+    else:
+        print(f"wrote {args.out}: {summary['steps']} steps x {summary['layers']} MoE layers x {summary['rows']} rows, "
+              f"top-{summary['k']} of {summary['num_experts']} experts ({trace.model})")
+    return 0
+
+
+# ----------------------------------------------------------------------------- analyze
+
+def analyze_text(report: dict) -> str:
+    lines = [f"trace: {report['trace']['model']}, {report['trace']['layers']} MoE layers, "
+             f"top-{report['trace']['k']} of {report['trace']['num_experts']} experts; expert bytes as "
+             f"{report['geometry']['expert_format']} of {report['geometry']['preset']}"]
+    for name, kind in report["kinds"].items():
+        ratio = kind["busiest_expert_vs_mean"]
+        lines += [
+            f"\n{name}: {kind['steps']} steps of {kind['rows_per_step']:.0f} rows; EPLB fitted on {kind['fit_steps']}, "
+            f"scored on {kind['test_steps']} ({report['eplb']['spare_slots']} spare slots)",
+            f"  experts touched per step: {kind['experts_touched']['trace']:.1%} (even router "
+            f"{kind['experts_touched']['even']:.1%})",
+            f"  busiest expert per step: {kind['picks_per_expert']['busiest_per_step']:.1f} picks "
+            f"(mean {kind['picks_per_expert']['mean']:.1f}); over the trace {ratio['min']:.1f}x-{ratio['max']:.1f}x "
+            f"the mean (median layer {ratio['median']:.1f}x)",
+            "  devices  placement        balancedness  busiest picks  copies/row  GB read/device  busiest GB",
+        ]
+        for d in kind["devices"]:
+            for placement in ("even", "contiguous", "contiguous_test", "eplb_test", "eplb_bytes_test"):
+                if placement not in d:
+                    continue
+                s = d[placement]
+                busiest = f"{s['busiest_device_expert_bytes'] / GB:10.3f}" if "busiest_device_expert_bytes" in s else ""
+                lines.append(
+                    f"  {d['n']:7d}  {placement:<15}  {s['balancedness']:12.3f}  {s['busiest_device_picks']:13.1f}"
+                    f"  {s['copies_per_row']:10.2f}  {s['expert_bytes_read_per_device'] / GB:14.3f}  {busiest}"
+                )
+    return "\n".join(lines)
+
+
+def run_analyze(args) -> int:
+    devices = device_counts(args.devices)
+    if args.eplb_slots < 0:
+        raise UsageError(f"--eplb-slots must be at least 0, got {args.eplb_slots}")
+    geometry, name = model_geometry(args)
+    report = analysis.analyze(load_trace(args.trace), devices, geometry, name, args.expert_format, args.eplb_slots)
+    if args.plots:
+        report["plots"] = [str(p) for p in plots.write_plots(report, args.plots)]
+    if args.json:
+        emit_json(report)
+    else:
+        print(analyze_text(report))
+        for p in report.get("plots", []):
+            print(f"wrote {p}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- registration
+
+def _add_model(parser: argparse.ArgumentParser, default: str | None) -> None:
+    group = parser.add_mutually_exclusive_group(required=default is None)
+    group.add_argument("--preset", default=default, help="model preset" + (f" (default {default})" if default else ""))
+    group.add_argument("--hf", metavar="DIR", help="Hugging Face model directory (its config.json)")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("calc", help="closed-form bytes, copies and even-router balance on N devices")
+    _add_model(p, None)
+    p.add_argument("--devices", default="8,16,32", help="device counts, comma-separated (default 8,16,32)")
+    p.add_argument("--tokens", type=int, default=64, help="rows per step (default 64: a 64-request decode step)")
+    p.add_argument("--touched", type=float, help="experts a step touches, for bytes read (default: even router's)")
+    p.add_argument("--expert-format", choices=EXPERT_FORMATS, default="nvfp4",
+                   help="expert format for bytes read per device (default nvfp4, with scales)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run_calc)
+
+    p = subparsers.add_parser("record", help="write a router-pick trace")
+    p.add_argument("--synthetic", required=True, choices=sorted(synthetic.SPECS),
+                   help="generate a synthetic trace with a published model's statistics")
+    p.add_argument("--out", required=True, metavar="TRACE", help="output .npz")
+    p.add_argument("--steps", type=int, default=300, help="decode steps (default 300)")
+    p.add_argument("--rows", type=int, default=64, help="rows (concurrent requests) per step (default 64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run_record)
+
+    p = subparsers.add_parser("analyze", help="skew, balancedness, copies and bytes of a trace; EPLB fitted on it")
+    p.add_argument("trace", help="trace .npz written by `moejax record`")
+    p.add_argument("--devices", default="8,16,32", help="device counts, comma-separated (default 8,16,32)")
+    _add_model(p, "glm-5.3")
+    p.add_argument("--expert-format", choices=EXPERT_FORMATS, default="nvfp4",
+                   help="expert format for bytes read (default nvfp4, with scales)")
+    p.add_argument("--eplb-slots", type=int, default=32, help="EPLB spare slots per layer (default 32)")
+    p.add_argument("--plots", metavar="DIR", help="write PNG figures into DIR")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run_analyze)
