@@ -59,14 +59,18 @@ def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, tscale, *refs, qu
                     mask=mine)
 
 
-def gmm_pallas_gpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret: bool = False):
-  """lhs [M, K], rhs [G_local, K, N] (array or QuantizedArray), group_sizes [G] -> [M, N]."""
+def gmm_pallas_gpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret: bool = False,
+                   tk: int | None = None):
+  """lhs [M, K], rhs [G_local, K, N] (array or QuantizedArray), group_sizes [G] -> [M, N].
+
+  tk overrides the K tile (tests use it to run several K steps on small shapes).
+  """
   m, k = lhs.shape
   g_local, _, n = rhs.shape
   quantized = isinstance(rhs, formats.QuantizedArray)
   # Triton blocks are powers of two, and tl.dot wants every dim >= 16.
   tm = min(64, max(16, 1 << (m - 1).bit_length()))
-  tk = tiling.k_tile(k, rhs, (128, 64) if quantized else (64, 32, 16))
+  tk = tk or tiling.k_tile(k, rhs, (128, 64) if quantized else (64, 32, 16))
   tn = tiling.pick_tile(n, (128, 64, 32, 16))
   m_pad = tiling.round_up(m, tm)
   lhs_p = jnp.pad(lhs, ((0, m_pad - m), (0, 0)))  # [M_pad, K]; pad rows are in no group

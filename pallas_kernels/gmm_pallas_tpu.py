@@ -53,14 +53,18 @@ def _kernel(group_ids, m_tile_ids, offsets, offset, tscale, *refs, quantized, fm
     out_ref[...] = jnp.where(mine, result, out_ref[...].astype(jnp.float32)).astype(out_ref.dtype)
 
 
-def gmm_pallas_tpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret: bool = False):
-  """lhs [M, K], rhs [G_local, K, N] (array or QuantizedArray), group_sizes [G] -> [M, N]."""
+def gmm_pallas_tpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret: bool = False,
+                   tk: int | None = None):
+  """lhs [M, K], rhs [G_local, K, N] (array or QuantizedArray), group_sizes [G] -> [M, N].
+
+  tk overrides the K tile (tests use it to run several K steps on small shapes).
+  """
   m, k = lhs.shape
   g_local, _, n = rhs.shape
   quantized = isinstance(rhs, formats.QuantizedArray)
   tm = min(128, tiling.round_up(m, 16))
   # tk / 2 / block scale rows should fill the 32-sublane tile of 8-bit data: tk = 64 * block.
-  tk = tiling.k_tile(k, rhs, (2048, 1024, 512) if quantized else (512, 256, 128))
+  tk = tk or tiling.k_tile(k, rhs, (2048, 1024, 512) if quantized else (512, 256, 128))
   tn = tiling.pick_tile(n, (256, 128))
   m_pad = tiling.round_up(m, tm)
   lhs_p = jnp.pad(lhs, ((0, m_pad - m), (0, 0)))  # [M_pad, K]; pad rows are in no group
