@@ -91,11 +91,15 @@ def run_calc(args) -> int:
 
 # ----------------------------------------------------------------------------- record
 
+def trace_fields(args) -> dict:
+    """`save_trace`'s arguments from the chosen source; every source (synthetic now, a model run
+    later) ends here, so there is one path to the file."""
+    return synthetic.generate(synthetic.SPECS[args.synthetic], positive("--steps", args.steps),
+                              positive("--rows", args.rows), args.seed)
+
+
 def run_record(args) -> int:
-    # One path to the file for every source: a source yields `save_trace`'s arguments.
-    fields = synthetic.generate(synthetic.SPECS[args.synthetic], positive("--steps", args.steps),
-                                positive("--rows", args.rows), args.seed)
-    trace = save_trace(args.out, **fields)
+    trace = save_trace(args.out, **trace_fields(args))
     summary = {"out": args.out, "model": trace.model, "steps": trace.num_steps, "layers": int(trace.ids.shape[1]),
                "rows": int(trace.ids.shape[2]), "k": trace.k, "num_experts": trace.num_experts}
     if args.json:
@@ -144,7 +148,10 @@ def run_analyze(args) -> int:
     geometry, name = model_geometry(args)
     report = analysis.analyze(load_trace(args.trace), devices, geometry, name, args.expert_format, args.eplb_slots)
     if args.plots:
-        report["plots"] = [str(p) for p in plots.write_plots(report, args.plots)]
+        try:
+            report["plots"] = [str(p) for p in plots.write_plots(report, args.plots)]
+        except OSError as e:
+            raise UsageError(f"cannot write plots into {args.plots}: {e.strerror}") from None
     if args.json:
         emit_json(report)
     else:

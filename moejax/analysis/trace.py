@@ -83,11 +83,15 @@ def save_trace(path: str | Path, ids, valid, kind, layers, num_experts: int, mod
         num_experts=int(num_experts), model=str(model),
     ))
     stored = np.min_scalar_type(max(trace.num_experts - 1, 0))  # uint8 for 256 experts: 4x smaller
-    with open(path, "wb") as f:  # a file object keeps numpy from appending ".npz" to the name
-        np.savez(  # uncompressed: compressing a 300-step trace takes longer than recording it
-            f, ids=np.where(trace.valid[:, None, :, None], trace.ids, 0).astype(stored), valid=trace.valid,
-            kind=trace.kind, layers=trace.layers, num_experts=np.int32(trace.num_experts), model=np.str_(trace.model),
-        )
+    try:
+        with open(path, "wb") as f:  # a file object keeps numpy from appending ".npz" to the name
+            np.savez(  # uncompressed: compressing a 300-step trace takes longer than recording it
+                f, ids=np.where(trace.valid[:, None, :, None], trace.ids, 0).astype(stored), valid=trace.valid,
+                kind=trace.kind, layers=trace.layers, num_experts=np.int32(trace.num_experts),
+                model=np.str_(trace.model),
+            )
+    except OSError as e:
+        raise UsageError(f"cannot write trace {path}: {e.strerror}") from None
     return trace
 
 
