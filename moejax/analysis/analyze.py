@@ -60,7 +60,7 @@ def analyze_kind(trace: Trace, devices: list[int], bytes_per_expert: float, spar
     num_layers = trace.ids.shape[1]
     counts = metrics.expert_counts(trace)  # [S, L, E]
     steps = trace.num_steps
-    rows = int(round(trace.valid.sum(axis=1).mean()))
+    rows = int(round(trace.valid.sum(axis=1).mean()))  # the even router's batch size
     fit = math.ceil(FIT_FRACTION * steps)
     test = np.arange(fit, steps)
     test_trace = trace.select(test)
@@ -90,6 +90,7 @@ def analyze_kind(trace: Trace, devices: list[int], bytes_per_expert: float, spar
             "contiguous": metrics.score(contiguous, bytes_per_expert),
         }
         if len(test):
+            # One node of n devices: the global policy (groups only matter across nodes).
             picks_placement, _, _ = eplb.rebalance_experts(fitted, e + spare_slots, 1, 1, n)
             bytes_placement, _, _ = eplb.rebalance_for_bytes(touch_prob, n)
             entry["contiguous_test"] = metrics.score(contiguous.select(test), bytes_per_expert)
