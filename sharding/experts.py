@@ -42,9 +42,16 @@ def combine(y_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Ar
     return jnp.einsum("tkd,tk->td", y.astype(jnp.float32), weights).astype(y_sorted.dtype)
 
 
-def moe_local(x: jax.Array, ids: jax.Array, weights: jax.Array, w: dict, *, kernel: str = "auto") -> jax.Array:
-    """Every expert on this device: x: [T, D], ids/weights: [T, k] -> [T, D]."""
-    num_experts = w["gate"].shape[0]
-    order, group_sizes = sort_picks(ids, num_experts)
+def moe_local(
+    x: jax.Array, ids: jax.Array, weights: jax.Array, w: dict, *, num_groups: int | None = None,
+    group_offset=0, kernel: str = "auto",
+) -> jax.Array:
+    """The experts this device holds, applied to its rows: x: [T, D], ids/weights: [T, k] -> [T, D].
+
+    `w` holds experts [group_offset, group_offset + E_local) of `num_groups` (default: all of
+    them); picks of other experts contribute zero, and cost nothing.
+    """
+    order, group_sizes = sort_picks(ids, num_groups or w["gate"].shape[0])
     rows = order // ids.shape[1]
-    return combine(expert_ffn(x[rows], group_sizes, w, kernel=kernel), order, weights)
+    y = expert_ffn(x[rows], group_sizes, w, group_offset=group_offset, kernel=kernel)
+    return combine(y, order, weights)

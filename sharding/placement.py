@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 
+import pallas_kernels
 from moejax.config import Config
 from sharding.experts import moe_local
 
@@ -19,17 +21,35 @@ class Placement:
     """Single device: no mesh, every expert local."""
 
     name = "single"
+    ep = tp = 1
 
     def __init__(self, config: Config):
         self.config = config
         self.kernel = config.kernel
+        self.num_experts = config.model.num_experts  # including padding experts, if any
+
+    def sharding(self, axes: tuple, shape: tuple):
+        """Where an array with these logical axes lives (None: the default device)."""
+        return None
 
     def place(self, spec, array) -> jax.Array:
-        """Puts one parameter (logical axes `spec.axes`) on its devices."""
-        return jax.device_put(array)
+        """Puts one parameter on its devices: expert stacks padded to `num_experts` and,
+        with `weights.expert_format` nvfp4/mxfp4, quantized along their reduction axis."""
+        if spec.axes[:1] != ("experts",):
+            return jax.device_put(array, self.sharding(spec.axes, array.shape))
+        if array.shape[0] < self.num_experts:  # empty padding experts: never picked
+            array = np.pad(np.asarray(array), [(0, self.num_experts - array.shape[0])] + [(0, 0)] * (array.ndim - 1))
+        fmt = self.config.weights.expert_format
+        if fmt != "bf16":
+            array = pallas_kernels.quantize(jax.numpy.asarray(array, jax.numpy.float32), fmt, axis=-2)
+        return jax.tree.map(lambda a: jax.device_put(a, self.sharding(spec.axes, a.shape)), array)
 
     def place_cache(self, cache: list[dict]) -> list[dict]:
         return cache
+
+    def batch_multiple(self) -> int:
+        """Batch sizes must be a multiple of this (requests split over devices)."""
+        return 1
 
     def constrain(self, x: jax.Array, axes: tuple) -> jax.Array:
         """Activation sharding by logical axis names (no-op without a mesh)."""
@@ -48,6 +68,6 @@ class Placement:
 def make_placement(config: Config) -> Placement:
     if config.layout.devices == 1:
         return Placement(config)
-    from sharding.mesh_placements import make_mesh_placement
+    from sharding.mesh_placements import MeshPlacement
 
-    return make_mesh_placement(config)
+    return MeshPlacement(config)

@@ -50,6 +50,7 @@ class Generation:
     tokens: list[list[int]]  # new tokens per request
     finish_reasons: list[str]  # "length" when the cache or max_new_tokens ended the request
     picks: list | None = None  # per forward pass: [layers, rows, k] router picks (record=True)
+    logits: np.ndarray | None = None  # [steps, B, V] logits each new token was chosen from
 
 
 class Engine:
@@ -81,7 +82,8 @@ class Engine:
 
     def _padded(self, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
         chunk = self.config.engine.prefill_chunk
-        batch = bucket(len(prompts))
+        multiple = self.placement.batch_multiple()
+        batch = -(-bucket(len(prompts)) // multiple) * multiple
         width = -(-max(map(len, prompts)) // chunk) * chunk
         tokens = np.zeros((batch, width), np.int32)
         lens = np.ones(batch, np.int32)
@@ -119,7 +121,7 @@ class Engine:
 
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(), seed: int = 0,
-        record: bool = False,
+        record: bool = False, return_logits: bool = False,
     ) -> Generation:
         self.check_prompts(prompts)
         if max_new_tokens < 1:
@@ -139,13 +141,14 @@ class Engine:
         key = jax.random.key(seed)
         tok = sample(logits, jax.random.fold_in(key, 0), sampling)
         positions = jnp.asarray(lens)
-        out = [tok]
+        out, step_logits = [tok], [logits]
         for step in range(1, max_new_tokens):
-            tok, _, cache, p = self._decode(
+            tok, logits, cache, p = self._decode(
                 self.params, cache, tok, positions, jax.random.fold_in(key, step), sampling=sampling, record=record
             )
             positions = positions + 1
             out.append(tok)
+            step_logits.append(logits)
             picks.append(p)
         new = np.stack([np.asarray(t) for t in out], axis=1)
         # A request ends when max_new_tokens are out or its cache is full (it may use every slot).
@@ -154,4 +157,5 @@ class Engine:
             tokens=[new[i, : budget[i]].tolist() for i in range(len(prompts))],
             finish_reasons=["length"] * len(prompts),
             picks=[jax.device_get(p) for p in picks] if record else None,
+            logits=np.stack([np.asarray(x)[: len(prompts)] for x in step_logits]) if return_logits else None,
         )

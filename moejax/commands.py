@@ -1,0 +1,129 @@
+"""The serving verbs: generate, score, compare. Argument parsing and output only; the work
+happens in the engine and the placements."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+from moejax.config import PLACEMENTS, Config, load_file, preset, replace_checked
+from moejax.errors import UsageError
+
+
+def prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids {text!r} is not a comma-separated list of integers") from None
+    return ids
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", help="a named model with random weights (default: tiny)")
+    src.add_argument("--hf", metavar="DIR", help="a transformers save_pretrained directory")
+    p.add_argument("--config", metavar="FILE", help="YAML or JSON config (DESIGN.md shape); flags override it")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"))
+    p.add_argument("--devices", type=int, help="number of devices (virtual CPU devices on a CPU host)")
+    p.add_argument("--placement", help=f"expert placement: {', '.join(PLACEMENTS)}")
+    p.add_argument("--ep", type=int)
+    p.add_argument("--tp", type=int)
+    p.add_argument("--attention", choices=("dp", "tp"))
+    p.add_argument("--dispatch-dtype", choices=("bf16", "nvfp4"))
+    p.add_argument("--prefetch-depth", type=int)
+    p.add_argument("--expert-format", choices=("bf16", "nvfp4", "mxfp4"))
+    p.add_argument("--kernel", choices=("auto", "xla", "pallas_tpu", "pallas_gpu", "interpret"))
+    p.add_argument("--prefill-chunk", type=int)
+    p.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def config_from_args(args) -> Config:
+    config = load_file(args.config) if args.config else Config()
+    if args.preset:
+        config = dataclasses.replace(config, model=preset(args.preset))
+    layout = {k: v for k, v in dict(
+        experts=args.placement, devices=args.devices, ep=args.ep, tp=args.tp, attention=args.attention,
+        dispatch_dtype=args.dispatch_dtype, prefetch_depth=args.prefetch_depth,
+    ).items() if v is not None}
+    engine = {k: v for k, v in dict(dtype=args.dtype, prefill_chunk=args.prefill_chunk).items() if v is not None}
+    config = dataclasses.replace(
+        config,
+        layout=replace_checked(config.layout, layout, "layout."),
+        engine=replace_checked(config.engine, engine, "engine."),
+        weights=replace_checked(config.weights, {"expert_format": args.expert_format} if args.expert_format else {}, "weights."),
+        kernel=args.kernel or config.kernel,
+    )
+    return config.validate()
+
+
+def ensure_devices(n: int) -> None:
+    """On a CPU host, make `n` virtual devices; must run before jax first touches a backend."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n > 1 and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    import jax
+
+    have = len(jax.devices())
+    if have < n:
+        raise UsageError(f"--devices {n} asked for, but this machine has {have} {jax.default_backend()} devices")
+
+
+def build_engine(config: Config, hf_dir: str | None, seed: int):
+    from moejax.engine.engine import Engine
+    from moejax.loading import load_params, with_hf_model
+    from sharding import make_placement
+
+    config = with_hf_model(config, hf_dir).validate()
+    ensure_devices(config.layout.devices)
+    placement = make_placement(config)
+    return Engine(config, load_params(config, placement, hf_dir=hf_dir, seed=seed), placement)
+
+
+def cmd_generate(args) -> int:
+    from moejax.engine.sampling import Sampling
+
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    engine = build_engine(config_from_args(args), args.hf, args.seed)
+    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if (args.top_k or args.top_p < 1.0) and sampling.greedy:
+        sampling = dataclasses.replace(sampling, temperature=1.0)
+    gen = engine.generate(args.prompt_ids or [[1]], args.max_new_tokens, sampling, seed=args.sample_seed)
+    if args.json:
+        print(json.dumps({"tokens": gen.tokens, "finish_reasons": gen.finish_reasons}))
+    else:
+        for i, toks in enumerate(gen.tokens):
+            print(f"request {i}: {' '.join(map(str, toks))}")
+    return 0
+
+
+def cmd_score(args) -> int:
+    engine = build_engine(config_from_args(args), args.hf, args.seed)
+    logits = engine.score(args.prompt_ids or [[1]])
+    if args.json:
+        print(json.dumps({"logits": [x.tolist() for x in logits]}))
+    else:
+        for i, x in enumerate(logits):
+            print(f"request {i}: {x.shape[0]} positions, argmax {x.argmax(-1).tolist()}")
+    return 0
+
+
+def register(sub) -> None:
+    g = sub.add_parser("generate", help="generate tokens for one batch of prompts")
+    add_model_args(g)
+    g.add_argument("--prompt-ids", type=prompt_ids, action="append", help="1,2,3 (repeat: one request each)")
+    g.add_argument("--max-new-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--sample-seed", type=int, default=0, help="PRNG seed of sampling")
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("score", help="logits of one prefill")
+    add_model_args(s)
+    s.add_argument("--prompt-ids", type=prompt_ids, action="append", help="1,2,3 (repeat: one request each)")
+    s.set_defaults(func=cmd_score)

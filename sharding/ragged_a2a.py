@@ -1,0 +1,89 @@
+"""Rows travel to their experts: dispatch each row only to the devices that hold at least one
+of its picks, run the local experts there, and send the weighted results back (combine).
+
+Buffers follow `jax.lax.ragged_all_to_all`'s offsets/sizes convention and are sized for the
+worst case (every row of every device picking this device), so no row is ever dropped:
+the send buffer holds one block of T_local slots per destination, the receive buffer one
+block of T_local slots per source. On TPU and GPU only the used slots travel
+(`ragged_all_to_all`); XLA:CPU lacks that op, so there the same blocks go through a dense
+`all_to_all`, empty slots included. Runs inside `shard_map` over ("ep", "tp") with tp = 1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from sharding.experts import moe_local
+from sharding.rules import ALL
+
+
+def dispatch_plan(ids: jax.Array, e_local: int, n: int):
+    """ids: [T, k] global expert ids -> (goes: bool [T, n] row t goes to device d,
+    slot: int32 [T, n] its slot in the block for d, send_sizes: int32 [n])."""
+    dest = ids // e_local  # [T, k] device of each pick
+    goes = jnp.any(dest[:, :, None] == jnp.arange(n), axis=1)
+    slot = jnp.cumsum(goes, axis=0, dtype=jnp.int32) - 1
+    return goes, slot, goes.sum(0, dtype=jnp.int32)
+
+
+def _exchange(x: jax.Array, sizes: jax.Array, use_ragged: bool) -> jax.Array:
+    """x: [n, S, ...] block b goes to device b -> [n, S, ...] block b came from device b.
+    `sizes[b]`: used slots of block b (what a ragged exchange sends)."""
+    n, s = x.shape[:2]
+    if not use_ragged:
+        return jax.lax.all_to_all(x, ALL, 0, 0, tiled=True)
+    me = jax.lax.axis_index(ALL)
+    flat = x.reshape(n * s, *x.shape[2:])
+    offsets = jnp.arange(n, dtype=jnp.int32) * s
+    recv_sizes = jax.lax.all_to_all(sizes, ALL, 0, 0, tiled=True)
+    out = jax.lax.ragged_all_to_all(
+        flat, jnp.zeros_like(flat), offsets, sizes, jnp.full((n,), me * s, jnp.int32), recv_sizes, axis_name=ALL
+    )
+    return out.reshape(x.shape)
+
+
+def _exchange_rows(rows: jax.Array, sizes: jax.Array, dispatch_dtype: str, use_ragged: bool) -> jax.Array:
+    """Rows [n, S, D] travel in their own dtype, or as NVFP4 (values, block and row scales)."""
+    if dispatch_dtype != "nvfp4":
+        return _exchange(rows, sizes, use_ragged)
+    q = pallas_kernels.quantize_rows(rows.reshape(-1, rows.shape[-1]).astype(jnp.float32), "nvfp4")
+    n, s = rows.shape[:2]
+    q = jax.tree.map(lambda a: _exchange(a.reshape(n, s, *a.shape[1:]), sizes, use_ragged).reshape(a.shape), q)
+    return pallas_kernels.dequantize(q, rows.dtype).reshape(rows.shape)
+
+
+def ragged_a2a(x, ids, weights, w, *, num_experts: int, dispatch_dtype: str, use_ragged: bool, kernel: str):
+    """x: [T, D] this device's rows, ids/weights: [T, k] -> [T, D]."""
+    t, k = ids.shape
+    n = jax.lax.axis_size(ALL)
+    e_local = w["gate"].shape[0]
+    me = jax.lax.axis_index(ALL)
+    goes, slot, send_sizes = dispatch_plan(ids, e_local, n)
+
+    # Send buffer [n, T, ...]: block d holds the rows going to d, with only d's picks kept.
+    # Unused slots keep the sentinel expert `num_experts` (nobody's) and so compute nothing.
+    target = jnp.where(goes, slot, t)  # [T, n]; slot t is out of range: dropped by the scatter
+    dev = jnp.broadcast_to(jnp.arange(n), (t, n))
+    row_of_slot = jnp.full((n, t), t, jnp.int32).at[dev, target].set(
+        jnp.broadcast_to(jnp.arange(t)[:, None], (t, n)), mode="drop")  # [n, T]
+    valid = row_of_slot < t
+    safe = jnp.where(valid, row_of_slot, 0)
+    pick_dev = ids[safe] // e_local  # [n, T, k]
+    keep = valid[..., None] & (pick_dev == jnp.arange(n)[:, None, None])
+    send_ids = jnp.where(keep, ids[safe], num_experts)
+    send_w = jnp.where(keep, weights[safe], 0.0)
+
+    recv_rows = _exchange_rows(x[safe], send_sizes, dispatch_dtype, use_ragged)
+    recv_ids = _exchange(send_ids, send_sizes, use_ragged)
+    recv_w = _exchange(send_w, send_sizes, use_ragged)
+    if use_ragged:  # slots past the received sizes were never written: zero ids would be picks
+        recv_sizes = jax.lax.all_to_all(send_sizes, ALL, 0, 0, tiled=True)
+        recv_ids = jnp.where(jnp.arange(t)[None, :, None] < recv_sizes[:, None, None], recv_ids, num_experts)
+
+    y = moe_local(recv_rows.reshape(n * t, -1), recv_ids.reshape(n * t, k), recv_w.reshape(n * t, k), w,
+                  num_groups=num_experts + 1, group_offset=me * e_local, kernel=kernel)
+    back = _exchange(y.reshape(n, t, -1), jax.lax.all_to_all(send_sizes, ALL, 0, 0, tiled=True), use_ragged)
+    # Sum each row's results from the devices it went to.
+    return jnp.zeros_like(x).at[row_of_slot.reshape(-1)].add(back.reshape(n * t, -1), mode="drop")

@@ -1,0 +1,75 @@
+"""Logical-axis rules: one table per placement, mapping parameter and activation axis names
+to mesh axes, as MaxText and Flax's logical partitioning do.
+
+The mesh is always ("ep", "tp"); a placement is its shape plus its table:
+tensor_sliced is (1, N), the whole-expert placements are (N, 1), hybrid is (ep, tp).
+"""
+
+from __future__ import annotations
+
+import math
+
+from jax.sharding import PartitionSpec as P
+
+from moejax.config import ConfigError, LayoutConfig, ModelConfig
+
+ALL = ("ep", "tp")  # every device
+
+
+def mesh_shape(layout: LayoutConfig) -> tuple[int, int]:
+    n = layout.devices
+    if layout.experts == "tensor_sliced":
+        return 1, n
+    if layout.experts == "hybrid":
+        ep = layout.ep or n // layout.tp
+        if ep * layout.tp != n:
+            raise ConfigError(f"hybrid needs ep * tp = devices; got ep={ep} x tp={layout.tp} for {n} devices")
+        return ep, layout.tp
+    return n, 1
+
+
+def rules(layout: LayoutConfig) -> dict[str, str | tuple | None]:
+    """Logical axis -> mesh axes. Experts always live on 'ep' and their intermediate
+    dimension on 'tp'; the mesh shape is what tells the placements apart."""
+    return {
+        "experts": "ep",
+        "expert_mlp": "tp",
+        "batch": ALL if layout.attention == "dp" else None,
+        "heads": ALL if layout.attention == "tp" else None,
+        "kv_heads": ALL if layout.attention == "tp" else None,
+        "mlp": ALL if layout.dense == "tp" else None,
+        "shared_mlp": ALL if layout.shared_expert == "tp" else None,
+        "embed": None,
+        "vocab": None,
+        "seq": None,
+        "cache_seq": None,
+        "head_dim": None,
+    }
+
+
+def partition_spec(axes: tuple, shape: tuple, table: dict, mesh_sizes: dict[str, int]) -> P:
+    """A PartitionSpec for one array. Axes that do not divide evenly stay replicated (a head
+    count below the device count, say); the expert axes were checked up front (`check_model`)."""
+    out = []
+    for name, size in zip(axes, shape):
+        mesh_axes = table.get(name) if name else None
+        if mesh_axes is not None:
+            n = math.prod(mesh_sizes[a] for a in ((mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes))
+            if size % n:
+                mesh_axes = None
+        out.append(mesh_axes)
+    return P(*out)
+
+
+def check_model(c: ModelConfig, ep: int, tp: int) -> None:
+    """Expert slices must divide; expert counts need not (padding experts fill the last share)."""
+    if c.moe_intermediate_size % tp:
+        raise ConfigError(
+            f"expert intermediate size {c.moe_intermediate_size} cannot be sliced {tp} ways "
+            f"({c.moe_intermediate_size / tp:g} per device); choose a tp that divides it"
+        )
+
+
+def padded_experts(num_experts: int, ep: int) -> int:
+    """Experts rounded up to a multiple of `ep`: empty padding experts are never picked."""
+    return -(-num_experts // ep) * ep

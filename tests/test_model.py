@@ -1,0 +1,140 @@
+"""The model against transformers (the independent reference), and the engine against itself."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hf_reference import FAMILIES, build_hf_model, hf_greedy, hf_logits
+from moejax.config import Config, EngineConfig
+from moejax.engine.engine import Engine
+from moejax.engine.sampling import Sampling
+from moejax.loading import load_params, with_hf_model
+from sharding import make_placement
+
+PROMPT = [3, 17, 45, 2, 88, 61, 9, 30, 12]
+GOLDEN = Path(__file__).parent / "golden"
+
+
+@functools.cache
+def _engine(hf_dir: str, engine: tuple) -> Engine:
+    config = with_hf_model(Config(engine=EngineConfig(**dict(engine))), hf_dir).validate()
+    placement = make_placement(config)
+    return Engine(config, load_params(config, placement, hf_dir=hf_dir), placement)
+
+
+def make_engine(hf_dir, **engine) -> Engine:
+    """Engines are shared between tests: compiling is most of a test's time on CPU."""
+    return _engine(str(hf_dir), tuple(sorted(engine.items())))
+
+
+def assert_close_relative(ours, ref, rel=1e-4):
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=rel * np.abs(ref).max())
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def hf(request, tmp_path_factory):
+    pytest.importorskip("torch")
+    directory = tmp_path_factory.mktemp(request.param)
+    return build_hf_model(request.param, directory), directory
+
+
+def test_prefill_logits_match_transformers(hf):
+    model, directory = hf
+    assert_close_relative(make_engine(directory).score([PROMPT])[0], hf_logits(model, PROMPT))
+
+
+def test_greedy_tokens_match_transformers(hf):
+    model, directory = hf
+    assert make_engine(directory).generate([PROMPT], 16).tokens[0] == hf_greedy(model, PROMPT, 16)
+
+
+def test_cached_decode_logits_equal_full_forward(hf):
+    _, directory = hf
+    engine = make_engine(directory)
+    gen = engine.generate([PROMPT], 6, return_logits=True)
+    full = engine.score([PROMPT + gen.tokens[0][:-1]])[0]
+    assert_close_relative(gen.logits[:, 0], full[len(PROMPT) - 1 :], rel=1e-5)
+
+
+def test_chunked_prefill_equals_one_shot(hf):
+    _, directory = hf
+    one_shot = make_engine(directory, prefill_chunk=64).score([PROMPT])[0]
+    chunked = make_engine(directory, prefill_chunk=4).score([PROMPT])[0]
+    assert_close_relative(chunked, one_shot, rel=1e-5)
+
+
+def test_batch_of_different_lengths_equals_single_requests(hf):
+    _, directory = hf
+    engine = make_engine(directory, prefill_chunk=4)
+    prompts = [PROMPT, PROMPT[:3], PROMPT[2:] * 2]
+    batch = engine.generate(prompts, 8).tokens
+    assert batch == [engine.generate([p], 8).tokens[0] for p in prompts]
+
+
+def test_bfloat16_logits_close_to_float32(hf):
+    _, directory = hf
+    f32 = make_engine(directory).score([PROMPT])[0]
+    bf16 = make_engine(directory, dtype="bfloat16").score([PROMPT])[0]
+    # bfloat16 keeps ~3 significant digits; a router pick may flip at a near tie, so the
+    # check is on the mean error and the argmax, not on every logit.
+    assert np.abs(bf16 - f32).mean() < 0.02 * np.abs(f32).max()
+    assert (bf16.argmax(-1) == f32.argmax(-1)).mean() >= 0.75
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stored_goldens_without_torch(family):
+    """Golden outputs made once by tests/make_goldens.py from transformers, for runs without torch."""
+    directory = GOLDEN / family
+    expected = np.load(directory / "expected.npz")
+    engine = make_engine(directory)
+    assert_close_relative(engine.score([expected["prompt"].tolist()])[0], expected["logits"])
+    assert engine.generate([expected["prompt"].tolist()], 16).tokens[0] == expected["greedy"].tolist()
+
+
+# ----------------------------------------------------------------------------- engine behaviour
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    return make_engine(GOLDEN / "deepseek_v3", prefill_chunk=4)
+
+
+def test_same_inputs_give_same_tokens(tiny_engine):
+    sampling = Sampling(temperature=1.0, top_k=20, top_p=0.9)
+    a = tiny_engine.generate([PROMPT], 8, sampling, seed=3).tokens
+    assert a == tiny_engine.generate([PROMPT], 8, sampling, seed=3).tokens
+
+
+def test_different_seeds_sample_differently(tiny_engine):
+    sampling = Sampling(temperature=2.0)
+    runs = {tuple(tiny_engine.generate([PROMPT], 8, sampling, seed=s).tokens[0]) for s in range(4)}
+    assert len(runs) > 1
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0, top_k=1), Sampling(temperature=1.0, top_p=1e-6)])
+def test_top_k_one_and_tiny_top_p_are_greedy(tiny_engine, sampling):
+    greedy = tiny_engine.generate([PROMPT], 8).tokens
+    assert tiny_engine.generate([PROMPT], 8, sampling, seed=1).tokens == greedy
+
+
+def test_top_k_samples_only_among_the_k_best(tiny_engine):
+    gen = tiny_engine.generate([PROMPT], 8, Sampling(temperature=5.0, top_k=3), seed=0, return_logits=True)
+    for step, token in enumerate(gen.tokens[0]):
+        assert token in np.argsort(gen.logits[step, 0])[-3:]
+
+
+def test_new_prompt_mix_in_the_same_bucket_does_not_recompile(tiny_engine):
+    tiny_engine.generate([PROMPT, PROMPT[:4]], 4)
+    sizes = tiny_engine._prefill._cache_size(), tiny_engine._decode._cache_size()
+    tiny_engine.generate([PROMPT[:5], PROMPT[1:]], 4)
+    assert (tiny_engine._prefill._cache_size(), tiny_engine._decode._cache_size()) == sizes
+
+
+def test_full_cache_ends_the_request_by_length():
+    engine = make_engine(GOLDEN / "deepseek_v3", prefill_chunk=4, max_seq_len=12)
+    gen = engine.generate([PROMPT, PROMPT[:2]], 8)
+    assert len(gen.tokens[0]) == 12 - len(PROMPT) + 1 and len(gen.tokens[1]) == 8
+    assert gen.finish_reasons == ["length", "length"]
