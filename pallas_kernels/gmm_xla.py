@@ -1,12 +1,10 @@
 """Grouped GEMM in plain XLA: a loop over the touched groups only.
 
-For each local group with rows, the loop loads (and, for 4-bit weights, dequantizes) that
-group's [K, N] once, then multiplies its rows in chunks: full chunks of `tm` rows, then the
-remainder split into power-of-two chunks (tm/2, tm/4, .., 1), each run only if its bit is
-set. Every chunk lies inside its group, so each row is computed exactly once and written
-with a plain dynamic_update_slice; untouched groups' weights are never read. This keeps
-decode bound by the touched experts' bytes and prefill close to one einsum per group
-(`jax.lax.ragged_dot` is ~60x slower than an einsum on XLA:CPU).
+For each local group with rows, the loop loads (and, for 4-bit weights, decodes) that
+group's [K, N] once, then multiplies its rows in chunks of `tm` rows starting at the group's
+first row; the last chunk is masked to the group. Untouched groups' weights are never read,
+so decode is bound by the touched experts' bytes, and large chunks keep prefill close to an
+einsum per group (`jax.lax.ragged_dot` is ~60x slower than an einsum on XLA:CPU).
 """
 
 from __future__ import annotations
@@ -20,10 +18,23 @@ from pallas_kernels.metadata import local_groups
 
 
 def _pick_tm(m: int, num_groups: int) -> int:
-  """Chunk rows: ~2x the mean rows per group, a power of two in [8, 512], at most m."""
-  mean = max(1, 2 * m // max(num_groups, 1))
-  tm = min(512, max(8, 1 << (mean - 1).bit_length()))
-  return min(tm, 1 << (m.bit_length() - 1))
+  """Rows per chunk from the mean rows per group (all groups, local or not), measured on
+  XLA:CPU: with few rows per group, row-at-a-time matrix-vector products on the group's
+  decoded weights (re-read from cache) beat its small GEMMs, which cost several matvecs
+  each inside a loop; with many, a power of two near a quarter of the mean (at most 256)
+  keeps the dots large with little masked waste in each group's last chunk.
+  """
+  quarter = max(1, m // max(num_groups, 1) // 4)
+  return min(256, 1 << (quarter.bit_length() - 1))
+
+
+def _to_f32(a: jax.Array) -> jax.Array:
+  """bf16 -> f32 as a 16-bit shift: XLA:CPU's convert is ~3x slower, and in decode it, not
+  the memory, would bound the weight read."""
+  if a.dtype != jnp.bfloat16:
+    return a.astype(jnp.float32)
+  bits = lax.bitcast_convert_type(a, jnp.uint16).astype(jnp.uint32) << 16
+  return lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def _group_matmul(rhs, g: jax.Array):
@@ -39,7 +50,7 @@ def _group_matmul(rhs, g: jax.Array):
   rhs, g = lax.optimization_barrier((rhs, g))
   w = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, g, 0, keepdims=False), rhs)
   if not isinstance(w, formats.QuantizedArray):
-    w = w.astype(jnp.float32)  # [K, N]
+    w = _to_f32(w)  # [K, N]
     return lambda x: jnp.dot(x, w)
   kh, block = w.values.shape[0], w.spec.block
   bits = lax.bitcast_convert_type(w.scales, jnp.uint8)  # [K/B, N]
@@ -52,28 +63,26 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = Non
   """lhs [M, K], rhs [G_local, K, N] (array or QuantizedArray), group_sizes [G] -> [M, N]."""
   m, n = lhs.shape[0], rhs.shape[2]
   g_local = rhs.shape[0]
-  tm = tm or _pick_tm(m, g_local)
-  lhs32 = lhs.astype(jnp.float32)  # [M, K], once rather than per chunk
+  tm = tm or _pick_tm(m, group_sizes.shape[0])
+  lhs32 = _to_f32(lhs)  # [M, K], once rather than per chunk
   starts, sizes, active, num_active = local_groups(group_sizes, group_offset, g_local, m)
 
-  def chunk(out, matmul, pos, rows: int):
-    x = lax.dynamic_slice_in_dim(lhs32, pos, rows, 0)  # [rows, K]
-    return lax.dynamic_update_slice_in_dim(out, matmul(x), pos, 0)
-
-  def group_body(i, out):
+  def group_body(i, out):  # out: [M, N] f32
     g = active[i]
-    w = _group_matmul(rhs, g)
-    start, size = starts[g], sizes[g]
-    n_full = size // tm
-    out = lax.fori_loop(0, n_full, lambda j, o: chunk(o, w, start + j * tm, tm), out)
-    pos, rem = start + n_full * tm, size % tm
-    c = tm // 2
-    while c >= 1:
-      take = (rem & c) != 0
-      out = lax.cond(take, lambda o, p, c=c: chunk(o, w, p, c), lambda o, p: o, out, pos)
-      pos = pos + jnp.where(take, c, 0)
-      c //= 2
-    return out
+    start, end = starts[g], starts[g] + sizes[g]
+
+    def chunk(j, out):
+      pos = start + j * tm
+      p0 = jnp.minimum(pos, m - tm)  # the last chunk may hang over the end of lhs
+      # The group's weights are loaded in here so that this loop carries no [K, N] buffer;
+      # XLA hoists the load and decode out of it, once per group.
+      y = _group_matmul(rhs, g)(lax.dynamic_slice_in_dim(lhs32, p0, tm, 0))  # [tm, N]
+      rows = p0 + lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
+      keep = lax.dynamic_slice_in_dim(out, p0, tm, 0)
+      return lax.dynamic_update_slice_in_dim(
+          out, jnp.where((rows >= pos) & (rows < end), y, keep), p0, 0)
+
+    return lax.fori_loop(0, (sizes[g] + tm - 1) // tm, chunk, out)
 
   # f32 out [M, N] in the loop: XLA:CPU handles a bf16 loop carry through f32 round trips.
   out = lax.fori_loop(0, num_active, group_body, jnp.zeros((m, n), jnp.float32))
