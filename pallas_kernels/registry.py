@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import formats
+from pallas_kernels.gmm_blackwell import gmm_blackwell
 from pallas_kernels.gmm_pallas_gpu import gmm_pallas_gpu
 from pallas_kernels.gmm_pallas_tpu import gmm_pallas_tpu
 from pallas_kernels.gmm_xla import gmm_xla
@@ -18,6 +19,7 @@ _IMPLS = {
     "xla": gmm_xla,
     "pallas_tpu": gmm_pallas_tpu,
     "pallas_gpu": gmm_pallas_gpu,
+    "blackwell": gmm_blackwell,  # 4-bit rows x 4-bit weights on sm_100 (gmm_blackwell.py)
     "interpret": functools.partial(gmm_pallas_tpu, interpret=True),
     "interpret_gpu": functools.partial(gmm_pallas_gpu, interpret=True),
 }
