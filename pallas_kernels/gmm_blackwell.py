@@ -205,12 +205,12 @@ def gmm_blackwell(lhs, rhs, group_sizes, group_offset, out_dtype, *, steps: int 
   )
   call = plgpu.kernel(
       functools.partial(_kernel, k_iters=k // TK, steps=steps, block=block),
-      out_shape=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
+      out_type=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
       grid=(group_ids.shape[0], n // TN),
       grid_names=("t", "n"),
       num_threads=2,
       thread_name="wg",
-      scratch_shapes=scratch,
+      scratch_types=scratch,
   )
   out = call(num_tiles.reshape(1), group_ids, m_tile_ids, offsets, offset, rhs.tensor_scale,
              x_scale.reshape(1), a, rhs.values, a_sc, rhs.scales)
