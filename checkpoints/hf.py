@@ -5,6 +5,9 @@ Tensor names are those transformers writes to disk: per-expert
 `block_sparse_moe.experts.{i}.w1/w2/w3`; the fused in-memory layout
 (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) is accepted too. Linear weights are
 stored [out, in] by torch; ours are [in, out], split per head where attention needs it.
+A DeepSeek-V3 / GLM checkpoint may carry the MTP module as one extra layer after the last,
+`model.layers.{num_layers}.*` (enorm, hnorm, eh_proj, shared_head.norm, a decoder layer);
+transformers drops it, `load_hf_mtp` reads it.
 """
 
 from __future__ import annotations
@@ -61,6 +64,13 @@ def _attention(st: SafetensorsDir, pre: str, c: ModelConfig) -> dict[str, Callab
             "w_uk": lambda: kv_b(slice(0, c.qk_nope_head_dim)),
             "w_uv": lambda: kv_b(slice(c.qk_nope_head_dim, None)),
             "o": lambda: _linear(st, pre + "o_proj").reshape(h, c.v_head_dim, d),
+            "indexer": {
+                "wq": lambda: _linear(st, pre + "indexer.wq_b").reshape(c.q_lora_rank, c.index_n_heads, c.index_head_dim),
+                "wk": lambda: _linear(st, pre + "indexer.wk"),
+                "k_norm": lambda: st.get(pre + "indexer.k_norm.weight"),
+                "k_norm_bias": lambda: st.get(pre + "indexer.k_norm.bias"),
+                "head_weights": lambda: _linear(st, pre + "indexer.weights_proj"),
+            },
         }
     kv, dh = c.num_kv_heads, c.head_dim
     return {
@@ -96,40 +106,56 @@ def _experts(st: SafetensorsDir, pre: str, c: ModelConfig) -> dict[str, Callable
     return {p: (lambda p=p: per_expert(p)) for p in ("gate", "up", "down")}
 
 
+def _layer(st: SafetensorsDir, i: int, c: ModelConfig) -> dict:
+    """The same tree as `layer_specs(c, i)`, each leaf a thunk that reads that parameter."""
+    pre = f"model.layers.{i}."
+    layer = {
+        "attn_norm": lambda: st.get(pre + "input_layernorm.weight"),
+        "attn": _attention(st, pre + "self_attn.", c),
+        "mlp_norm": lambda: st.get(pre + "post_attention_layernorm.weight"),
+    }
+    if i in c.dense_layers:
+        layer["mlp"] = _mlp(st, pre + "mlp.")
+    else:
+        m = pre + ("block_sparse_moe." if c.family == "mixtral" else "mlp.")
+        layer["moe"] = {
+            "router": lambda: _linear(st, m + "gate"),
+            "router_bias": lambda: st.get(m + "gate.e_score_correction_bias"),
+            "experts": _experts(st, m + "experts.", c),
+            "shared": _mlp(st, m + "shared_experts."),
+        }
+    return layer
+
+
+def _mtp_sources(st: SafetensorsDir, c: ModelConfig) -> dict:
+    """The same tree as `mtp_specs(c)`: the layer after the last decoder layer."""
+    pre = f"model.layers.{c.num_layers}."
+    return {
+        "enorm": lambda: st.get(pre + "enorm.weight"),
+        "hnorm": lambda: st.get(pre + "hnorm.weight"),
+        "eh_proj": lambda: _linear(st, pre + "eh_proj"),
+        "layer": _layer(st, c.num_layers, c),
+        "norm": lambda: st.get(pre + "shared_head.norm.weight"),
+    }
+
+
 def _sources(st: SafetensorsDir, c: ModelConfig) -> dict:
     """The same tree as `param_specs`, each leaf a thunk that reads that parameter."""
-    layers = []
-    moe_prefix = "block_sparse_moe." if c.family == "mixtral" else "mlp."
-    for i in range(c.num_layers):
-        pre = f"model.layers.{i}."
-        layer = {
-            "attn_norm": lambda pre=pre: st.get(pre + "input_layernorm.weight"),
-            "attn": _attention(st, pre + "self_attn.", c),
-            "mlp_norm": lambda pre=pre: st.get(pre + "post_attention_layernorm.weight"),
-        }
-        if i in c.dense_layers:
-            layer["mlp"] = _mlp(st, pre + "mlp.")
-        else:
-            m = pre + moe_prefix
-            layer["moe"] = {
-                "router": lambda m=m: _linear(st, m + "gate"),
-                "router_bias": lambda m=m: st.get(m + "gate.e_score_correction_bias"),
-                "experts": _experts(st, m + "experts.", c),
-                "shared": _mlp(st, m + "shared_experts."),
-            }
-        layers.append(layer)
     return {
         "embed": lambda: st.get("model.embed_tokens.weight"),
-        "layers": layers,
+        "layers": [_layer(st, i, c) for i in range(c.num_layers)],
         "final_norm": lambda: st.get("model.norm.weight"),
         "lm_head": lambda: _linear(st, "lm_head"),
     }
 
 
-def iter_hf_tensors(directory: str | Path, c: ModelConfig) -> Iterator[tuple[tuple, ParamSpec, np.ndarray]]:
-    """Yields (path in the param tree, spec, array) one parameter at a time."""
+def iter_hf_tensors(directory: str | Path, c: ModelConfig, mtp: bool = False) -> Iterator[tuple[tuple, ParamSpec, np.ndarray]]:
+    """Yields (path in the param tree, spec, array) one parameter at a time: the model's, or
+    with `mtp` the MTP module's."""
+    from moejax.model.mtp import mtp_specs
+
     st = SafetensorsDir(directory)
-    sources = _sources(st, c)
+    specs, sources = (mtp_specs(c), _mtp_sources(st, c)) if mtp else (param_specs(c), _sources(st, c))
 
     def walk(spec_tree, src_tree, path):
         if isinstance(spec_tree, ParamSpec):
@@ -143,7 +169,7 @@ def iter_hf_tensors(directory: str | Path, c: ModelConfig) -> Iterator[tuple[tup
         for k, sub in items:
             yield from walk(sub, src_tree[k], path + (k,))
 
-    yield from walk(param_specs(c), sources, ())
+    yield from walk(specs, sources, ())
 
 
 def set_path(tree, path: tuple, value) -> None:
@@ -152,14 +178,22 @@ def set_path(tree, path: tuple, value) -> None:
     tree[path[-1]] = value
 
 
-def load_hf(directory: str | Path, c: ModelConfig, dtype, place: Callable[[ParamSpec, np.ndarray], object]):
-    """Params: every tensor read, cast and handed to `place(spec, array)` (which puts it
-    on its devices) before the next one is read."""
+def has_mtp(directory: str | Path, c: ModelConfig) -> bool:
+    """Whether the checkpoint carries the MTP module (the layer after the last)."""
+    return f"model.layers.{c.num_layers}.eh_proj.weight" in SafetensorsDir(directory)
+
+
+def load_hf(directory: str | Path, c: ModelConfig, dtype, place: Callable[[ParamSpec, np.ndarray], object],
+            mtp: bool = False):
+    """Params (with `mtp`: the MTP module's): every tensor read, cast and handed to
+    `place(spec, array)` (which puts it on its devices) before the next one is read."""
     import jax
     import jax.numpy as jnp
 
-    params = jax.tree.map(lambda s: None, param_specs(c), is_leaf=lambda x: isinstance(x, ParamSpec))
-    for path, spec, array in iter_hf_tensors(directory, c):
+    from moejax.model.mtp import mtp_specs
+
+    params = jax.tree.map(lambda s: None, mtp_specs(c) if mtp else param_specs(c), is_leaf=lambda x: isinstance(x, ParamSpec))
+    for path, spec, array in iter_hf_tensors(directory, c, mtp):
         target = np.float32 if spec.float32 else jnp.dtype(dtype)
         set_path(params, path, place(spec, array.astype(target)))
     return params

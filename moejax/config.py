@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3")
+FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "glm_moe_dsa")
 PLACEMENTS = ("tensor_sliced", "expert_sharded", "hybrid", "ragged_a2a", "weight_prefetch")
 EXPERT_FORMATS = ("bf16", "nvfp4", "mxfp4")
 KERNELS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "interpret")
@@ -45,6 +45,12 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # DSA (glm_moe_dsa): the indexer keeps each query's top `index_topk` key positions; layers
+    # in `dsa_shared_layers` reuse the selection of the layer before them.
+    index_topk: int = 0
+    index_head_dim: int = 0
+    index_n_heads: int = 0
+    dsa_shared_layers: tuple[int, ...] = ()
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # transformers' rope_parameters minus rope_theta (yarn)
     partial_rotary_factor: float = 1.0
@@ -68,7 +74,15 @@ class ModelConfig:
 
     @property
     def is_mla(self) -> bool:
-        return self.family == "deepseek_v3"
+        return self.family in ("deepseek_v3", "glm_moe_dsa")
+
+    @property
+    def is_dsa(self) -> bool:
+        return self.family == "glm_moe_dsa"
+
+    def has_indexer(self, layer: int) -> bool:
+        """Whether `layer` runs its own DSA indexer (the MTP layer, past the last, always does)."""
+        return self.is_dsa and layer not in self.dsa_shared_layers
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -106,6 +120,14 @@ class ModelConfig:
             raise ConfigError(f"router_scoring {self.router_scoring!r} is not softmax or sigmoid")
         if any(not 0 <= i < self.num_layers for i in self.dense_layers):
             raise ConfigError(f"dense_layers {self.dense_layers} outside 0..{self.num_layers - 1}")
+        if self.is_dsa:
+            if (not 0 < self.qk_rope_head_dim <= self.index_head_dim or self.index_n_heads < 1 or self.index_topk < 1
+                    or not self.q_lora_rank):
+                raise ConfigError(f"the DSA indexer needs q_lora_rank, index_topk, index_n_heads >= 1 and "
+                                  f"index_head_dim >= qk_rope_head_dim {self.qk_rope_head_dim}")
+            if any(not 0 < i < self.num_layers for i in self.dsa_shared_layers):
+                raise ConfigError(f"dsa_shared_layers {self.dsa_shared_layers} must lie in 1..{self.num_layers - 1} "
+                                  "(layer 0 has no selection to share)")
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -118,7 +140,7 @@ class LayoutConfig:
     devices: int = 1
     ep: int = 0  # hybrid only; 0 = derived (devices / tp)
     tp: int = 1
-    attention: str = "tp"  # dp | tp
+    attention: str = "dp"  # dp | tp
     dense: str = "tp"  # tp | replicated
     shared_expert: str = "tp"  # tp | replicated
     dispatch_dtype: str = "bf16"  # ragged_a2a: bf16 | nvfp4
@@ -165,7 +187,7 @@ class EngineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    model: ModelConfig = ModelConfig()
+    model: ModelConfig = dataclasses.field(default_factory=lambda: PRESETS["tiny"])
     layout: LayoutConfig = LayoutConfig()
     weights: WeightsConfig = WeightsConfig()
     engine: EngineConfig = EngineConfig()
@@ -200,8 +222,10 @@ PRESETS: dict[str, ModelConfig] = {
     # The default: DeepSeek-V3 / GLM shaped (MLA, shared expert, sigmoid grouped router), seconds on CPU.
     "tiny": _tiny_mla(),
     "tiny-deepseek-v3": _tiny_mla(),
+    # GLM-5 shaped: MLA + DSA indexer (layer 2 shares layer 1's selection), 32 experts top-8.
     "tiny-glm-5.3": _tiny_mla(
-        num_experts=32, num_experts_per_tok=8, n_group=1, topk_group=1, num_layers=4, dense_layers=(0,)
+        family="glm_moe_dsa", num_experts=32, num_experts_per_tok=8, n_group=1, topk_group=1, num_layers=4,
+        dense_layers=(0,), index_topk=8, index_head_dim=16, index_n_heads=4, dsa_shared_layers=(2,),
     ),
     "tiny-qwen3-moe": ModelConfig(
         family="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -229,12 +253,13 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     # Full-size models: for `calc` and abstract evaluation, not for running on CPU.
     "glm-5.3": ModelConfig(
-        family="deepseek_v3", vocab_size=154880, hidden_size=6144, intermediate_size=12288,
+        family="glm_moe_dsa", vocab_size=154880, hidden_size=6144, intermediate_size=12288,
         moe_intermediate_size=2048, num_layers=78, num_heads=64, num_kv_heads=64, head_dim=64,
         q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
         rope_interleave=True, num_experts=256, num_experts_per_tok=8, num_shared_experts=1,
         router_scoring="sigmoid", router_bias=True, routed_scaling_factor=2.5, n_group=1, topk_group=1,
         dense_layers=(0, 1, 2), rms_norm_eps=1e-5, max_position_embeddings=202752,
+        index_topk=2048, index_head_dim=128, index_n_heads=32,
     ),
     "deepseek-v3": ModelConfig(
         family="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
@@ -259,6 +284,7 @@ PRESETS: dict[str, ModelConfig] = {
     ),
 }
 PRESETS["tiny-deepseek-v3"] = PRESETS["tiny"]
+PRESETS["tiny-glm5"] = PRESETS["tiny-glm-5.3"]
 
 
 def preset(name: str) -> ModelConfig:
@@ -270,7 +296,7 @@ def preset(name: str) -> ModelConfig:
 # ----------------------------------------------------------------------------- transformers import
 
 def from_hf_config(hf: dict) -> ModelConfig:
-    """A `ModelConfig` from a transformers `config.json` dict (the four supported families)."""
+    """A `ModelConfig` from a transformers `config.json` dict (the supported families)."""
     model_type = hf.get("model_type")
     g = hf.get
     rope = dict(g("rope_parameters") or g("rope_scaling") or {})
@@ -306,7 +332,7 @@ def from_hf_config(hf: dict) -> ModelConfig:
             moe_intermediate_size=g("intermediate_size"), num_experts=g("num_local_experts"),
             norm_topk_prob=True,
         )
-    if model_type in ("glm4_moe", "deepseek_v3"):
+    if model_type in ("glm4_moe", "deepseek_v3", "glm_moe_dsa"):
         sigmoid = dict(
             intermediate_size=g("intermediate_size"), moe_intermediate_size=g("moe_intermediate_size"),
             num_experts=g("n_routed_experts") or g("num_local_experts"), num_shared_experts=g("n_shared_experts") or 0,
@@ -314,19 +340,25 @@ def from_hf_config(hf: dict) -> ModelConfig:
             routed_scaling_factor=float(g("routed_scaling_factor", 1.0)), n_group=g("n_group") or 1,
             topk_group=g("topk_group") or 1, dense_layers=tuple(range(g("first_k_dense_replace") or 0)),
         )
+        if g("mlp_layer_types"):
+            sigmoid["dense_layers"] = tuple(i for i, t in enumerate(g("mlp_layer_types")) if t == "dense")
         if model_type == "glm4_moe":
             return ModelConfig(
                 family="glm4_moe", **common, **sigmoid, head_dim=head_dim,
                 attention_bias=bool(g("attention_bias", False)), qk_norm=bool(g("use_qk_norm", False)),
             )
+        dsa = {}
+        if model_type == "glm_moe_dsa":
+            dsa = dict(index_topk=g("index_topk"), index_head_dim=g("index_head_dim"), index_n_heads=g("index_n_heads"),
+                       dsa_shared_layers=tuple(i for i, t in enumerate(g("indexer_types") or []) if t == "shared"))
         return ModelConfig(
-            family="deepseek_v3", **common, **sigmoid, head_dim=g("qk_rope_head_dim"),
+            family=model_type, **common, **sigmoid, **dsa, head_dim=g("qk_rope_head_dim"),
             q_lora_rank=g("q_lora_rank") or 0, kv_lora_rank=g("kv_lora_rank"),
             qk_nope_head_dim=g("qk_nope_head_dim"), qk_rope_head_dim=g("qk_rope_head_dim"),
             v_head_dim=g("v_head_dim"), rope_interleave=bool(g("rope_interleave", True)),
             attention_bias=bool(g("attention_bias", False)),
         )
-    raise ConfigError(f"unsupported architecture {model_type!r} (supported: qwen3_moe, mixtral, glm4_moe, deepseek_v3)")
+    raise ConfigError(f"unsupported architecture {model_type!r} (supported: {', '.join(FAMILIES)})")
 
 
 # ----------------------------------------------------------------------------- files and overrides

@@ -10,6 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3")
+# GLM-5 (MLA + DSA indexer) is tested step by step in test_glm5.py: near-ties in the indexer's
+# top-k make a full forward and a cached one differ in transformers itself.
+GLM5 = "glm_moe_dsa"
 
 
 def hf_config(family: str):
@@ -44,6 +47,17 @@ def hf_config(family: str):
                              "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1,
                              "mscale": 1.0, "mscale_all_dim": 1.0},
         )
+    if family == GLM5:
+        # index_topk below the sequence length so the indexer's selection matters; layer 2
+        # shares layer 1's selection. Eight indexer heads make all-zero (relu) score ties rare.
+        return transformers.GlmMoeDsaConfig(
+            **common, num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=16,
+            n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, mlp_layer_types=["dense", "sparse", "sparse"],
+            n_group=1, topk_group=1, routed_scaling_factor=2.5, q_lora_rank=16, kv_lora_rank=16,
+            qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, index_topk=6, index_head_dim=16,
+            index_n_heads=8, indexer_types=["full", "full", "shared"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
     raise ValueError(family)
 
 
@@ -74,10 +88,13 @@ def hf_logits(model, tokens: list[int]):
         return model(torch.tensor([tokens])).logits[0].numpy()
 
 
-def hf_greedy(model, tokens: list[int], n: int) -> list[int]:
+def hf_greedy(model, tokens: list[int], n: int, return_logits: bool = False):
+    """transformers' cached greedy generate: n new tokens (and with `return_logits` the
+    logits [n, V] each was chosen from)."""
     import torch
 
     with torch.no_grad():
         out = model.generate(torch.tensor([tokens]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
-                             pad_token_id=0, eos_token_id=None)
-    return out[0, len(tokens):].tolist()
+                             pad_token_id=0, eos_token_id=None, return_dict_in_generate=True, output_logits=True)
+    new = out.sequences[0, len(tokens):].tolist()
+    return (new, torch.stack(out.logits)[:, 0].numpy()) if return_logits else new

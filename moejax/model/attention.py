@@ -11,16 +11,21 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import ModelConfig
+from moejax.model import dsa
 from moejax.model.layers import apply_rope, rms_norm
 
 
-def cache_specs(c: ModelConfig, batch: int, max_len: int) -> dict:
-    """Per-layer cache entries: name -> (shape, logical axes). MLA caches the compressed latent."""
+def cache_specs(c: ModelConfig, batch: int, max_len: int, layer: int | None = None) -> dict:
+    """Cache entries of `layer` (None: of any layer): name -> (shape, logical axes). MLA caches
+    the compressed latent; a DSA layer with its own indexer also caches the indexer's keys."""
     if c.is_mla:
-        return {
+        specs = {
             "latent": ((batch, max_len, c.kv_lora_rank), ("batch", "cache_seq", None)),
             "k_rope": ((batch, max_len, c.qk_rope_head_dim), ("batch", "cache_seq", None)),
         }
+        if c.is_dsa and (layer is None or c.has_indexer(layer)):
+            specs["index_k"] = ((batch, max_len, c.index_head_dim), ("batch", "cache_seq", None))
+        return specs
     kv = ((batch, max_len, c.num_kv_heads, c.head_dim), ("batch", "cache_seq", "kv_heads", "head_dim"))
     return {"k": kv, "v": kv}
 
@@ -63,8 +68,12 @@ def gqa(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: Mo
     return jnp.einsum("bthk,hkd->btd", out, p["o"]), cache
 
 
-def mla(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: ModelConfig, rt):
-    """DeepSeek's MLA with the key/value up-projections absorbed into the query and output."""
+def mla(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: ModelConfig, rt, selected=None):
+    """DeepSeek's MLA with the key/value up-projections absorbed into the query and output.
+
+    DSA (GLM-5): a layer with an indexer selects the key positions each query sees; a layer
+    without one is handed the previous layer's `selected` (bool [B, T, S]). Returns
+    (out, cache, selected)."""
     if c.q_lora_rank:
         q_lat = rms_norm(x @ p["q_a"], p["q_a_norm"], c.rms_norm_eps)
         q = jnp.einsum("btr,rhk->bthk", q_lat, p["q_b"])
@@ -77,16 +86,26 @@ def mla(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: Mo
     cos, sin = cos_sin
     q_rope = apply_rope(q_rope, cos, sin, c.rope_interleave)
     k_rope = apply_rope(k_rope, cos, sin, c.rope_interleave)[:, :, 0]
-    cache = {"latent": _write(cache["latent"], latent, positions), "k_rope": _write(cache["k_rope"], k_rope, positions)}
+    cache = {**cache, "latent": _write(cache["latent"], latent, positions), "k_rope": _write(cache["k_rope"], k_rope, positions)}
     lat = rt.constrain(cache["latent"], ("batch", "cache_seq", None))
     kr = rt.constrain(cache["k_rope"], ("batch", "cache_seq", None))
+    visible = _causal_mask(positions, lat.shape[1])  # [B, T, S]
+    if "indexer" in p:
+        cache["index_k"] = _write(cache["index_k"], dsa.index_keys(p["indexer"], x, cos_sin), positions)
+        keys = rt.constrain(cache["index_k"], ("batch", "cache_seq", None))
+        selected = dsa.select(p["indexer"], x, q_lat, cos_sin, keys, visible, c)
+    if selected is not None:
+        visible = visible & selected
     q_abs = jnp.einsum("bthk,rhk->bthr", q_nope, p["w_uk"])  # query in the latent space
     scores = jnp.einsum("bthr,bsr->bhts", q_abs, lat) + jnp.einsum("bthk,bsk->bhts", q_rope, kr)
-    probs = _softmax(scores * c.softmax_scale, _causal_mask(positions, lat.shape[1])[:, None]).astype(lat.dtype)
+    probs = _softmax(scores * c.softmax_scale, visible[:, None]).astype(lat.dtype)
     out_lat = jnp.einsum("bhts,bsr->bthr", probs, lat)
     out = jnp.einsum("bthr,rhv->bthv", out_lat, p["w_uv"])
-    return jnp.einsum("bthv,hvd->btd", out, p["o"]), cache
+    return jnp.einsum("bthv,hvd->btd", out, p["o"]), cache, selected
 
 
-def attention(p, x, positions, cos_sin, cache, c: ModelConfig, rt):
-    return (mla if c.is_mla else gqa)(p, x, positions, cos_sin, cache, c, rt)
+def attention(p, x, positions, cos_sin, cache, c: ModelConfig, rt, selected=None):
+    """-> (out [B, T, D], cache, selected: the DSA selection a following layer may reuse, else None)."""
+    if c.is_mla:
+        return mla(p, x, positions, cos_sin, cache, c, rt, selected)
+    return (*gqa(p, x, positions, cos_sin, cache, c, rt), None)

@@ -38,10 +38,22 @@ def _mlp_specs(d: int, f: int, axis: str) -> dict:
     }
 
 
-def _attention_specs(c: ModelConfig) -> dict:
+def _indexer_specs(c: ModelConfig) -> dict:
+    """DSA indexer: its own query (from MLA's q latent) and single key head, per-head weights."""
+    d, hi, di = c.hidden_size, c.index_n_heads, c.index_head_dim
+    return {
+        "wq": ParamSpec((c.q_lora_rank, hi, di), (None, None, None)),
+        "wk": ParamSpec((d, di), ("embed", None)),
+        "k_norm": ParamSpec((di,), (None,), "ones"),  # LayerNorm weight and bias
+        "k_norm_bias": ParamSpec((di,), (None,), "zeros"),
+        "head_weights": ParamSpec((d, hi), ("embed", None), float32=True),  # float32, as transformers keeps it
+    }
+
+
+def _attention_specs(c: ModelConfig, indexer: bool) -> dict:
     d, h = c.hidden_size, c.num_heads
     if c.is_mla:
-        s = {}
+        s = {"indexer": _indexer_specs(c)} if indexer else {}
         if c.q_lora_rank:
             s["q_a"] = ParamSpec((d, c.q_lora_rank), ("embed", None))
             s["q_a_norm"] = ParamSpec((c.q_lora_rank,), (None,), "ones")
@@ -90,23 +102,26 @@ def _moe_specs(c: ModelConfig) -> dict:
     return s
 
 
+def layer_specs(c: ModelConfig, layer: int) -> dict:
+    """One decoder layer; `layer` == num_layers is the MTP module's layer (MoE, own indexer)."""
+    d = c.hidden_size
+    specs = {
+        "attn_norm": ParamSpec((d,), ("embed",), "ones"),
+        "attn": _attention_specs(c, c.has_indexer(layer)),
+        "mlp_norm": ParamSpec((d,), ("embed",), "ones"),
+    }
+    if layer in c.dense_layers:
+        specs["mlp"] = _mlp_specs(d, c.intermediate_size, "mlp")
+    else:
+        specs["moe"] = _moe_specs(c)
+    return specs
+
+
 def param_specs(c: ModelConfig) -> dict:
     d = c.hidden_size
-    layers = []
-    for i in range(c.num_layers):
-        layer = {
-            "attn_norm": ParamSpec((d,), ("embed",), "ones"),
-            "attn": _attention_specs(c),
-            "mlp_norm": ParamSpec((d,), ("embed",), "ones"),
-        }
-        if i in c.dense_layers:
-            layer["mlp"] = _mlp_specs(d, c.intermediate_size, "mlp")
-        else:
-            layer["moe"] = _moe_specs(c)
-        layers.append(layer)
     specs = {
         "embed": ParamSpec((c.vocab_size, d), ("vocab", "embed")),
-        "layers": layers,
+        "layers": [layer_specs(c, i) for i in range(c.num_layers)],
         "final_norm": ParamSpec((d,), ("embed",), "ones"),
     }
     if not c.tie_word_embeddings:
@@ -127,9 +142,10 @@ def abstract_params(c: ModelConfig, dtype=jnp.float32) -> dict:
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, param_dtype(s, dtype)), param_specs(c), is_leaf=_is_spec)
 
 
-def init_params(c: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
-    """Random parameters as transformers initialises them: normal(0, initializer_range), norms at 1."""
-    specs = param_specs(c)
+def init_params(c: ModelConfig, key: jax.Array, dtype=jnp.float32, specs: dict | None = None) -> dict:
+    """Random parameters as transformers initialises them: normal(0, initializer_range), norms at 1.
+    `specs`: another spec tree to initialise (default: the model's)."""
+    specs = param_specs(c) if specs is None else specs
     leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
     keys = jax.random.split(key, len(leaves))
 

@@ -13,6 +13,21 @@ from moejax.model.moe import moe_block
 ROWS = ("batch", "seq", "embed")
 
 
+def decoder_layer(lp: dict, experts, x: jax.Array, positions, cos_sin, cache: dict, selected, c: ModelConfig, placement):
+    """One layer (attention + dense MLP or MoE) on x: [B, T, D] -> (x, cache, selected, picks or None).
+    `experts`: the MoE layer's expert weights from the placement; `selected`: DSA selection."""
+    h = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
+    a, cache, selected = attention(lp["attn"], h, positions, cos_sin, cache, c, placement, selected)
+    x = placement.constrain(x + a, ROWS)
+    h = rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
+    ids = None
+    if "moe" in lp:
+        m, ids = moe_block(lp["moe"], experts, h, c, placement)
+    else:
+        m = swiglu(h, lp["mlp"])
+    return placement.constrain(x + m, ROWS), cache, selected, ids
+
+
 def forward(params: dict, cache: list, tokens: jax.Array, positions: jax.Array, c: ModelConfig, placement):
     """tokens, positions: [B, T] -> (hidden: [B, T, D] after the final norm, cache, picks).
 
@@ -21,19 +36,14 @@ def forward(params: dict, cache: list, tokens: jax.Array, positions: jax.Array, 
     x = placement.constrain(params["embed"][tokens], ROWS)
     cos_sin = rope_cos_sin(c, positions)
     experts = iter(placement.expert_weights([lp["moe"]["experts"] for lp in params["layers"] if "moe" in lp]))
-    new_cache, picks = [], []
+    new_cache, picks, selected = [], [], None
     for lp, layer_cache in zip(params["layers"], cache):
-        h = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
-        a, layer_cache = attention(lp["attn"], h, positions, cos_sin, layer_cache, c, placement)
-        x = placement.constrain(x + a, ROWS)
+        x, layer_cache, selected, ids = decoder_layer(
+            lp, next(experts) if "moe" in lp else None, x, positions, cos_sin, layer_cache, selected, c, placement
+        )
         new_cache.append(layer_cache)
-        h = rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
-        if "moe" in lp:
-            m, ids = moe_block(lp["moe"], next(experts), h, c, placement)
+        if ids is not None:
             picks.append(ids)
-        else:
-            m = swiglu(h, lp["mlp"])
-        x = placement.constrain(x + m, ROWS)
     return rms_norm(x, params["final_norm"], c.rms_norm_eps), new_cache, picks
 
 

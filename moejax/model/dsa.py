@@ -1,0 +1,48 @@
+"""DeepSeek Sparse Attention's indexer (GLM-5): which cached key positions each query attends to.
+
+A light scorer beside MLA: its own query heads (from MLA's query latent) and one key head per
+position (cached, like the latent), scores relu(q . k) summed over heads with per-row head
+weights, and keeps each query's top `index_topk` visible positions. MLA then attends only to
+those (`attention.mla`). Layers without an indexer reuse the previous layer's selection.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moejax.config import ModelConfig
+from moejax.model.layers import apply_rope
+
+LAYER_NORM_EPS = 1e-6  # transformers' indexer k_norm (nn.LayerNorm default)
+
+
+def layer_norm(x: jax.Array, w: jax.Array, b: jax.Array, eps: float) -> jax.Array:
+    """torch LayerNorm (mean and variance over the last axis) computed in float32."""
+    xf = x.astype(jnp.float32)
+    xf = xf - xf.mean(-1, keepdims=True)
+    xf = xf * jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + eps)
+    return (xf * w + b).astype(x.dtype)
+
+
+def index_keys(p: dict, x: jax.Array, cos_sin) -> jax.Array:
+    """x: [B, T, D] -> indexer keys [B, T, Dk]; rope (interleaved) on the first rope dims only."""
+    k = layer_norm(x @ p["wk"], p["k_norm"], p["k_norm_bias"], LAYER_NORM_EPS)
+    return apply_rope(k[:, :, None], *cos_sin, interleave=True)[:, :, 0]
+
+
+def select(p: dict, x: jax.Array, q_lat: jax.Array, cos_sin, keys: jax.Array, visible: jax.Array,
+           c: ModelConfig) -> jax.Array:
+    """x: [B, T, D], q_lat: [B, T, R] (MLA's normed query latent), keys: [B, S, Dk] (cache, this
+    step's keys written), visible: bool [B, T, S] (causal) -> selected: bool [B, T, S].
+
+    Fewer than `index_topk` visible positions: every one is selected (top_k ranks the masked
+    ones, at -inf, last; they stay invisible through `visible`)."""
+    q = apply_rope(jnp.einsum("btr,rhk->bthk", q_lat, p["wq"]), *cos_sin, interleave=True)
+    dk, heads = q.shape[-1], q.shape[-2]
+    scores = jax.nn.relu(jnp.einsum("bthk,bsk->bths", q.astype(jnp.float32), keys.astype(jnp.float32)) * dk**-0.5)
+    head_weights = (x.astype(jnp.float32) @ p["head_weights"]) * heads**-0.5  # [B, T, H]
+    index = jnp.where(visible, jnp.einsum("bth,bths->bts", head_weights, scores), -jnp.inf)
+    b, t, s = index.shape
+    _, top = jax.lax.top_k(index, min(c.index_topk, s))  # [B, T, k]
+    return jnp.zeros((b, t, s), bool).at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], top].set(True)
