@@ -1,0 +1,46 @@
+"""The multi-token-prediction (MTP) draft module, DeepSeek-V3 / GLM style.
+
+From the target's hidden state at position i (after its final norm) and the embedding of the
+token at i + 1, it predicts the token at i + 2: both normalised, concatenated, projected
+(`eh_proj`), one decoder layer (MoE; with its own DSA indexer on GLM-5) over its own KV cache,
+its own final norm, then the target's head (the checkpoints' `shared_head.head` is the same).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moejax.config import ModelConfig
+from moejax.model.attention import cache_specs
+from moejax.model.layers import rms_norm, rope_cos_sin
+from moejax.model.params import ParamSpec, layer_specs
+from moejax.model.transformer import ROWS, decoder_layer
+
+
+def mtp_specs(c: ModelConfig) -> dict:
+    d = c.hidden_size
+    return {
+        "enorm": ParamSpec((d,), ("embed",), "ones"),
+        "hnorm": ParamSpec((d,), ("embed",), "ones"),
+        "eh_proj": ParamSpec((2 * d, d), (None, "embed")),  # [embedding; hidden] -> D
+        "layer": layer_specs(c, c.num_layers),
+        "norm": ParamSpec((d,), ("embed",), "ones"),
+    }
+
+
+def init_mtp_cache(c: ModelConfig, batch: int, max_len: int, dtype) -> dict:
+    """The MTP layer's own cache (the layer index past the last: an indexer of its own)."""
+    return {k: jnp.zeros(shape, dtype) for k, (shape, _) in cache_specs(c, batch, max_len, c.num_layers).items()}
+
+
+def mtp_forward(mtp: dict, params: dict, cache: dict, hidden: jax.Array, tokens: jax.Array, positions: jax.Array,
+                c: ModelConfig, placement) -> tuple[jax.Array, dict]:
+    """hidden: [B, T, D] the target's hidden states at positions - 1; tokens, positions: [B, T]
+    -> (h: [B, T, D] after the MTP norm, for `lm_head`, cache)."""
+    e = rms_norm(params["embed"][tokens], mtp["enorm"], c.rms_norm_eps)
+    h = rms_norm(hidden, mtp["hnorm"], c.rms_norm_eps)
+    x = placement.constrain(jnp.concatenate([e, h], axis=-1) @ mtp["eh_proj"], ROWS)
+    experts = placement.expert_weights([mtp["layer"]["moe"]["experts"]])[0]
+    x, cache, _, _ = decoder_layer(mtp["layer"], experts, x, positions, rope_cos_sin(c, positions), cache, None, c, placement)
+    return rms_norm(x, mtp["norm"], c.rms_norm_eps), cache
