@@ -140,6 +140,13 @@ def figure4(args) -> None:
   print(f"{len(points)} points: time = {intercept:.0f} us + {slope:.0f} us per GB read")
   print(f"corr(time, bytes) = {np.corrcoef(t, read)[0, 1]:.3f}   "
         f"corr(time, picks) = {np.corrcoef(t, picks)[0, 1]:.3f}")
+  # Both terms at once: a CPU does ~10 FLOP per byte it reads, so rows are not free here.
+  design = np.stack([np.ones_like(t), read / 1e6, picks], axis=1)
+  coef, *_ = np.linalg.lstsq(design, t * 1e6, rcond=None)
+  fit = design @ coef
+  r2 = 1 - ((t * 1e6 - fit) ** 2).sum() / ((t * 1e6 - (t * 1e6).mean()) ** 2).sum()
+  print(f"time = {coef[0]:.0f} us + {coef[1]:.0f} us per MB + {coef[2]:.0f} us per pick "
+        f"(R^2 {r2:.3f})")
 
 
 def main() -> None:
@@ -150,7 +157,7 @@ def main() -> None:
   p.add_argument("--topk", type=int, default=8)
   p.add_argument("--skew", type=float, default=1.0, help="Dirichlet skew of Figure 3's router")
   p.add_argument("--formats", nargs="+", default=["bf16", "nvfp4"])
-  p.add_argument("--batches", type=int, nargs="+",
+  p.add_argument("--batches", type=int, nargs="*",
                  default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096])
   p.add_argument("--steps", type=int, default=12, help="Figure 4 decode steps")
   p.add_argument("--decode-tokens", type=int, default=64, help="Figure 4 tokens per step")
