@@ -26,6 +26,12 @@ def sample(logits: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
     """logits: float32 [B, V] -> token ids int32 [B]."""
     if s.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, sampling_logits(logits, s), axis=-1).astype(jnp.int32)
+
+
+def sampling_logits(logits: jax.Array, s: Sampling) -> jax.Array:
+    """The logits `sample` draws from (temperature, top-k, top-p applied; -inf = excluded):
+    softmax of them is the sampling distribution (speculative acceptance needs it)."""
     logits = logits / s.temperature
     if s.top_k:
         kth = jax.lax.top_k(logits, s.top_k)[0][:, -1:]
@@ -37,4 +43,4 @@ def sample(logits: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
         mass_before = jnp.cumsum(probs, axis=-1) - probs
         cutoff = jnp.min(jnp.where(mass_before < s.top_p, sorted_logits, jnp.inf), axis=-1, keepdims=True)
         logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    return logits

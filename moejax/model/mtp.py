@@ -44,3 +44,19 @@ def mtp_forward(mtp: dict, params: dict, cache: dict, hidden: jax.Array, tokens:
     experts = placement.expert_weights([mtp["layer"]["moe"]["experts"]])[0]
     x, cache, _, _ = decoder_layer(mtp["layer"], experts, x, positions, rope_cos_sin(c, positions), cache, None, c, placement)
     return rms_norm(x, mtp["norm"], c.rms_norm_eps), cache
+
+
+def mirror_last_layer(params: dict, c: ModelConfig) -> dict:
+    """A draft module that repeats the target's last layer on the next token's normed embedding
+    (the hidden half of `eh_proj` is zero) and ends in the target's final norm: on a one-layer
+    target whose embeddings have unit RMS it computes what the target will compute next, so its
+    drafts are mostly accepted. For benchmarks and tests of the accept path."""
+    d = c.hidden_size
+    dtype = params["embed"].dtype
+    return {
+        "enorm": jnp.ones((d,), dtype),
+        "hnorm": jnp.ones((d,), dtype),
+        "eh_proj": jnp.concatenate([jnp.eye(d, dtype=dtype), jnp.zeros((d, d), dtype)]),
+        "layer": params["layers"][-1],
+        "norm": params["final_norm"],
+    }

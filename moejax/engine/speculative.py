@@ -1,0 +1,202 @@
+"""MTP speculative decoding: one jitted step per decode step, no host round trip between steps.
+
+State per request: the next token (at `pos`, emitted, not yet through the target) and the MTP's
+draft for `pos + 1`. A step runs the target on both (two rows per request), accepts or rejects
+the draft on the device, and lets the MTP draft the next token inside the same step (seed 2's
+device-side rejection and early draft). Rollback of a rejected draft costs nothing: its cache
+slot (target and MTP) holds keys at `pos + 1` that no query at or before `pos + 1` of the next
+step can see through the causal mask before the next step overwrites them.
+
+Greedy: the draft is accepted when it equals the target's argmax, so the tokens equal plain
+greedy decoding. Sampled: standard speculative sampling (accept with min(1, p/q), else draw from
+norm(max(p - q, 0))), so tokens are distributed as the target's own samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.engine.engine import Engine, bucket
+from moejax.engine.sampling import Sampling, sample, sampling_logits
+from moejax.errors import UsageError
+from moejax.model.mtp import init_mtp_cache, mtp_forward, mtp_specs
+from moejax.model.params import ParamSpec, init_params
+from moejax.model.transformer import forward, lm_head
+
+
+class SpecState(NamedTuple):
+    """On the device between steps; [B] unless noted."""
+
+    token: jax.Array  # int32: the next token, at `pos`
+    draft: jax.Array  # int32: the MTP's guess for pos + 1
+    draft_probs: jax.Array  # float32 [B, V] the distribution the draft was drawn from ([B, 1] greedy)
+    pos: jax.Array  # int32
+    key: jax.Array
+
+
+def draft_from(logits: jax.Array, key: jax.Array, s: Sampling) -> tuple[jax.Array, jax.Array]:
+    """MTP logits [B, V] -> (draft [B], the distribution it was drawn from)."""
+    if s.greedy:
+        return sample(logits, key, s), jnp.zeros((logits.shape[0], 1), jnp.float32)
+    masked = sampling_logits(logits, s)
+    return jax.random.categorical(key, masked, axis=-1).astype(jnp.int32), jax.nn.softmax(masked, axis=-1)
+
+
+def verify(logits: jax.Array, draft: jax.Array, q: jax.Array, key: jax.Array, s: Sampling):
+    """The token after the target's logits [B, V]: (accepted [B], token [B]) where token is the
+    draft when accepted, else a replacement; distributed exactly as `sample(logits)`."""
+    if s.greedy:
+        token = sample(logits, key, s)
+        return token == draft, token
+    p = jax.nn.softmax(sampling_logits(logits, s), axis=-1)
+    k_accept, k_replace = jax.random.split(key)
+    p_draft = jnp.take_along_axis(p, draft[:, None], axis=-1)[:, 0]
+    q_draft = jnp.take_along_axis(q, draft[:, None], axis=-1)[:, 0]
+    accepted = jax.random.uniform(k_accept, draft.shape) * q_draft < p_draft  # u < p/q without dividing
+    # Rejection implies p(draft) < q(draft), so the residual has mass elsewhere.
+    replacement = jax.random.categorical(k_replace, jnp.log(jnp.maximum(p - q, 0.0)), axis=-1).astype(jnp.int32)
+    return accepted, jnp.where(accepted, draft, replacement)
+
+
+def spec_prefill(params, mtp, cache, mtp_cache, tokens, last, key, *, c, placement, sampling: Sampling):
+    """tokens: [B, W] padded prompts, last: [B] last prompt positions -> (state, cache, mtp_cache).
+
+    The MTP sees (hidden at i, token i + 1) at positions i + 1: the prompt shifted by one, with
+    the first new token after each prompt's last position."""
+    b, w = tokens.shape
+    rows = jnp.arange(b)
+    positions = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
+    h, cache, _ = forward(params, cache, tokens, positions, c, placement)
+    key, k_first, k_draft = jax.random.split(key, 3)
+    first = sample(lm_head(params, h[rows, last], c), k_first, sampling)
+    following = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
+    following = jnp.where(positions == last[:, None], first[:, None], following)
+    mh, mtp_cache = mtp_forward(mtp, params, mtp_cache, h, following, positions + 1, c, placement)
+    draft, q = draft_from(lm_head(params, mh[rows, last], c), k_draft, sampling)
+    return SpecState(first, draft, q, last + 1, key), cache, mtp_cache
+
+
+def spec_step(params, mtp, cache, mtp_cache, state: SpecState, *, c, placement, sampling: Sampling):
+    """One speculative decode step -> (state, cache, mtp_cache, emitted int32 [B, 2], accepted [B]).
+    The step's new tokens are emitted[:, :1 + accepted]."""
+    rows = jnp.arange(state.token.shape[0])
+    positions = state.pos[:, None] + jnp.arange(2, dtype=jnp.int32)  # [B, 2]: next token, draft
+    h, cache, _ = forward(params, cache, jnp.stack([state.token, state.draft], axis=1), positions, c, placement)
+    logits = lm_head(params, h, c)  # [B, 2, V]
+    key, k_verify, k_bonus, k_draft = jax.random.split(state.key, 4)
+    accepted, token = verify(logits[:, 0], state.draft, state.draft_probs, k_verify, sampling)
+    bonus = sample(logits[:, 1], k_bonus, sampling)  # the token at pos + 2; kept after an accepted draft
+    emitted = jnp.stack([token, bonus], axis=1)
+    # Both MTP rows run: row 0 drafts pos + 2 (after a rejection), row 1 drafts pos + 3 (after an
+    # acceptance, when its cache entry at pos + 2 is needed too); the unused row's entry is stale.
+    mh, mtp_cache = mtp_forward(mtp, params, mtp_cache, h, emitted, positions + 1, c, placement)
+    n = accepted.astype(jnp.int32)
+    draft, q = draft_from(lm_head(params, mh[rows, n], c), k_draft, sampling)
+    state = SpecState(emitted[rows, n], draft, q, state.pos + 1 + n, key)
+    return state, cache, mtp_cache, emitted, accepted
+
+
+@dataclasses.dataclass
+class SpecGeneration:
+    tokens: list[list[int]]
+    finish_reasons: list[str]
+    acceptance_rate: float  # accepted drafts / steps, over the steps each request still needed
+    steps: int  # speculative steps run (after the prefill)
+    prefill_ms: float
+    step_ms: float  # mean wall time of one speculative step
+
+
+class SpeculativeEngine:
+    """A target `Engine` plus an MTP draft module, with jitted prefill and step."""
+
+    def __init__(self, engine: Engine, mtp: dict):
+        self.engine, self.mtp = engine, mtp
+        bind = dict(c=engine.c, placement=engine.placement)
+        self._prefill = jax.jit(functools.partial(spec_prefill, **bind), donate_argnums=(2, 3), static_argnames="sampling")
+        self._step = jax.jit(functools.partial(spec_step, **bind), donate_argnums=(2, 3, 4), static_argnames="sampling")
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
+                 seed: int = 0) -> SpecGeneration:
+        e = self.engine
+        e.check_prompts(prompts)
+        if max_new_tokens < 1:
+            raise UsageError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        longest = max(map(len, prompts))
+        if longest + max_new_tokens > e.c.max_position_embeddings:
+            raise UsageError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the model's context "
+                             f"of {e.c.max_position_embeddings}")
+        tokens, lens = e._padded(prompts)
+        # One slot beyond the last token for the final step's draft row.
+        max_len = e.config.engine.max_seq_len or bucket(max(tokens.shape[1], longest + max_new_tokens + 1), 16)
+        if longest >= max_len:
+            raise UsageError(f"prompt of {longest} tokens does not fit the KV cache of {max_len} positions")
+        batch = tokens.shape[0]
+        cache = e.new_cache(batch, max_len)
+        mtp_cache = e.placement.place_cache([init_mtp_cache(e.c, batch, max_len, e.dtype)])[0]
+        budget = np.array([min(max_new_tokens, max_len - len(p) + 1) for p in prompts])
+
+        t0 = time.perf_counter()
+        state, cache, mtp_cache = self._prefill(
+            e.params, self.mtp, cache, mtp_cache, jnp.asarray(tokens), jnp.asarray(lens - 1), jax.random.key(seed),
+            sampling=sampling,
+        )
+        first = np.asarray(state.token)  # a host copy: the step donates the state's buffers
+        t1 = time.perf_counter()
+        emitted, accepted, produced = [], [], [jnp.ones(batch, jnp.int32)]
+        for _ in range(max_new_tokens - 1):
+            state, cache, mtp_cache, out, acc = self._step(e.params, self.mtp, cache, mtp_cache, state, sampling=sampling)
+            emitted.append(out)
+            accepted.append(acc)
+            produced.append(produced[-1] + 1 + acc)
+            # Stop when every request has its tokens. The count read is one step behind the
+            # step just dispatched, so the device never idles waiting for the host.
+            if int(produced[-2][: len(prompts)].min()) >= budget.max():
+                break
+        jax.block_until_ready(state.token)
+        t2 = time.perf_counter()
+        return self._collect(prompts, budget, first, emitted, accepted, 1e3 * (t1 - t0), 1e3 * (t2 - t1))
+
+    @staticmethod
+    def _collect(prompts, budget, first, emitted, accepted, prefill_ms, decode_ms) -> SpecGeneration:
+        emitted = np.asarray(jnp.stack(emitted)) if emitted else np.zeros((0, len(first), 2), np.int32)
+        accepted = np.asarray(jnp.stack(accepted)) if accepted else np.zeros((0, len(first)), bool)
+        tokens, drafts_accepted, active_steps = [], 0, 0
+        for i in range(len(prompts)):
+            out = [int(first[i])]
+            for s in range(len(emitted)):
+                if len(out) >= budget[i]:
+                    break
+                active_steps += 1
+                drafts_accepted += int(accepted[s, i])
+                out.extend(emitted[s, i, : 1 + int(accepted[s, i])].tolist())
+            tokens.append(out[: budget[i]])
+        return SpecGeneration(
+            tokens=tokens, finish_reasons=["length"] * len(prompts),
+            acceptance_rate=drafts_accepted / max(1, active_steps), steps=len(emitted),
+            prefill_ms=prefill_ms, step_ms=decode_ms / max(1, len(emitted)),
+        )
+
+
+def load_mtp(config, placement, *, hf_dir: str | None = None, checkpoint: str | None = None, init: str | None = None,
+             seed: int = 0) -> dict:
+    """The MTP module's parameters, placed: read from a transformers-layout directory that
+    carries them; random when `init == "random"` or the model itself is random (a preset)."""
+    from checkpoints.hf import has_mtp, load_hf
+
+    c, dtype = config.model, jnp.dtype(config.engine.dtype)
+    if hf_dir is not None and has_mtp(hf_dir, c):
+        return load_hf(hf_dir, c, dtype, placement.place, mtp=True)
+    source = hf_dir or checkpoint
+    if source is not None and init != "random":
+        raise UsageError(f"--speculative mtp: {source} has no MTP weights (model.layers.{c.num_layers}.eh_proj and the "
+                         "rest of that layer; transformers drops them); pass --mtp-init random for a random draft module")
+    specs = mtp_specs(c)
+    params = init_params(c, jax.random.key(seed + 1), dtype, specs=specs)
+    return jax.tree.map(placement.place, specs, params, is_leaf=lambda x: isinstance(x, ParamSpec))
