@@ -92,9 +92,18 @@ def cmd_generate(args) -> int:
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if (args.top_k or args.top_p < 1.0) and sampling.greedy:
         sampling = dataclasses.replace(sampling, temperature=1.0)
-    gen = engine.generate(args.prompt_ids or [[1]], args.max_new_tokens, sampling, seed=args.sample_seed)
+    prompts, extra = args.prompt_ids or [[1]], {}
+    if args.speculative == "mtp":
+        from moejax.engine.speculative import SpeculativeEngine, load_mtp
+
+        mtp = load_mtp(engine.config, engine.placement, hf_dir=args.hf, checkpoint=getattr(args, "checkpoint", None),
+                       init=args.mtp_init, seed=args.seed)
+        gen = SpeculativeEngine(engine, mtp).generate(prompts, args.max_new_tokens, sampling, seed=args.sample_seed)
+        extra = {"acceptance_rate": gen.acceptance_rate}
+    else:
+        gen = engine.generate(prompts, args.max_new_tokens, sampling, seed=args.sample_seed)
     if args.json:
-        print(json.dumps({"tokens": gen.tokens, "finish_reasons": gen.finish_reasons}))
+        print(json.dumps({"tokens": gen.tokens, "finish_reasons": gen.finish_reasons, **extra}))
     else:
         for i, toks in enumerate(gen.tokens):
             print(f"request {i}: {' '.join(map(str, toks))}")
@@ -121,6 +130,8 @@ def register(sub) -> None:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--sample-seed", type=int, default=0, help="PRNG seed of sampling")
+    g.add_argument("--speculative", choices=("mtp",), help="speculative decoding with the model's MTP draft module")
+    g.add_argument("--mtp-init", choices=("random",), help="a random MTP module when the checkpoint carries none")
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("score", help="logits of one prefill")
