@@ -7,12 +7,13 @@ convention for bad arguments), never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from moejax.config import ConfigError
 
 # Modules that define `register(subparsers)`; each subparser sets `func(args) -> int`.
-VERB_MODULES = ("moejax.commands", "moejax.analysis.commands")
+VERB_MODULES = ("moejax.commands", "moejax.compare", "moejax.analysis.commands", "checkpoints.commands")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Compiled programs persist between runs: XLA:CPU compiles are most of a short run's time.
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/moejax/xla"))
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,8 @@ class Generation:
     finish_reasons: list[str]  # "length" when the cache or max_new_tokens ended the request
     picks: list | None = None  # per forward pass: [layers, rows, k] router picks (record=True)
     logits: np.ndarray | None = None  # [steps, B, V] logits each new token was chosen from
+    prefill_ms: float = 0.0  # wall time of the whole prefill (all chunks) and the first token
+    decode_step_ms: float = 0.0  # mean wall time of one decode step
 
 
 class Engine:
@@ -137,9 +140,11 @@ class Engine:
         if longest >= max_len:
             raise UsageError(f"prompt of {longest} tokens does not fit the KV cache of {max_len} positions")
         cache = self.new_cache(tokens.shape[0], max_len)
+        t0 = time.perf_counter()
         logits, cache, picks = self._run_prefill(cache, tokens, lens, all_logits=False, record=record)
         key = jax.random.key(seed)
-        tok = sample(logits, jax.random.fold_in(key, 0), sampling)
+        tok = sample(logits, jax.random.fold_in(key, 0), sampling).block_until_ready()
+        t1 = time.perf_counter()
         positions = jnp.asarray(lens)
         out, step_logits = [tok], [logits]
         for step in range(1, max_new_tokens):
@@ -150,6 +155,8 @@ class Engine:
             out.append(tok)
             step_logits.append(logits)
             picks.append(p)
+        tok.block_until_ready()
+        t2 = time.perf_counter()
         new = np.stack([np.asarray(t) for t in out], axis=1)
         # A request ends when max_new_tokens are out or its cache is full (it may use every slot).
         budget = [min(max_new_tokens, max_len - len(p) + 1) for p in prompts]
@@ -158,4 +165,6 @@ class Engine:
             finish_reasons=["length"] * len(prompts),
             picks=[jax.device_get(p) for p in picks] if record else None,
             logits=np.stack([np.asarray(x)[: len(prompts)] for x in step_logits]) if return_logits else None,
+            prefill_ms=1e3 * (t1 - t0),
+            decode_step_ms=1e3 * (t2 - t1) / max(1, max_new_tokens - 1),
         )
