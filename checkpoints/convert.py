@@ -1,0 +1,54 @@
+"""`convert`: a transformers directory -> an orbax checkpoint, one tensor at a time.
+
+Each tensor is read from its memory-mapped safetensors file, cast, quantized if asked (by the
+same single-device `Placement.place` a run would use, so 4-bit experts are bit-identical to
+quantizing on load) and handed to the group writer before the next one is read.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from checkpoints.hf import iter_hf_tensors, read_hf_config
+from checkpoints.manifest import Manifest
+from checkpoints.orbax_io import named_specs, to_stored, write
+from moejax.config import Config, EngineConfig, WeightsConfig
+from moejax.model.params import param_dtype
+
+
+class Progress:
+    """A one-line bar redrawn in place on a terminal; silent when stderr is not one."""
+
+    def __init__(self, total: int, enabled: bool, width: int = 30):
+        self.total, self.done, self.width = total, 0, width
+        self.enabled = enabled and sys.stderr.isatty()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.enabled:
+            filled = self.width * self.done // self.total
+            sys.stderr.write(f"\rconvert [{'#' * filled}{' ' * (self.width - filled)}] "
+                             f"{self.done}/{self.total} {label[:40]:<40}")
+            if self.done == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def convert(hf_dir: str | Path, out: str | Path, *, expert_format: str = "bf16", dtype: str = "float32",
+            progress: bool = False) -> Manifest:
+    from sharding.placement import Placement
+
+    model = read_hf_config(hf_dir)
+    config = Config(model=model, weights=WeightsConfig(expert_format), engine=EngineConfig(dtype=dtype)).validate()
+    place = Placement(config).place
+    manifest = Manifest(model, dtype, expert_format)
+    bar = Progress(len(named_specs(manifest)[0]), progress)
+
+    def stream():
+        for path, spec, array in iter_hf_tensors(hf_dir, model):
+            key = ".".join(map(str, path))
+            yield key, to_stored(spec, place(spec, array.astype(param_dtype(spec, dtype))))
+            bar.step(key)
+
+    return write(out, manifest, stream())
