@@ -14,6 +14,8 @@ from moejax.errors import UsageError
 
 
 def prompt_ids(text: str) -> list[int]:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("--prompt-ids is empty; give token ids such as 1,2,3")
     try:
         ids = [int(t) for t in text.split(",")]
     except ValueError:
@@ -25,6 +27,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", help="a named model with random weights (default: tiny)")
     src.add_argument("--hf", metavar="DIR", help="a transformers save_pretrained directory")
+    src.add_argument("--checkpoint", metavar="CKPT", help="a moejax checkpoint (moejax convert), restored into the placement")
     p.add_argument("--config", metavar="FILE", help="YAML or JSON config (DESIGN.md shape); flags override it")
     p.add_argument("--dtype", choices=("float32", "bfloat16"))
     p.add_argument("--devices", type=int, help="number of devices (virtual CPU devices on a CPU host)")
@@ -72,15 +75,15 @@ def ensure_devices(n: int) -> None:
         raise UsageError(f"--devices {n} asked for, but this machine has {have} {jax.default_backend()} devices")
 
 
-def build_engine(config: Config, hf_dir: str | None, seed: int):
+def build_engine(config: Config, hf_dir: str | None, seed: int, checkpoint: str | None = None):
     from moejax.engine.engine import Engine
     from moejax.loading import load_params, with_hf_model
     from sharding import make_placement
 
-    config = with_hf_model(config, hf_dir).validate()
+    config = with_hf_model(config, hf_dir, checkpoint).validate()
     ensure_devices(config.layout.devices)
     placement = make_placement(config)
-    return Engine(config, load_params(config, placement, hf_dir=hf_dir, seed=seed), placement)
+    return Engine(config, load_params(config, placement, hf_dir=hf_dir, checkpoint=checkpoint, seed=seed), placement)
 
 
 def cmd_generate(args) -> int:
@@ -88,7 +91,10 @@ def cmd_generate(args) -> int:
 
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    engine = build_engine(config_from_args(args), args.hf, args.seed)
+    if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
+        raise UsageError(f"sampling needs --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1; got "
+                         f"{args.temperature}, {args.top_k}, {args.top_p}")
+    engine = build_engine(config_from_args(args), args.hf, args.seed, args.checkpoint)
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if (args.top_k or args.top_p < 1.0) and sampling.greedy:
         sampling = dataclasses.replace(sampling, temperature=1.0)
@@ -111,7 +117,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_score(args) -> int:
-    engine = build_engine(config_from_args(args), args.hf, args.seed)
+    engine = build_engine(config_from_args(args), args.hf, args.seed, args.checkpoint)
     logits = engine.score(args.prompt_ids or [[1]])
     if args.json:
         print(json.dumps({"logits": [x.tolist() for x in logits]}))

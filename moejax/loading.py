@@ -1,4 +1,5 @@
-"""Model loading: a preset with random weights, or a transformers directory, onto a placement."""
+"""Model loading: a preset with random weights, a transformers directory or a moejax checkpoint,
+onto a placement."""
 
 from __future__ import annotations
 
@@ -9,19 +10,39 @@ import jax.numpy as jnp
 
 from checkpoints.hf import load_hf, read_hf_config
 from moejax.config import Config
+from moejax.errors import UsageError
 from moejax.model.params import ParamSpec, init_params, param_specs
 
 
-def with_hf_model(config: Config, hf_dir: str | None) -> Config:
-    """The run config with the model described by `hf_dir/config.json` (unchanged without one)."""
-    return config if hf_dir is None else dataclasses.replace(config, model=read_hf_config(hf_dir))
+def with_hf_model(config: Config, hf_dir: str | None, checkpoint: str | None = None) -> Config:
+    """The run config with the model of `hf_dir/config.json` or of `checkpoint` (unchanged
+    without either). A checkpoint's experts are used in the format they were stored in."""
+    if hf_dir is not None:
+        return dataclasses.replace(config, model=read_hf_config(hf_dir))
+    if checkpoint is None:
+        return config
+    from checkpoints.manifest import read_manifest
+
+    manifest = read_manifest(checkpoint)
+    wanted = config.weights.expert_format
+    if wanted not in ("bf16", manifest.expert_format):
+        raise UsageError(f"{checkpoint} holds {manifest.expert_format} experts, not {wanted}; "
+                         f"convert with --expert-format {wanted} for that")
+    return dataclasses.replace(config, model=manifest.model,
+                               weights=dataclasses.replace(config.weights, expert_format=manifest.expert_format))
 
 
-def load_params(config: Config, placement, *, hf_dir: str | None = None, seed: int = 0) -> dict:
-    """Parameters placed by `placement`: read from `hf_dir`, or random from `seed`."""
+def load_params(config: Config, placement, *, hf_dir: str | None = None, checkpoint: str | None = None,
+                seed: int = 0) -> dict:
+    """Parameters placed by `placement`: read from `hf_dir`, restored from `checkpoint` (each
+    array straight into its sharding), or random from `seed`."""
     dtype = jnp.dtype(config.engine.dtype)
     if hf_dir is not None:
         return load_hf(hf_dir, config.model, dtype, placement.place)
+    if checkpoint is not None:
+        from checkpoints.orbax_io import restore_params
+
+        return restore_params(checkpoint, config, placement)
     specs = jax.tree.leaves(param_specs(config.model), is_leaf=lambda x: isinstance(x, ParamSpec))
     flat, treedef = jax.tree_util.tree_flatten_with_path(init_params(config.model, jax.random.key(seed), dtype))
     return jax.tree.unflatten(treedef, [placement.place(spec, x) for (_, x), spec in zip(flat, specs)])
