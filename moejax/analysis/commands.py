@@ -9,6 +9,7 @@ from pathlib import Path
 from moejax.analysis import analyze as analysis
 from moejax.analysis import calc, plots, synthetic
 from moejax.analysis.trace import load_trace, save_trace
+from moejax.commands import add_model_args, prompt_ids
 from moejax.config import EXPERT_FORMATS, ConfigError, ModelConfig, from_hf_config, preset
 from moejax.errors import UsageError
 
@@ -92,10 +93,20 @@ def run_calc(args) -> int:
 # ----------------------------------------------------------------------------- record
 
 def trace_fields(args) -> dict:
-    """`save_trace`'s arguments from the chosen source; every source (synthetic now, a model run
-    later) ends here, so there is one path to the file."""
-    return synthetic.generate(synthetic.SPECS[args.synthetic], positive("--steps", args.steps),
-                              positive("--rows", args.rows), args.seed)
+    """`save_trace`'s arguments from the chosen source (a synthetic generator or a model run), so
+    there is one path to the file."""
+    steps = positive("--steps", args.steps)
+    if args.synthetic:
+        if args.preset or args.hf or getattr(args, "checkpoint", None):
+            raise UsageError("--synthetic generates its own picks; drop --preset/--hf/--checkpoint")
+        return synthetic.generate(synthetic.SPECS[args.synthetic], steps, positive("--rows", args.rows), args.seed)
+    from moejax.analysis.record import model_trace
+    from moejax.commands import build_engine, config_from_args
+
+    engine = build_engine(config_from_args(args), args.hf, args.seed, args.checkpoint)
+    prompts = args.prompt_ids or [[1]]
+    engine.check_prompts(prompts)
+    return model_trace(engine, prompts, steps, args.hf or args.checkpoint or args.preset or "tiny")
 
 
 def run_record(args) -> int:
@@ -180,14 +191,14 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_calc)
 
-    p = subparsers.add_parser("record", help="write a router-pick trace")
-    p.add_argument("--synthetic", required=True, choices=sorted(synthetic.SPECS),
-                   help="generate a synthetic trace with a published model's statistics")
+    p = subparsers.add_parser("record", help="write a router-pick trace of a model run or a synthetic workload")
+    add_model_args(p)  # the model run's source, placement and --seed, --json
+    p.add_argument("--synthetic", choices=sorted(synthetic.SPECS),
+                   help="generate a synthetic trace with a published model's statistics instead of running a model")
+    p.add_argument("--prompt-ids", type=prompt_ids, action="append", help="1,2,3 (repeat: one request each)")
     p.add_argument("--out", required=True, metavar="TRACE", help="output .npz")
     p.add_argument("--steps", type=int, default=300, help="decode steps (default 300)")
-    p.add_argument("--rows", type=int, default=64, help="rows (concurrent requests) per step (default 64)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--rows", type=int, default=64, help="synthetic: rows (concurrent requests) per step (default 64)")
     p.set_defaults(func=run_record)
 
     p = subparsers.add_parser("analyze", help="skew, balancedness, copies and bytes of a trace; EPLB fitted on it")
