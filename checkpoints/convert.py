@@ -12,7 +12,7 @@ from pathlib import Path
 
 from checkpoints.hf import iter_hf_tensors, read_hf_config
 from checkpoints.manifest import Manifest
-from checkpoints.orbax_io import named_specs, to_stored, write
+from checkpoints.orbax_io import named_specs, param_key, to_stored, write
 from moejax.config import Config, EngineConfig, WeightsConfig
 from moejax.model.params import param_dtype
 
@@ -47,7 +47,7 @@ def convert(hf_dir: str | Path, out: str | Path, *, expert_format: str = "bf16",
 
     def stream():
         for path, spec, array in iter_hf_tensors(hf_dir, model):
-            key = ".".join(map(str, path))
+            key = param_key(path)
             yield key, to_stored(spec, place(spec, array.astype(param_dtype(spec, dtype))))
             bar.step(key)
 

@@ -59,9 +59,12 @@ def read_manifest(ckpt: str | Path) -> Manifest:
         raise UsageError(f"{ckpt}: not a moejax checkpoint, {MANIFEST} is missing{why}")
     try:
         doc = json.loads(path.read_text())
-        version = doc["format_version"]
-        if version != FORMAT_VERSION:
-            raise UsageError(f"{path}: checkpoint format version {version}, this moejax reads version {FORMAT_VERSION}")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UsageError(f"{path}: corrupted (not valid JSON)") from None
+    version = doc.get("format_version") if isinstance(doc, dict) else None
+    if version != FORMAT_VERSION:
+        raise UsageError(f"{path}: checkpoint format version {version}, this moejax reads version {FORMAT_VERSION}")
+    try:
         manifest = Manifest(
             model=replace_checked(ModelConfig(), doc["model"], "model."),
             dtype=doc["dtype"], expert_format=doc["expert_format"], data=doc["data"],
@@ -69,14 +72,10 @@ def read_manifest(ckpt: str | Path) -> Manifest:
             files={k: (int(n), int(c)) for k, (n, c) in doc["files"].items()},
         )
         manifest.model.validate()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise UsageError(f"{path}: corrupted (not valid JSON)") from None
+    except ConfigError as e:  # before ValueError, which it is
+        raise UsageError(f"{path}: {e}") from None
     except (KeyError, TypeError, ValueError) as e:
         raise UsageError(f"{path}: corrupted (missing or malformed entry {e})") from None
-    except UsageError:
-        raise
-    except ConfigError as e:
-        raise UsageError(f"{path}: {e}") from None
     if not (ckpt / manifest.data).is_dir():
         raise UsageError(f"{path}: names data directory {manifest.data}, which is missing")
     return manifest

@@ -2,10 +2,10 @@
 
 Arrays are stored as the model defines them (unpadded expert stacks, 4-bit experts as their
 `QuantizedArray` leaves). A group holds parameters up to the size of the model's largest
-one (or `GROUP_BYTES`, whichever is larger), so a writer never holds much more than two
-of the largest tensors at once. Restoring
-asks orbax for each array with its target `NamedSharding` and the placement's padded expert
-count: every device reads only its own shard, and padding experts come back as zeros.
+one (or `GROUP_BYTES`, whichever is larger), so a writer never holds much more than two of
+the largest tensors at once. Restoring asks orbax for each array with its target
+`NamedSharding` and the placement's padded expert count: every device reads only its own
+shard, and padding experts come back as zeros.
 """
 
 from __future__ import annotations
@@ -32,18 +32,23 @@ def _is_spec(x) -> bool:
     return isinstance(x, ParamSpec)
 
 
-def _key(path) -> str:
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+def param_key(path) -> str:
+    """'layers.3.moe.experts.gate' for the path ('layers', 3, 'moe', 'experts', 'gate')."""
+    return ".".join(map(str, path))
 
 
 def named_specs(manifest: Manifest) -> tuple[list[tuple[str, ParamSpec]], object]:
     """(parameter key, spec) in tree order, and the treedef to rebuild the parameter tree."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(param_specs(manifest.model), is_leaf=_is_spec)
-    return [(_key(path), spec) for path, spec in flat], treedef
+    return [(param_key(getattr(k, "key", getattr(k, "idx", None)) for k in path), spec) for path, spec in flat], treedef
+
+
+def _is_expert_stack(spec: ParamSpec) -> bool:
+    return spec.axes[:1] == ("experts",)
 
 
 def is_quantized(spec: ParamSpec, expert_format: str) -> bool:
-    return spec.axes[:1] == ("experts",) and expert_format != "bf16"
+    return _is_expert_stack(spec) and expert_format != "bf16"
 
 
 def stored_leaves(spec: ParamSpec, manifest: Manifest) -> dict[str, jax.ShapeDtypeStruct]:
@@ -126,7 +131,7 @@ def save_params(ckpt: str | Path, params: dict, config) -> Manifest:
 
     def unpadded():
         for (key, spec), value in zip(names, leaves):
-            if spec.axes[:1] == ("experts",):
+            if _is_expert_stack(spec):
                 value = jax.tree.map(lambda a: a[:e], value)
             yield key, to_stored(spec, value)
 
@@ -169,7 +174,7 @@ def _restore_args(spec: ParamSpec, leaves: dict, placement, run_dtype) -> dict:
     out = {}
     for name, leaf in leaves.items():
         shape = list(leaf.shape)
-        if spec.axes[:1] == ("experts",):
+        if _is_expert_stack(spec):
             shape[0] = placement.num_experts  # padding experts: orbax fills zeros
         dtype = param_dtype(spec, run_dtype) if name == "w" else leaf.dtype
         sharding = placement.sharding(spec.axes, tuple(shape)) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -186,6 +191,8 @@ def _as_param(spec: ParamSpec, arrays: dict, expert_format: str):
 
 def restore_params(ckpt: str | Path, config, placement) -> dict:
     """Parameters of `placement`, each array read directly into its target sharding."""
+    import orbax.checkpoint as ocp
+
     ckpt = Path(ckpt).absolute()
     manifest = read_manifest(ckpt)
     warn_leftovers(ckpt, manifest.data)
@@ -203,8 +210,6 @@ def restore_params(ckpt: str | Path, config, placement) -> dict:
         _check_group(directory, keys, expected)
         args = {k: _restore_args(specs[k], expected[k], placement, config.engine.dtype) for k in keys}
         try:
-            import orbax.checkpoint as ocp
-
             arrays = checkpointer.restore(directory, args=ocp.args.PyTreeRestore(restore_args=args))
         except Exception as e:  # noqa: BLE001 - truncated/corrupted data surfaces as assorted errors
             raise UsageError(f"{directory}: unreadable checkpoint data ({_first_line(e)})") from None
