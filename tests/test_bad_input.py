@@ -1,0 +1,95 @@
+"""The CLI's answer to input a user got wrong: one line on stderr, exit code 2, no traceback,
+nothing written. In-process (fast) for the table; a few as real processes for the exit code."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moejax.cli import main
+
+ROOT = Path(__file__).parent.parent
+CONFIGS = {
+    "wrong_type.yaml": "layout:\n  devices: two\n",
+    "unknown_key.yaml": "layout:\n  experts: hybrid\n  bogus: 3\n",
+    "not_yaml.yaml": "layout: [unclosed\n",
+}
+GEN = ["generate", "--preset", "tiny"]
+
+BAD_INPUT = {
+    "unknown preset": (["generate", "--preset", "nope"], "unknown preset 'nope'"),
+    "unknown placement": ([*GEN, "--placement", "nope"], "unknown placement 'nope'"),
+    "ep times tp not the device count": ([*GEN, "--placement", "hybrid", "--ep", "3", "--tp", "2", "--devices", "8"],
+                                         "ep * tp = devices"),
+    "more devices than the machine has": ([*GEN, "--placement", "expert_sharded", "--devices", "64"],
+                                          "this machine has 8"),
+    "zero devices": ([*GEN, "--devices", "0"], "devices must be at least 1"),
+    "slice width that does not divide": ([*GEN, "--placement", "tensor_sliced", "--devices", "3"],
+                                         "cannot be sliced 3 ways"),
+    "token id out of range": ([*GEN, "--prompt-ids", "1,99999"], "token id 99999 outside the vocabulary"),
+    "negative token id": ([*GEN, "--prompt-ids", "1,-3"], "token id -3 outside the vocabulary"),
+    "token id out of range when scoring": (["score", "--preset", "tiny", "--prompt-ids", "512"], "token id 512"),
+    "empty prompt": ([*GEN, "--prompt-ids", ""], "--prompt-ids is empty"),
+    "more new tokens than the context": ([*GEN, "--max-new-tokens", "100000"], "exceeds the model's context"),
+    "no new tokens": ([*GEN, "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    "prompt ids with a gap": ([*GEN, "--prompt-ids", "1,,2"], "not a comma-separated list of integers"),
+    "prompt ids not numbers": ([*GEN, "--prompt-ids", "a,b"], "not a comma-separated list of integers"),
+    "non-numeric devices": ([*GEN, "--devices", "two"], "argument --devices: invalid int value"),
+    "non-numeric max new tokens": ([*GEN, "--max-new-tokens", "x"], "argument --max-new-tokens: invalid int value"),
+    "non-numeric temperature": ([*GEN, "--temperature", "hot"], "argument --temperature: invalid float value"),
+    "negative temperature": ([*GEN, "--temperature", "-1"], "--temperature >= 0"),
+    "top-p above one": ([*GEN, "--temperature", "1", "--top-p", "2"], "0 < --top-p <= 1"),
+    "yaml value of the wrong type": ([*GEN, "--config", "{configs}/wrong_type.yaml"], "layout.devices must be an integer"),
+    "yaml unknown key": ([*GEN, "--config", "{configs}/unknown_key.yaml"], "unknown config key 'layout.bogus'"),
+    "file that is not yaml": ([*GEN, "--config", "{configs}/not_yaml.yaml"], "is not valid YAML"),
+    "missing config file": ([*GEN, "--config", "{configs}/absent.yaml"], "does not exist"),
+    "missing transformers directory": (["generate", "--hf", "{configs}/absent"], "no such directory"),
+    "missing checkpoint": (["generate", "--checkpoint", "{configs}/absent"], "no such checkpoint directory"),
+    "convert from a missing directory": (["convert", "--hf", "{configs}/absent", "--out", "out"], "no such directory"),
+    "convert to 4-bit a model the blocks do not divide": (
+        ["convert", "--hf", str(ROOT / "tests/golden/deepseek_v3"), "--out", "out", "--expert-format", "mxfp4"],
+        "cannot be stored as mxfp4"),
+}
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("configs")
+    for name, text in CONFIGS.items():
+        (directory / name).write_text(text)
+    return directory
+
+
+def run_cli(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse's own errors exit from inside parse_args
+        return e.code
+
+
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_bad_input_ends_in_one_line_and_exit_2_writing_nothing(case, configs, tmp_path, monkeypatch, capsys):
+    argv, says = BAD_INPUT[case]
+    monkeypatch.chdir(tmp_path)
+    rc = run_cli([a.format(configs=configs) for a in argv])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert err.startswith("moejax: error: ") and err.count("\n") == 1 and says in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--preset", "nope"],
+    ["generate", "--devices", "two"],
+    ["score", "--preset", "tiny", "--prompt-ids", "-1"],
+], ids=["config error", "argparse error", "input data error"])
+def test_bad_input_exits_2_without_traceback_from_a_real_process(argv, tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "moejax", *argv], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
