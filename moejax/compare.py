@@ -77,11 +77,12 @@ def cmd_compare(args) -> int:
         raise UsageError(f"unknown placement {unknown[0]!r}; choose from {', '.join(PLACEMENTS)}")
     prompts = args.prompt_ids or DEFAULT_PROMPTS
     reference = build_engine(dataclasses.replace(config, layout=dataclasses.replace(config.layout, devices=1)),
-                             args.hf, args.seed)
+                             args.hf, args.seed, args.checkpoint)
     reference.check_prompts(prompts)
     expected = reference.generate(prompts, args.max_new_tokens).tokens
     del reference
-    rows = [measure(build_engine(layout_for(config, name, devices), args.hf, args.seed), prompts, args.max_new_tokens)
+    rows = [measure(build_engine(layout_for(config, name, devices), args.hf, args.seed, args.checkpoint), prompts,
+                    args.max_new_tokens)
             for name in names]
     agree = all(r["tokens"] == expected for r in rows)
     if args.json:
