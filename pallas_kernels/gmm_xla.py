@@ -44,10 +44,6 @@ def _group_matmul(rhs, g: jax.Array):
   product is x[:, :K/2] @ lo + x[:, K/2:] @ hi with no interleave. Math is f32: XLA:CPU's
   bf16 dots are several times slower than its f32 ones, and the reference stays exact.
   """
-  # Tying rhs to the loop-varying g keeps XLA from hoisting the convert / decode of the
-  # whole [G, K, N] out of the loop (XLA:CPU moves converts above the dynamic-slice), which
-  # would read every group's weights on every call.
-  rhs, g = lax.optimization_barrier((rhs, g))
   w = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, g, 0, keepdims=False), rhs)
   if not isinstance(w, formats.QuantizedArray):
     w = _to_f32(w)  # [K, N]
@@ -70,13 +66,16 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = Non
   def group_body(i, out):  # out: [M, N] f32
     g = active[i]
     start, end = starts[g], starts[g] + sizes[g]
+    # Group g's weights, loaded and decoded once here for all its chunks (the chunk loop
+    # carries them without copies). Tying rhs to the loop-varying g keeps XLA from hoisting
+    # the convert / decode of the whole [G, K, N] out of this loop (XLA:CPU moves converts
+    # above the dynamic-slice), which would read every group's weights on every call.
+    matmul = _group_matmul(*lax.optimization_barrier((rhs, g)))
 
     def chunk(j, out):
       pos = start + j * tm
       p0 = jnp.minimum(pos, m - tm)  # the last chunk may hang over the end of lhs
-      # The group's weights are loaded in here so that this loop carries no [K, N] buffer;
-      # XLA hoists the load and decode out of it, once per group.
-      y = _group_matmul(rhs, g)(lax.dynamic_slice_in_dim(lhs32, p0, tm, 0))  # [tm, N]
+      y = matmul(lax.dynamic_slice_in_dim(lhs32, p0, tm, 0))  # [tm, N]
       rows = p0 + lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
       keep = lax.dynamic_slice_in_dim(out, p0, tm, 0)
       return lax.dynamic_update_slice_in_dim(
