@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import zlib
 
 import jax
@@ -86,6 +87,20 @@ def test_xla_reads_only_touched_groups():
   poisoned = jnp.where((sizes == 0)[:, None, None], jnp.nan, rhs)
   out = pk.grouped_gemm(lhs, poisoned, sizes, backend="xla")
   np.testing.assert_allclose(out, reference(lhs, rhs, sizes, 0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["dense", "nvfp4"])
+def test_xla_never_converts_all_groups(fmt):
+  """Compiled HLO: no [G, K, N]-sized convert or decode outside the group loop (XLA:CPU
+  would otherwise hoist it and read every group's weights on every call)."""
+  w = jax.ShapeDtypeStruct((6, 128, 80), jnp.bfloat16)  # [G, K, N], distinctive dims
+  if fmt != "dense":
+    w = jax.eval_shape(lambda a: pk.quantize(a, fmt), w)
+  hlo = jax.jit(lambda l, w, s: pk.grouped_gemm(l, w, s, backend="xla")).lower(
+      jax.ShapeDtypeStruct((16, 128), jnp.bfloat16), w,
+      jax.ShapeDtypeStruct((6,), jnp.int32)).compile().as_text()
+  entry = hlo[hlo.index("ENTRY"):]
+  assert not re.search(r"= \w+\[6,(128|64),80\]\S* (fusion|convert)", entry)
 
 
 def test_xla_decode_and_prefill_chunking():
