@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from moejax.config import EXPERT_FORMATS, ConfigError, ModelConfig, from_hf_conf
 from moejax.errors import UsageError
 
 GB, MB = 1e9, 1e6
+COSTS_DIR = Path.home() / ".cache/moejax/costs"
 
 
 def device_counts(text: str) -> list[int]:
@@ -172,6 +174,55 @@ def run_analyze(args) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- advise
+
+def advise_text(report: dict) -> str:
+    lines = [f"{report['steps']} decode steps of {report['rows_per_step']:.0f} rows, {report['layers']} MoE layers, "
+             f"{report['devices']} devices; costs of {report['costs']}",
+             "placement        ep x tp  step ms   MoE ms  experts ms  exchange ms  busiest/mean routes  "
+             "EPLB test (contiguous test) MoE ms"]
+    for r in report["placements"]:
+        s = r["contiguous"]
+        step = f"{s['step_ms']:7.2f}" if s["step_ms"] is not None else "      -"
+        eplb_ms = (f"{r['eplb_test']['moe_ms']:.2f} ({r['contiguous_test']['moe_ms']:.2f})" if "eplb_test" in r
+                   else "-")
+        lines.append(f"{r['placement']:<16} {r['ep']:>3} x {r['tp']:<2} {step}  {s['moe_ms']:7.2f}  {s['expert_ms']:10.2f}"
+                     f"  {s['exchange_ms']:11.2f}  {s['busiest_device_routes']:8.1f} / {s['mean_device_routes']:<8.1f}"
+                     f"  {eplb_ms}")
+    lines.append(f"fastest: {report['ranking'][0]}")
+    return "\n".join(lines)
+
+
+def run_advise(args) -> int:
+    from moejax.analysis import costs, simulate
+    from moejax.commands import config_from_args, ensure_devices
+    from moejax.loading import with_hf_model
+
+    n = positive("--devices", args.devices or 8)
+    config = with_hf_model(config_from_args(args), args.hf)
+    trace = load_trace(args.trace)
+    if trace.num_experts != config.model.num_experts:
+        raise UsageError(f"the trace has {trace.num_experts} experts but the model has {config.model.num_experts}; "
+                         "pass the trace's model with --preset or --hf")
+    if trace.num_experts % n:
+        raise UsageError(f"{n} devices do not divide {trace.num_experts} experts")
+    path = Path(args.costs) if args.costs else COSTS_DIR / f"{hashlib.sha1(costs.geometry_key(config).encode()).hexdigest()[:12]}.json"
+    table = costs.load(path, config)
+    ensure_devices(n)  # the exchange is measured on an n-device mesh
+    costs.ensure(table, config, trace, n)
+    costs.save(table, path)
+    try:
+        report = simulate.advise(trace, n, table)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    report["costs"] = str(path)
+    if args.json:
+        emit_json(report)
+    else:
+        print(advise_text(report))
+    return 0
+
+
 # ----------------------------------------------------------------------------- registration
 
 def _add_model(parser: argparse.ArgumentParser, default: str | None) -> None:
@@ -211,3 +262,10 @@ def register(subparsers) -> None:
     p.add_argument("--plots", metavar="DIR", help="write PNG figures into DIR")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_analyze)
+
+    p = subparsers.add_parser("advise", help="rank placements for a trace's workload by simulated decode step time")
+    p.add_argument("trace", help="trace .npz written by `moejax record`")
+    add_model_args(p)  # the model (its geometry, dtype, expert format, kernel) and --devices, --json
+    p.add_argument("--costs", metavar="FILE",
+                   help="cost table JSON (default: measured on this machine, cached under ~/.cache/moejax/costs)")
+    p.set_defaults(func=run_advise)

@@ -1,0 +1,146 @@
+"""Seed 2's placement simulator: per step and MoE layer of a trace, each device's expert cost from
+its local routes, the slowest device, summed over layers; per placement and expert order.
+
+A decode step under placement P on N devices (mesh ep x tp) is modelled as
+
+    step = non_moe + sum over MoE layers of ( exchange[P] + phase(c[d] for d in devices) )
+    c[d] = base + per_route * routes[d] + per_expert * experts[d]      (costs.compute, per call shape)
+    phase(c) = max(max_d c[d], sum_d c[d] / concurrency)
+
+`routes[d]` are the picks device d computes, `experts[d]` the distinct experts (slices) it reads;
+the coefficients belong to the call's shape (rows it runs, slice width, experts it holds), which is
+what each placement changes. `phase` is the slowest device on hardware where all N run at once
+(concurrency >= N); on a host with fewer cores than virtual devices the devices queue, and the
+sum over cores bounds the phase instead. The exchange and non-MoE terms are measured per machine
+(`costs.py`); they do not depend on routing here (XLA:CPU's all-to-all sends whole buffers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from moejax.analysis import eplb, metrics
+from moejax.analysis.analyze import FIT_FRACTION
+from moejax.analysis.trace import Trace
+from moejax.config import PLACEMENTS
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    name: str  # a placement (config.PLACEMENTS)
+    ep: int  # expert groups
+    tp: int  # slices of each expert's intermediate dimension
+
+    @property
+    def devices(self) -> int:
+        return self.ep * self.tp
+
+
+def layouts(n: int, hybrid_tp: int = 2) -> list[Layout]:
+    """Every placement on n devices; hybrid as `moejax compare` runs it by default (n/2 x 2)."""
+    shapes = {"tensor_sliced": (1, n), "hybrid": (max(1, n // hybrid_tp), min(hybrid_tp, n))}
+    return [Layout(name, *shapes.get(name, (n, 1))) for name in PLACEMENTS]
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """What each device's local expert call runs in every step and layer."""
+    rows: np.ndarray  # int[S]: rows of the call (the whole padded batch, or a device's own share)
+    width: int  # intermediate width of each expert slice it holds
+    held: int  # experts (slots) it holds
+    routes: np.ndarray  # int[S, L, N]: picks it computes
+    experts: np.ndarray  # int[S, L, N]: distinct experts it reads
+
+
+def padded_rows(trace: Trace, n: int) -> np.ndarray:
+    """int[S]: rows per step as the batch runs them: requests split over n devices (DP attention)."""
+    return -(-trace.valid.sum(axis=1) // n) * n
+
+
+def own_row_counts(trace: Trace, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(routes, experts) int[S, L, n] of each device's own rows (weight_prefetch: rows stay home)."""
+    s, l = trace.ids.shape[:2]
+    routes, experts = np.zeros((s, l, n), np.int64), np.zeros((s, l, n), np.int64)
+    for step in range(s):
+        ids = trace.step_ids(step)  # [L, R, k]
+        home = metrics.own_devices(ids.shape[1], n)
+        for d in range(n):
+            mine = ids[:, home == d].reshape(l, -1)  # [L, picks]
+            routes[step, :, d] = mine.shape[1]
+            experts[step, :, d] = [len(np.unique(m)) for m in mine]
+    return routes, experts
+
+
+def device_work(trace: Trace, layout: Layout, phy2log: np.ndarray, intermediate: int) -> Work:
+    """Each device's work under `layout` with experts ordered by phy2log int[L, P] (P slots over ep groups)."""
+    n = layout.devices
+    rows = padded_rows(trace, n)
+    if layout.name == "weight_prefetch":  # every expert gathered, own rows only
+        routes, experts = own_row_counts(trace, n)
+        return Work(rows // n, intermediate, trace.num_experts, routes, experts)
+    # Every device of an ep group holds the group's experts, a 1/tp slice of each, and runs all
+    # picks of them (ragged_a2a: the rows it received, in a buffer of the whole batch's size).
+    counts = metrics.placement_counts(trace, phy2log, layout.ep)
+    spread = lambda a: np.repeat(a, layout.tp, axis=-1)  # [S, L, ep] -> [S, L, N], ep-major as the mesh
+    return Work(rows, intermediate // layout.tp, phy2log.shape[1] // layout.ep, spread(counts.device_picks),
+                spread(counts.device_experts))
+
+
+def phase_us(call_us: np.ndarray, concurrency: int) -> np.ndarray:
+    """float[S, L]: the layer's expert phase from per-device call times float[S, L, N]."""
+    return np.maximum(call_us.max(axis=-1), call_us.sum(axis=-1) / concurrency)
+
+
+def simulate(trace: Trace, layout: Layout, phy2log: np.ndarray, costs) -> dict:
+    """Mean per-step times (ms) of `trace`'s steps under one layout and expert order. `costs` is a
+    `costs.CostTable` (or anything with its `compute`, `exchange_us`, `non_moe_us`, `concurrency`)."""
+    work = device_work(trace, layout, phy2log, costs.intermediate)
+    call = np.zeros(work.routes.shape)
+    for rows in np.unique(work.rows):
+        steps = work.rows == rows
+        base, per_route, per_expert = costs.compute(int(rows), work.width, work.held)
+        call[steps] = base + per_route * work.routes[steps] + per_expert * work.experts[steps]
+    phase = phase_us(call, costs.concurrency)  # [S, L]
+    exchange = np.array([costs.exchange_us(layout, int(r)) for r in padded_rows(trace, layout.devices)])  # [S]
+    moe = phase.sum(axis=1) + exchange * phase.shape[1]
+    non_moe = np.array([costs.non_moe_us(layout.devices, int(r)) for r in padded_rows(trace, layout.devices)])
+    mean_device = (call.mean(axis=-1)).sum(axis=1)  # [S]: the same work with no imbalance
+    return {
+        "step_ms": float((moe + non_moe).mean() / 1e3) if np.isfinite(non_moe).all() else None,
+        "moe_ms": float(moe.mean() / 1e3),
+        "expert_ms": float(phase.sum(axis=1).mean() / 1e3),
+        "mean_device_expert_ms": float(mean_device.mean() / 1e3),
+        "exchange_ms": float((exchange * phase.shape[1]).mean() / 1e3),
+        "busiest_device_routes": float(work.routes.max(axis=-1).mean()),
+        "mean_device_routes": float(work.routes.mean()),
+    }
+
+
+def advise(trace: Trace, n: int, costs) -> dict:
+    """Every placement on n devices ranked by simulated MoE time per decode step, with contiguous
+    expert order on all decode steps, and contiguous against EPLB (fitted on the first 60% of the
+    steps, no spare slots: each device keeps E/ep experts) on the rest."""
+    decode = trace.select((trace.kind == "decode") & (trace.valid.sum(axis=1) > 0))
+    if not decode.num_steps:
+        raise ValueError("the trace has no decode steps")
+    num_layers, e = decode.ids.shape[1], decode.num_experts
+    fit = math.ceil(FIT_FRACTION * decode.num_steps)
+    test = decode.select(np.arange(fit, decode.num_steps))
+    weight = metrics.expert_counts(decode.select(np.arange(fit))).sum(axis=0)  # [L, E]
+    rows = []
+    for layout in layouts(n):
+        order = eplb.contiguous(num_layers, e)
+        entry = {"placement": layout.name, "ep": layout.ep, "tp": layout.tp,
+                 "contiguous": simulate(decode, layout, order, costs)}
+        if test.num_steps and layout.ep > 1 and layout.name != "weight_prefetch":
+            fitted, _, _ = eplb.rebalance_experts(weight, e, 1, 1, layout.ep)
+            entry["contiguous_test"] = simulate(test, layout, order, costs)
+            entry["eplb_test"] = simulate(test, layout, fitted, costs)
+        rows.append(entry)
+    rows.sort(key=lambda r: r["contiguous"]["moe_ms"])
+    return {"devices": n, "steps": decode.num_steps, "fit_steps": fit, "test_steps": test.num_steps,
+            "rows_per_step": float(decode.valid.sum(axis=1).mean()), "layers": num_layers,
+            "ranking": [r["placement"] for r in rows], "placements": rows}
