@@ -7,6 +7,10 @@ process's resident memory (RSS) at steps 100 and 1,000. Anything a decode step l
 It drives the engine's own jitted prefill and decode step with its donated KV cache, as
 `Engine.generate` does, but keeps nothing per step: generate's token and logits lists are
 its output, not a leak. Several minutes on two shared CPU cores.
+
+Growth under weight_prefetch alone is glibc's, not ours: its all-gathers free host buffers of
+a few hundred KB every step, glibc then raises its mmap threshold and serves them from a heap
+that fragments. With MALLOC_MMAP_THRESHOLD_=131072 (threshold fixed) it stays flat too.
 """
 
 from __future__ import annotations
