@@ -46,17 +46,22 @@ def mtp_forward(mtp: dict, params: dict, cache: dict, hidden: jax.Array, tokens:
     return rms_norm(x, mtp["norm"], c.rms_norm_eps), cache
 
 
-def mirror_last_layer(params: dict, c: ModelConfig) -> dict:
-    """A draft module that repeats the target's last layer on the next token's normed embedding
-    (the hidden half of `eh_proj` is zero) and ends in the target's final norm: on a one-layer
-    target whose embeddings have unit RMS it computes what the target will compute next, so its
-    drafts are mostly accepted. For benchmarks and tests of the accept path."""
+def mirrored_draft(params: dict, c: ModelConfig) -> tuple[dict, dict]:
+    """(target params with unit-RMS embedding rows, a draft module that repeats the target's
+    last layer on the next token's normed embedding and ends in the target's final norm).
+
+    The hidden half of `eh_proj` is zero and the normed embedding equals the raw one, so on a
+    one-layer target the draft computes what the target will compute at the next position
+    (it misses only position 0 in its cache): most drafts are accepted. For benchmarks and
+    tests of the accept path."""
     d = c.hidden_size
-    dtype = params["embed"].dtype
-    return {
-        "enorm": jnp.ones((d,), dtype),
-        "hnorm": jnp.ones((d,), dtype),
-        "eh_proj": jnp.concatenate([jnp.eye(d, dtype=dtype), jnp.zeros((d, d), dtype)]),
+    embed = params["embed"]
+    embed = embed * jax.lax.rsqrt(jnp.mean(jnp.square(embed.astype(jnp.float32)), -1, keepdims=True)).astype(embed.dtype)
+    mtp = {
+        "enorm": jnp.ones((d,), embed.dtype),
+        "hnorm": jnp.ones((d,), embed.dtype),
+        "eh_proj": jnp.concatenate([jnp.eye(d, dtype=embed.dtype), jnp.zeros((d, d), embed.dtype)]),
         "layer": params["layers"][-1],
         "norm": params["final_norm"],
     }
+    return {**params, "embed": embed}, mtp

@@ -1,0 +1,188 @@
+"""MTP speculative decoding: greedy equals plain greedy (single device and placements), sampled
+output follows the target's distribution, the jitted step has no host transfer, and MTP weights
+load from checkpoints that carry them (DeepSeek-V3's extra layer)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+
+import jax
+import numpy as np
+import pytest
+from scipy import stats
+
+from moejax.cli import main
+from moejax.config import Config, EngineConfig, LayoutConfig, preset
+from moejax.engine.engine import Engine
+from moejax.engine.sampling import Sampling, sampling_logits
+from moejax.engine.speculative import SpeculativeEngine, load_mtp, verify
+from moejax.errors import UsageError
+from moejax.loading import load_params
+from moejax.model.mtp import init_mtp_cache, mirrored_draft
+from sharding import make_placement
+
+RNG = np.random.RandomState(0)
+PROMPTS = [RNG.randint(0, 512, 40).tolist(), RNG.randint(0, 512, 23).tolist()]
+ONE_LAYER = dataclasses.replace(preset("tiny-glm5"), num_layers=1, dense_layers=(), dsa_shared_layers=())
+HOST_TRANSFER = re.compile(r"callback|outfeed|infeed|\bsend(-done)?\b|\brecv(-done)?\b", re.IGNORECASE)
+
+
+@functools.cache
+def _mirror(layout: LayoutConfig) -> SpeculativeEngine:
+    """One-layer GLM-5 target with a draft that mirrors its layer: most drafts are accepted."""
+    config = Config(model=ONE_LAYER, layout=layout).validate()
+    placement = make_placement(config)
+    params, mtp = mirrored_draft(load_params(config, placement), config.model)
+    return SpeculativeEngine(Engine(config, params, placement), mtp)
+
+
+@functools.cache
+def _random_draft(model: str) -> SpeculativeEngine:
+    """A random draft: nearly every draft is rejected."""
+    config = Config(model=preset(model), engine=EngineConfig(prefill_chunk=16)).validate()
+    placement = make_placement(config)
+    engine = Engine(config, load_params(config, placement), placement)
+    return SpeculativeEngine(engine, load_mtp(config, placement))
+
+
+@pytest.mark.parametrize("draft", ["mirror", "random"])
+def test_greedy_equals_plain_greedy(draft):
+    spec = _mirror(LayoutConfig()) if draft == "mirror" else _random_draft("tiny-glm5")
+    gen = spec.generate(PROMPTS, 24)
+    assert gen.tokens == spec.engine.generate(PROMPTS, 24).tokens
+    assert gen.acceptance_rate > 0.5 if draft == "mirror" else gen.acceptance_rate < 0.5
+    assert gen.steps < 24 if draft == "mirror" else gen.steps == 23
+
+
+@pytest.mark.parametrize("layout", [
+    LayoutConfig(experts="ragged_a2a", devices=8, attention="dp"),
+    LayoutConfig(experts="weight_prefetch", devices=8, attention="tp"),
+    LayoutConfig(experts="hybrid", devices=8, ep=4, tp=2, attention="dp"),
+], ids=lambda l: l.experts)
+def test_greedy_equals_plain_greedy_under_placements(layout):
+    spec = _mirror(layout)
+    gen = spec.generate(PROMPTS, 16)
+    assert gen.tokens == spec.engine.generate(PROMPTS, 16).tokens
+    assert gen.acceptance_rate > 0.5
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=4)])
+def test_acceptance_keeps_the_target_distribution(sampling):
+    """Speculative sampling's output token is distributed as the target's own samples."""
+    n, v = 200_000, 6
+    key_p, key_q, key_run = jax.random.split(jax.random.key(0), 3)
+    logits = jax.numpy.broadcast_to(2 * jax.random.normal(key_p, (v,)), (n, v))
+    q = jax.numpy.broadcast_to(jax.nn.softmax(2 * jax.random.normal(key_q, (v,))), (n, v))
+    k_draft, k_verify = jax.random.split(key_run)
+    draft = jax.random.categorical(k_draft, jax.numpy.log(q), axis=-1).astype(jax.numpy.int32)
+    accepted, token = verify(logits, draft, q, k_verify, sampling)
+    p = np.asarray(jax.nn.softmax(sampling_logits(logits[:1], sampling))[0])
+    freq = np.bincount(np.asarray(token), minlength=v) / n
+    np.testing.assert_allclose(freq, p, atol=0.006)
+    assert abs(float(accepted.mean()) - np.minimum(p, np.asarray(q[0])).sum()) < 0.006
+
+
+def test_sampled_generation_follows_the_target_distribution():
+    """End to end on an 8-token vocabulary: the joint law of the first two new tokens (the
+    second from a verified draft) against the target's exact one, by a chi-square test."""
+    model = dataclasses.replace(ONE_LAYER, vocab_size=8)
+    config = Config(model=model, engine=EngineConfig(prefill_chunk=4)).validate()
+    placement = make_placement(config)
+    engine = Engine(config, load_params(config, placement), placement)
+    spec = SpeculativeEngine(engine, load_mtp(config, placement))
+    prompt, n = [1, 5, 2], 1024
+    gen = spec.generate([prompt] * n, 2, Sampling(temperature=1.0), seed=7)
+    assert 0.1 < gen.acceptance_rate < 0.9  # both the accept and the resample paths ran
+    first = jax.nn.softmax(engine.score([prompt])[0][-1])
+    second = jax.nn.softmax(np.stack([x[-1] for x in engine.score([prompt + [t] for t in range(8)])]), axis=-1)
+    expected = np.asarray(first, np.float64)[:, None] * np.asarray(second, np.float64)  # [t1, t2]
+    expected /= expected.sum()
+    observed = np.zeros((8, 8))
+    for t1, t2 in gen.tokens:
+        observed[t1, t2] += 1
+    assert stats.chisquare(observed.ravel(), expected.ravel() * n).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("where,sampling", [("single", Sampling(temperature=1.0, top_p=0.9)), ("ragged_a2a", Sampling())])
+def test_jitted_step_has_no_host_transfer(where, sampling):
+    spec = _random_draft("tiny-glm5") if where == "single" else _mirror(LayoutConfig(experts="ragged_a2a", devices=8, attention="dp"))
+    e = spec.engine
+    cache = e.new_cache(8, 64)
+    mtp_cache = e.placement.place_cache([init_mtp_cache(e.c, 8, 64, e.dtype)])[0]
+    state, cache, mtp_cache = spec._prefill(e.params, spec.mtp, cache, mtp_cache, jax.numpy.ones((8, 16), jax.numpy.int32),
+                                            jax.numpy.full((8,), 3), jax.random.key(0), sampling=sampling)
+    hlo = spec._step.lower(e.params, spec.mtp, cache, mtp_cache, state, sampling=sampling).compile().as_text()
+    assert not HOST_TRANSFER.findall(hlo)
+
+
+def test_host_transfer_pattern_catches_a_callback():
+    hlo = jax.jit(lambda x: (jax.debug.callback(print, x), x + 1)[1]).lower(1.0).compile().as_text()
+    assert HOST_TRANSFER.findall(hlo)
+
+
+# ----------------------------------------------------------------------------- loading and CLI
+
+@pytest.fixture(scope="module")
+def glm5_dirs(tmp_path_factory):
+    """A transformers GLM-5 directory as saved (no MTP), and a copy carrying an MTP layer
+    (layer 1's tensors renamed to layer num_layers, plus enorm/hnorm/eh_proj/shared_head)."""
+    pytest.importorskip("torch")
+    from safetensors.numpy import load_file, save_file
+
+    from hf_reference import GLM5, build_hf_model
+
+    plain = tmp_path_factory.mktemp("glm5_plain")
+    build_hf_model(GLM5, plain)
+    with_mtp = tmp_path_factory.mktemp("glm5_mtp")
+    tensors = {}
+    for f in plain.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    (with_mtp / "config.json").write_text((plain / "config.json").read_text())
+    n, d = json.loads((plain / "config.json").read_text())["num_hidden_layers"], 32
+    extra = {k.replace("model.layers.1.", f"model.layers.{n}."): v for k, v in tensors.items() if k.startswith("model.layers.1.")}
+    rng = np.random.RandomState(1)
+    extra.update({
+        f"model.layers.{n}.enorm.weight": rng.normal(1, 0.1, d).astype(np.float32),
+        f"model.layers.{n}.hnorm.weight": rng.normal(1, 0.1, d).astype(np.float32),
+        f"model.layers.{n}.eh_proj.weight": rng.normal(0, 0.2, (d, 2 * d)).astype(np.float32),
+        f"model.layers.{n}.shared_head.norm.weight": rng.normal(1, 0.1, d).astype(np.float32),
+        f"model.layers.{n}.shared_head.head.weight": tensors["lm_head.weight"],
+    })
+    save_file(tensors, with_mtp / "model.safetensors")
+    save_file(extra, with_mtp / "mtp.safetensors")
+    return plain, with_mtp, extra, n
+
+
+def test_mtp_weights_load_from_the_layer_after_the_last(glm5_dirs):
+    _, with_mtp, extra, n = glm5_dirs
+    from moejax.loading import with_hf_model
+
+    config = with_hf_model(Config(), str(with_mtp)).validate()
+    placement = make_placement(config)
+    mtp = load_mtp(config, placement, hf_dir=str(with_mtp))
+    np.testing.assert_array_equal(mtp["eh_proj"], extra[f"model.layers.{n}.eh_proj.weight"].T)
+    np.testing.assert_array_equal(mtp["norm"], extra[f"model.layers.{n}.shared_head.norm.weight"])
+    layer1 = load_params(config, placement, hf_dir=str(with_mtp))["layers"][1]
+    jax.tree.map(np.testing.assert_array_equal, mtp["layer"], layer1)
+
+
+def test_checkpoint_without_mtp_is_a_clear_error_unless_random_init(glm5_dirs, capsys):
+    plain, _, _, _ = glm5_dirs
+    argv = ["generate", "--hf", str(plain), "--speculative", "mtp", "--max-new-tokens", "4", "--json"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no MTP weights" in err and "--mtp-init random" in err
+    assert main(argv + ["--mtp-init", "random"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert main(argv[:3] + argv[5:]) == 0  # the same without --speculative
+    assert out["tokens"] == json.loads(capsys.readouterr().out)["tokens"] and 0 <= out["acceptance_rate"] <= 1
+
+
+def test_cli_reads_mtp_from_the_checkpoint(glm5_dirs, capsys):
+    _, with_mtp, _, _ = glm5_dirs
+    assert main(["generate", "--hf", str(with_mtp), "--speculative", "mtp", "--max-new-tokens", "6", "--json",
+                 "--prompt-ids", "3,17,45,2"]) == 0
+    assert set(json.loads(capsys.readouterr().out)) == {"tokens", "finish_reasons", "acceptance_rate"}
