@@ -207,7 +207,7 @@ class Config:
 
 def _tiny_mla(**kw) -> ModelConfig:
     base = dict(
-        family="deepseek_v3", vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=256,
+        family="deepseek_v3", vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=512,
         num_layers=3, num_heads=8, num_kv_heads=8, head_dim=8, q_lora_rank=32, kv_lora_rank=32,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True, num_experts=16,
         num_experts_per_tok=4, num_shared_experts=1, router_scoring="sigmoid", router_bias=True,

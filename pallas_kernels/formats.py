@@ -124,14 +124,16 @@ def _quantize(w: jax.Array, fmt: str, axis: int, tensor_axes: tuple[int, ...]) -
   )
 
 
-def quantize(w: jax.Array, fmt: str, axis: int = -2) -> QuantizedArray:
+def quantize(w: jax.Array, fmt: str, axis: int = -2, tensor_axes: tuple[int, ...] | None = None) -> QuantizedArray:
   """Quantizes weights w (e.g. experts [G, K, N]) with blocks along `axis`.
 
-  NVFP4's tensor scale is per matrix (the last two dims), so stacked experts [G, K, N]
-  carry one f32 scale each, as separately stored experts would.
+  NVFP4's tensor scale is per matrix (by default the last two dims), so stacked experts
+  [G, K, N] carry one f32 scale each, as separately stored experts would.
   """
   chex.assert_type(w, float)
-  return _quantize(w, fmt, axis, tensor_axes=tuple(range(-min(2, w.ndim), 0)))
+  if tensor_axes is None:
+    tensor_axes = tuple(range(-min(2, w.ndim), 0))
+  return _quantize(w, fmt, axis, tensor_axes=tuple(tensor_axes))
 
 
 def quantize_rows(x: jax.Array, fmt: str = "nvfp4") -> QuantizedArray:

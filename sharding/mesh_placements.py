@@ -37,7 +37,7 @@ class MeshPlacement(Placement):
         layout = config.layout
         self.name = layout.experts
         self.ep, self.tp = rules.mesh_shape(layout)
-        rules.check_model(config.model, self.ep, self.tp)
+        rules.check_model(config.model, self.ep, self.tp, config.weights.expert_format)
         self.mesh = mesh or make_mesh((self.ep, self.tp))
         self.table = rules.rules(layout)
         self.sizes = dict(self.mesh.shape)

@@ -41,7 +41,8 @@ class Placement:
             array = np.pad(np.asarray(array), [(0, self.num_experts - array.shape[0])] + [(0, 0)] * (array.ndim - 1))
         fmt = self.config.weights.expert_format
         if fmt != "bf16":
-            array = pallas_kernels.quantize(jax.numpy.asarray(array, jax.numpy.float32), fmt, axis=-2)
+            slices = self.tp if spec.axes[-2] == "expert_mlp" else 1
+            array = quantize_in_slices(jax.numpy.asarray(array, jax.numpy.float32), fmt, slices)
         return jax.tree.map(lambda a: jax.device_put(a, self.sharding(spec.axes, a.shape)), array)
 
     def place_cache(self, cache: list[dict]) -> list[dict]:
@@ -63,6 +64,19 @@ class Placement:
     def moe(self, x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict) -> jax.Array:
         """x: [T, D], ids/weights: [T, k] -> [T, D]: the routed experts' weighted sum per row."""
         return moe_local(x, ids, weights, experts, kernel=self.kernel)
+
+
+def quantize_in_slices(w: jax.Array, fmt: str, slices: int):
+    """Quantizes experts w: [E, K, N] along K as `slices` independent K-slices, laid end to end.
+
+    A packed byte holds two values of its own slice, so a device holding K-slice j of every
+    expert holds a complete 4-bit matrix (down projections under tensor slicing). Blocks
+    never straddle slices and NVFP4's tensor scale stays per expert, so the values and
+    scales are those of quantizing each whole matrix."""
+    e, k, n = w.shape
+    q = pallas_kernels.quantize(w.reshape(e, slices, k // slices, n), fmt, axis=-2, tensor_axes=(-3, -2, -1))
+    return q.replace(values=q.values.reshape(e, -1, n), scales=q.scales.reshape(e, -1, n),
+                     tensor_scale=None if q.tensor_scale is None else q.tensor_scale.reshape(e, 1, 1))
 
 
 def make_placement(config: Config) -> Placement:

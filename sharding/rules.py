@@ -61,12 +61,19 @@ def partition_spec(axes: tuple, shape: tuple, table: dict, mesh_sizes: dict[str,
     return P(*out)
 
 
-def check_model(c: ModelConfig, ep: int, tp: int) -> None:
-    """Expert slices must divide; expert counts need not (padding experts fill the last share)."""
-    if c.moe_intermediate_size % tp:
+def check_model(c: ModelConfig, ep: int, tp: int, expert_format: str = "bf16") -> None:
+    """Expert slices must divide; expert counts need not (padding experts fill the last share).
+    4-bit slices must also hold whole packed block pairs (2 x 16 values NVFP4, 2 x 32 MXFP4)."""
+    f = c.moe_intermediate_size
+    if f % tp:
         raise ConfigError(
-            f"expert intermediate size {c.moe_intermediate_size} cannot be sliced {tp} ways "
-            f"({c.moe_intermediate_size / tp:g} per device); choose a tp that divides it"
+            f"expert intermediate size {f} cannot be sliced {tp} ways ({f / tp:g} per device); choose a tp that divides it"
+        )
+    unit = {"nvfp4": 32, "mxfp4": 64}.get(expert_format, 1)
+    if tp > 1 and (f // tp) % unit:
+        raise ConfigError(
+            f"{expert_format} expert slices of {f // tp} (intermediate size {f} over {tp} devices) must be a "
+            f"multiple of {unit}; use fewer tensor-parallel devices or bf16 experts"
         )
 
 

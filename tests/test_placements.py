@@ -11,10 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.config import Config, ConfigError, LayoutConfig, preset
+from moejax.config import Config, ConfigError, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import Engine
 from moejax.loading import load_params
+import pallas_kernels
 from sharding import accounting, make_placement
+from sharding.experts import moe_local
 from sharding.mesh_placements import MeshPlacement
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21, 22]]
@@ -26,7 +28,6 @@ LAYOUTS = {
     "hybrid_2x4": dict(experts="hybrid", ep=2, tp=4),
     "hybrid_4x2": dict(experts="hybrid", ep=4, tp=2),
     "ragged_a2a": {},
-    "ragged_a2a_nvfp4_rows": dict(experts="ragged_a2a", dispatch_dtype="nvfp4"),
     "weight_prefetch": dict(prefetch_depth=1),
 }
 
@@ -37,9 +38,9 @@ def layout(name: str, **kw) -> LayoutConfig:
 
 
 @functools.cache
-def run(model_name: str, layout_cfg: LayoutConfig | None, **model_kw):
+def run(model_name: str, layout_cfg: LayoutConfig | None, fmt: str = "bf16", **model_kw):
     model = dataclasses.replace(preset(model_name), **model_kw) if model_kw else preset(model_name)
-    config = Config(model=model, layout=layout_cfg or LayoutConfig()).validate()
+    config = Config(model=model, layout=layout_cfg or LayoutConfig(), weights=WeightsConfig(fmt)).validate()
     placement = make_placement(config)
     engine = Engine(config, load_params(config, placement, seed=1), placement)
     return engine.generate(PROMPTS, NEW, return_logits=True)
@@ -52,11 +53,34 @@ CASES = [(m, name, att) for m in ("tiny", "tiny-qwen3-moe") for name in LAYOUTS 
 @pytest.mark.parametrize("model,name,attention", CASES)
 def test_placement_matches_single_device(model, name, attention):
     ref, got = run(model, None), run(model, layout(name, attention=attention))
-    if "nvfp4" in name:  # 4-bit rows: the quantization error, not float32 round-off
-        np.testing.assert_allclose(got.logits[0], ref.logits[0], atol=0.1 * np.abs(ref.logits[0]).max())
-        return
     assert got.tokens == ref.tokens
     np.testing.assert_allclose(got.logits, ref.logits, rtol=0, atol=1e-4 * np.abs(ref.logits).max())
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("name", ["tensor_sliced", "expert_sharded", "hybrid_4x2", "ragged_a2a", "weight_prefetch"])
+def test_4bit_experts_under_every_placement_match_single_device(name, fmt):
+    """Slices of a 4-bit expert hold the same values and scales as the whole expert."""
+    ref, got = run("tiny", None, fmt), run("tiny", layout(name), fmt)
+    assert got.tokens == ref.tokens
+    np.testing.assert_allclose(got.logits, ref.logits, rtol=0, atol=1e-4 * np.abs(ref.logits).max())
+
+
+def test_nvfp4_dispatch_equals_the_experts_on_quantized_rows():
+    """Rows travelling as NVFP4 are exactly the dequantized rows at their experts."""
+    config = Config(model=preset("tiny"), layout=layout("ragged_a2a", dispatch_dtype="nvfp4")).validate()
+    placement = make_placement(config)
+    experts = load_params(config, placement)["layers"][1]["moe"]["experts"]
+    t, k = 32, config.model.num_experts_per_tok
+    x = jax.random.normal(jax.random.key(0), (t, config.model.hidden_size))
+    ids = jnp.asarray(even_router(t, config.model.num_experts, k))
+    w = jax.random.uniform(jax.random.key(1), (t, k))
+    rows = placement.sharding(("batch", None), x.shape)
+    got = jax.jit(placement.moe)(*(jax.device_put(a, rows) for a in (x, ids, w)), experts)
+    x_q = pallas_kernels.dequantize(pallas_kernels.quantize_rows(x, "nvfp4"))
+    want = moe_local(x_q, ids, w, jax.tree.map(np.asarray, experts))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert not np.allclose(x_q, x)  # the rows really were quantized
 
 
 # ----------------------------------------------------------------------------- nothing dropped

@@ -1,0 +1,121 @@
+"""moejax against transformers on the same mid-size Qwen3-MoE, side by side in one run.
+
+    python benchmarks/model_vs_transformers.py [--decode-steps 32]
+
+Geometry (issue 2): hidden 1024, 4 layers, 64 experts top-8, expert intermediate 256, vocab
+32000, float32 on the CPU. Prints prefill tokens/s for a 512-token prompt and decode
+tokens/s at batch 1 and 16, and the ratio moejax / transformers. Decode is also shown against
+the weight-read bound: bytes a step must read (attention, router, touched experts, head) over
+this machine's measured read bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import numpy as np
+
+
+def hf_model(directory: str):
+    import torch
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=32000, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=64, num_experts_per_tok=8,
+        norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model.save_pretrained(directory)
+    return model
+
+
+def time_hf(model, prompt_len: int, batch: int, steps: int) -> tuple[float, float]:
+    """(prefill seconds for one prompt of prompt_len, seconds per decode step at `batch`)."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    with torch.no_grad():
+        ids = torch.tensor(rng.integers(0, 32000, (1, prompt_len)))
+        model(ids)  # warm-up
+        t = time.perf_counter()
+        model(ids)
+        prefill = time.perf_counter() - t
+        ids = torch.tensor(rng.integers(0, 32000, (batch, 32)))
+        out = model(ids, use_cache=True)
+        cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        for i in range(steps + 2):
+            if i == 2:  # two warm-up steps
+                t = time.perf_counter()
+            out = model(tok, past_key_values=cache, use_cache=True)
+            cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        return prefill, (time.perf_counter() - t) / steps
+
+
+def time_moejax(directory: str, prompt_len: int, batch: int, steps: int) -> tuple[float, float]:
+    from moejax.config import Config, EngineConfig
+    from moejax.engine.engine import Engine
+    from moejax.loading import load_params, with_hf_model
+    from sharding import make_placement
+
+    config = with_hf_model(Config(engine=EngineConfig(prefill_chunk=prompt_len)), directory).validate()
+    placement = make_placement(config)
+    engine = Engine(config, load_params(config, placement, hf_dir=directory), placement)
+    rng = np.random.default_rng(0)
+    long = [rng.integers(0, 32000, prompt_len).tolist()]
+    engine.generate(long, 1)  # compile
+    prefill = min(engine.generate(long, 1).prefill_ms for _ in range(2)) / 1e3
+    short = [rng.integers(0, 32000, 32).tolist() for _ in range(batch)]
+    engine.generate(short, steps)  # compile
+    return prefill, engine.generate(short, steps + 1).decode_step_ms / 1e3
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of a large float32 sum (numpy, one pass over 512 MB)."""
+    x = np.ones(128 * 2**20, np.float32)
+    x.sum()
+    t = time.perf_counter()
+    for _ in range(3):
+        x.sum()
+    return 3 * x.nbytes / (time.perf_counter() - t)
+
+
+def step_bytes(batch: int) -> float:
+    """Weights a decode step must read: attention + router + dense head + touched experts."""
+    d, layers, experts, k, f, vocab = 1024, 4, 64, 8, 256, 32000
+    attn = d * (16 * 64 + 2 * 4 * 64) + 16 * 64 * d
+    touched = experts * (1 - (1 - k / experts) ** batch)  # even router
+    return 4 * (layers * (attn + d * experts + touched * 3 * d * f) + 2 * d * vocab)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(2)
+    with tempfile.TemporaryDirectory() as directory:
+        model = hf_model(directory)
+        bw = read_bandwidth()
+        rows = []
+        for batch in (1, 16):
+            hf_pre, hf_step = time_hf(model, args.prompt_len, batch, args.decode_steps)
+            mj_pre, mj_step = time_moejax(directory, args.prompt_len, batch, args.decode_steps)
+            rows.append((batch, hf_pre, hf_step, mj_pre, mj_step))
+    print(f"read bandwidth {bw / 1e9:.1f} GB/s; prompt {args.prompt_len} tokens; {args.decode_steps} decode steps")
+    print(f"{'measure':<26}{'transformers':>14}{'moejax':>10}{'ratio':>8}{'bound':>9}")
+    _, hf_pre, _, mj_pre, _ = rows[0]
+    print(f"{'prefill tokens/s':<26}{args.prompt_len / hf_pre:>14.0f}{args.prompt_len / mj_pre:>10.0f}{hf_pre / mj_pre:>8.2f}")
+    for batch, _, hf_step, _, mj_step in rows:
+        bound = batch * bw / step_bytes(batch)
+        print(f"{f'decode tokens/s, batch {batch}':<26}{batch / hf_step:>14.1f}{batch / mj_step:>10.1f}"
+              f"{hf_step / mj_step:>8.2f}{bound:>9.0f}")
+
+
+if __name__ == "__main__":
+    main()
