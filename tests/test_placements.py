@@ -171,3 +171,40 @@ def test_accounting_equals_the_compiled_collectives(name):
 def test_ragged_accounting_is_within_the_worst_case_buffers_of_the_compiled_exchange():
     hlo_bytes, sent = moe_program_and_counts("ragged_a2a")
     assert 0 < sent.max() <= hlo_bytes
+
+
+# ----------------------------------------------------------------------------- compiled programs
+
+def test_real_ragged_all_to_all_lowers_for_tpu_and_cuda():
+    """XLA:CPU lacks ragged-all-to-all; the path TPUs and GPUs take must still lower."""
+    config = Config(model=preset("tiny"), layout=layout("ragged_a2a")).validate()
+    placement = MeshPlacement(config, use_ragged=True)
+    experts = load_params(config, placement)["layers"][1]["moe"]["experts"]
+    t, d, k = 32, config.model.hidden_size, config.model.num_experts_per_tok
+    rows = placement.sharding(("batch", None), (t, d))
+    args = [jax.device_put(a, rows) for a in (jnp.ones((t, d)), jnp.zeros((t, k), jnp.int32), jnp.ones((t, k)))]
+    # ragged_all_to_all is a custom call without export compatibility guarantees.
+    allow = [jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")]
+    for platform in ("tpu", "cuda"):
+        exported = jax.export.export(jax.jit(placement.moe), platforms=[platform], disabled_checks=allow)(*args, experts)
+        # dispatch (rows, ids, weights) and combine each travel through one ragged exchange
+        assert exported.mlir_module().count("@ragged_all_to_all(") == 4
+
+
+def test_weight_prefetch_gathers_the_next_layer_before_this_layers_experts_run():
+    """In the compiled decode step, MoE layer 2's expert all-gathers are scheduled before
+    MoE layer 1's grouped GEMM loops (prefetch_depth 1)."""
+    from moejax.engine.sampling import Sampling
+
+    config = Config(model=preset("tiny"), layout=layout("weight_prefetch", prefetch_depth=1)).validate()
+    placement = make_placement(config)
+    engine = Engine(config, load_params(config, placement), placement)
+    args = (engine.params, engine.new_cache(8, 32), jnp.zeros(8, jnp.int32), jnp.zeros(8, jnp.int32), jax.random.key(0))
+    hlo = engine._decode.lower(*args, sampling=Sampling(), record=False).compile().as_text()
+    entry = hlo[hlo.index("ENTRY"):].splitlines()
+    e, d, f = config.model.num_experts, config.model.hidden_size, config.model.moe_intermediate_size
+    full = (f"f32[{e},{d},{f}]", f"f32[{e},{f},{d}]")  # a layer's experts, gathered in full
+    gathers = [i for i, line in enumerate(entry) if " all-gather(" in line and any(s in line for s in full)]
+    loops = [i for i, line in enumerate(entry) if " while(" in line and any(s in line for s in full)]
+    assert len(gathers) == 6 and len(loops) == 6  # 2 MoE layers x (gate, up, down)
+    assert max(gathers) < min(loops)  # layer 2's weights were requested before layer 1 computes
