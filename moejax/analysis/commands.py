@@ -186,7 +186,8 @@ def advise_text(report: dict) -> str:
         step = f"{s['step_ms']:7.2f}" if s["step_ms"] is not None else "      -"
         eplb_ms = (f"{r['eplb_test']['moe_ms']:.2f} ({r['contiguous_test']['moe_ms']:.2f})" if "eplb_test" in r
                    else "-")
-        lines.append(f"{r['placement']:<16} {r['ep']:>3} x {r['tp']:<2} {step}  {s['moe_ms']:7.2f}  {s['expert_ms']:10.2f}"
+        lines.append(f"{r['placement']:<16} {r['ep']:>3} x {r['tp']:<2} {step}  {s['moe_ms']:7.2f}"
+                     f"  {s['expert_ms']:10.2f}"
                      f"  {s['exchange_ms']:11.2f}  {s['busiest_device_routes']:8.1f} / {s['mean_device_routes']:<8.1f}"
                      f"  {eplb_ms}")
     lines.append(f"fastest: {report['ranking'][0]}")
@@ -206,7 +207,8 @@ def run_advise(args) -> int:
                          "pass the trace's model with --preset or --hf")
     if trace.num_experts % n:
         raise UsageError(f"{n} devices do not divide {trace.num_experts} experts")
-    path = Path(args.costs) if args.costs else COSTS_DIR / f"{hashlib.sha1(costs.geometry_key(config).encode()).hexdigest()[:12]}.json"
+    digest = hashlib.sha1(costs.geometry_key(config).encode()).hexdigest()[:12]
+    path = Path(args.costs) if args.costs else COSTS_DIR / f"{digest}.json"
     table = costs.load(path, config)
     ensure_devices(n)  # the exchange is measured on an n-device mesh
     costs.ensure(table, config, trace, n)

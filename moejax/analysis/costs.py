@@ -25,12 +25,13 @@ import numpy as np
 import scipy.optimize
 
 from moejax.analysis import eplb
-from moejax.analysis.simulate import Layout, layouts, phase_us, simulate
+from moejax.analysis.simulate import Layout, device_work, layouts, padded_rows, phase_us, simulate
 from moejax.analysis.trace import Trace
 from moejax.config import Config
 from moejax.errors import UsageError
 
 REPS = 16  # calls per timed scan
+ROUNDS = 7  # timed runs of each measurement; the best counts
 ROUTINGS = ((1.0, 1), (1.0, 0), (0.5, 0), (0.25, 1), (0.1, 0), (0.0, 0))  # (local share, local experts 1 or all)
 
 
@@ -85,15 +86,22 @@ def save(table: CostTable, path: Path) -> None:
 
 # ----------------------------------------------------------------------------- timing
 
-def _best_us(fn, *args, repeats: int = 5) -> float:
-    """Microseconds per call of a jitted scan of REPS calls, best of `repeats` (the host is shared)."""
-    fn(*args).block_until_ready()  # compile
-    best = float("inf")
-    for _ in range(repeats):
+def _timer(fn, *args):
+    """Compiles fn(*args) (a jitted scan of REPS calls); returns a function timing one run, in
+    microseconds per call."""
+    fn(*args).block_until_ready()
+
+    def once() -> float:
         t0 = time.perf_counter()
         fn(*args).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 1e6 * best / REPS
+        return 1e6 * (time.perf_counter() - t0) / REPS
+    return once
+
+
+def _best_us(fn, *args) -> float:
+    """Microseconds per call, best of ROUNDS runs (the host is shared: the best run is the least disturbed)."""
+    once = _timer(fn, *args)
+    return min(once() for _ in range(ROUNDS))
 
 
 def _repeated(call):
@@ -101,7 +109,13 @@ def _repeated(call):
     import jax
 
     def run(x, *rest):
-        return jax.lax.fori_loop(0, REPS, lambda _, x: x + 1e-3 * call(x, *rest), x)
+        def body(_, x):
+            # Tying the loop-invariant inputs to the loop-varying x keeps XLA from hoisting out of
+            # the loop what depends on them alone (sorting the picks, gathering ids or weights),
+            # which would time that work once rather than once per call.
+            x, tied = jax.lax.optimization_barrier((x, rest))
+            return x + 1e-3 * call(x, *tied)
+        return jax.lax.fori_loop(0, REPS, body, x)
     return jax.jit(run)
 
 
@@ -154,8 +168,8 @@ def measure_compute(config: Config, rows: int, width: int, held: int, seed: int 
     return [float(v) for v in coef]
 
 
-def measure_layer_us(config: Config, layout: Layout, ids: np.ndarray, seed: int = 0) -> float:
-    """Microseconds of one MoE layer of `layout` on the mesh for picks int[rows, k] (all rows)."""
+def layer_timer(config: Config, layout: Layout, ids: np.ndarray, seed: int = 0):
+    """A compiled MoE layer of `layout` on the mesh for picks int[rows, k] (all rows): `_timer`'s function."""
     import jax
     import jax.numpy as jnp
 
@@ -177,7 +191,7 @@ def measure_layer_us(config: Config, layout: Layout, ids: np.ndarray, seed: int 
     def layer(x, ids, wts, w):
         w = placement.expert_weights([w])[0]  # weight_prefetch gathers here; others pass through
         return placement.moe(x, ids, wts, w)
-    return _best_us(_repeated(layer), x, put(jnp.asarray(ids)), put(jnp.full((rows, k), 1.0 / k, dtype)), experts)
+    return _timer(_repeated(layer), x, put(jnp.asarray(ids)), put(jnp.full((rows, k), 1.0 / k, dtype)), experts)
 
 
 def one_step(ids: np.ndarray, num_experts: int) -> Trace:
@@ -189,27 +203,35 @@ def one_step(ids: np.ndarray, num_experts: int) -> Trace:
 # ----------------------------------------------------------------------------- filling the table
 
 def ensure(table: CostTable, config: Config, trace: Trace, n: int, seed: int = 0) -> CostTable:
-    """Measures every entry the simulation of `trace`'s decode steps on n devices needs and is missing."""
-    from moejax.analysis.simulate import device_work, padded_rows
-
+    """Measures every entry the simulation of `trace`'s decode steps on n devices needs and is missing.
+    The placements' layers are timed round-robin, so that a burst of load on the shared host falls
+    on all of them rather than on one."""
     c = config.model
     decode = trace.select(trace.kind == "decode")
     rng = np.random.default_rng(seed)
+    order = eplb.contiguous(1, c.num_experts)
+    layers = {}  # exchange key -> (layer timer, simulated expert phase of its picks in us)
     for layout in layouts(n):
-        order = eplb.contiguous(1, c.num_experts)
         for rows in map(int, np.unique(padded_rows(decode, n))):
+            xkey = f"{layout.name},{layout.ep},{layout.tp},{rows}"
+            if xkey in table.exchange:
+                continue
             ids = np.stack([rng.choice(c.num_experts, c.num_experts_per_tok, replace=False) for _ in range(rows)])
             calib = one_step(ids.astype(np.int32), c.num_experts)
             work = device_work(calib, layout, order, table.intermediate)
             key = f"{int(work.rows[0])},{work.width},{work.held}"
             if key not in table.compute_fit:
                 table.compute_fit[key] = measure_compute(config, int(work.rows[0]), work.width, work.held, seed)
-            xkey = f"{layout.name},{layout.ep},{layout.tp},{rows}"
-            if xkey not in table.exchange:
-                base, per_route, per_expert = table.compute_fit[key]
-                call = base + per_route * work.routes + per_expert * work.experts  # [1, 1, N]
-                expert_phase = float(phase_us(call, table.concurrency)[0, 0])
-                table.exchange[xkey] = measure_layer_us(config, layout, calib.ids[0, 0], seed) - expert_phase
+            base, per_route, per_expert = table.compute_fit[key]
+            call = base + per_route * work.routes + per_expert * work.experts  # [1, 1, N]
+            expert_phase = float(phase_us(call, table.concurrency)[0, 0])
+            layers[xkey] = (layer_timer(config, layout, calib.ids[0, 0], seed), expert_phase)
+    best = dict.fromkeys(layers, float("inf"))
+    for _ in range(ROUNDS):
+        for xkey, (once, _) in layers.items():
+            best[xkey] = min(best[xkey], once())
+    for xkey, (_, expert_phase) in layers.items():
+        table.exchange[xkey] = best[xkey] - expert_phase
     return table
 
 

@@ -107,7 +107,7 @@ def simulate(trace: Trace, layout: Layout, phy2log: np.ndarray, costs) -> dict:
     exchange = np.array([costs.exchange_us(layout, int(r)) for r in padded_rows(trace, layout.devices)])  # [S]
     moe = phase.sum(axis=1) + exchange * phase.shape[1]
     non_moe = np.array([costs.non_moe_us(layout.devices, int(r)) for r in padded_rows(trace, layout.devices)])
-    mean_device = (call.mean(axis=-1)).sum(axis=1)  # [S]: the same work with no imbalance
+    mean_device = call.mean(axis=-1).sum(axis=1)  # [S]: the same work with no imbalance
     return {
         "step_ms": float((moe + non_moe).mean() / 1e3) if np.isfinite(non_moe).all() else None,
         "moe_ms": float(moe.mean() / 1e3),
