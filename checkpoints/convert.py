@@ -41,14 +41,14 @@ def convert(hf_dir: str | Path, out: str | Path, *, expert_format: str = "bf16",
 
     model = read_hf_config(hf_dir)
     config = Config(model=model, weights=WeightsConfig(expert_format), engine=EngineConfig(dtype=dtype)).validate()
-    place = Placement(config).place
+    placement = Placement(config)
     manifest = Manifest(model, dtype, expert_format)
     bar = Progress(len(named_specs(manifest)[0]), progress)
 
     def stream():
         for path, spec, array in iter_hf_tensors(hf_dir, model):
             key = param_key(path)
-            yield key, to_stored(spec, place(spec, array.astype(param_dtype(spec, dtype))))
+            yield key, to_stored(spec, placement.place(spec, array.astype(param_dtype(spec, dtype))), placement)
             bar.step(key)
 
     return write(out, manifest, stream())

@@ -1,7 +1,7 @@
 """Parameters to and from orbax: written group by group, restored straight into a placement.
 
 Arrays are stored as the model defines them (unpadded expert stacks, 4-bit experts as their
-`QuantizedArray` leaves). A group holds parameters up to the size of the model's largest
+`QuantizedArray` leaves, values in the placement-independent packing of `packing.py`). A group holds parameters up to the size of the model's largest
 one (or `GROUP_BYTES`, whichever is larger), so a writer never holds much more than two of
 the largest tensors at once. Restoring asks orbax for each array with its target
 `NamedSharding` and the placement's padded expert count: every device reads only its own
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
+from checkpoints import packing
 from checkpoints.manifest import (MANIFEST, Manifest, commit, file_sums, new_data_dir, read_manifest, verify_files,
                                   warn_leftovers)
 from moejax.errors import UsageError
@@ -63,9 +64,10 @@ def stored_leaves(spec: ParamSpec, manifest: Manifest) -> dict[str, jax.ShapeDty
     return {k: getattr(q, k) for k in QUANTIZED_LEAVES if getattr(q, k) is not None}
 
 
-def to_stored(spec: ParamSpec, value) -> dict:
-    """A parameter as the dict of arrays orbax writes."""
+def to_stored(spec: ParamSpec, value, placement) -> dict:
+    """A parameter of `placement` as the dict of arrays orbax writes."""
     if isinstance(value, pallas_kernels.QuantizedArray):
+        value = value.replace(values=packing.to_disk(value.values, packing.k_slices(spec, placement)))
         return {k: getattr(value, k) for k in QUANTIZED_LEAVES if getattr(value, k) is not None}
     return {"w": value}
 
@@ -122,8 +124,9 @@ def write(ckpt: str | Path, manifest: Manifest, params: Iterable[tuple[str, dict
     return manifest
 
 
-def save_params(ckpt: str | Path, params: dict, config) -> Manifest:
-    """Saves placed parameters (any placement): padding experts are dropped on the way out."""
+def save_params(ckpt: str | Path, params: dict, placement) -> Manifest:
+    """Saves the parameters of `placement` (any): padding experts are dropped on the way out."""
+    config = placement.config
     manifest = Manifest(config.model, config.engine.dtype, config.weights.expert_format)
     names, _ = named_specs(manifest)
     leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, pallas_kernels.QuantizedArray))
@@ -133,7 +136,7 @@ def save_params(ckpt: str | Path, params: dict, config) -> Manifest:
         for (key, spec), value in zip(names, leaves):
             if _is_expert_stack(spec):
                 value = jax.tree.map(lambda a: a[:e], value)
-            yield key, to_stored(spec, value)
+            yield key, to_stored(spec, value, placement)
 
     return write(ckpt, manifest, unpadded())
 
@@ -182,11 +185,12 @@ def _restore_args(spec: ParamSpec, leaves: dict, placement, run_dtype) -> dict:
     return out
 
 
-def _as_param(spec: ParamSpec, arrays: dict, expert_format: str):
+def _as_param(spec: ParamSpec, arrays: dict, expert_format: str, placement):
     if not is_quantized(spec, expert_format):
         return arrays["w"]
-    return pallas_kernels.QuantizedArray(arrays["values"], arrays["scales"], arrays.get("tensor_scale"),
-                                         fmt=expert_format, axis=-2)
+    v = arrays["values"]
+    values = packing.from_disk(v, packing.k_slices(spec, placement), v.sharding)
+    return pallas_kernels.QuantizedArray(values, arrays["scales"], arrays.get("tensor_scale"), fmt=expert_format, axis=-2)
 
 
 def restore_params(ckpt: str | Path, config, placement) -> dict:
@@ -213,6 +217,6 @@ def restore_params(ckpt: str | Path, config, placement) -> dict:
             arrays = checkpointer.restore(directory, args=ocp.args.PyTreeRestore(restore_args=args))
         except Exception as e:  # noqa: BLE001 - truncated/corrupted data surfaces as assorted errors
             raise UsageError(f"{directory}: unreadable checkpoint data ({_first_line(e)})") from None
-        restored.update({k: _as_param(specs[k], arrays[k], manifest.expert_format) for k in keys})
+        restored.update({k: _as_param(specs[k], arrays[k], manifest.expert_format, placement) for k in keys})
     return jax.tree.unflatten(treedef, [restored[k] for k, _ in names])
 
