@@ -98,8 +98,12 @@ def trace_fields(args) -> dict:
     """`save_trace`'s arguments from the chosen source (a synthetic generator or a model run), so
     there is one path to the file."""
     steps = positive("--steps", args.steps)
+    model_source = args.preset or args.hf or getattr(args, "checkpoint", None)
+    if not (args.synthetic or model_source):  # a bad argument: argparse's one line and exit 2
+        args.parser.error("record needs a source: --synthetic NAME, or a model: --preset NAME, --hf DIR "
+                          "or --checkpoint CKPT")
     if args.synthetic:
-        if args.preset or args.hf or getattr(args, "checkpoint", None):
+        if model_source:
             raise UsageError("--synthetic generates its own picks; drop --preset/--hf/--checkpoint")
         return synthetic.generate(synthetic.SPECS[args.synthetic], steps, positive("--rows", args.rows), args.seed)
     from moejax.analysis.record import model_trace
@@ -108,7 +112,7 @@ def trace_fields(args) -> dict:
     engine = build_engine(config_from_args(args), args.hf, args.seed, args.checkpoint)
     prompts = args.prompt_ids or [[1]]
     engine.check_prompts(prompts)
-    return model_trace(engine, prompts, steps, args.hf or args.checkpoint or args.preset or "tiny")
+    return model_trace(engine, prompts, steps, model_source)
 
 
 def run_record(args) -> int:
@@ -252,7 +256,7 @@ def register(subparsers) -> None:
     p.add_argument("--out", required=True, metavar="TRACE", help="output .npz")
     p.add_argument("--steps", type=int, default=300, help="decode steps (default 300)")
     p.add_argument("--rows", type=int, default=64, help="synthetic: rows (concurrent requests) per step (default 64)")
-    p.set_defaults(func=run_record)
+    p.set_defaults(func=run_record, parser=p)
 
     p = subparsers.add_parser("analyze", help="skew, balancedness, copies and bytes of a trace; EPLB fitted on it")
     p.add_argument("trace", help="trace .npz written by `moejax record`")
