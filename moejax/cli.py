@@ -42,10 +42,18 @@ def main(argv: list[str] | None = None) -> int:
     # Compiled programs persist between runs: XLA:CPU compiles are most of a short run's time.
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/moejax/xla"))
     try:
+        from moejax.commands import init_processes
+
+        init_processes(args)
         return int(args.func(args) or 0)
     except ConfigError as e:
         print(f"moejax: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if getattr(args, "num_processes", 1) > 1:  # leave together: a lone exit aborts the others
+            import jax
+
+            jax.distributed.shutdown()
 
 
 if __name__ == "__main__":

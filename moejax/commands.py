@@ -42,6 +42,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int)
     p.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--num-processes", type=int, default=1, help="multi-host: processes in the run (jax.distributed)")
+    p.add_argument("--process-id", type=int, default=0, help="multi-host: this process's index")
+    p.add_argument("--coordinator", metavar="HOST:PORT", help="multi-host: process 0's address")
 
 
 def config_from_args(args) -> Config:
@@ -61,6 +64,25 @@ def config_from_args(args) -> Config:
         kernel=args.kernel or config.kernel,
     )
     return config.validate()
+
+
+def init_processes(args) -> None:
+    """Multi-host: join the jax.distributed run, this process holding devices / processes of the
+    devices (virtual CPU devices here, talking through gloo). Must run before jax starts."""
+    n = getattr(args, "num_processes", 1)
+    if n <= 1:
+        return
+    if not args.coordinator or not 0 <= args.process_id < n:
+        raise UsageError(f"--num-processes {n} needs --coordinator HOST:PORT and --process-id in 0..{n - 1}")
+    devices = args.devices or 8
+    if devices % n:
+        raise UsageError(f"--devices {devices} cannot be split over {n} processes")
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices // n}".strip()
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(args.coordinator, num_processes=n, process_id=args.process_id)
 
 
 def ensure_devices(n: int) -> None:

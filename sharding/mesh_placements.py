@@ -53,11 +53,17 @@ class MeshPlacement(Placement):
     def sharding(self, axes: tuple, shape: tuple) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(axes, shape))
 
+    def put(self, array, axes):
+        """Each device takes its own block of the host array: works when the mesh spans
+        several processes (multi-host), where device_put of a whole array cannot."""
+        host = np.asarray(array)
+        return jax.make_array_from_callback(host.shape, self.sharding(axes, host.shape), lambda index: host[index])
+
     def place_cache(self, cache):
         from moejax.model.attention import cache_specs
 
         axes = {k: a for k, (_, a) in cache_specs(self.config.model, 1, 1).items()}
-        return [{k: jax.device_put(v, self.sharding(axes[k], v.shape)) for k, v in layer.items()} for layer in cache]
+        return [{k: self.put(v, axes[k]) for k, v in layer.items()} for layer in cache]
 
     def constrain(self, x, axes):
         return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape))

@@ -32,18 +32,22 @@ class Placement:
         """Where an array with these logical axes lives (None: the default device)."""
         return None
 
+    def put(self, array, axes: tuple) -> jax.Array:
+        """One array onto its devices (every process passes the same host array)."""
+        return jax.device_put(array, self.sharding(axes, array.shape))
+
     def place(self, spec, array) -> jax.Array:
         """Puts one parameter on its devices: expert stacks padded to `num_experts` and,
         with `weights.expert_format` nvfp4/mxfp4, quantized along their reduction axis."""
         if spec.axes[:1] != ("experts",):
-            return jax.device_put(array, self.sharding(spec.axes, array.shape))
+            return self.put(array, spec.axes)
         if array.shape[0] < self.num_experts:  # empty padding experts: never picked
             array = np.pad(np.asarray(array), [(0, self.num_experts - array.shape[0])] + [(0, 0)] * (array.ndim - 1))
         fmt = self.config.weights.expert_format
         if fmt != "bf16":
             slices = self.tp if spec.axes[-2] == "expert_mlp" else 1
             array = quantize_in_slices(jax.numpy.asarray(array, jax.numpy.float32), fmt, slices)
-        return jax.tree.map(lambda a: jax.device_put(a, self.sharding(spec.axes, a.shape)), array)
+        return jax.tree.map(lambda a: self.put(a, spec.axes), array)
 
     def place_cache(self, cache: list[dict]) -> list[dict]:
         return cache

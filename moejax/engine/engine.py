@@ -42,6 +42,15 @@ def decode_step(params, cache, tokens, positions, key, *, c: ModelConfig, placem
     return sample(logits, key, sampling), logits, cache, picks if record else None
 
 
+def to_host(x: jax.Array) -> np.ndarray:
+    """A device array as numpy, gathered from every process when it spans several (multi-host)."""
+    if not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x)
+
+
 def bucket(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
@@ -119,7 +128,7 @@ class Engine:
         tokens, lens = self._padded(prompts)
         cache = self.new_cache(tokens.shape[0], bucket(tokens.shape[1], 16))
         logits, _, _ = self._run_prefill(cache, tokens, lens, all_logits=True, record=False)
-        logits = np.asarray(logits)
+        logits = to_host(logits)
         return [logits[i, : len(p)] for i, p in enumerate(prompts)]
 
     def generate(
@@ -157,14 +166,14 @@ class Engine:
             picks.append(p)
         tok.block_until_ready()
         t2 = time.perf_counter()
-        new = np.stack([np.asarray(t) for t in out], axis=1)
+        new = np.stack([to_host(t) for t in out], axis=1)
         # A request ends when max_new_tokens are out or its cache is full (it may use every slot).
         budget = [min(max_new_tokens, max_len - len(p) + 1) for p in prompts]
         return Generation(
             tokens=[new[i, : budget[i]].tolist() for i in range(len(prompts))],
             finish_reasons=["length"] * len(prompts),
-            picks=[jax.device_get(p) for p in picks] if record else None,
-            logits=np.stack([np.asarray(x)[: len(prompts)] for x in step_logits]) if return_logits else None,
+            picks=[[to_host(x) for x in p] for p in picks] if record else None,
+            logits=np.stack([to_host(x)[: len(prompts)] for x in step_logits]) if return_logits else None,
             prefill_ms=1e3 * (t1 - t0),
             decode_step_ms=1e3 * (t2 - t1) / max(1, max_new_tokens - 1),
         )

@@ -1,0 +1,41 @@
+"""The same run split over two processes with jax.distributed (each with 4 of the 8 virtual
+CPU devices, collectives through gloo) gives the tokens of one process with all 8."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from moejax.cli import main
+
+ARGS = ["generate", "--preset", "tiny", "--devices", "8", "--prompt-ids", "1,2,3", "--prompt-ids", "4,5",
+        "--max-new-tokens", "4", "--json"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("placement", ["ragged_a2a", "tensor_sliced"])
+def test_two_processes_give_the_tokens_of_one(placement, capsys):
+    assert main(ARGS + ["--placement", placement]) == 0
+    expected = json.loads(capsys.readouterr().out)["tokens"]
+    coordinator = f"127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each process makes its own 4 devices
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "moejax", *ARGS, "--placement", placement, "--num-processes", "2",
+                          "--process-id", str(i), "--coordinator", coordinator],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    # gloo logs its connections on stdout too; the result is the last line
+    assert all(json.loads(out.strip().splitlines()[-1])["tokens"] == expected for out, _ in outs)
