@@ -155,14 +155,15 @@ class Engine:
         tok = sample(logits, jax.random.fold_in(key, 0), sampling).block_until_ready()
         t1 = time.perf_counter()
         positions = jnp.asarray(lens)
-        out, step_logits = [tok], [logits]
+        out, step_logits = [tok], [logits] if return_logits else []  # kept only when asked: B x V per step
         for step in range(1, max_new_tokens):
             tok, logits, cache, p = self._decode(
                 self.params, cache, tok, positions, jax.random.fold_in(key, step), sampling=sampling, record=record
             )
             positions = positions + 1
             out.append(tok)
-            step_logits.append(logits)
+            if return_logits:
+                step_logits.append(logits)
             picks.append(p)
         tok.block_until_ready()
         t2 = time.perf_counter()
