@@ -61,6 +61,8 @@ def test_greedy_equals_plain_greedy(draft):
     LayoutConfig(experts="ragged_a2a", devices=8, attention="dp"),
     LayoutConfig(experts="weight_prefetch", devices=8, attention="tp"),
     LayoutConfig(experts="hybrid", devices=8, ep=4, tp=2, attention="dp"),
+    LayoutConfig(experts="tensor_sliced", devices=8, attention="dp"),
+    LayoutConfig(experts="expert_sharded", devices=8, attention="tp"),
 ], ids=lambda l: l.experts)
 def test_greedy_equals_plain_greedy_under_placements(layout):
     spec = _mirror(layout)
