@@ -67,7 +67,7 @@ def stored_leaves(spec: ParamSpec, manifest: Manifest) -> dict[str, jax.ShapeDty
 def to_stored(spec: ParamSpec, value, placement) -> dict:
     """A parameter of `placement` as the dict of arrays orbax writes."""
     if isinstance(value, pallas_kernels.QuantizedArray):
-        value = value.replace(values=packing.to_disk(value.values, packing.k_slices(spec, placement)))
+        value = value.replace(values=packing.to_disk(value.values, placement.k_slices(spec)))
         return {k: getattr(value, k) for k in QUANTIZED_LEAVES if getattr(value, k) is not None}
     return {"w": value}
 
@@ -189,7 +189,7 @@ def _as_param(spec: ParamSpec, arrays: dict, expert_format: str, placement):
     if not is_quantized(spec, expert_format):
         return arrays["w"]
     v = arrays["values"]
-    values = packing.from_disk(v, packing.k_slices(spec, placement), v.sharding)
+    values = packing.from_disk(v, placement.k_slices(spec), v.sharding)
     return pallas_kernels.QuantizedArray(values, arrays["scales"], arrays.get("tensor_scale"), fmt=expert_format, axis=-2)
 
 

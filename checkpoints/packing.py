@@ -15,11 +15,6 @@ import jax
 import jax.numpy as jnp
 
 
-def k_slices(spec, placement) -> int:
-    """The K-slices a placement packs this expert stack in (the rule of `Placement.place`)."""
-    return placement.tp if spec.axes[-2] == "expert_mlp" else 1
-
-
 def _codes(values: jax.Array, slices: int) -> jax.Array:
     """Slice-wise half-split packed [E, K/2, N] -> codes [E, K, N]."""
     e, h, n = values.shape

@@ -32,6 +32,10 @@ class Placement:
         """Where an array with these logical axes lives (None: the default device)."""
         return None
 
+    def k_slices(self, spec) -> int:
+        """K-slices a 4-bit expert stack is packed in: its reduction axis is sliced tp ways."""
+        return self.tp if spec.axes[-2] == "expert_mlp" else 1
+
     def put(self, array, axes: tuple) -> jax.Array:
         """One array onto its devices (every process passes the same host array)."""
         return jax.device_put(array, self.sharding(axes, array.shape))
@@ -45,8 +49,7 @@ class Placement:
             array = np.pad(np.asarray(array), [(0, self.num_experts - array.shape[0])] + [(0, 0)] * (array.ndim - 1))
         fmt = self.config.weights.expert_format
         if fmt != "bf16":
-            slices = self.tp if spec.axes[-2] == "expert_mlp" else 1
-            array = quantize_in_slices(jax.numpy.asarray(array, jax.numpy.float32), fmt, slices)
+            array = quantize_in_slices(jax.numpy.asarray(array, jax.numpy.float32), fmt, self.k_slices(spec))
         return jax.tree.map(lambda a: self.put(a, spec.axes), array)
 
     def place_cache(self, cache: list[dict]) -> list[dict]:
