@@ -14,6 +14,8 @@ from moejax.config import ModelConfig
 from moejax.model import dsa
 from moejax.model.layers import apply_rope, rms_norm
 
+KV_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")  # GQA cache: [B, H_kv, S, Dh]
+
 
 def cache_specs(c: ModelConfig, batch: int, max_len: int, layer: int | None = None) -> dict:
     """Cache entries of `layer` (None: of any layer): name -> (shape, logical axes). MLA caches
@@ -26,14 +28,18 @@ def cache_specs(c: ModelConfig, batch: int, max_len: int, layer: int | None = No
         if c.is_dsa and (layer is None or c.has_indexer(layer)):
             specs["index_k"] = ((batch, max_len, c.index_head_dim), ("batch", "cache_seq", None))
         return specs
-    kv = ((batch, max_len, c.num_kv_heads, c.head_dim), ("batch", "cache_seq", "kv_heads", "head_dim"))
+    # Heads before positions: attention's dots then read the cache as it lies (XLA:CPU would
+    # otherwise transpose the whole cache every step, which cost more than the dots).
+    kv = ((batch, c.num_kv_heads, max_len, c.head_dim), KV_AXES)
     return {"k": kv, "v": kv}
 
 
-def _write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-    """cache: [B, S, ...] <- new: [B, T, ...] at positions: [B, T]."""
+def _write(cache: jax.Array, new: jax.Array, positions: jax.Array, seq_axis: int = 1) -> jax.Array:
+    """cache <- new: [B, T, ...] at positions: [B, T] along the cache's seq_axis.
+    cache: [B, S, ...] (seq_axis 1) or [B, H, S, Dh] (seq_axis 2, new: [B, T, H, Dh])."""
     b = jnp.arange(cache.shape[0])[:, None]
-    return cache.at[b, positions].set(new.astype(cache.dtype), mode="drop")
+    index = (b, *[slice(None)] * (seq_axis - 1), positions)
+    return cache.at[index].set(new.astype(cache.dtype), mode="drop")
 
 
 def _causal_mask(positions: jax.Array, max_len: int) -> jax.Array:
@@ -56,15 +62,15 @@ def gqa(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: Mo
         q, k = rms_norm(q, p["q_norm"], c.rms_norm_eps), rms_norm(k, p["k_norm"], c.rms_norm_eps)
     cos, sin = cos_sin
     q, k = apply_rope(q, cos, sin, c.rope_interleave), apply_rope(k, cos, sin, c.rope_interleave)
-    cache = {"k": _write(cache["k"], k, positions), "v": _write(cache["v"], v, positions)}
-    keys = rt.constrain(cache["k"], ("batch", "cache_seq", "kv_heads", "head_dim"))
-    values = rt.constrain(cache["v"], ("batch", "cache_seq", "kv_heads", "head_dim"))
+    cache = {"k": _write(cache["k"], k, positions, seq_axis=2), "v": _write(cache["v"], v, positions, seq_axis=2)}
+    keys = rt.constrain(cache["k"], KV_AXES)  # [B, H_kv, S, Dh]
+    values = rt.constrain(cache["v"], KV_AXES)
     b, t, h, dh = q.shape
     groups = h // c.num_kv_heads
     q = q.reshape(b, t, c.num_kv_heads, groups, dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys) * c.softmax_scale
-    probs = _softmax(scores, _causal_mask(positions, keys.shape[1])[:, None, None]).astype(values.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(b, t, h, dh)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, keys) * c.softmax_scale
+    probs = _softmax(scores, _causal_mask(positions, keys.shape[2])[:, None, None]).astype(values.dtype)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, values).reshape(b, t, h, dh)
     return jnp.einsum("bthk,hkd->btd", out, p["o"]), cache
 
 
