@@ -1,9 +1,15 @@
 """Test setup: 8 virtual CPU devices for the meshes, set before jax is imported anywhere."""
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests check results, not speed: cheaper LLVM code generation halves XLA:CPU compile times,
 # which are most of the suite's time.
 os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# Many tests build engines that compile the same programs (same model, placement and shapes,
+# new jit objects): a persistent cache for this run compiles each once. A fresh directory per
+# run, so that nothing carries over between runs.
+os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="moejax-test-xla-")
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
