@@ -12,6 +12,7 @@ import math
 from jax.sharding import PartitionSpec as P
 
 from moejax.config import ConfigError, LayoutConfig, ModelConfig
+from pallas_kernels.formats import FORMATS
 
 ALL = ("ep", "tp")  # every device
 
@@ -69,7 +70,7 @@ def check_model(c: ModelConfig, ep: int, tp: int, expert_format: str = "bf16") -
         raise ConfigError(
             f"expert intermediate size {f} cannot be sliced {tp} ways ({f / tp:g} per device); choose a tp that divides it"
         )
-    unit = {"nvfp4": 32, "mxfp4": 64}.get(expert_format, 1)
+    unit = 2 * FORMATS[expert_format].block if expert_format in FORMATS else 1  # a byte pairs two blocks' values
     if tp > 1 and (f // tp) % unit:
         raise ConfigError(
             f"{expert_format} expert slices of {f // tp} (intermediate size {f} over {tp} devices) must be a "

@@ -25,11 +25,6 @@ def valid_rows(prompt_lens: list[int], batch: int, chunk: int, start: int | None
 def model_trace(engine, prompts: list[list[int]], steps: int, model: str) -> dict:
     """`save_trace`'s fields for prefill of `prompts` then `steps` decode steps of greedy generation."""
     gen = engine.generate(prompts, steps + 1, record=True)  # the first new token comes from prefill
-    return generation_trace(gen, engine, prompts, steps, model)
-
-
-def generation_trace(gen, engine, prompts: list[list[int]], steps: int, model: str) -> dict:
-    """`save_trace`'s fields from a `Generation` recorded with `steps` decode steps."""
     chunk = engine.config.engine.prefill_chunk
     passes = [np.stack([np.asarray(p) for p in layers]) for layers in gen.picks]  # each int32[L, R_s, k]
     batch = passes[-1].shape[1]  # a decode step has one row per (padded) request
