@@ -33,20 +33,19 @@ def hf_model(directory: str):
     return model
 
 
-def hf_runner(model, prompt_len: int, batch: int, steps: int):
-    """A function timing one round: (prefill seconds for one prompt of prompt_len, seconds per
-    decode step at `batch`). Its first call warms up."""
+BATCHES = (1, 16)
+
+
+def hf_runner(model, prompt_len: int, steps: int):
+    """A function timing one round: [prefill seconds for one prompt of prompt_len, then seconds
+    per decode step at each of BATCHES]. Its first call warms up."""
     import torch
 
     rng = np.random.default_rng(0)
     long = torch.tensor(rng.integers(0, 32000, (1, prompt_len)))
-    short = torch.tensor(rng.integers(0, 32000, (batch, 32)))
+    shorts = [torch.tensor(rng.integers(0, 32000, (batch, 32))) for batch in BATCHES]
 
-    @torch.no_grad()
-    def run():
-        t = time.perf_counter()
-        model(long)
-        prefill = time.perf_counter() - t
+    def decode(short) -> float:
         out = model(short, use_cache=True)
         cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
         for i in range(steps + 2):
@@ -54,13 +53,19 @@ def hf_runner(model, prompt_len: int, batch: int, steps: int):
                 t = time.perf_counter()
             out = model(tok, past_key_values=cache, use_cache=True)
             cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        return prefill, (time.perf_counter() - t) / steps
+        return (time.perf_counter() - t) / steps
+
+    @torch.no_grad()
+    def run() -> list[float]:
+        t = time.perf_counter()
+        model(long)
+        return [time.perf_counter() - t] + [decode(short) for short in shorts]
 
     run()
     return run
 
 
-def moejax_runner(directory: str, prompt_len: int, batch: int, steps: int):
+def moejax_runner(directory: str, prompt_len: int, steps: int):
     """As hf_runner, for moejax on one CPU device; its first call compiles."""
     from moejax.config import Config, EngineConfig
     from moejax.engine.engine import Engine
@@ -72,11 +77,11 @@ def moejax_runner(directory: str, prompt_len: int, batch: int, steps: int):
     engine = Engine(config, load_params(config, placement, hf_dir=directory), placement)
     rng = np.random.default_rng(0)
     long = [rng.integers(0, 32000, prompt_len).tolist()]
-    short = [rng.integers(0, 32000, 32).tolist() for _ in range(batch)]
+    shorts = [[rng.integers(0, 32000, 32).tolist() for _ in range(batch)] for batch in BATCHES]
 
-    def run():
+    def run() -> list[float]:
         prefill = engine.generate(long, 1).prefill_ms / 1e3
-        return prefill, engine.generate(short, steps + 1).decode_step_ms / 1e3
+        return [prefill] + [engine.generate(short, steps + 1).decode_step_ms / 1e3 for short in shorts]
 
     run()
     return run
@@ -119,26 +124,22 @@ def main():
     with tempfile.TemporaryDirectory() as directory:
         model = hf_model(directory)
         bw = read_bandwidth()
-        rows = []
-        for batch in (1, 16):
-            runners = [hf_runner(model, args.prompt_len, batch, args.decode_steps),
-                       moejax_runner(directory, args.prompt_len, batch, args.decode_steps)]
-            # The host is shared and noisy: alternate the two and keep each one's best round,
-            # so that a slow spell does not land on one side only. The pause lets the other
-            # library's idle worker threads stop spinning (OpenMP's and XLA's both spin a while).
-            best = [(float("inf"), float("inf"))] * 2
-            for _ in range(args.rounds):
-                for i, run in enumerate(runners):
-                    time.sleep(1.0)
-                    best[i] = tuple(map(min, best[i], run()))
-            (hf_pre, hf_step), (mj_pre, mj_step) = best
-            rows.append((batch, hf_pre, hf_step, mj_pre, mj_step))
+        runners = [hf_runner(model, args.prompt_len, args.decode_steps),
+                   moejax_runner(directory, args.prompt_len, args.decode_steps)]
+        # The host is shared and noisy: alternate the two and keep each one's best round, so
+        # that a slow spell does not land on one side only. The pause lets the other library's
+        # idle worker threads stop spinning (OpenMP's and XLA's both spin a while).
+        best = [[float("inf")] * (1 + len(BATCHES)) for _ in runners]
+        for _ in range(args.rounds):
+            for i, run in enumerate(runners):
+                time.sleep(1.0)
+                best[i] = list(map(min, best[i], run()))
+    (hf_pre, *hf_steps), (mj_pre, *mj_steps) = best
     print(f"read bandwidth {bw / 1e9:.1f} GB/s; prompt {args.prompt_len} tokens; {args.decode_steps} decode steps; "
           f"best of {args.rounds} alternating rounds")
     print(f"{'measure':<26}{'transformers':>14}{'moejax':>10}{'ratio':>8}{'bound':>9}")
-    _, hf_pre, _, mj_pre, _ = rows[0]
     print(f"{'prefill tokens/s':<26}{args.prompt_len / hf_pre:>14.0f}{args.prompt_len / mj_pre:>10.0f}{hf_pre / mj_pre:>8.2f}")
-    for batch, _, hf_step, _, mj_step in rows:
+    for batch, hf_step, mj_step in zip(BATCHES, hf_steps, mj_steps):
         bound = batch * bw / step_bytes(batch)
         print(f"{f'decode tokens/s, batch {batch}':<26}{batch / hf_step:>14.1f}{batch / mj_step:>10.1f}"
               f"{hf_step / mj_step:>8.2f}{bound:>9.0f}")
