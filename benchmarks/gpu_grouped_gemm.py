@@ -70,7 +70,7 @@ def main() -> None:
   ragged = jax.jit(lambda x, w, s: jax.lax.ragged_dot(x, w, s))
 
   print(f"{'kernel':>18} {'tokens':>6} {'touched':>7} {'MB read':>8} {'time us':>9} "
-        f"{'GB/s':>7} {'% HBM':>6} {'TFLOP/s':>8} {'% peak':>6} {"err vs bf16":>11}")
+        f"{'GB/s':>7} {'% HBM':>6} {'TFLOP/s':>8} {'% peak':>6} {'err vs bf16':>11}")
   for tokens in args.tokens:
     ids = np.stack([rng.choice(args.experts, args.topk, replace=False) for _ in range(tokens)])
     sizes = jnp.asarray(np.bincount(ids.ravel(), minlength=args.experts), jnp.int32)
