@@ -26,69 +26,69 @@ CEILINGS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "B200": (8.0e12
 
 
 def ceilings() -> tuple[str, float, float]:
-  kind = jax.devices()[0].device_kind
-  for name, (bw, flops) in CEILINGS.items():
-    if name in kind:
-      return kind, bw, flops
-  return kind, float("nan"), float("nan")
+    kind = jax.devices()[0].device_kind
+    for name, (bw, flops) in CEILINGS.items():
+        if name in kind:
+            return kind, bw, flops
+    return kind, float("nan"), float("nan")
 
 
 def median_seconds(fn, *args, reps: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
+    jax.block_until_ready(fn(*args))  # compile
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
 
 
 def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--experts", type=int, default=256)
-  p.add_argument("--hidden", type=int, default=6144)
-  p.add_argument("--inter", type=int, default=2048)
-  p.add_argument("--topk", type=int, default=8)
-  p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 2048, 8192])
-  p.add_argument("--reps", type=int, default=20)
-  p.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted kernel, CPU")
-  args = p.parse_args()
-  backend = "pallas_gpu"
-  if args.smoke:
-    args.experts, args.hidden, args.inter, args.tokens, args.reps = 8, 256, 128, [1, 16], 2
-    backend = "interpret_gpu"
-  kind, hbm, peak = ceilings()
-  print(f"{kind}: ceilings {hbm / 1e12:.2f} TB/s, {peak / 1e12:.0f} TFLOP/s bf16 dense")
-  print(f"[E, K, N] = [{args.experts}, {args.hidden}, {args.inter}], top-{args.topk}")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=6144)
+    p.add_argument("--inter", type=int, default=2048)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 2048, 8192])
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted kernel, CPU")
+    args = p.parse_args()
+    backend = "pallas_gpu"
+    if args.smoke:
+        args.experts, args.hidden, args.inter, args.tokens, args.reps = 8, 256, 128, [1, 16], 2
+        backend = "interpret_gpu"
+    kind, hbm, peak = ceilings()
+    print(f"{kind}: ceilings {hbm / 1e12:.2f} TB/s, {peak / 1e12:.0f} TFLOP/s bf16 dense")
+    print(f"[E, K, N] = [{args.experts}, {args.hidden}, {args.inter}], top-{args.topk}")
 
-  rng = np.random.default_rng(0)
-  w = jax.random.normal(jax.random.key(0), (args.experts, args.hidden, args.inter),
-                        jnp.bfloat16) / args.hidden**0.5
-  weights = {"bf16": w, "nvfp4": pk.quantize(w, "nvfp4"), "mxfp4": pk.quantize(w, "mxfp4")}
-  expert_bytes = {f: pk.nbytes(q) // args.experts for f, q in weights.items()}
-  gemm = jax.jit(pk.grouped_gemm, static_argnames=("backend",))
-  ragged = jax.jit(lambda x, w, s: jax.lax.ragged_dot(x, w, s))
+    rng = np.random.default_rng(0)
+    w = jax.random.normal(jax.random.key(0), (args.experts, args.hidden, args.inter),
+                          jnp.bfloat16) / args.hidden**0.5
+    weights = {"bf16": w, "nvfp4": pk.quantize(w, "nvfp4"), "mxfp4": pk.quantize(w, "mxfp4")}
+    expert_bytes = {f: pk.nbytes(q) // args.experts for f, q in weights.items()}
+    gemm = jax.jit(pk.grouped_gemm, static_argnames=("backend",))
+    ragged = jax.jit(lambda x, w, s: jax.lax.ragged_dot(x, w, s))
 
-  print(f"{'kernel':>18} {'tokens':>6} {'touched':>7} {'MB read':>8} {'time us':>9} "
-        f"{'GB/s':>7} {'% HBM':>6} {'TFLOP/s':>8} {'% peak':>6} {'err vs bf16':>11}")
-  for tokens in args.tokens:
-    ids = np.stack([rng.choice(args.experts, args.topk, replace=False) for _ in range(tokens)])
-    sizes = jnp.asarray(np.bincount(ids.ravel(), minlength=args.experts), jnp.int32)
-    touched = int((sizes > 0).sum())
-    rows = jax.random.normal(jax.random.key(tokens), (ids.size, args.hidden), jnp.bfloat16)
-    flops = 2 * ids.size * args.hidden * args.inter
-    expected = ragged(rows, w, sizes).astype(jnp.float32)
-    runs = [("ragged_dot bf16", "bf16", lambda: ragged(rows, w, sizes))]
-    runs += [(f"{backend} {f}", f, lambda f=f: gemm(rows, weights[f], sizes, backend=backend))
-             for f in weights]
-    for name, fmt, fn in runs:
-      seconds = median_seconds(lambda: fn(), reps=args.reps)
-      read = touched * expert_bytes[fmt]
-      err = float(jnp.max(jnp.abs(fn().astype(jnp.float32) - expected)))
-      print(f"{name:>18} {tokens:6d} {touched:7d} {read / 1e6:8.1f} {seconds * 1e6:9.1f} "
-            f"{read / seconds / 1e9:7.1f} {100 * read / seconds / hbm:6.1f} "
-            f"{flops / seconds / 1e12:8.2f} {100 * flops / seconds / peak:6.1f} {err:11.3f}")
+    print(f"{'kernel':>18} {'tokens':>6} {'touched':>7} {'MB read':>8} {'time us':>9} "
+          f"{'GB/s':>7} {'% HBM':>6} {'TFLOP/s':>8} {'% peak':>6} {'err vs bf16':>11}")
+    for tokens in args.tokens:
+        ids = np.stack([rng.choice(args.experts, args.topk, replace=False) for _ in range(tokens)])
+        sizes = jnp.asarray(np.bincount(ids.ravel(), minlength=args.experts), jnp.int32)
+        touched = int((sizes > 0).sum())
+        rows = jax.random.normal(jax.random.key(tokens), (ids.size, args.hidden), jnp.bfloat16)
+        flops = 2 * ids.size * args.hidden * args.inter
+        expected = ragged(rows, w, sizes).astype(jnp.float32)
+        runs = [("ragged_dot bf16", "bf16", lambda: ragged(rows, w, sizes))]
+        runs += [(f"{backend} {f}", f, lambda f=f: gemm(rows, weights[f], sizes, backend=backend))
+                 for f in weights]
+        for name, fmt, fn in runs:
+            seconds = median_seconds(lambda: fn(), reps=args.reps)
+            read = touched * expert_bytes[fmt]
+            err = float(jnp.max(jnp.abs(fn().astype(jnp.float32) - expected)))
+            print(f"{name:>18} {tokens:6d} {touched:7d} {read / 1e6:8.1f} {seconds * 1e6:9.1f} "
+                  f"{read / seconds / 1e9:7.1f} {100 * read / seconds / hbm:6.1f} "
+                  f"{flops / seconds / 1e12:8.2f} {100 * flops / seconds / peak:6.1f} {err:11.3f}")
 
 
 if __name__ == "__main__":
-  main()
+    main()

@@ -35,55 +35,55 @@ TM = TN = TK = 128  # one 128-lane TMEM tile of rows; TK holds 4 * block-scale g
 
 @flax.struct.dataclass
 class BlackwellWeights:
-  """values: float4_e2m1fn [G, N, K] (K-major); scales: [G, N/128, K/B/4, 32, 16] in the
-  MMA scale tiling; tensor_scale: f32 [G]."""
+    """values: float4_e2m1fn [G, N, K] (K-major); scales: [G, N/128, K/B/4, 32, 16] in the
+    MMA scale tiling; tensor_scale: f32 [G]."""
 
-  values: jax.Array
-  scales: jax.Array
-  tensor_scale: jax.Array
-  fmt: str = flax.struct.field(pytree_node=False)
+    values: jax.Array
+    scales: jax.Array
+    tensor_scale: jax.Array
+    fmt: str = flax.struct.field(pytree_node=False)
 
-  @property
-  def shape(self) -> tuple[int, int, int]:
-    g, n, k = self.values.shape
-    return g, k, n
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        g, n, k = self.values.shape
+        return g, k, n
 
 
 def _to_f4(codes: jax.Array) -> jax.Array:
-  return lax.bitcast_convert_type(codes.astype(jnp.uint4), jnp.float4_e2m1fn)
+    return lax.bitcast_convert_type(codes.astype(jnp.uint4), jnp.float4_e2m1fn)
 
 
 def _mma_scale_tiling(s: jax.Array) -> jax.Array:
-  """[.., MN, K/B] row-major scales -> [.., MN/128, K/B/4, 32, 16], the `.scale_vec::1X`
-  layout async_copy_scales_to_tmem reads (PTX ISA, tcgen05 block scaling)."""
-  *lead, mn, ks = s.shape
-  s = s.reshape(*lead, mn // 128, 4, 32, ks // 4, 4)
-  s = jnp.moveaxis(s, -2, -4)  # [.., mn/128, ks/4, 4, 32, 4]
-  s = jnp.swapaxes(s, -3, -2)  # [.., mn/128, ks/4, 32, 4, 4]
-  return s.reshape(*lead, mn // 128, ks // 4, 32, 16)
+    """[.., MN, K/B] row-major scales -> [.., MN/128, K/B/4, 32, 16], the `.scale_vec::1X`
+    layout async_copy_scales_to_tmem reads (PTX ISA, tcgen05 block scaling)."""
+    *lead, mn, ks = s.shape
+    s = s.reshape(*lead, mn // 128, 4, 32, ks // 4, 4)
+    s = jnp.moveaxis(s, -2, -4)  # [.., mn/128, ks/4, 4, 32, 4]
+    s = jnp.swapaxes(s, -3, -2)  # [.., mn/128, ks/4, 32, 4, 4]
+    return s.reshape(*lead, mn // 128, ks // 4, 32, 16)
 
 
 def _k_major(q: formats.QuantizedArray) -> tuple[jax.Array, jax.Array]:
-  """QuantizedArray [.., K, N] along K -> f4 values [.., N, K] and scales [.., N, K/B]."""
-  codes = formats.unpack_codes(q.values, q.axis)  # [.., K, N] logical order
-  return _to_f4(jnp.swapaxes(codes, -1, -2)), jnp.swapaxes(q.scales, -1, -2)
+    """QuantizedArray [.., K, N] along K -> f4 values [.., N, K] and scales [.., N, K/B]."""
+    codes = formats.unpack_codes(q.values, q.axis)  # [.., K, N] logical order
+    return _to_f4(jnp.swapaxes(codes, -1, -2)), jnp.swapaxes(q.scales, -1, -2)
 
 
 def prepare_weights(q: formats.QuantizedArray) -> BlackwellWeights:
-  """q [G, K, N] quantized along K -> the kernel's layout (done once, at load time)."""
-  if q.axis != -2 or q.ndim != 3:
-    raise ValueError("expected stacked experts [G, K, N] quantized along K")
-  values, scales = _k_major(q)
-  return BlackwellWeights(values, _mma_scale_tiling(scales), tiling.tensor_scales(q), q.fmt)
+    """q [G, K, N] quantized along K -> the kernel's layout (done once, at load time)."""
+    if q.axis != -2 or q.ndim != 3:
+        raise ValueError("expected stacked experts [G, K, N] quantized along K")
+    values, scales = _k_major(q)
+    return BlackwellWeights(values, _mma_scale_tiling(scales), tiling.tensor_scales(q), q.fmt)
 
 
 def _prepare_rows(lhs: jax.Array, fmt: str, m_pad: int):
-  """lhs [M, K] -> f4 [M_pad, K], MMA-tiled scales, and the one f32 tensor scale."""
-  x = jnp.pad(lhs, ((0, m_pad - lhs.shape[0]), (0, 0)))
-  q = formats.quantize(x, fmt, axis=-1)  # one tensor scale: the matrix [M_pad, K]
-  values = _to_f4(formats.unpack_codes(q.values, -1))
-  scale = jnp.ones((), jnp.float32) if q.tensor_scale is None else q.tensor_scale.reshape(())
-  return values, _mma_scale_tiling(q.scales), scale
+    """lhs [M, K] -> f4 [M_pad, K], MMA-tiled scales, and the one f32 tensor scale."""
+    x = jnp.pad(lhs, ((0, m_pad - lhs.shape[0]), (0, 0)))
+    q = formats.quantize(x, fmt, axis=-1)  # one tensor scale: the matrix [M_pad, K]
+    values = _to_f4(formats.unpack_codes(q.values, -1))
+    scale = jnp.ones((), jnp.float32) if q.tensor_scale is None else q.tensor_scale.reshape(())
+    return values, _mma_scale_tiling(q.scales), scale
 
 
 def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, w_scale, x_scale,
@@ -91,127 +91,127 @@ def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, w_scale, x_scale,
             a_smem, b_smem, a_sc_smem, b_sc_smem, out_smem, a_sc_tmem, b_sc_tmem, acc_tmem,
             tma_barrier, consumed_barrier, mma_done_barrier, *, k_iters: int, steps: int,
             block: int):
-  t, n_i, wg = lax.axis_index("t"), lax.axis_index("n"), lax.axis_index("wg")
+    t, n_i, wg = lax.axis_index("t"), lax.axis_index("n"), lax.axis_index("wg")
 
-  @pl.when(t < num_tiles[0])
-  def _():
-    g = group_ids[t]
-    local, m_tile = g - offset[0], m_tile_ids[t]
-    rows, cols = pl.ds(m_tile * TM, TM), pl.ds(n_i * TN, TN)
-    sc_k = TK // block // 4  # scale tiles per K step
-
-    @pl.when(wg == 0)
+    @pl.when(t < num_tiles[0])
     def _():
-      @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
-      def _():
-        warp = lax.axis_index("warp")
+        g = group_ids[t]
+        local, m_tile = g - offset[0], m_tile_ids[t]
+        rows, cols = pl.ds(m_tile * TM, TM), pl.ds(n_i * TN, TN)
+        sc_k = TK // block // 4  # scale tiles per K step
 
-        @pl.when(warp == 0)
-        def _tma():
-          def load(ki, _):
-            slot = lax.rem(ki, steps)
-
-            @pl.when(ki >= steps)
+        @pl.when(wg == 0)
+        def _():
+            @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
             def _():
-              plgpu.barrier_wait(consumed_barrier.at[slot])
+                warp = lax.axis_index("warp")
 
-            ks, kss = pl.ds(ki * TK, TK), pl.ds(ki * sc_k, sc_k)
-            plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_smem.at[slot], tma_barrier.at[slot])
-            plgpu.copy_gmem_to_smem(b_gmem.at[local, cols, ks], b_smem.at[slot],
-                                    tma_barrier.at[slot])
-            plgpu.copy_gmem_to_smem(a_sc_gmem.at[pl.ds(m_tile, 1), kss], a_sc_smem.at[slot],
-                                    tma_barrier.at[slot])
-            plgpu.copy_gmem_to_smem(b_sc_gmem.at[local, pl.ds(n_i, 1), kss],
-                                    b_sc_smem.at[slot], tma_barrier.at[slot])
+                @pl.when(warp == 0)
+                def _tma():
+                    def load(ki, _):
+                        slot = lax.rem(ki, steps)
 
-          lax.fori_loop(0, k_iters, load, None)
+                        @pl.when(ki >= steps)
+                        def _():
+                            plgpu.barrier_wait(consumed_barrier.at[slot])
 
-        @pl.when(warp == 1)
-        def _mma():
-          def step(ki, _):
-            slot = lax.rem(ki, steps)
-            plgpu.barrier_wait(tma_barrier.at[slot])
-            plgpu.async_copy_scales_to_tmem(a_sc_smem.at[slot], a_sc_tmem)
-            plgpu.async_copy_scales_to_tmem(b_sc_smem.at[slot], b_sc_tmem)
-            plgpu.tcgen05_mma(acc_tmem, a_smem.at[slot],
-                              plgpu.transpose_ref(b_smem.at[slot], (1, 0)),
-                              consumed_barrier.at[slot], a_scale=a_sc_tmem,
-                              b_scale=b_sc_tmem, accumulate=ki > 0)
+                        ks, kss = pl.ds(ki * TK, TK), pl.ds(ki * sc_k, sc_k)
+                        plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_smem.at[slot], tma_barrier.at[slot])
+                        plgpu.copy_gmem_to_smem(b_gmem.at[local, cols, ks], b_smem.at[slot],
+                                                tma_barrier.at[slot])
+                        plgpu.copy_gmem_to_smem(a_sc_gmem.at[pl.ds(m_tile, 1), kss], a_sc_smem.at[slot],
+                                                tma_barrier.at[slot])
+                        plgpu.copy_gmem_to_smem(b_sc_gmem.at[local, pl.ds(n_i, 1), kss],
+                                                b_sc_smem.at[slot], tma_barrier.at[slot])
 
-            @pl.when(ki == k_iters - 1)
-            def _():
-              plgpu.tcgen05_commit_arrive(mma_done_barrier)
+                    lax.fori_loop(0, k_iters, load, None)
 
-          lax.fori_loop(0, k_iters, step, None)
+                @pl.when(warp == 1)
+                def _mma():
+                    def step(ki, _):
+                        slot = lax.rem(ki, steps)
+                        plgpu.barrier_wait(tma_barrier.at[slot])
+                        plgpu.async_copy_scales_to_tmem(a_sc_smem.at[slot], a_sc_tmem)
+                        plgpu.async_copy_scales_to_tmem(b_sc_smem.at[slot], b_sc_tmem)
+                        plgpu.tcgen05_mma(acc_tmem, a_smem.at[slot],
+                                          plgpu.transpose_ref(b_smem.at[slot], (1, 0)),
+                                          consumed_barrier.at[slot], a_scale=a_sc_tmem,
+                                          b_scale=b_sc_tmem, accumulate=ki > 0)
 
-    @pl.when(wg == 1)
-    def _store():
-      plgpu.barrier_wait(mma_done_barrier)
-      acc = plgpu.async_load_tmem(acc_tmem) * (w_scale[local] * x_scale[0])
-      out_smem[...] = acc.astype(out_smem.dtype)
-      plgpu.wait_load_tmem()
-      plgpu.commit_smem()
-      # Only this group's rows of the tile: [first, first + size) as power-of-two pieces.
-      first = jnp.maximum(offsets[g], m_tile * TM) - m_tile * TM
-      size = jnp.minimum(offsets[g + 1], (m_tile + 1) * TM) - m_tile * TM - first
-      piece, pos = TM, first
-      while piece >= 1:
-        @pl.when((size & piece) != 0)
-        def _(piece=piece, pos=pos):
-          plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(pos, piece)],
-                                  out_gmem.at[pl.ds(m_tile * TM + pos, piece), cols])
-        pos = pos + (size & piece)
-        piece //= 2
-      plgpu.wait_smem_to_gmem(0)
+                        @pl.when(ki == k_iters - 1)
+                        def _():
+                            plgpu.tcgen05_commit_arrive(mma_done_barrier)
+
+                    lax.fori_loop(0, k_iters, step, None)
+
+        @pl.when(wg == 1)
+        def _store():
+            plgpu.barrier_wait(mma_done_barrier)
+            acc = plgpu.async_load_tmem(acc_tmem) * (w_scale[local] * x_scale[0])
+            out_smem[...] = acc.astype(out_smem.dtype)
+            plgpu.wait_load_tmem()
+            plgpu.commit_smem()
+            # Only this group's rows of the tile: [first, first + size) as power-of-two pieces.
+            first = jnp.maximum(offsets[g], m_tile * TM) - m_tile * TM
+            size = jnp.minimum(offsets[g + 1], (m_tile + 1) * TM) - m_tile * TM - first
+            piece, pos = TM, first
+            while piece >= 1:
+                @pl.when((size & piece) != 0)
+                def _(piece=piece, pos=pos):
+                    plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(pos, piece)],
+                                            out_gmem.at[pl.ds(m_tile * TM + pos, piece), cols])
+                pos = pos + (size & piece)
+                piece //= 2
+            plgpu.wait_smem_to_gmem(0)
 
 
 def gmm_blackwell(lhs, rhs, group_sizes, group_offset, out_dtype, *, steps: int = 2):
-  """lhs [M, K] (quantized here to rhs.fmt), rhs from `prepare_weights` -> [M, N].
+    """lhs [M, K] (quantized here to rhs.fmt), rhs from `prepare_weights` -> [M, N].
 
-  A QuantizedArray rhs is converted on every call (a full pass over the weights): prepare
-  it once instead.
-  """
-  if isinstance(rhs, formats.QuantizedArray):
-    rhs = prepare_weights(rhs)
-  m, k = lhs.shape
-  g_local, _, n = rhs.shape
-  block = formats.FORMATS[rhs.fmt].block
-  if k % TK or n % TN:
-    raise ValueError(f"blackwell: K={k} and N={n} must be multiples of {TK} and {TN}")
-  m_pad = tiling.round_up(m, TM)
-  a, a_sc, x_scale = _prepare_rows(lhs, rhs.fmt, m_pad)
-  offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
-  (offsets, group_ids, m_tile_ids), num_tiles = make_group_metadata(
-      group_sizes=group_sizes, m=m_pad, tm=TM, start_group=offset[0],
-      num_nonzero_groups=g_local, visit_empty_groups=False)
-  f4, scale_dtype = jnp.float4_e2m1fn, formats.FORMATS[rhs.fmt].scale_dtype
-  swizzle = plgpu.find_swizzle(TK * 4)  # 4-bit elements
-  transforms = (plgpu.TilingTransform((8, 8 * swizzle // 4)), plgpu.SwizzleTransform(swizzle))
-  scratch = dict(
-      a_smem=plgpu.SMEM((steps, TM, TK), f4, transforms=transforms),
-      b_smem=plgpu.SMEM((steps, TN, TK), f4, transforms=transforms),
-      a_sc_smem=plgpu.SMEM((steps, 1, TK // block // 4, 32, 16), scale_dtype),
-      b_sc_smem=plgpu.SMEM((steps, 1, TK // block // 4, 32, 16), scale_dtype),
-      out_smem=plgpu.SMEM((TM, TN), out_dtype),
-      a_sc_tmem=plgpu.TMEM((TM, TK // block), scale_dtype,
-                           layout=plgpu.TMEMLayout.SCALES_LAYOUT),
-      b_sc_tmem=plgpu.TMEM((TN, TK // block), scale_dtype,
-                           layout=plgpu.TMEMLayout.SCALES_LAYOUT),
-      acc_tmem=plgpu.TMEM((TM, TN), jnp.float32),
-      tma_barrier=plgpu.Barrier(num_arrivals=4, num_barriers=steps),
-      consumed_barrier=plgpu.Barrier(num_arrivals=1, num_barriers=steps,
-                                     orders_tensor_core=True),
-      mma_done_barrier=plgpu.Barrier(orders_tensor_core=True),
-  )
-  call = plgpu.kernel(
-      functools.partial(_kernel, k_iters=k // TK, steps=steps, block=block),
-      out_type=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
-      grid=(group_ids.shape[0], n // TN),
-      grid_names=("t", "n"),
-      num_threads=2,
-      thread_name="wg",
-      scratch_types=scratch,
-  )
-  out = call(num_tiles.reshape(1), group_ids, m_tile_ids, offsets, offset, rhs.tensor_scale,
-             x_scale.reshape(1), a, rhs.values, a_sc, rhs.scales)
-  return tiling.zero_foreign_rows(out, offsets, offset[0], g_local, m)
+    A QuantizedArray rhs is converted on every call (a full pass over the weights): prepare
+    it once instead.
+    """
+    if isinstance(rhs, formats.QuantizedArray):
+        rhs = prepare_weights(rhs)
+    m, k = lhs.shape
+    g_local, _, n = rhs.shape
+    block = formats.FORMATS[rhs.fmt].block
+    if k % TK or n % TN:
+        raise ValueError(f"blackwell: K={k} and N={n} must be multiples of {TK} and {TN}")
+    m_pad = tiling.round_up(m, TM)
+    a, a_sc, x_scale = _prepare_rows(lhs, rhs.fmt, m_pad)
+    offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
+    (offsets, group_ids, m_tile_ids), num_tiles = make_group_metadata(
+        group_sizes=group_sizes, m=m_pad, tm=TM, start_group=offset[0],
+        num_nonzero_groups=g_local, visit_empty_groups=False)
+    f4, scale_dtype = jnp.float4_e2m1fn, formats.FORMATS[rhs.fmt].scale_dtype
+    swizzle = plgpu.find_swizzle(TK * 4)  # 4-bit elements
+    transforms = (plgpu.TilingTransform((8, 8 * swizzle // 4)), plgpu.SwizzleTransform(swizzle))
+    scratch = dict(
+        a_smem=plgpu.SMEM((steps, TM, TK), f4, transforms=transforms),
+        b_smem=plgpu.SMEM((steps, TN, TK), f4, transforms=transforms),
+        a_sc_smem=plgpu.SMEM((steps, 1, TK // block // 4, 32, 16), scale_dtype),
+        b_sc_smem=plgpu.SMEM((steps, 1, TK // block // 4, 32, 16), scale_dtype),
+        out_smem=plgpu.SMEM((TM, TN), out_dtype),
+        a_sc_tmem=plgpu.TMEM((TM, TK // block), scale_dtype,
+                             layout=plgpu.TMEMLayout.SCALES_LAYOUT),
+        b_sc_tmem=plgpu.TMEM((TN, TK // block), scale_dtype,
+                             layout=plgpu.TMEMLayout.SCALES_LAYOUT),
+        acc_tmem=plgpu.TMEM((TM, TN), jnp.float32),
+        tma_barrier=plgpu.Barrier(num_arrivals=4, num_barriers=steps),
+        consumed_barrier=plgpu.Barrier(num_arrivals=1, num_barriers=steps,
+                                       orders_tensor_core=True),
+        mma_done_barrier=plgpu.Barrier(orders_tensor_core=True),
+    )
+    call = plgpu.kernel(
+        functools.partial(_kernel, k_iters=k // TK, steps=steps, block=block),
+        out_type=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
+        grid=(group_ids.shape[0], n // TN),
+        grid_names=("t", "n"),
+        num_threads=2,
+        thread_name="wg",
+        scratch_types=scratch,
+    )
+    out = call(num_tiles.reshape(1), group_ids, m_tile_ids, offsets, offset, rhs.tensor_scale,
+               x_scale.reshape(1), a, rhs.values, a_sc, rhs.scales)
+    return tiling.zero_foreign_rows(out, offsets, offset[0], g_local, m)

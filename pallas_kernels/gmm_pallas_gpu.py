@@ -24,74 +24,74 @@ from pallas_kernels import decode, formats, tiling
 
 def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, tscale, *refs, quantized, fmt,
             block, tm, tk, tn, k, cdtype):
-  """One (active m tile, n tile) program; loops over K. Refs are whole arrays in HBM:
-  lhs [M_pad, K], rhs (weights [G_local, K, N], or bytes [G_local, K/2, N] and scale bits
-  [G_local, K/B, N]), out [M_pad, N]."""
-  *ins, out_ref = refs
-  t, n_i = pl.program_id(0), pl.program_id(1)  # read outside pl.when: interpret mode wants it
+    """One (active m tile, n tile) program; loops over K. Refs are whole arrays in HBM:
+    lhs [M_pad, K], rhs (weights [G_local, K, N], or bytes [G_local, K/2, N] and scale bits
+    [G_local, K/B, N]), out [M_pad, N]."""
+    *ins, out_ref = refs
+    t, n_i = pl.program_id(0), pl.program_id(1)  # read outside pl.when: interpret mode wants it
 
-  @pl.when(t < num_tiles[0])
-  def _():
-    g = group_ids[t]
-    local, m0, n0 = g - offset[0], m_tile_ids[t] * tm, n_i * tn
-    dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
-    rows, cols = pl.ds(m0, tm), pl.ds(n0, tn)
+    @pl.when(t < num_tiles[0])
+    def _():
+        g = group_ids[t]
+        local, m0, n0 = g - offset[0], m_tile_ids[t] * tm, n_i * tn
+        dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
+        rows, cols = pl.ds(m0, tm), pl.ds(n0, tn)
 
-    def step(k_i, acc):  # acc: [tm, tn] f32
-      if quantized:
-        x_ref, v_ref, s_ref = ins
-        kh, half = k_i * (tk // 2), k // 2
-        sb = tk // 2 // block
-        w_lo, w_hi = decode.decode_tile(
-            v_ref[local, pl.ds(kh, tk // 2), cols],
-            s_ref[local, pl.ds(kh // block, sb), cols],
-            s_ref[local, pl.ds((half + kh) // block, sb), cols], block, fmt)
-        return (acc + dot(x_ref[rows, pl.ds(kh, tk // 2)].astype(cdtype), w_lo.astype(cdtype))
-                + dot(x_ref[rows, pl.ds(half + kh, tk // 2)].astype(cdtype), w_hi.astype(cdtype)))
-      x_ref, w_ref = ins
-      return acc + dot(x_ref[rows, pl.ds(k_i * tk, tk)].astype(cdtype),
-                       w_ref[local, pl.ds(k_i * tk, tk), cols].astype(cdtype))
+        def step(k_i, acc):  # acc: [tm, tn] f32
+            if quantized:
+                x_ref, v_ref, s_ref = ins
+                kh, half = k_i * (tk // 2), k // 2
+                sb = tk // 2 // block
+                w_lo, w_hi = decode.decode_tile(
+                    v_ref[local, pl.ds(kh, tk // 2), cols],
+                    s_ref[local, pl.ds(kh // block, sb), cols],
+                    s_ref[local, pl.ds((half + kh) // block, sb), cols], block, fmt)
+                return (acc + dot(x_ref[rows, pl.ds(kh, tk // 2)].astype(cdtype), w_lo.astype(cdtype))
+                        + dot(x_ref[rows, pl.ds(half + kh, tk // 2)].astype(cdtype), w_hi.astype(cdtype)))
+            x_ref, w_ref = ins
+            return acc + dot(x_ref[rows, pl.ds(k_i * tk, tk)].astype(cdtype),
+                             w_ref[local, pl.ds(k_i * tk, tk), cols].astype(cdtype))
 
-    acc = lax.fori_loop(0, k // tk, step, jnp.zeros((tm, tn), jnp.float32))
-    row_ids = m0 + lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
-    mine = (row_ids >= offsets[g]) & (row_ids < offsets[g + 1])
-    pl_triton.store(out_ref.at[rows, cols], (acc * tscale[local]).astype(out_ref.dtype),
-                    mask=mine)
+        acc = lax.fori_loop(0, k // tk, step, jnp.zeros((tm, tn), jnp.float32))
+        row_ids = m0 + lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
+        mine = (row_ids >= offsets[g]) & (row_ids < offsets[g + 1])
+        pl_triton.store(out_ref.at[rows, cols], (acc * tscale[local]).astype(out_ref.dtype),
+                        mask=mine)
 
 
 def gmm_pallas_gpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret: bool = False,
                    tk: int | None = None):
-  """lhs [M, K], rhs [G_local, K, N] (array or QuantizedArray), group_sizes [G] -> [M, N].
+    """lhs [M, K], rhs [G_local, K, N] (array or QuantizedArray), group_sizes [G] -> [M, N].
 
-  tk overrides the K tile (tests use it to run several K steps on small shapes).
-  """
-  m, k = lhs.shape
-  g_local, _, n = rhs.shape
-  quantized = isinstance(rhs, formats.QuantizedArray)
-  # Triton blocks are powers of two, and tl.dot wants every dim >= 16.
-  tm = min(64, max(16, 1 << (m - 1).bit_length()))
-  tk = tk or tiling.k_tile(k, rhs, (128, 64) if quantized else (64, 32, 16))
-  tn = tiling.pick_tile(n, (128, 64, 32, 16))
-  m_pad = tiling.round_up(m, tm)
-  lhs_p = jnp.pad(lhs, ((0, m_pad - m), (0, 0)))  # [M_pad, K]; pad rows are in no group
-  offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
-  (offsets, group_ids, m_tile_ids), num_tiles = make_group_metadata(
-      group_sizes=group_sizes, m=m_pad, tm=tm, start_group=offset[0],
-      num_nonzero_groups=g_local, visit_empty_groups=False)
-  if quantized:
-    operands = (lhs_p, rhs.values, tiling.scale_bits(rhs))
-    tscale, fmt, block = tiling.tensor_scales(rhs), rhs.fmt, rhs.spec.block
-  else:
-    operands = (lhs_p, rhs)
-    tscale, fmt, block = jnp.ones((g_local,), jnp.float32), None, 1
-  kernel = functools.partial(
-      _kernel, quantized=quantized, fmt=fmt, block=block, tm=tm, tk=tk, tn=tn, k=k,
-      cdtype=tiling.compute_dtype(lhs.dtype, rhs))
-  out = pl.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
-      grid=(group_ids.shape[0], n // tn),
-      compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
-      interpret=interpret,
-  )(num_tiles.reshape(1), group_ids, m_tile_ids, offsets, offset, tscale, *operands)
-  return tiling.zero_foreign_rows(out, offsets, offset[0], g_local, m)
+    tk overrides the K tile (tests use it to run several K steps on small shapes).
+    """
+    m, k = lhs.shape
+    g_local, _, n = rhs.shape
+    quantized = isinstance(rhs, formats.QuantizedArray)
+    # Triton blocks are powers of two, and tl.dot wants every dim >= 16.
+    tm = min(64, max(16, 1 << (m - 1).bit_length()))
+    tk = tk or tiling.k_tile(k, rhs, (128, 64) if quantized else (64, 32, 16))
+    tn = tiling.pick_tile(n, (128, 64, 32, 16))
+    m_pad = tiling.round_up(m, tm)
+    lhs_p = jnp.pad(lhs, ((0, m_pad - m), (0, 0)))  # [M_pad, K]; pad rows are in no group
+    offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
+    (offsets, group_ids, m_tile_ids), num_tiles = make_group_metadata(
+        group_sizes=group_sizes, m=m_pad, tm=tm, start_group=offset[0],
+        num_nonzero_groups=g_local, visit_empty_groups=False)
+    if quantized:
+        operands = (lhs_p, rhs.values, tiling.scale_bits(rhs))
+        tscale, fmt, block = tiling.tensor_scales(rhs), rhs.fmt, rhs.spec.block
+    else:
+        operands = (lhs_p, rhs)
+        tscale, fmt, block = jnp.ones((g_local,), jnp.float32), None, 1
+    kernel = functools.partial(
+        _kernel, quantized=quantized, fmt=fmt, block=block, tm=tm, tk=tk, tn=tn, k=k,
+        cdtype=tiling.compute_dtype(lhs.dtype, rhs))
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
+        grid=(group_ids.shape[0], n // tn),
+        compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+    )(num_tiles.reshape(1), group_ids, m_tile_ids, offsets, offset, tscale, *operands)
+    return tiling.zero_foreign_rows(out, offsets, offset[0], g_local, m)

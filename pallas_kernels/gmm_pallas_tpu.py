@@ -24,93 +24,92 @@ from pallas_kernels import decode, formats, tiling
 
 def _kernel(group_ids, m_tile_ids, offsets, offset, tscale, *refs, quantized, fmt, block, tm,
             tiles_k, cdtype):
-  """One (n, active m tile, k) step. Refs: lhs (one, or its lo/hi K-halves for 4-bit),
-  rhs (weights, or bytes + lo/hi scale bits), out [tm, tn], acc [tm, tn] f32 scratch."""
-  *ins, out_ref, acc_ref = refs
-  grid_id, k_i = pl.program_id(1), pl.program_id(2)
+    """One (n, active m tile, k) step. Refs: lhs (one, or its lo/hi K-halves for 4-bit),
+    rhs (weights, or bytes + lo/hi scale bits), out [tm, tn], acc [tm, tn] f32 scratch."""
+    *ins, out_ref, acc_ref = refs
+    grid_id, k_i = pl.program_id(1), pl.program_id(2)
 
-  @pl.when(k_i == 0)
-  def _():
-    acc_ref[...] = jnp.zeros_like(acc_ref)
+    @pl.when(k_i == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
 
-  dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
-  if quantized:
-    x_lo, x_hi, values, s_lo, s_hi = ins
-    w_lo, w_hi = decode.decode_tile(values[...], s_lo[...], s_hi[...], block, fmt)
-    acc_ref[...] += (dot(x_lo[...].astype(cdtype), w_lo.astype(cdtype)) +
-                     dot(x_hi[...].astype(cdtype), w_hi.astype(cdtype)))
-  else:
-    x, w = ins
-    acc_ref[...] += dot(x[...].astype(cdtype), w[...].astype(cdtype))
+    dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
+    if quantized:
+        x_lo, x_hi, values, s_lo, s_hi = ins
+        w_lo, w_hi = decode.decode_tile(values[...], s_lo[...], s_hi[...], block, fmt)
+        acc_ref[...] += (dot(x_lo[...].astype(cdtype), w_lo.astype(cdtype)) +
+                         dot(x_hi[...].astype(cdtype), w_hi.astype(cdtype)))
+    else:
+        x, w = ins
+        acc_ref[...] += dot(x[...].astype(cdtype), w[...].astype(cdtype))
 
-  @pl.when(k_i == tiles_k - 1)
-  def _():
-    g = group_ids[grid_id]
-    rows = m_tile_ids[grid_id] * tm + lax.broadcasted_iota(jnp.int32, out_ref.shape, 0)
-    mine = (rows >= offsets[g]) & (rows < offsets[g + 1])
-    # An out tile shared by several groups is visited by each in turn; keep the others' rows.
-    result = acc_ref[...] * tscale[g - offset[0]]
-    out_ref[...] = jnp.where(mine, result, out_ref[...].astype(jnp.float32)).astype(out_ref.dtype)
+    @pl.when(k_i == tiles_k - 1)
+    def _():
+        g = group_ids[grid_id]
+        rows = m_tile_ids[grid_id] * tm + lax.broadcasted_iota(jnp.int32, out_ref.shape, 0)
+        mine = (rows >= offsets[g]) & (rows < offsets[g + 1])
+        # An out tile shared by several groups is visited by each in turn; keep the others' rows.
+        result = acc_ref[...] * tscale[g - offset[0]]
+        out_ref[...] = jnp.where(mine, result, out_ref[...].astype(jnp.float32)).astype(out_ref.dtype)
 
 
 def gmm_pallas_tpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret: bool = False,
                    tk: int | None = None):
-  """lhs [M, K], rhs [G_local, K, N] (array or QuantizedArray), group_sizes [G] -> [M, N].
+    """lhs [M, K], rhs [G_local, K, N] (array or QuantizedArray), group_sizes [G] -> [M, N].
 
-  tk overrides the K tile (tests use it to run several K steps on small shapes).
-  """
-  m, k = lhs.shape
-  g_local, _, n = rhs.shape
-  quantized = isinstance(rhs, formats.QuantizedArray)
-  tm = min(128, tiling.round_up(m, 16))
-  # tk / 2 / block scale rows should fill the 32-sublane tile of 8-bit data: tk = 64 * block.
-  tk = tk or tiling.k_tile(k, rhs, (2048, 1024, 512) if quantized else (512, 256, 128))
-  tn = tiling.pick_tile(n, (256, 128))
-  m_pad = tiling.round_up(m, tm)
-  lhs_p = jnp.pad(lhs, ((0, m_pad - m), (0, 0)))  # [M_pad, K]; pad rows are in no group
-  offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
-  (offsets, group_ids, m_tile_ids), num_tiles = make_group_metadata(
-      group_sizes=group_sizes, m=m_pad, tm=tm, start_group=offset[0],
-      num_nonzero_groups=g_local, visit_empty_groups=False)
-  tiles_k = k // tk
+    tk overrides the K tile (tests use it to run several K steps on small shapes).
+    """
+    m, k = lhs.shape
+    g_local, _, n = rhs.shape
+    quantized = isinstance(rhs, formats.QuantizedArray)
+    tm = min(128, tiling.round_up(m, 16))
+    # tk / 2 / block scale rows should fill the 32-sublane tile of 8-bit data: tk = 64 * block.
+    tk = tk or tiling.k_tile(k, rhs, (2048, 1024, 512) if quantized else (512, 256, 128))
+    tn = tiling.pick_tile(n, (256, 128))
+    m_pad = tiling.round_up(m, tm)
+    lhs_p = jnp.pad(lhs, ((0, m_pad - m), (0, 0)))  # [M_pad, K]; pad rows are in no group
+    offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
+    (offsets, group_ids, m_tile_ids), num_tiles = make_group_metadata(
+        group_sizes=group_sizes, m=m_pad, tm=tm, start_group=offset[0],
+        num_nonzero_groups=g_local, visit_empty_groups=False)
+    tiles_k = k // tk
 
-  def lhs_map(half):
-    return lambda n_i, t, k_i, gids, mids, *_: (mids[t], k_i + half * tiles_k)
+    def lhs_map(half):
+        return lambda n_i, t, k_i, gids, mids, *_: (mids[t], k_i + half * tiles_k)
 
-  def rhs_map(half):
-    return lambda n_i, t, k_i, gids, mids, offs, off, ts: (gids[t] - off[0], k_i + half * tiles_k,
-                                                           n_i)
+    def rhs_map(half):
+        return lambda n_i, t, k_i, gids, mids, offs, off, ts: (gids[t] - off[0], k_i + half * tiles_k, n_i)
 
-  if quantized:
-    half_rows, block = tk // 2, rhs.spec.block
-    operands = (lhs_p, lhs_p, rhs.values, tiling.scale_bits(rhs), tiling.scale_bits(rhs))
-    in_specs = [pl.BlockSpec((tm, half_rows), lhs_map(0)),
-                pl.BlockSpec((tm, half_rows), lhs_map(1)),
-                pl.BlockSpec((None, half_rows, tn), rhs_map(0)),
-                pl.BlockSpec((None, half_rows // block, tn), rhs_map(0)),
-                pl.BlockSpec((None, half_rows // block, tn), rhs_map(1))]
-    tscale, fmt = tiling.tensor_scales(rhs), rhs.fmt
-  else:
-    block, fmt = 1, None
-    operands = (lhs_p, rhs)
-    in_specs = [pl.BlockSpec((tm, tk), lhs_map(0)), pl.BlockSpec((None, tk, tn), rhs_map(0))]
-    tscale = jnp.ones((g_local,), jnp.float32)
+    if quantized:
+        half_rows, block = tk // 2, rhs.spec.block
+        operands = (lhs_p, lhs_p, rhs.values, tiling.scale_bits(rhs), tiling.scale_bits(rhs))
+        in_specs = [pl.BlockSpec((tm, half_rows), lhs_map(0)),
+                    pl.BlockSpec((tm, half_rows), lhs_map(1)),
+                    pl.BlockSpec((None, half_rows, tn), rhs_map(0)),
+                    pl.BlockSpec((None, half_rows // block, tn), rhs_map(0)),
+                    pl.BlockSpec((None, half_rows // block, tn), rhs_map(1))]
+        tscale, fmt = tiling.tensor_scales(rhs), rhs.fmt
+    else:
+        block, fmt = 1, None
+        operands = (lhs_p, rhs)
+        in_specs = [pl.BlockSpec((tm, tk), lhs_map(0)), pl.BlockSpec((None, tk, tn), rhs_map(0))]
+        tscale = jnp.ones((g_local,), jnp.float32)
 
-  kernel = functools.partial(
-      _kernel, quantized=quantized, fmt=fmt, block=block, tm=tm, tiles_k=tiles_k,
-      cdtype=tiling.compute_dtype(lhs.dtype, rhs))
-  out = pl.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=5,
-          in_specs=in_specs,
-          out_specs=pl.BlockSpec((tm, tn), lambda n_i, t, k_i, gids, mids, *_: (mids[t], n_i)),
-          grid=(n // tn, num_tiles, tiles_k),
-          scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
-      ),
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "arbitrary", "arbitrary")),
-      interpret=interpret,
-  )(group_ids, m_tile_ids, offsets, offset, tscale, *operands)
-  return tiling.zero_foreign_rows(out, offsets, offset[0], g_local, m)
+    kernel = functools.partial(
+        _kernel, quantized=quantized, fmt=fmt, block=block, tm=tm, tiles_k=tiles_k,
+        cdtype=tiling.compute_dtype(lhs.dtype, rhs))
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((tm, tn), lambda n_i, t, k_i, gids, mids, *_: (mids[t], n_i)),
+            grid=(n // tn, num_tiles, tiles_k),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        interpret=interpret,
+    )(group_ids, m_tile_ids, offsets, offset, tscale, *operands)
+    return tiling.zero_foreign_rows(out, offsets, offset[0], g_local, m)

@@ -13,15 +13,15 @@ from jax import lax
 
 
 def local_groups(group_sizes: jax.Array, group_offset, g_local: int, m: int):
-  """Returns starts [G_local], sizes [G_local], active [G_local], num_active ().
+    """Returns starts [G_local], sizes [G_local], active [G_local], num_active ().
 
-  starts/sizes are the rows of each local group (clamped to m); active lists the local ids
-  of groups with rows first, in order; num_active counts them.
-  """
-  ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)  # [G]
-  begins = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-  offset = jnp.asarray(group_offset, jnp.int32)
-  starts = lax.dynamic_slice_in_dim(begins, offset, g_local)
-  sizes = lax.dynamic_slice_in_dim(ends, offset, g_local) - starts
-  (active,) = jnp.nonzero(sizes > 0, size=g_local, fill_value=0)
-  return starts, sizes, active.astype(jnp.int32), jnp.sum(sizes > 0).astype(jnp.int32)
+    starts/sizes are the rows of each local group (clamped to m); active lists the local ids
+    of groups with rows first, in order; num_active counts them.
+    """
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)  # [G]
+    begins = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    offset = jnp.asarray(group_offset, jnp.int32)
+    starts = lax.dynamic_slice_in_dim(begins, offset, g_local)
+    sizes = lax.dynamic_slice_in_dim(ends, offset, g_local) - starts
+    (active,) = jnp.nonzero(sizes > 0, size=g_local, fill_value=0)
+    return starts, sizes, active.astype(jnp.int32), jnp.sum(sizes > 0).astype(jnp.int32)

@@ -28,30 +28,30 @@ _AUTO = {"cpu": "xla", "tpu": "pallas_tpu", "gpu": "pallas_gpu"}
 
 
 def _backend_fn(name: str):
-  if name not in _IMPLS:
-    raise ValueError(f"unknown grouped_gemm backend {name!r}; expected one of {BACKENDS}")
-  return _IMPLS[name]
+    if name not in _IMPLS:
+        raise ValueError(f"unknown grouped_gemm backend {name!r}; expected one of {BACKENDS}")
+    return _IMPLS[name]
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "preferred_element_type"))
 def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto",
                  preferred_element_type=None):
-  """out[r] = lhs[r] @ rhs[g(r) - group_offset] for rows r of local groups, else 0.
+    """out[r] = lhs[r] @ rhs[g(r) - group_offset] for rows r of local groups, else 0.
 
-  lhs: [M, K], rows sorted by group. rhs: [G_local, K, N] array, or a QuantizedArray from
-  `quantize(w, fmt, axis=-2)`. group_sizes: [G] int32 rows per group over all G groups,
-  sum <= M. group_offset: scalar (may be traced): rhs[j] is global group group_offset + j.
-  Rows of groups outside [group_offset, group_offset + G_local) and rows past
-  sum(group_sizes) come out zero; groups without rows are never read.
-  Returns [M, N] in preferred_element_type (default: lhs.dtype).
-  """
-  chex.assert_rank([lhs, group_sizes], [2, 1])
-  chex.assert_type(group_sizes, jnp.int32)
-  if len(rhs.shape) != 3 or rhs.shape[1] != lhs.shape[1]:
-    raise ValueError(f"rhs must be [G, K={lhs.shape[1]}, N], got {rhs.shape}")
-  if isinstance(rhs, formats.QuantizedArray) and rhs.axis != -2:
-    raise ValueError("a 4-bit rhs must be quantized along K (axis=-2)")
-  out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
-  if backend == "auto":
-    backend = _AUTO.get(jax.default_backend(), "xla")
-  return _backend_fn(backend)(lhs, rhs, group_sizes, group_offset, out_dtype)
+    lhs: [M, K], rows sorted by group. rhs: [G_local, K, N] array, or a QuantizedArray from
+    `quantize(w, fmt, axis=-2)`. group_sizes: [G] int32 rows per group over all G groups,
+    sum <= M. group_offset: scalar (may be traced): rhs[j] is global group group_offset + j.
+    Rows of groups outside [group_offset, group_offset + G_local) and rows past
+    sum(group_sizes) come out zero; groups without rows are never read.
+    Returns [M, N] in preferred_element_type (default: lhs.dtype).
+    """
+    chex.assert_rank([lhs, group_sizes], [2, 1])
+    chex.assert_type(group_sizes, jnp.int32)
+    if len(rhs.shape) != 3 or rhs.shape[1] != lhs.shape[1]:
+        raise ValueError(f"rhs must be [G, K={lhs.shape[1]}, N], got {rhs.shape}")
+    if isinstance(rhs, formats.QuantizedArray) and rhs.axis != -2:
+        raise ValueError("a 4-bit rhs must be quantized along K (axis=-2)")
+    out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+    if backend == "auto":
+        backend = _AUTO.get(jax.default_backend(), "xla")
+    return _backend_fn(backend)(lhs, rhs, group_sizes, group_offset, out_dtype)

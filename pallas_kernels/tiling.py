@@ -9,49 +9,49 @@ from pallas_kernels import formats
 
 
 def round_up(x: int, to: int) -> int:
-  return -(-x // to) * to
+    return -(-x // to) * to
 
 
 def pick_tile(dim: int, candidates: tuple[int, ...], multiple_of: int = 1) -> int:
-  """The largest candidate dividing dim (and a multiple of `multiple_of`), else dim whole."""
-  for c in candidates:
-    if dim % c == 0 and c % multiple_of == 0:
-      return c
-  return dim
+    """The largest candidate dividing dim (and a multiple of `multiple_of`), else dim whole."""
+    for c in candidates:
+        if dim % c == 0 and c % multiple_of == 0:
+            return c
+    return dim
 
 
 def k_tile(k: int, rhs, candidates: tuple[int, ...]) -> int:
-  """K tile; a 4-bit rhs also needs tk / 2 to cover whole scale blocks."""
-  block = rhs.spec.block if isinstance(rhs, formats.QuantizedArray) else 1
-  return pick_tile(k, candidates, 2 * block)
+    """K tile; a 4-bit rhs also needs tk / 2 to cover whole scale blocks."""
+    block = rhs.spec.block if isinstance(rhs, formats.QuantizedArray) else 1
+    return pick_tile(k, candidates, 2 * block)
 
 
 def scale_bits(q: formats.QuantizedArray) -> jax.Array:
-  """Scales as uint8 bits [G, K/B, N]: the kernels decode them with integer ops."""
-  return jax.lax.bitcast_convert_type(q.scales, jnp.uint8)
+    """Scales as uint8 bits [G, K/B, N]: the kernels decode them with integer ops."""
+    return jax.lax.bitcast_convert_type(q.scales, jnp.uint8)
 
 
 def tensor_scales(q: formats.QuantizedArray) -> jax.Array:
-  """[G] f32 per-group tensor scale (1 for MXFP4)."""
-  if q.tensor_scale is None:
-    return jnp.ones(q.values.shape[:1], jnp.float32)
-  return q.tensor_scale.reshape(-1).astype(jnp.float32)
+    """[G] f32 per-group tensor scale (1 for MXFP4)."""
+    if q.tensor_scale is None:
+        return jnp.ones(q.values.shape[:1], jnp.float32)
+    return q.tensor_scale.reshape(-1).astype(jnp.float32)
 
 
 def compute_dtype(lhs_dtype, rhs) -> jnp.dtype:
-  """bf16 math when the rows are bf16 (4-bit weights are decoded to it), else f32."""
-  rhs_dtype = lhs_dtype if isinstance(rhs, formats.QuantizedArray) else rhs.dtype
-  both_bf16 = jnp.dtype(lhs_dtype) == jnp.bfloat16 and jnp.dtype(rhs_dtype) == jnp.bfloat16
-  return jnp.dtype(jnp.bfloat16 if both_bf16 else jnp.float32)
+    """bf16 math when the rows are bf16 (4-bit weights are decoded to it), else f32."""
+    rhs_dtype = lhs_dtype if isinstance(rhs, formats.QuantizedArray) else rhs.dtype
+    both_bf16 = jnp.dtype(lhs_dtype) == jnp.bfloat16 and jnp.dtype(rhs_dtype) == jnp.bfloat16
+    return jnp.dtype(jnp.bfloat16 if both_bf16 else jnp.float32)
 
 
 def zero_foreign_rows(out: jax.Array, offsets: jax.Array, first_group, g_local: int,
                       m: int) -> jax.Array:
-  """out [M_pad, N] -> [M, N] with rows no local group owns set to 0.
+    """out [M_pad, N] -> [M, N] with rows no local group owns set to 0.
 
-  The kernels never write those rows (their memory is uninitialized); offsets [G + 1] are
-  megablox's group row offsets, local groups are [first_group, first_group + g_local).
-  """
-  rows = jnp.arange(m)[:, None]
-  mine = (rows >= offsets[first_group]) & (rows < offsets[first_group + g_local])
-  return jnp.where(mine, out[:m], 0).astype(out.dtype)
+    The kernels never write those rows (their memory is uninitialized); offsets [G + 1] are
+    megablox's group row offsets, local groups are [first_group, first_group + g_local).
+    """
+    rows = jnp.arange(m)[:, None]
+    mine = (rows >= offsets[first_group]) & (rows < offsets[first_group + g_local])
+    return jnp.where(mine, out[:m], 0).astype(out.dtype)

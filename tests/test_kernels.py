@@ -19,97 +19,97 @@ from pallas_kernels.gmm_pallas_tpu import gmm_pallas_tpu
 
 
 def make_case(seed: int, scenario: str, dtype, m=45, k=128, n=256, groups=6, local=None):
-  """Returns lhs [M, K], rhs [G_local, K, N] f32, group_sizes [G], group_offset."""
-  rng = np.random.default_rng(seed)
-  local = local or groups
-  if scenario == "one_group":  # one group holds every row, the others are empty
-    sizes = np.zeros(groups, np.int32)
-    sizes[rng.integers(groups)] = m
-  else:  # ragged sizes with empty groups; some trailing rows belong to no group
-    sizes = rng.multinomial(m - 5, rng.dirichlet(np.ones(groups) * 0.5)).astype(np.int32)
-    sizes[rng.choice(groups, 2, replace=False)] = 0
-  offset = rng.integers(groups - local + 1) if scenario == "offset" else 0
-  lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
-  rhs = jnp.asarray(rng.standard_normal((local, k, n)) / np.sqrt(k), jnp.float32)
-  return lhs, rhs, jnp.asarray(sizes), int(offset)
+    """Returns lhs [M, K], rhs [G_local, K, N] f32, group_sizes [G], group_offset."""
+    rng = np.random.default_rng(seed)
+    local = local or groups
+    if scenario == "one_group":  # one group holds every row, the others are empty
+        sizes = np.zeros(groups, np.int32)
+        sizes[rng.integers(groups)] = m
+    else:  # ragged sizes with empty groups; some trailing rows belong to no group
+        sizes = rng.multinomial(m - 5, rng.dirichlet(np.ones(groups) * 0.5)).astype(np.int32)
+        sizes[rng.choice(groups, 2, replace=False)] = 0
+    offset = rng.integers(groups - local + 1) if scenario == "offset" else 0
+    lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    rhs = jnp.asarray(rng.standard_normal((local, k, n)) / np.sqrt(k), jnp.float32)
+    return lhs, rhs, jnp.asarray(sizes), int(offset)
 
 
 def reference(lhs, rhs_f32, sizes, offset):
-  """numpy: out[r] = lhs[r] @ rhs[g - offset] for rows of local groups g, else 0."""
-  lhs, rhs_f32, sizes = (np.asarray(a, np.float32) for a in (lhs, rhs_f32, sizes))
-  out = np.zeros((lhs.shape[0], rhs_f32.shape[2]), np.float32)
-  ends = np.cumsum(sizes).astype(int)
-  for j in range(rhs_f32.shape[0]):
-    lo, hi = ends[offset + j] - sizes[offset + j], ends[offset + j]
-    out[int(lo):hi] = lhs[int(lo):hi] @ rhs_f32[j]
-  return out
+    """numpy: out[r] = lhs[r] @ rhs[g - offset] for rows of local groups g, else 0."""
+    lhs, rhs_f32, sizes = (np.asarray(a, np.float32) for a in (lhs, rhs_f32, sizes))
+    out = np.zeros((lhs.shape[0], rhs_f32.shape[2]), np.float32)
+    ends = np.cumsum(sizes).astype(int)
+    for j in range(rhs_f32.shape[0]):
+        lo, hi = ends[offset + j] - sizes[offset + j], ends[offset + j]
+        out[int(lo):hi] = lhs[int(lo):hi] @ rhs_f32[j]
+    return out
 
 
 def weights(rhs_f32, fmt, dtype):
-  """The rhs as passed to grouped_gemm, and its exact f32 value for the reference."""
-  if fmt == "dense":
-    w = rhs_f32.astype(dtype)
-    return w, w.astype(jnp.float32)
-  q = pk.quantize(rhs_f32, fmt)
-  return q, pk.dequantize(q)
+    """The rhs as passed to grouped_gemm, and its exact f32 value for the reference."""
+    if fmt == "dense":
+        w = rhs_f32.astype(dtype)
+        return w, w.astype(jnp.float32)
+    q = pk.quantize(rhs_f32, fmt)
+    return q, pk.dequantize(q)
 
 
 def tolerance(dtype):
-  return dict(rtol=2e-2, atol=2e-2) if dtype == jnp.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    return dict(rtol=2e-2, atol=2e-2) if dtype == jnp.bfloat16 else dict(rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["dense", "nvfp4", "mxfp4"])
 @pytest.mark.parametrize("scenario", ["ragged", "one_group", "offset"])
 def test_xla_matches_numpy(fmt, scenario):
-  lhs, rhs, sizes, offset = make_case(0, scenario, jnp.float32, m=70, n=48, groups=8,
-                                      local=3 if scenario == "offset" else None)
-  w, w_f32 = weights(rhs, fmt, jnp.float32)
-  out = pk.grouped_gemm(lhs, w, sizes, group_offset=offset, backend="xla")
-  expected = reference(lhs, w_f32, sizes, offset)
-  np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
-  np.testing.assert_array_equal(np.asarray(out)[int(sizes.sum()):], 0.0)  # rows past the sum
+    lhs, rhs, sizes, offset = make_case(0, scenario, jnp.float32, m=70, n=48, groups=8,
+                                        local=3 if scenario == "offset" else None)
+    w, w_f32 = weights(rhs, fmt, jnp.float32)
+    out = pk.grouped_gemm(lhs, w, sizes, group_offset=offset, backend="xla")
+    expected = reference(lhs, w_f32, sizes, offset)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out)[int(sizes.sum()):], 0.0)  # rows past the sum
 
 
 def test_xla_bf16_traced_offset_and_out_dtype():
-  lhs, rhs, sizes, _ = make_case(1, "ragged", jnp.bfloat16, m=33, n=32, groups=8)
-  w = rhs[2:6].astype(jnp.bfloat16)
-  f = jax.jit(lambda l, w, s, o: pk.grouped_gemm(l, w, s, group_offset=o,
-                                                 preferred_element_type=jnp.float32))
-  out = f(lhs, w, sizes, jnp.int32(2))
-  assert out.dtype == jnp.float32 and pk.grouped_gemm(lhs, w, sizes).dtype == jnp.bfloat16
-  np.testing.assert_allclose(out, reference(lhs, w.astype(jnp.float32), sizes, 2), rtol=1e-5,
-                             atol=1e-5)
+    lhs, rhs, sizes, _ = make_case(1, "ragged", jnp.bfloat16, m=33, n=32, groups=8)
+    w = rhs[2:6].astype(jnp.bfloat16)
+    f = jax.jit(lambda l, w, s, o: pk.grouped_gemm(l, w, s, group_offset=o,
+                                                   preferred_element_type=jnp.float32))
+    out = f(lhs, w, sizes, jnp.int32(2))
+    assert out.dtype == jnp.float32 and pk.grouped_gemm(lhs, w, sizes).dtype == jnp.bfloat16
+    np.testing.assert_allclose(out, reference(lhs, w.astype(jnp.float32), sizes, 2), rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_xla_reads_only_touched_groups():
-  """Weights of empty groups may hold NaN: they must never enter the result."""
-  lhs, rhs, sizes, _ = make_case(2, "ragged", jnp.float32, m=40, n=32, groups=8)
-  poisoned = jnp.where((sizes == 0)[:, None, None], jnp.nan, rhs)
-  out = pk.grouped_gemm(lhs, poisoned, sizes, backend="xla")
-  np.testing.assert_allclose(out, reference(lhs, rhs, sizes, 0), rtol=1e-5, atol=1e-5)
+    """Weights of empty groups may hold NaN: they must never enter the result."""
+    lhs, rhs, sizes, _ = make_case(2, "ragged", jnp.float32, m=40, n=32, groups=8)
+    poisoned = jnp.where((sizes == 0)[:, None, None], jnp.nan, rhs)
+    out = pk.grouped_gemm(lhs, poisoned, sizes, backend="xla")
+    np.testing.assert_allclose(out, reference(lhs, rhs, sizes, 0), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["dense", "nvfp4"])
 def test_xla_never_converts_all_groups(fmt):
-  """Compiled HLO: no [G, K, N]-sized convert or decode outside the group loop (XLA:CPU
-  would otherwise hoist it and read every group's weights on every call)."""
-  w = jax.ShapeDtypeStruct((6, 128, 80), jnp.bfloat16)  # [G, K, N], distinctive dims
-  if fmt != "dense":
-    w = jax.eval_shape(lambda a: pk.quantize(a, fmt), w)
-  hlo = jax.jit(lambda l, w, s: pk.grouped_gemm(l, w, s, backend="xla")).lower(
-      jax.ShapeDtypeStruct((16, 128), jnp.bfloat16), w,
-      jax.ShapeDtypeStruct((6,), jnp.int32)).compile().as_text()
-  entry = hlo[hlo.index("ENTRY"):]
-  assert not re.search(r"= \w+\[6,(128|64),80\]\S* (fusion|convert)", entry)
+    """Compiled HLO: no [G, K, N]-sized convert or decode outside the group loop (XLA:CPU
+    would otherwise hoist it and read every group's weights on every call)."""
+    w = jax.ShapeDtypeStruct((6, 128, 80), jnp.bfloat16)  # [G, K, N], distinctive dims
+    if fmt != "dense":
+        w = jax.eval_shape(lambda a: pk.quantize(a, fmt), w)
+    hlo = jax.jit(lambda l, w, s: pk.grouped_gemm(l, w, s, backend="xla")).lower(
+        jax.ShapeDtypeStruct((16, 128), jnp.bfloat16), w,
+        jax.ShapeDtypeStruct((6,), jnp.int32)).compile().as_text()
+    entry = hlo[hlo.index("ENTRY"):]
+    assert not re.search(r"= \w+\[6,(128|64),80\]\S* (fusion|convert)", entry)
 
 
 def test_xla_decode_and_prefill_chunking():
-  """One row per group (decode) and many rows per group (prefill, full + power-of-2 chunks)."""
-  for m, sizes in [(8, [1, 0, 1, 1, 0, 1, 2, 1]), (600, [300, 0, 1, 150, 149, 0, 0, 0])]:
-    lhs, rhs, _, _ = make_case(3, "ragged", jnp.float32, m=m, n=16, k=64, groups=8)
-    sizes = jnp.asarray(sizes, jnp.int32)
-    out = pk.grouped_gemm(lhs, rhs, sizes, backend="xla")
-    np.testing.assert_allclose(out, reference(lhs, rhs, sizes, 0), rtol=1e-4, atol=1e-4)
+    """One row per group (decode) and many rows per group (prefill, full + power-of-2 chunks)."""
+    for m, sizes in [(8, [1, 0, 1, 1, 0, 1, 2, 1]), (600, [300, 0, 1, 150, 149, 0, 0, 0])]:
+        lhs, rhs, _, _ = make_case(3, "ragged", jnp.float32, m=m, n=16, k=64, groups=8)
+        sizes = jnp.asarray(sizes, jnp.int32)
+        out = pk.grouped_gemm(lhs, rhs, sizes, backend="xla")
+        np.testing.assert_allclose(out, reference(lhs, rhs, sizes, 0), rtol=1e-4, atol=1e-4)
 
 
 # Each kernel sees every format, both dtypes and every scenario, spread over six cases.
@@ -128,25 +128,25 @@ KERNELS = {"interpret": functools.partial(gmm_pallas_tpu, interpret=True),
 @pytest.mark.parametrize("backend", list(KERNELS))
 @pytest.mark.parametrize("fmt,dtype,scenario", KERNEL_CASES)
 def test_pallas_kernel_matches_xla(backend, fmt, dtype, scenario):
-  seed = zlib.crc32(f"{backend}/{fmt}/{scenario}".encode())  # fresh inputs per case
-  lhs, rhs, sizes, offset = make_case(seed, scenario, dtype, local=3 if scenario == "offset"
-                                      else None)
-  w, _ = weights(rhs, fmt, dtype)
-  out = pk.grouped_gemm(lhs, w, sizes, group_offset=offset, backend=backend)
-  expected = pk.grouped_gemm(lhs, w, sizes, group_offset=offset, backend="xla")
-  assert out.shape == expected.shape and out.dtype == expected.dtype
-  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32),
-                             **tolerance(dtype))
-  np.testing.assert_array_equal(np.asarray(out, np.float32)[int(sizes.sum()):], 0.0)
+    seed = zlib.crc32(f"{backend}/{fmt}/{scenario}".encode())  # fresh inputs per case
+    lhs, rhs, sizes, offset = make_case(seed, scenario, dtype, local=3 if scenario == "offset"
+                                        else None)
+    w, _ = weights(rhs, fmt, dtype)
+    out = pk.grouped_gemm(lhs, w, sizes, group_offset=offset, backend=backend)
+    expected = pk.grouped_gemm(lhs, w, sizes, group_offset=offset, backend="xla")
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32),
+                               **tolerance(dtype))
+    np.testing.assert_array_equal(np.asarray(out, np.float32)[int(sizes.sum()):], 0.0)
 
 
 @pytest.mark.parametrize("backend", list(KERNELS))
 @pytest.mark.parametrize("fmt", ["dense", "nvfp4"])
 def test_pallas_kernel_accumulates_over_k_tiles(backend, fmt):
-  lhs, rhs, sizes, _ = make_case(4, "ragged", jnp.float32, m=20, k=256, n=128)
-  w, w_f32 = weights(rhs, fmt, jnp.float32)
-  out = jax.jit(lambda l, w, s: KERNELS[backend](l, w, s, 0, jnp.float32, tk=64))(lhs, w, sizes)
-  np.testing.assert_allclose(out, reference(lhs, w_f32, sizes, 0), rtol=1e-5, atol=1e-5)
+    lhs, rhs, sizes, _ = make_case(4, "ragged", jnp.float32, m=20, k=256, n=128)
+    w, w_f32 = weights(rhs, fmt, jnp.float32)
+    out = jax.jit(lambda l, w, s: KERNELS[backend](l, w, s, 0, jnp.float32, tk=64))(lhs, w, sizes)
+    np.testing.assert_allclose(out, reference(lhs, w_f32, sizes, 0), rtol=1e-5, atol=1e-5)
 
 
 EXPORTS = {"tpu": ("pallas_tpu", "tpu_custom_call", ()),
@@ -157,51 +157,51 @@ EXPORTS = {"tpu": ("pallas_tpu", "tpu_custom_call", ()),
 @pytest.mark.parametrize("platform", list(EXPORTS))
 @pytest.mark.parametrize("fmt", ["dense", "nvfp4", "mxfp4"])
 def test_hardware_kernels_export(platform, fmt):
-  """The kernels lower for their hardware (Mosaic TPU / Triton) at production-like sizes."""
-  backend, target, checks = EXPORTS[platform]
-  w = jax.ShapeDtypeStruct((8, 2048, 512), jnp.bfloat16)
-  if fmt != "dense":
-    w = jax.eval_shape(lambda a: pk.quantize(a, fmt), w)
-  f = jax.jit(lambda l, w, s, o: pk.grouped_gemm(l, w, s, group_offset=o, backend=backend))
-  exported = export.export(f, platforms=[platform], disabled_checks=checks)(
-      jax.ShapeDtypeStruct((256, 2048), jnp.bfloat16), w,
-      jax.ShapeDtypeStruct((32,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
-  assert target in exported.mlir_module()
+    """The kernels lower for their hardware (Mosaic TPU / Triton) at production-like sizes."""
+    backend, target, checks = EXPORTS[platform]
+    w = jax.ShapeDtypeStruct((8, 2048, 512), jnp.bfloat16)
+    if fmt != "dense":
+        w = jax.eval_shape(lambda a: pk.quantize(a, fmt), w)
+    f = jax.jit(lambda l, w, s, o: pk.grouped_gemm(l, w, s, group_offset=o, backend=backend))
+    exported = export.export(f, platforms=[platform], disabled_checks=checks)(
+        jax.ShapeDtypeStruct((256, 2048), jnp.bfloat16), w,
+        jax.ShapeDtypeStruct((32,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    assert target in exported.mlir_module()
 
 
 def test_auto_backend_and_bad_names():
-  lhs, rhs, sizes, _ = make_case(5, "ragged", jnp.float32, m=16, n=64, k=64)
-  assert jax.default_backend() == "cpu"
-  np.testing.assert_array_equal(pk.grouped_gemm(lhs, rhs, sizes),
-                                pk.grouped_gemm(lhs, rhs, sizes, backend="xla"))
-  with pytest.raises(ValueError, match="unknown grouped_gemm backend"):
-    pk.grouped_gemm(lhs, rhs, sizes, backend="cuda")
-  with pytest.raises(ValueError, match="axis=-2"):
-    pk.grouped_gemm(lhs, pk.quantize(jnp.swapaxes(rhs, 1, 2), "nvfp4", axis=-1), sizes)
+    lhs, rhs, sizes, _ = make_case(5, "ragged", jnp.float32, m=16, n=64, k=64)
+    assert jax.default_backend() == "cpu"
+    np.testing.assert_array_equal(pk.grouped_gemm(lhs, rhs, sizes),
+                                  pk.grouped_gemm(lhs, rhs, sizes, backend="xla"))
+    with pytest.raises(ValueError, match="unknown grouped_gemm backend"):
+        pk.grouped_gemm(lhs, rhs, sizes, backend="cuda")
+    with pytest.raises(ValueError, match="axis=-2"):
+        pk.grouped_gemm(lhs, pk.quantize(jnp.swapaxes(rhs, 1, 2), "nvfp4", axis=-1), sizes)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_blackwell_operands_and_export(fmt):
-  """The fp4 x fp4 tcgen05 path: its operand layouts are right and it lowers for CUDA.
+    """The fp4 x fp4 tcgen05 path: its operand layouts are right and it lowers for CUDA.
 
-  It cannot run here: JAX 0.10.2's Mosaic GPU interpreter has no tcgen05 / TMEM rules.
-  """
-  q = pk.quantize(jax.random.normal(jax.random.key(6), (2, 256, 128)), fmt)
-  prepared = gmm_blackwell.prepare_weights(q)
-  codes = jax.lax.bitcast_convert_type(
-      pk.formats.unpack_codes(q.values, -2).astype(jnp.uint4), jnp.float4_e2m1fn)  # [G, K, N]
-  np.testing.assert_array_equal(  # K-major float4 values, the same codes
-      prepared.values.astype(jnp.float32), jnp.swapaxes(codes.astype(jnp.float32), 1, 2))
-  scales = np.arange(256 * 16).reshape(256, 16)  # PTX `.scale_vec::1X` tiling of [MN, K/B]
-  np.testing.assert_array_equal(
-      gmm_blackwell._mma_scale_tiling(jnp.asarray(scales)),
-      scales.reshape(2, 4, 32, 4, 4).transpose(0, 3, 2, 1, 4).reshape(2, 4, 32, 16))
-  w = jax.eval_shape(lambda a: gmm_blackwell.prepare_weights(pk.quantize(a, fmt)),
-                     jax.ShapeDtypeStruct((8, 1024, 512), jnp.bfloat16))
-  f = jax.jit(lambda l, w, s, o: pk.grouped_gemm(l, w, s, group_offset=o, backend="blackwell"))
-  exported = export.export(
-      f, platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call(
-          "mosaic_gpu_v2")])(
-      jax.ShapeDtypeStruct((200, 1024), jnp.bfloat16), w, jax.ShapeDtypeStruct((16,), jnp.int32),
-      jax.ShapeDtypeStruct((), jnp.int32))
-  assert "mosaic_gpu_v2" in exported.mlir_module()
+    It cannot run here: JAX 0.10.2's Mosaic GPU interpreter has no tcgen05 / TMEM rules.
+    """
+    q = pk.quantize(jax.random.normal(jax.random.key(6), (2, 256, 128)), fmt)
+    prepared = gmm_blackwell.prepare_weights(q)
+    codes = jax.lax.bitcast_convert_type(
+        pk.formats.unpack_codes(q.values, -2).astype(jnp.uint4), jnp.float4_e2m1fn)  # [G, K, N]
+    np.testing.assert_array_equal(  # K-major float4 values, the same codes
+        prepared.values.astype(jnp.float32), jnp.swapaxes(codes.astype(jnp.float32), 1, 2))
+    scales = np.arange(256 * 16).reshape(256, 16)  # PTX `.scale_vec::1X` tiling of [MN, K/B]
+    np.testing.assert_array_equal(
+        gmm_blackwell._mma_scale_tiling(jnp.asarray(scales)),
+        scales.reshape(2, 4, 32, 4, 4).transpose(0, 3, 2, 1, 4).reshape(2, 4, 32, 16))
+    w = jax.eval_shape(lambda a: gmm_blackwell.prepare_weights(pk.quantize(a, fmt)),
+                       jax.ShapeDtypeStruct((8, 1024, 512), jnp.bfloat16))
+    f = jax.jit(lambda l, w, s, o: pk.grouped_gemm(l, w, s, group_offset=o, backend="blackwell"))
+    exported = export.export(
+        f, platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call(
+            "mosaic_gpu_v2")])(
+        jax.ShapeDtypeStruct((200, 1024), jnp.bfloat16), w, jax.ShapeDtypeStruct((16,), jnp.int32),
+        jax.ShapeDtypeStruct((), jnp.int32))
+    assert "mosaic_gpu_v2" in exported.mlir_module()
