@@ -17,7 +17,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
-from jax.experimental.pallas.ops.tpu.megablox.gmm import make_group_metadata
 
 from pallas_kernels import decode, formats, tiling
 
@@ -72,12 +71,8 @@ def gmm_pallas_gpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
     tm = min(64, max(16, 1 << (m - 1).bit_length()))
     tk = tk or tiling.k_tile(k, rhs, (128, 64) if quantized else (64, 32, 16))
     tn = tiling.pick_tile(n, (128, 64, 32, 16))
-    m_pad = tiling.round_up(m, tm)
-    lhs_p = jnp.pad(lhs, ((0, m_pad - m), (0, 0)))  # [M_pad, K]; pad rows are in no group
-    offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
-    (offsets, group_ids, m_tile_ids), num_tiles = make_group_metadata(
-        group_sizes=group_sizes, m=m_pad, tm=tm, start_group=offset[0],
-        num_nonzero_groups=g_local, visit_empty_groups=False)
+    lhs_p, offset, (offsets, group_ids, m_tile_ids), num_tiles = tiling.group_tiles(
+        lhs, group_sizes, group_offset, g_local, tm)
     if quantized:
         operands = (lhs_p, rhs.values, tiling.scale_bits(rhs))
         tscale, fmt, block = tiling.tensor_scales(rhs), rhs.fmt, rhs.spec.block
@@ -89,7 +84,7 @@ def gmm_pallas_gpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
         cdtype=tiling.compute_dtype(lhs.dtype, rhs))
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((lhs_p.shape[0], n), out_dtype),
         grid=(group_ids.shape[0], n // tn),
         compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,

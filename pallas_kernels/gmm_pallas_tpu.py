@@ -17,7 +17,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas.ops.tpu.megablox.gmm import make_group_metadata
 
 from pallas_kernels import decode, formats, tiling
 
@@ -66,12 +65,8 @@ def gmm_pallas_tpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
     # tk / 2 / block scale rows should fill the 32-sublane tile of 8-bit data: tk = 64 * block.
     tk = tk or tiling.k_tile(k, rhs, (2048, 1024, 512) if quantized else (512, 256, 128))
     tn = tiling.pick_tile(n, (256, 128))
-    m_pad = tiling.round_up(m, tm)
-    lhs_p = jnp.pad(lhs, ((0, m_pad - m), (0, 0)))  # [M_pad, K]; pad rows are in no group
-    offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
-    (offsets, group_ids, m_tile_ids), num_tiles = make_group_metadata(
-        group_sizes=group_sizes, m=m_pad, tm=tm, start_group=offset[0],
-        num_nonzero_groups=g_local, visit_empty_groups=False)
+    lhs_p, offset, (offsets, group_ids, m_tile_ids), num_tiles = tiling.group_tiles(
+        lhs, group_sizes, group_offset, g_local, tm)
     tiles_k = k // tk
 
     def lhs_map(half):
@@ -100,7 +95,7 @@ def gmm_pallas_tpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
         cdtype=tiling.compute_dtype(lhs.dtype, rhs))
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((lhs_p.shape[0], n), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             in_specs=in_specs,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.megablox.gmm import make_group_metadata
 
 from pallas_kernels import formats
 
@@ -24,6 +25,22 @@ def k_tile(k: int, rhs, candidates: tuple[int, ...]) -> int:
     """K tile; a 4-bit rhs also needs tk / 2 to cover whole scale blocks."""
     block = rhs.spec.block if isinstance(rhs, formats.QuantizedArray) else 1
     return pick_tile(k, candidates, 2 * block)
+
+
+def group_tiles(lhs: jax.Array, group_sizes: jax.Array, group_offset, g_local: int, tm: int):
+    """The tile schedule both Pallas kernels walk: megablox's metadata over the active [tm]-row
+    tiles of the local groups [group_offset, group_offset + g_local).
+
+    Returns lhs_p [M_pad, K] (pad rows are in no group), offset [1], megablox's
+    (offsets [G + 1], group_ids, m_tile_ids) and num_tiles.
+    """
+    m_pad = round_up(lhs.shape[0], tm)
+    lhs_p = jnp.pad(lhs, ((0, m_pad - lhs.shape[0]), (0, 0)))
+    offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
+    metadata, num_tiles = make_group_metadata(
+        group_sizes=group_sizes, m=m_pad, tm=tm, start_group=offset[0],
+        num_nonzero_groups=g_local, visit_empty_groups=False)
+    return lhs_p, offset, metadata, num_tiles
 
 
 def scale_bits(q: formats.QuantizedArray) -> jax.Array:
