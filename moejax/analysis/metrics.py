@@ -54,6 +54,9 @@ def pick_slots(ids: np.ndarray, log2phy: np.ndarray, logcnt: np.ndarray) -> np.n
     ids int[L, R, k]; log2phy int[L, E, X]; logcnt int[L, E]."""
     num_layers, rows, k = ids.shape
     flat = ids.reshape(num_layers, rows * k)
+    layer = np.arange(num_layers)[:, None]
+    if logcnt.max() == 1:  # no replicas: no turns to deal
+        return log2phy[layer, flat, 0].reshape(num_layers, rows, k)
     order = np.argsort(flat, axis=1, kind="stable")
     ordered = np.take_along_axis(flat, order, axis=1)
     position = np.broadcast_to(np.arange(rows * k), ordered.shape)
@@ -62,7 +65,6 @@ def pick_slots(ids: np.ndarray, log2phy: np.ndarray, logcnt: np.ndarray) -> np.n
     rank_ordered = position - np.maximum.accumulate(np.where(first, position, 0), axis=1)
     rank = np.empty_like(rank_ordered)
     np.put_along_axis(rank, order, rank_ordered, axis=1)
-    layer = np.arange(num_layers)[:, None]
     replica = rank % logcnt[layer, flat]
     return log2phy[layer, flat, replica].reshape(num_layers, rows, k)
 
