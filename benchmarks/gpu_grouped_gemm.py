@@ -2,7 +2,8 @@
 
 One GLM-5.3-like projection per expert ([E, K, N] = [256, 6144, 2048], top-8): for each
 batch, the Triton kernel (`pallas_gpu`) with bf16, NVFP4 and MXFP4 weights and
-`jax.lax.ragged_dot` with bf16 weights. Prints time, experts touched, expert bytes read,
+`jax.lax.ragged_dot` with bf16 weights; on a Blackwell GPU (sm_100) also the `blackwell`
+kernel, whose rows are 4-bit too. Prints time, experts touched, expert bytes read,
 GB/s and TFLOP/s against the card's ceilings, and each kernel's error against ragged_dot.
 
     python benchmarks/gpu_grouped_gemm.py            # on a GPU
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
+from pallas_kernels import gmm_blackwell
 
 # (HBM bytes/s, dense bf16 FLOP/s) by device kind substring; first match wins.
 CEILINGS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "B200": (8.0e12, 2250e12),
@@ -31,6 +33,10 @@ def ceilings() -> tuple[str, float, float]:
         if name in kind:
             return kind, bw, flops
     return kind, float("nan"), float("nan")
+
+
+def is_blackwell() -> bool:
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("10.")
 
 
 def median_seconds(fn, *args, reps: int) -> float:
@@ -66,6 +72,9 @@ def main() -> None:
                           jnp.bfloat16) / args.hidden**0.5
     weights = {"bf16": w, "nvfp4": pk.quantize(w, "nvfp4"), "mxfp4": pk.quantize(w, "mxfp4")}
     expert_bytes = {f: pk.nbytes(q) // args.experts for f, q in weights.items()}
+    # K-major weights with MMA-tiled scales, converted once as at load time.
+    prepared = ({f: gmm_blackwell.prepare_weights(weights[f]) for f in ("nvfp4", "mxfp4")}
+                if is_blackwell() and not args.smoke else {})
     gemm = jax.jit(pk.grouped_gemm, static_argnames=("backend",))
     ragged = jax.jit(lambda x, w, s: jax.lax.ragged_dot(x, w, s))
 
@@ -81,6 +90,8 @@ def main() -> None:
         runs = [("ragged_dot bf16", "bf16", lambda: ragged(rows, w, sizes))]
         runs += [(f"{backend} {f}", f, lambda f=f: gemm(rows, weights[f], sizes, backend=backend))
                  for f in weights]
+        runs += [(f"blackwell {f}", f, lambda f=f: gemm(rows, prepared[f], sizes, backend="blackwell"))
+                 for f in prepared]
         for name, fmt, fn in runs:
             seconds = median_seconds(lambda: fn(), reps=args.reps)
             read = touched * expert_bytes[fmt]
