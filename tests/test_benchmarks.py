@@ -22,6 +22,7 @@ def test_gpu_benchmark_smoke_run_prints_every_kernel_row():
     script = next(p for p in BENCHMARKS if p.name == "gpu_grouped_gemm.py")
     run = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
+    assert "FAILED" not in run.stdout, run.stdout
     rows = [line.split() for line in run.stdout.splitlines() if line.split()[-1:] and
             line.split()[0] in ("ragged_dot", "interpret_gpu")]
     # ragged_dot plus bf16 / nvfp4 / mxfp4 kernels at each of the smoke's two batch sizes
