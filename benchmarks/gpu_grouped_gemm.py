@@ -74,7 +74,7 @@ def main() -> None:
     expert_bytes = {f: pk.nbytes(q) // args.experts for f, q in weights.items()}
     # K-major weights with MMA-tiled scales, converted once as at load time.
     prepared = ({f: gmm_blackwell.prepare_weights(weights[f]) for f in ("nvfp4", "mxfp4")}
-                if is_blackwell() and not args.smoke else {})
+                if is_blackwell() else {})
     gemm = jax.jit(pk.grouped_gemm, static_argnames=("backend",))
     ragged = jax.jit(lambda x, w, s: jax.lax.ragged_dot(x, w, s))
 
@@ -94,7 +94,7 @@ def main() -> None:
                  for f in prepared]
         for name, fmt, fn in runs:
             try:
-                seconds = median_seconds(lambda: fn(), reps=args.reps)
+                seconds = median_seconds(fn, reps=args.reps)
                 err = float(jnp.max(jnp.abs(fn().astype(jnp.float32) - expected)))
             except Exception as e:  # device time is scarce: one kernel's failure keeps the other rows
                 print(f"{name:>18} {tokens:6d} FAILED {type(e).__name__}: {str(e).strip().splitlines()[0][:160]}")

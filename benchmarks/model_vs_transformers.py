@@ -17,6 +17,8 @@ import time
 
 import numpy as np
 
+from grouped_gemm_cpu import read_bandwidth  # benchmarks/ is the script's own path
+
 
 def hf_model(directory: str):
     import torch
@@ -85,23 +87,6 @@ def moejax_runner(directory: str, prompt_len: int, steps: int):
 
     run()
     return run
-
-
-def read_bandwidth() -> float:
-    """Bytes/s of a jitted float32 sum over 512 MB on both cores (XLA splits the reduction),
-    best of three: the rate at which a decode step could stream its weights."""
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.ones(128 * 2**20, jnp.float32)
-    total = jax.jit(jnp.sum)
-    total(x).block_until_ready()
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        total(x).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return x.nbytes / best
 
 
 def step_bytes(batch: int) -> float:
