@@ -21,6 +21,7 @@ import numpy as np
 
 import pallas_kernels as pk
 from pallas_kernels import gmm_blackwell
+from pallas_kernels.registry import is_blackwell
 
 # (HBM bytes/s, dense bf16 FLOP/s) by device kind substring; first match wins.
 CEILINGS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "B200": (8.0e12, 2250e12),
@@ -33,10 +34,6 @@ def ceilings() -> tuple[str, float, float]:
         if name in kind:
             return kind, bw, flops
     return kind, float("nan"), float("nan")
-
-
-def is_blackwell() -> bool:
-    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("10.")
 
 
 def median_seconds(fn, *args, reps: int) -> float:

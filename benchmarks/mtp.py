@@ -16,8 +16,8 @@ import numpy as np
 
 from moejax.config import Config, preset
 from moejax.engine.engine import Engine
-from moejax.engine.speculative import SpeculativeEngine, load_mtp
-from moejax.loading import load_params
+from moejax.engine.speculative import SpeculativeEngine
+from moejax.loading import load_mtp, load_params
 from moejax.model.mtp import mirrored_draft
 from sharding import make_placement
 

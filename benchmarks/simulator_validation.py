@@ -3,8 +3,8 @@
     python benchmarks/simulator_validation.py [--preset tiny] [--steps 16] [--costs FILE] [--out DIR]
 
 1. Calibration (other prompts than the validation's): the cost table's compute and exchange
-   entries (`moejax.analysis.costs.ensure`), and the non-MoE term, fitted once from expert_sharded's
-   measured step (measured minus its simulated MoE part).
+   entries (`moejax.analysis.costs.ensure`), and the non-MoE term, fitted once from the default
+   placement's measured step (measured minus its simulated MoE part).
 2. Validation on `moejax compare`'s default prompts: each placement's decode step as `compare`
    measures it (`moejax.compare.measure`, best of REPEATS runs), against the simulation of the
    trace recorded from the same prompts. Prints the table and the error per placement (target: within 25%).
@@ -19,7 +19,6 @@ from pathlib import Path
 
 DEVICES = 8
 CALIBRATION_PROMPTS = [[(11 * r + 5 * i) % 89 + 2 for i in range(6 + 2 * r)] for r in range(DEVICES)]
-FIT_PLACEMENT = "expert_sharded"
 REPEATS = 7  # measured steps: the best of this many timed runs each
 
 
@@ -49,18 +48,19 @@ def main() -> None:
     from moejax.analysis.simulate import layouts, simulate
     from moejax.analysis.trace import save_trace
     from moejax.commands import build_engine, ensure_devices
-    from moejax.compare import DEFAULT_PROMPTS, layout_for
+    from moejax.compare import DEFAULT_PROMPTS
     from moejax.config import Config, preset
+    from sharding import registry, with_placement
 
     ensure_devices(DEVICES)
     config = dataclasses.replace(Config(), model=preset(args.preset))
-    engine_of = lambda name: build_engine(layout_for(config, name, DEVICES), None, 0)
+    engine_of = lambda name: build_engine(with_placement(config, name, DEVICES), None, 0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     by_name = {layout.name: layout for layout in layouts(DEVICES)}
 
     engines = {layout.name: engine_of(layout.name) for layout in layouts(DEVICES)}
-    fit_engine = engines[FIT_PLACEMENT]
+    fit_engine = engines[registry.DEFAULT]
     calibration = save_trace(out / "calibration.npz",
                              **model_trace(fit_engine, CALIBRATION_PROMPTS, args.steps, args.preset))
     trace = save_trace(out / "validation.npz", **model_trace(fit_engine, DEFAULT_PROMPTS, args.steps, args.preset))
@@ -69,13 +69,13 @@ def main() -> None:
     costs.ensure(table, config, trace, DEVICES)  # same shapes as calibration: nothing new to measure
     runs = {"fit": (fit_engine, CALIBRATION_PROMPTS), **{name: (e, DEFAULT_PROMPTS) for name, e in engines.items()}}
     measured = best_steps_ms(runs, args.steps)
-    non_moe = costs.fit_non_moe(table, measured["fit"], calibration, by_name[FIT_PLACEMENT])
+    non_moe = costs.fit_non_moe(table, measured["fit"], calibration, by_name[registry.DEFAULT])
     costs.save(table, Path(args.costs))
 
     decode = trace.select(trace.kind == "decode")
     order = eplb.contiguous(decode.ids.shape[1], decode.num_experts)
     print(f"{args.preset}, {len(DEFAULT_PROMPTS)} requests, {args.steps} decode steps, {DEVICES} CPU devices "
-          f"({table.concurrency} cores); non-MoE {non_moe / 1e3:.2f} ms/step fitted on {FIT_PLACEMENT} "
+          f"({table.concurrency} cores); non-MoE {non_moe / 1e3:.2f} ms/step fitted on {registry.DEFAULT} "
           f"with other prompts")
     print(f"{'placement':<16}{'ep x tp':>8}{'exchange':>10}{'experts':>9}{'simulated':>11}{'measured':>10}{'error':>8}")
     errors = []

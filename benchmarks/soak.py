@@ -28,15 +28,14 @@ import json  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from moejax.config import PLACEMENTS, PRESETS, Config, EngineConfig, LayoutConfig  # noqa: E402
+from moejax.config import PRESETS, Config, EngineConfig, LayoutConfig  # noqa: E402
 from moejax.engine.engine import Engine, bucket  # noqa: E402
 from moejax.engine.sampling import Sampling, sample  # noqa: E402
 from moejax.loading import load_params  # noqa: E402
-from sharding import make_placement  # noqa: E402
+from sharding import make_placement, names  # noqa: E402
 
 PROMPT = [3, 17, 45, 2, 88, 61, 9, 30]
-LAYOUTS = {name: LayoutConfig(experts=name, devices=8, **({"ep": 4, "tp": 2} if name == "hybrid" else {}))
-           for name in PLACEMENTS}
+LAYOUTS = {name: LayoutConfig(placement=name, devices=8) for name in names()}
 
 
 def rss_mb() -> float:
@@ -70,7 +69,7 @@ def soak(name: str, steps: int, marks: tuple[int, ...]) -> dict[int, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--placements", default=",".join(PLACEMENTS))
+    parser.add_argument("--placements", default=",".join(names()))
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     marks = (min(100, args.steps), args.steps)

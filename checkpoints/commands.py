@@ -26,7 +26,8 @@ def register(sub) -> None:
     c = sub.add_parser("convert", help="transformers safetensors directory -> orbax checkpoint")
     c.add_argument("--hf", metavar="DIR", required=True, help="a transformers save_pretrained directory")
     c.add_argument("--out", metavar="CKPT", required=True, help="checkpoint directory (replaced atomically)")
-    c.add_argument("--expert-format", choices=EXPERT_FORMATS, default="bf16", help="4-bit experts: nvfp4 | mxfp4")
+    c.add_argument("--expert-format", choices=EXPERT_FORMATS, default="unquantized",
+                   help="experts in --dtype, or 4-bit: nvfp4 | mxfp4")
     c.add_argument("--dtype", choices=DTYPES, default="float32", help="storage dtype of the other weights")
     c.add_argument("--json", action="store_true", help="machine-readable output, no progress bar")
     c.set_defaults(func=cmd_convert)

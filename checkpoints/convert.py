@@ -1,8 +1,8 @@
 """`convert`: a transformers directory -> an orbax checkpoint, one tensor at a time.
 
 Each tensor is read from its memory-mapped safetensors file, cast, quantized if asked (by the
-same single-device `Placement.place` a run would use, so 4-bit experts are bit-identical to
-quantizing on load) and handed to the group writer before the next one is read.
+same `pallas_kernels.run_weights` a run loads with, so 4-bit experts are bit-identical to quantizing on load)
+and handed to the group writer before the next one is read.
 """
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pallas_kernels
 from checkpoints.hf import iter_hf_tensors, read_hf_config
 from checkpoints.manifest import Manifest
 from checkpoints.orbax_io import named_specs, param_key, to_stored, write
 from moejax.config import Config, EngineConfig, WeightsConfig
-from moejax.model.params import param_dtype
+from moejax.model.params import is_expert_stack, param_dtype
 
 
 class Progress:
@@ -35,20 +36,20 @@ class Progress:
             sys.stderr.flush()
 
 
-def convert(hf_dir: str | Path, out: str | Path, *, expert_format: str = "bf16", dtype: str = "float32",
+def convert(hf_dir: str | Path, out: str | Path, *, expert_format: str = "unquantized", dtype: str = "float32",
             progress: bool = False) -> Manifest:
-    from sharding.placement import Placement
-
     model = read_hf_config(hf_dir)
-    config = Config(model=model, weights=WeightsConfig(expert_format), engine=EngineConfig(dtype=dtype)).validate()
-    placement = Placement(config)
+    Config(model=model, weights=WeightsConfig(expert_format), engine=EngineConfig(dtype=dtype)).validate()
     manifest = Manifest(model, dtype, expert_format)
     bar = Progress(len(named_specs(manifest)[0]), progress)
 
     def stream():
         for path, spec, array in iter_hf_tensors(hf_dir, model):
             key = param_key(path)
-            yield key, to_stored(spec, placement.place(spec, array.astype(param_dtype(spec, dtype))), placement)
+            array = array.astype(param_dtype(spec, dtype))
+            if is_expert_stack(spec):  # one K-slice: on disk, 4-bit values are independent of any placement
+                array = pallas_kernels.run_weights(array, expert_format)
+            yield key, to_stored(spec, array, 1)
             bar.step(key)
 
     return write(out, manifest, stream())

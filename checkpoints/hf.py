@@ -16,11 +16,14 @@ import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from checkpoints.safetensors_io import SafetensorsDir
 from moejax.config import ConfigError, ModelConfig, from_hf_config
 from moejax.errors import UsageError
+from moejax.model.mtp import mtp_specs
 from moejax.model.params import ParamSpec, param_specs
 
 
@@ -152,8 +155,6 @@ def _sources(st: SafetensorsDir, c: ModelConfig) -> dict:
 def iter_hf_tensors(directory: str | Path, c: ModelConfig, mtp: bool = False) -> Iterator[tuple[tuple, ParamSpec, np.ndarray]]:
     """Yields (path in the param tree, spec, array) one parameter at a time: the model's, or
     with `mtp` the MTP module's."""
-    from moejax.model.mtp import mtp_specs
-
     st = SafetensorsDir(directory)
     specs, sources = (mtp_specs(c), _mtp_sources(st, c)) if mtp else (param_specs(c), _sources(st, c))
 
@@ -187,11 +188,6 @@ def load_hf(directory: str | Path, c: ModelConfig, dtype, place: Callable[[Param
             mtp: bool = False):
     """Params (with `mtp`: the MTP module's): every tensor read, cast and handed to
     `place(spec, array)` (which puts it on its devices) before the next one is read."""
-    import jax
-    import jax.numpy as jnp
-
-    from moejax.model.mtp import mtp_specs
-
     params = jax.tree.map(lambda s: None, mtp_specs(c) if mtp else param_specs(c), is_leaf=lambda x: isinstance(x, ParamSpec))
     for path, spec, array in iter_hf_tensors(directory, c, mtp):
         target = np.float32 if spec.float32 else jnp.dtype(dtype)

@@ -23,7 +23,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from moejax.config import ConfigError, ModelConfig, replace_checked
+from moejax.config import OLD_EXPERT_FORMAT_NAMES, ConfigError, ModelConfig, replace_checked
 from moejax.errors import UsageError
 
 FORMAT_VERSION = 1
@@ -34,7 +34,7 @@ MANIFEST = "moejax.json"
 class Manifest:
     model: ModelConfig
     dtype: str  # storage dtype of everything but the float32 router
-    expert_format: str  # bf16 (stored as `dtype`) | nvfp4 | mxfp4
+    expert_format: str  # moejax.vocab.EXPERT_FORMATS (unquantized: stored as `dtype`)
     data: str = ""  # the committed data directory, relative to the checkpoint
     groups: tuple[tuple[str, ...], ...] = ()  # parameter keys of each orbax checkpoint, in order
     # data file (relative to `data`) -> (size, crc32): orbax stores no checksums, and a flipped
@@ -67,7 +67,8 @@ def read_manifest(ckpt: str | Path) -> Manifest:
     try:
         manifest = Manifest(
             model=replace_checked(ModelConfig(), doc["model"], "model."),
-            dtype=doc["dtype"], expert_format=doc["expert_format"], data=doc["data"],
+            dtype=doc["dtype"], data=doc["data"],
+            expert_format=OLD_EXPERT_FORMAT_NAMES.get(doc["expert_format"], doc["expert_format"]),
             groups=tuple(tuple(g) for g in doc["groups"]),
             files={k: (int(n), int(c)) for k, (n, c) in doc["files"].items()},
         )

@@ -23,7 +23,7 @@ from checkpoints import packing
 from checkpoints.manifest import (MANIFEST, Manifest, commit, file_sums, new_data_dir, read_manifest, verify_files,
                                   warn_leftovers)
 from moejax.errors import UsageError
-from moejax.model.params import ParamSpec, param_dtype, param_specs
+from moejax.model.params import ParamSpec, is_expert_stack, param_dtype, param_specs
 
 QUANTIZED_LEAVES = ("values", "scales", "tensor_scale")
 GROUP_BYTES = 64 << 20  # below this, orbax's fixed cost per save and restore dominates
@@ -44,12 +44,8 @@ def named_specs(manifest: Manifest) -> tuple[list[tuple[str, ParamSpec]], object
     return [(param_key(getattr(k, "key", getattr(k, "idx", None)) for k in path), spec) for path, spec in flat], treedef
 
 
-def _is_expert_stack(spec: ParamSpec) -> bool:
-    return spec.axes[:1] == ("experts",)
-
-
 def is_quantized(spec: ParamSpec, expert_format: str) -> bool:
-    return _is_expert_stack(spec) and expert_format != "bf16"
+    return is_expert_stack(spec) and expert_format in pallas_kernels.FORMATS
 
 
 def stored_leaves(spec: ParamSpec, manifest: Manifest) -> dict[str, jax.ShapeDtypeStruct]:
@@ -64,10 +60,11 @@ def stored_leaves(spec: ParamSpec, manifest: Manifest) -> dict[str, jax.ShapeDty
     return {k: getattr(q, k) for k in QUANTIZED_LEAVES if getattr(q, k) is not None}
 
 
-def to_stored(spec: ParamSpec, value, placement) -> dict:
-    """A parameter of `placement` as the dict of arrays orbax writes."""
+def to_stored(spec: ParamSpec, value, k_slices: int) -> dict:
+    """A parameter in its run format (4-bit experts packed in `k_slices` K-slices) as the dict of
+    arrays orbax writes."""
     if isinstance(value, pallas_kernels.QuantizedArray):
-        value = value.replace(values=packing.to_disk(value.values, placement.k_slices(spec)))
+        value = value.replace(values=packing.to_disk(value.values, k_slices))
         return {k: getattr(value, k) for k in QUANTIZED_LEAVES if getattr(value, k) is not None}
     return {"w": value}
 
@@ -134,9 +131,9 @@ def save_params(ckpt: str | Path, params: dict, placement) -> Manifest:
 
     def unpadded():
         for (key, spec), value in zip(names, leaves):
-            if _is_expert_stack(spec):
+            if is_expert_stack(spec):
                 value = jax.tree.map(lambda a: a[:e], value)
-            yield key, to_stored(spec, value, placement)
+            yield key, to_stored(spec, value, placement.k_slices(spec))
 
     return write(ckpt, manifest, unpadded())
 
@@ -177,7 +174,7 @@ def _restore_args(spec: ParamSpec, leaves: dict, placement, run_dtype) -> dict:
     out = {}
     for name, leaf in leaves.items():
         shape = list(leaf.shape)
-        if _is_expert_stack(spec):
+        if is_expert_stack(spec):
             shape[0] = placement.num_experts  # padding experts: orbax fills zeros
         dtype = param_dtype(spec, run_dtype) if name == "w" else leaf.dtype
         sharding = placement.sharding(spec.axes, tuple(shape)) or jax.sharding.SingleDeviceSharding(jax.devices()[0])

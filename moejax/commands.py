@@ -9,8 +9,10 @@ import json
 import os
 import sys
 
-from moejax.config import PLACEMENTS, Config, load_file, preset, replace_checked
+from moejax.config import Config, ConfigError, from_dict, load_file, replace_checked
 from moejax.errors import UsageError
+from moejax.vocab import ATTENTION_MODES, DISPATCH_DTYPES, DTYPES, EXPERT_FORMATS, KERNELS
+from sharding import registry
 
 
 def prompt_ids(text: str) -> list[int]:
@@ -23,22 +25,29 @@ def prompt_ids(text: str) -> list[int]:
     return ids
 
 
+def placement_name(text: str) -> str:
+    try:
+        return registry.placement_class(text).name
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", help="a named model with random weights (default: tiny)")
     src.add_argument("--hf", metavar="DIR", help="a transformers save_pretrained directory")
     src.add_argument("--checkpoint", metavar="CKPT", help="a moejax checkpoint (moejax convert), restored into the placement")
     p.add_argument("--config", metavar="FILE", help="YAML or JSON config (DESIGN.md shape); flags override it")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"))
+    p.add_argument("--dtype", choices=DTYPES)
     p.add_argument("--devices", type=int, help="number of devices (virtual CPU devices on a CPU host)")
-    p.add_argument("--placement", help=f"expert placement: {', '.join(PLACEMENTS)}")
-    p.add_argument("--ep", type=int)
-    p.add_argument("--tp", type=int)
-    p.add_argument("--attention", choices=("dp", "tp"))
-    p.add_argument("--dispatch-dtype", choices=("bf16", "nvfp4"))
-    p.add_argument("--prefetch-depth", type=int)
-    p.add_argument("--expert-format", choices=("bf16", "nvfp4", "mxfp4"))
-    p.add_argument("--kernel", choices=("auto", "xla", "pallas_tpu", "pallas_gpu", "interpret"))
+    p.add_argument("--placement", type=placement_name, choices=registry.names(), help="expert placement")
+    p.add_argument("--ep", type=int, help="expert groups, for a placement whose mesh the layout chooses")
+    p.add_argument("--tp", type=int, help="slices of each expert, for a placement whose mesh the layout chooses")
+    p.add_argument("--attention", choices=ATTENTION_MODES)
+    p.add_argument("--dispatch-dtype", choices=DISPATCH_DTYPES, help="rows as they travel to their experts")
+    p.add_argument("--prefetch-depth", type=int, help="layers ahead that expert weights are gathered")
+    p.add_argument("--expert-format", choices=EXPERT_FORMATS, help="experts in --dtype (unquantized) or 4-bit")
+    p.add_argument("--kernel", choices=KERNELS, help="grouped-GEMM backend (auto: by platform)")
     p.add_argument("--prefill-chunk", type=int)
     p.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -48,11 +57,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args) -> Config:
-    config = load_file(args.config) if args.config else Config()
-    if args.preset:
-        config = dataclasses.replace(config, model=preset(args.preset))
+    """--config FILE (its `model:` fields on top of --preset, which wins over the file's own
+    preset), then the flags."""
+    config = (load_file(args.config, preset_name=args.preset) if args.config
+              else from_dict({}, preset_name=args.preset))
     layout = {k: v for k, v in dict(
-        experts=args.placement, devices=args.devices, ep=args.ep, tp=args.tp, attention=args.attention,
+        placement=args.placement, devices=args.devices, ep=args.ep, tp=args.tp, attention=args.attention,
         dispatch_dtype=args.dispatch_dtype, prefetch_depth=args.prefetch_depth,
     ).items() if v is not None}
     engine = {k: v for k, v in dict(dtype=args.dtype, prefill_chunk=args.prefill_chunk).items() if v is not None}
@@ -98,13 +108,13 @@ def ensure_devices(n: int) -> None:
 
 
 def build_engine(config: Config, hf_dir: str | None, seed: int, checkpoint: str | None = None):
+    # Deferred: orbax, safetensors and the model code load only for the verbs that run a model.
     from moejax.engine.engine import Engine
     from moejax.loading import load_params, with_hf_model
-    from sharding import make_placement
 
     config = with_hf_model(config, hf_dir, checkpoint).validate()
     ensure_devices(config.layout.devices)
-    placement = make_placement(config)
+    placement = registry.make_placement(config)
     return Engine(config, load_params(config, placement, hf_dir=hf_dir, checkpoint=checkpoint, seed=seed), placement)
 
 
@@ -122,7 +132,8 @@ def cmd_generate(args) -> int:
         sampling = dataclasses.replace(sampling, temperature=1.0)
     prompts, extra = args.prompt_ids or [[1]], {}
     if args.speculative == "mtp":
-        from moejax.engine.speculative import SpeculativeEngine, load_mtp
+        from moejax.engine.speculative import SpeculativeEngine
+        from moejax.loading import load_mtp
 
         mtp = load_mtp(engine.config, engine.placement, hf_dir=args.hf, checkpoint=getattr(args, "checkpoint", None),
                        init=args.mtp_init, seed=args.seed)

@@ -8,27 +8,17 @@ sizes and the recorded router picks), and parameter bytes per device.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import jax
 import numpy as np
 
 from moejax.commands import add_model_args, build_engine, config_from_args, ensure_devices, prompt_ids
-from moejax.config import PLACEMENTS, Config
 from moejax.errors import UsageError
+from sharding import registry
 
 # Eight requests of different lengths: one per device under DP attention.
 DEFAULT_PROMPTS = [[(7 * r + 3 * i) % 97 + 1 for i in range(5 + 3 * r)] for r in range(8)]
-
-
-def layout_for(config: Config, name: str, devices: int) -> Config:
-    layout = dataclasses.replace(config.layout, experts=name, devices=devices)
-    if name == "hybrid" and not (config.layout.ep or config.layout.tp > 1):
-        layout = dataclasses.replace(layout, ep=max(1, devices // 2), tp=min(2, devices))
-    if name != "hybrid":
-        layout = dataclasses.replace(layout, ep=0, tp=1)
-    return dataclasses.replace(config, layout=layout).validate()
 
 
 def param_bytes_per_device(params) -> int:
@@ -40,8 +30,6 @@ def param_bytes_per_device(params) -> int:
 
 
 def measure(engine, prompts, max_new_tokens: int) -> dict:
-    from sharding import accounting
-
     engine.generate(prompts, max_new_tokens, record=True)  # compile
     gen = engine.generate(prompts, max_new_tokens, record=True)
     placement, c = engine.placement, engine.c
@@ -52,15 +40,16 @@ def measure(engine, prompts, max_new_tokens: int) -> dict:
     for step in decode_picks:
         step_read = 0
         for layer, ids in zip(moe_layers, step):
-            sent.append(accounting.bytes_sent_per_device(placement, ids, c.hidden_size, act_bytes, layer).mean())
-            copies.append(accounting.copies_per_row(placement, ids))
-            step_read = step_read + accounting.expert_bytes_read_per_device(placement, ids, layer)
+            sent.append(placement.bytes_sent_per_device(ids, c.hidden_size, act_bytes, layer).mean())
+            copies.append(placement.copies_per_row(ids))
+            step_read = step_read + placement.expert_bytes_read_per_device(ids, layer)
         read.append(np.max(step_read))
     return {
         "name": placement.name, "ep": placement.ep, "tp": placement.tp,
         "attention": engine.config.layout.attention, "tokens": gen.tokens,
         "prefill_ms": round(gen.prefill_ms, 2), "decode_step_ms": round(gen.decode_step_ms, 2),
         "bytes_sent_per_device_per_moe_layer": round(float(np.mean(sent)), 1),
+        "sent_counted_from": placement.sent_source,
         "copies_per_row": round(float(np.mean(copies)), 2),
         "expert_bytes_read_per_device_per_step": round(float(np.mean(read)), 1),
         "param_bytes_per_device": param_bytes_per_device(engine.params),
@@ -71,18 +60,17 @@ def cmd_compare(args) -> int:
     devices = args.devices or 8
     ensure_devices(devices)
     config = config_from_args(args)
-    names = args.placements.split(",") if args.placements else list(PLACEMENTS)
-    unknown = [n for n in names if n not in PLACEMENTS]
+    names = args.placements.split(",") if args.placements else list(registry.names())
+    unknown = [n for n in names if n not in registry.names()]
     if unknown:
-        raise UsageError(f"unknown placement {unknown[0]!r}; choose from {', '.join(PLACEMENTS)}")
+        raise UsageError(f"unknown placement {unknown[0]!r}; choose from {', '.join(registry.names())}")
     prompts = args.prompt_ids or DEFAULT_PROMPTS
-    reference = build_engine(dataclasses.replace(config, layout=dataclasses.replace(config.layout, devices=1)),
-                             args.hf, args.seed, args.checkpoint)
+    reference = build_engine(registry.with_placement(config, names[0], 1), args.hf, args.seed, args.checkpoint)
     reference.check_prompts(prompts)
     expected = reference.generate(prompts, args.max_new_tokens).tokens
     del reference
-    rows = [measure(build_engine(layout_for(config, name, devices), args.hf, args.seed, args.checkpoint), prompts,
-                    args.max_new_tokens)
+    rows = [measure(build_engine(registry.with_placement(config, name, devices), args.hf, args.seed, args.checkpoint),
+                    prompts, args.max_new_tokens)
             for name in names]
     agree = all(r["tokens"] == expected for r in rows)
     if args.json:
@@ -93,11 +81,17 @@ def cmd_compare(args) -> int:
     head = f"{'placement':<16}{'ep x tp':>8}{'attn':>5}{'same':>6}{'prefill ms':>12}{'decode ms':>11}" \
            f"{'sent B/dev/layer':>18}{'copies':>8}{'read B/dev/step':>17}{'params B/dev':>14}"
     print(head)
+    sources = sorted({r["sent_counted_from"] for r in rows})
+    marks = {s: "*" * i for i, s in enumerate(sources)}  # the first source unmarked
     for r in rows:
+        mark = marks[r["sent_counted_from"]]
+        sent = f"{r['bytes_sent_per_device_per_moe_layer']:,.0f}{mark}"
+        copies = f"{r['copies_per_row']:.2f}{mark}"
         print(f"{r['name']:<16}{r['ep']:>4} x {r['tp']:<2}{r['attention']:>4}{'yes' if r['tokens'] == expected else 'NO':>6}"
-              f"{r['prefill_ms']:>12.1f}{r['decode_step_ms']:>11.2f}{r['bytes_sent_per_device_per_moe_layer']:>18,.0f}"
-              f"{r['copies_per_row']:>8.2f}{r['expert_bytes_read_per_device_per_step']:>17,.0f}"
-              f"{r['param_bytes_per_device']:>14,}")
+              f"{r['prefill_ms']:>12.1f}{r['decode_step_ms']:>11.2f}{sent:>18}{copies:>8}"
+              f"{r['expert_bytes_read_per_device_per_step']:>17,.0f}{r['param_bytes_per_device']:>14,}")
+    for source in sources:
+        print(f"{marks[source] or '(unmarked)'}: sent and copies counted from the {source}")
     print("all placements agree with the single-device run" if agree else "PLACEMENTS DISAGREE with the single-device run")
     return 0 if agree else 1
 
@@ -105,7 +99,7 @@ def cmd_compare(args) -> int:
 def register(sub) -> None:
     p = sub.add_parser("compare", help="run every placement on the same model and prompts (the main job)")
     add_model_args(p)
-    p.add_argument("--placements", help=f"comma-separated subset of {','.join(PLACEMENTS)}")
+    p.add_argument("--placements", help=f"comma-separated subset of {','.join(registry.names())}")
     p.add_argument("--prompt-ids", type=prompt_ids, action="append", help="1,2,3 (repeat: one request each)")
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.set_defaults(func=cmd_compare)

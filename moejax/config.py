@@ -17,11 +17,7 @@ from typing import Any
 
 import yaml
 
-FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "glm_moe_dsa")
-PLACEMENTS = ("tensor_sliced", "expert_sharded", "hybrid", "ragged_a2a", "weight_prefetch")
-EXPERT_FORMATS = ("bf16", "nvfp4", "mxfp4")
-KERNELS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "interpret")
-DTYPES = ("float32", "bfloat16")
+from moejax.vocab import ATTENTION_MODES, DISPATCH_DTYPES, DTYPES, EXPERT_FORMATS, FAMILIES, KERNELS, SPLIT_MODES
 
 
 class ConfigError(ValueError):
@@ -136,26 +132,28 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class LayoutConfig:
-    experts: str = "expert_sharded"  # one of PLACEMENTS
+    # A name from the placement registry (`sharding.registry`, which checks it); "" = its default.
+    # Config files may still say `experts:` (the key's earlier name).
+    placement: str = ""
     devices: int = 1
-    ep: int = 0  # hybrid only; 0 = derived (devices / tp)
-    tp: int = 1
-    attention: str = "dp"  # dp | tp
-    dense: str = "tp"  # tp | replicated
-    shared_expert: str = "tp"  # tp | replicated
-    dispatch_dtype: str = "bf16"  # ragged_a2a: bf16 | nvfp4
-    prefetch_depth: int = 1  # weight_prefetch: layers ahead
+    ep: int = 0  # placements with an (ep x tp) mesh of their own choosing; 0 = the placement's choice
+    tp: int = 0
+    attention: str = "dp"  # ATTENTION_MODES
+    dense: str = "tp"  # SPLIT_MODES
+    shared_expert: str = "tp"  # SPLIT_MODES
+    dispatch_dtype: str = "bf16"  # DISPATCH_DTYPES: rows as they travel, for placements that send rows
+    prefetch_depth: int = 1  # placements that gather weights ahead of use: layers ahead
 
     def validate(self) -> None:
-        if self.experts not in PLACEMENTS:
-            raise ConfigError(f"unknown placement {self.experts!r}; choose one of {', '.join(PLACEMENTS)}")
         if self.devices < 1:
             raise ConfigError(f"devices must be at least 1, got {self.devices}")
+        if self.ep < 0 or self.tp < 0:
+            raise ConfigError(f"layout.ep and layout.tp must not be negative, got {self.ep} and {self.tp}")
         for name, value, allowed in (
-            ("attention", self.attention, ("dp", "tp")),
-            ("dense", self.dense, ("tp", "replicated")),
-            ("shared_expert", self.shared_expert, ("tp", "replicated")),
-            ("dispatch_dtype", self.dispatch_dtype, ("bf16", "nvfp4")),
+            ("attention", self.attention, ATTENTION_MODES),
+            ("dense", self.dense, SPLIT_MODES),
+            ("shared_expert", self.shared_expert, SPLIT_MODES),
+            ("dispatch_dtype", self.dispatch_dtype, DISPATCH_DTYPES),
         ):
             if value not in allowed:
                 raise ConfigError(f"layout.{name} {value!r} is not one of {', '.join(allowed)}")
@@ -163,9 +161,16 @@ class LayoutConfig:
             raise ConfigError(f"layout.prefetch_depth must be at least 1, got {self.prefetch_depth}")
 
 
+# The expert format's earlier name for "unquantized", still read from config files and checkpoints.
+OLD_EXPERT_FORMAT_NAMES = {"bf16": "unquantized"}
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightsConfig:
-    expert_format: str = "bf16"  # bf16 | nvfp4 | mxfp4; bf16 means "as loaded" (the run dtype)
+    expert_format: str = "unquantized"  # EXPERT_FORMATS: the run dtype, or a 4-bit format
+
+    def __post_init__(self):
+        object.__setattr__(self, "expert_format", OLD_EXPERT_FORMAT_NAMES.get(self.expert_format, self.expert_format))
 
     def validate(self) -> None:
         if self.expert_format not in EXPERT_FORMATS:
@@ -295,9 +300,34 @@ def preset(name: str) -> ModelConfig:
 
 # ----------------------------------------------------------------------------- transformers import
 
+_HF_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts",
+            "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group",
+            "first_k_dense_replace", "decoder_sparse_step", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+            "qk_rope_head_dim", "v_head_dim", "index_topk", "index_head_dim", "index_n_heads",
+            "max_position_embeddings")
+_HF_NUMBERS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "initializer_range", "partial_rotary_factor")
+
+
+def _check_hf_types(hf: dict) -> None:
+    """The fields `from_hf_config` computes with, checked before it does: a wrong-typed value
+    is one error naming the field, not a TypeError deep in the arithmetic."""
+    for key in _HF_INTS:
+        if hf.get(key) is not None:
+            _coerce(hf[key], int, key)
+    for key in _HF_NUMBERS:
+        if hf.get(key) is not None:
+            _coerce(hf[key], float, key)
+
+
+def _checked_model(**fields) -> ModelConfig:
+    return replace_checked(ModelConfig(), fields, "")
+
+
 def from_hf_config(hf: dict) -> ModelConfig:
     """A `ModelConfig` from a transformers `config.json` dict (the supported families)."""
     model_type = hf.get("model_type")
+    _check_hf_types(hf)
     g = hf.get
     rope = dict(g("rope_parameters") or g("rope_scaling") or {})
     rope_theta = float(rope.pop("rope_theta", g("rope_theta", 10000.0)))
@@ -319,7 +349,7 @@ def from_hf_config(hf: dict) -> ModelConfig:
         step = g("decoder_sparse_step", 1)
         only = set(g("mlp_only_layers") or [])
         dense = tuple(i for i in range(n) if i in only or (i + 1) % step != 0)
-        return ModelConfig(
+        return _checked_model(
             family="qwen3_moe", **common, head_dim=head_dim, intermediate_size=g("intermediate_size"),
             moe_intermediate_size=g("moe_intermediate_size"), qk_norm=True,
             attention_bias=bool(g("attention_bias", False)),
@@ -327,7 +357,7 @@ def from_hf_config(hf: dict) -> ModelConfig:
             dense_layers=dense,
         )
     if model_type == "mixtral":
-        return ModelConfig(
+        return _checked_model(
             family="mixtral", **common, head_dim=head_dim, intermediate_size=g("intermediate_size"),
             moe_intermediate_size=g("intermediate_size"), num_experts=g("num_local_experts"),
             norm_topk_prob=True,
@@ -343,7 +373,7 @@ def from_hf_config(hf: dict) -> ModelConfig:
         if g("mlp_layer_types"):
             sigmoid["dense_layers"] = tuple(i for i, t in enumerate(g("mlp_layer_types")) if t == "dense")
         if model_type == "glm4_moe":
-            return ModelConfig(
+            return _checked_model(
                 family="glm4_moe", **common, **sigmoid, head_dim=head_dim,
                 attention_bias=bool(g("attention_bias", False)), qk_norm=bool(g("use_qk_norm", False)),
             )
@@ -351,7 +381,7 @@ def from_hf_config(hf: dict) -> ModelConfig:
         if model_type == "glm_moe_dsa":
             dsa = dict(index_topk=g("index_topk"), index_head_dim=g("index_head_dim"), index_n_heads=g("index_n_heads"),
                        dsa_shared_layers=tuple(i for i, t in enumerate(g("indexer_types") or []) if t == "shared"))
-        return ModelConfig(
+        return _checked_model(
             family=model_type, **common, **sigmoid, **dsa, head_dim=g("qk_rope_head_dim"),
             q_lora_rank=g("q_lora_rank") or 0, kv_lora_rank=g("kv_lora_rank"),
             qk_nope_head_dim=g("qk_nope_head_dim"), qk_rope_head_dim=g("qk_rope_head_dim"),
@@ -411,22 +441,27 @@ def replace_checked(obj: Any, updates: dict, prefix: str) -> Any:
     return dataclasses.replace(obj, **clean)
 
 
-def from_dict(data: dict, base: Config | None = None) -> Config:
-    """Builds a `Config` from the DESIGN.md shape: {preset, model, layout, weights, engine, kernel}."""
+def from_dict(data: dict, base: Config | None = None, preset_name: str | None = None) -> Config:
+    """Builds a `Config` from the DESIGN.md shape: {preset, model, layout, weights, engine, kernel}.
+
+    The model starts from `preset_name` (the CLI's --preset, which wins), else the file's own
+    `preset`, else `base`'s; the file's `model:` fields then apply on top of it."""
     if not isinstance(data, dict):
         raise ConfigError("a config file must hold a mapping at the top level")
     cfg = base or Config()
     data = dict(data)
-    if "preset" in data:
-        name = data.pop("preset")
-        if not isinstance(name, str):
-            raise ConfigError(f"'preset' must be a string, got {name!r}")
-        cfg = dataclasses.replace(cfg, model=preset(name))
+    name = data.pop("preset", None)
+    if name is not None and not isinstance(name, str):
+        raise ConfigError(f"'preset' must be a string, got {name!r}")
+    if preset_name or name:
+        cfg = dataclasses.replace(cfg, model=preset(preset_name or name))
     sections = {"model": ModelConfig, "layout": LayoutConfig, "weights": WeightsConfig, "engine": EngineConfig}
     for key, value in data.items():
         if key in sections:
             if not isinstance(value, dict):
                 raise ConfigError(f"'{key}' must be a mapping, got {value!r}")
+            if key == "layout" and "experts" in value:  # the placement key's earlier name
+                value = {("placement" if k == "experts" else k): v for k, v in value.items()}
             cfg = dataclasses.replace(cfg, **{key: replace_checked(getattr(cfg, key), value, f"{key}.")})
         elif key == "kernel":
             cfg = dataclasses.replace(cfg, kernel=_coerce(value, str, "kernel"))
@@ -435,7 +470,7 @@ def from_dict(data: dict, base: Config | None = None) -> Config:
     return cfg
 
 
-def load_file(path: str | Path, base: Config | None = None) -> Config:
+def load_file(path: str | Path, base: Config | None = None, preset_name: str | None = None) -> Config:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
@@ -445,7 +480,7 @@ def load_file(path: str | Path, base: Config | None = None) -> Config:
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         raise ConfigError(f"config file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
                           f"{str(e).splitlines()[0]}") from None
-    return from_dict(data or {}, base)
+    return from_dict(data or {}, base, preset_name)
 
 
 def to_dict(cfg: Config) -> dict:

@@ -8,10 +8,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from checkpoints.hf import load_hf, read_hf_config
+import pallas_kernels
+from checkpoints.hf import has_mtp, load_hf, read_hf_config
+from checkpoints.manifest import read_manifest
+from checkpoints.orbax_io import restore_params
 from moejax.config import Config
 from moejax.errors import UsageError
-from moejax.model.params import ParamSpec, init_params, param_specs
+from moejax.model.mtp import mtp_specs
+from moejax.model.params import ParamSpec, init_params, is_expert_stack, param_specs
 
 
 def with_hf_model(config: Config, hf_dir: str | None, checkpoint: str | None = None) -> Config:
@@ -21,15 +25,23 @@ def with_hf_model(config: Config, hf_dir: str | None, checkpoint: str | None = N
         return dataclasses.replace(config, model=read_hf_config(hf_dir))
     if checkpoint is None:
         return config
-    from checkpoints.manifest import read_manifest
-
     manifest = read_manifest(checkpoint)
     wanted = config.weights.expert_format
-    if wanted not in ("bf16", manifest.expert_format):
+    if wanted not in ("unquantized", manifest.expert_format):
         raise UsageError(f"{checkpoint} holds {manifest.expert_format} experts, not {wanted}; "
                          f"convert with --expert-format {wanted} for that")
     return dataclasses.replace(config, model=manifest.model,
                                weights=dataclasses.replace(config.weights, expert_format=manifest.expert_format))
+
+
+def placer(config: Config, placement):
+    """place(spec, host array) -> the parameter in its run format on its devices."""
+    def place(spec: ParamSpec, array):
+        if is_expert_stack(spec):
+            array = pallas_kernels.run_weights(array, config.weights.expert_format, placement.k_slices(spec),
+                                               config.kernel)
+        return placement.place(spec, array)
+    return place
 
 
 def load_params(config: Config, placement, *, hf_dir: str | None = None, checkpoint: str | None = None,
@@ -37,12 +49,28 @@ def load_params(config: Config, placement, *, hf_dir: str | None = None, checkpo
     """Parameters placed by `placement`: read from `hf_dir`, restored from `checkpoint` (each
     array straight into its sharding), or random from `seed`."""
     dtype = jnp.dtype(config.engine.dtype)
+    place = placer(config, placement)
     if hf_dir is not None:
-        return load_hf(hf_dir, config.model, dtype, placement.place)
+        return load_hf(hf_dir, config.model, dtype, place)
     if checkpoint is not None:
-        from checkpoints.orbax_io import restore_params
-
         return restore_params(checkpoint, config, placement)
     specs = jax.tree.leaves(param_specs(config.model), is_leaf=lambda x: isinstance(x, ParamSpec))
     flat, treedef = jax.tree_util.tree_flatten_with_path(init_params(config.model, jax.random.key(seed), dtype))
-    return jax.tree.unflatten(treedef, [placement.place(spec, x) for (_, x), spec in zip(flat, specs)])
+    return jax.tree.unflatten(treedef, [place(spec, x) for (_, x), spec in zip(flat, specs)])
+
+
+def load_mtp(config: Config, placement, *, hf_dir: str | None = None, checkpoint: str | None = None,
+             init: str | None = None, seed: int = 0) -> dict:
+    """The MTP module's parameters, placed: read from a transformers-layout directory that
+    carries them; random when `init == "random"` or the model itself is random (a preset)."""
+    c, dtype = config.model, jnp.dtype(config.engine.dtype)
+    place = placer(config, placement)
+    if hf_dir is not None and has_mtp(hf_dir, c):
+        return load_hf(hf_dir, c, dtype, place, mtp=True)
+    source = hf_dir or checkpoint
+    if source is not None and init != "random":
+        raise UsageError(f"--speculative mtp: {source} has no MTP weights (model.layers.{c.num_layers}.eh_proj and the "
+                         "rest of that layer; transformers drops them); pass --mtp-init random for a random draft module")
+    specs = mtp_specs(c)
+    params = init_params(c, jax.random.key(seed + 1), dtype, specs=specs)
+    return jax.tree.map(place, specs, params, is_leaf=lambda x: isinstance(x, ParamSpec))

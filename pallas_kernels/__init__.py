@@ -6,10 +6,11 @@ from pallas_kernels.formats import (
     dequantize,
     nbytes,
     quantize,
+    quantize_experts,
     quantize_rows,
     values_nbytes,
 )
-from pallas_kernels.registry import BACKENDS, grouped_gemm
+from pallas_kernels.registry import BACKENDS, grouped_gemm, run_weights, unavailable
 
 __all__ = [
     "BACKENDS",
@@ -17,8 +18,11 @@ __all__ = [
     "QuantizedArray",
     "dequantize",
     "grouped_gemm",
+    "unavailable",
     "nbytes",
     "quantize",
+    "quantize_experts",
     "quantize_rows",
+    "run_weights",
     "values_nbytes",
 ]

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import decode, formats
-from pallas_kernels.metadata import local_groups
+from pallas_kernels.metadata import local_groups, varying_zeros
 
 
 def _pick_tm(m: int, num_groups: int) -> int:
@@ -84,5 +84,5 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = Non
         return lax.fori_loop(0, (sizes[g] + tm - 1) // tm, chunk, out)
 
     # f32 out [M, N] in the loop: XLA:CPU handles a bf16 loop carry through f32 round trips.
-    out = lax.fori_loop(0, num_active, group_body, jnp.zeros((m, n), jnp.float32))
+    out = lax.fori_loop(0, num_active, group_body, varying_zeros((m, n), jnp.float32, lhs, rhs, group_sizes))
     return out.astype(out_dtype)

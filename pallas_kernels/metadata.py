@@ -25,3 +25,12 @@ def local_groups(group_sizes: jax.Array, group_offset, g_local: int, m: int):
     sizes = lax.dynamic_slice_in_dim(ends, offset, g_local) - starts
     (active,) = jnp.nonzero(sizes > 0, size=g_local, fill_value=0)
     return starts, sizes, active.astype(jnp.int32), jnp.sum(sizes > 0).astype(jnp.int32)
+
+
+def varying_zeros(shape: tuple[int, ...], dtype, *like) -> jax.Array:
+    """Zeros that vary over the manual mesh axes any of `like` varies over. Inside `shard_map`
+    (check_vma on) a loop carry must keep its type: an output accumulated from a device's own
+    rows and weights varies per device, so its zero start must be declared varying too."""
+    axes = set().union(*(jax.typeof(a).manual_axis_type.varying for a in jax.tree.leaves(like)))
+    zeros = jnp.zeros(shape, dtype)
+    return lax.pcast(zeros, tuple(sorted(axes)), to="varying") if axes else zeros

@@ -8,13 +8,14 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from moejax.vocab import KERNELS
 from pallas_kernels import formats
-from pallas_kernels.gmm_blackwell import gmm_blackwell
+from pallas_kernels.gmm_blackwell import gmm_blackwell, prepare_weights
 from pallas_kernels.gmm_pallas_gpu import gmm_pallas_gpu
 from pallas_kernels.gmm_pallas_tpu import gmm_pallas_tpu
 from pallas_kernels.gmm_xla import gmm_xla
 
-# "interpret" runs the TPU kernel on any platform (CPU tests); "interpret_gpu" the GPU one.
+# The names are moejax.vocab.KERNELS ("auto" resolves by platform, below).
 _IMPLS = {
     "xla": gmm_xla,
     "pallas_tpu": gmm_pallas_tpu,
@@ -23,8 +24,39 @@ _IMPLS = {
     "interpret": functools.partial(gmm_pallas_tpu, interpret=True),
     "interpret_gpu": functools.partial(gmm_pallas_gpu, interpret=True),
 }
-BACKENDS = ("auto", *_IMPLS)
+BACKENDS = KERNELS
+assert set(BACKENDS) == {"auto", *_IMPLS}, "moejax.vocab.KERNELS and the kernel implementations differ"
 _AUTO = {"cpu": "xla", "tpu": "pallas_tpu", "gpu": "pallas_gpu"}
+
+
+def unavailable(name: str, platform: str, expert_format: str) -> str | None:
+    """Why kernel `name` cannot run on `platform` with these experts, or None if it can."""
+    if name in ("pallas_tpu",) and platform != "tpu":
+        return f"needs a TPU; this machine's backend is {platform} (kernel interpret runs it interpreted)"
+    if name in ("pallas_gpu", "blackwell") and platform not in ("gpu", "cuda"):
+        gpu = "an NVIDIA Blackwell (sm_100) GPU" if name == "blackwell" else "an NVIDIA GPU"
+        return f"needs {gpu}; this machine's backend is {platform}"
+    if name == "blackwell":
+        if expert_format not in formats.FORMATS:
+            return f"multiplies 4-bit rows by 4-bit experts; choose expert format {' or '.join(formats.FORMATS)}"
+        if not is_blackwell():
+            return "needs an NVIDIA Blackwell (sm_100) GPU; this GPU is not one"
+    return None
+
+
+def run_weights(w, expert_format: str, k_slices: int = 1, kernel: str = "auto"):
+    """Stacked experts w: [E, K, N] as the grouped GEMM takes them: in `expert_format` (a 4-bit
+    format, quantized in `k_slices` K-slices; anything else leaves w as it is), converted once,
+    at load, for a kernel that wants its own layout."""
+    if expert_format not in formats.FORMATS:
+        return w
+    q = formats.quantize_experts(w, expert_format, k_slices)
+    return prepare_weights(q) if kernel == "blackwell" else q
+
+
+def is_blackwell() -> bool:
+    """Whether the default device is an sm_100 GPU (B200 / B300)."""
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("10.")
 
 
 def _backend_fn(name: str):

@@ -1,9 +1,6 @@
-"""Communication and weight-read accounting per placement, from the exchanges' own sizes.
-
-For one MoE layer and one forward pass (the router's picks `ids: [T, k]` of every row of the
-batch, rows laid out over devices as the placement lays them out), each function returns one
-number per device. `hlo_collective_bytes` reads the same quantity off a compiled program, so
-the two can be checked against each other.
+"""What the placements' accounting shares: the bytes of an expert as stored, and the bytes
+a compiled program's collectives send (`hlo_collective_bytes`), against which each
+placement's own `bytes_sent_per_device` is checked.
 """
 
 from __future__ import annotations
@@ -14,7 +11,6 @@ import jax
 import numpy as np
 
 import pallas_kernels
-from sharding.ragged_a2a import dispatch_plan
 
 PICK_BYTES = 8  # an int32 expert id and a float32 weight travel with each pick
 
@@ -30,75 +26,6 @@ def _is_quantized(x) -> bool:
 
 def _num(experts: dict) -> int:
     return experts["gate"].shape[0]
-
-
-def dispatch_row_bytes(placement, hidden: int, act_bytes: int) -> int:
-    """Bytes of one row as it travels: NVFP4 for ragged_a2a with dispatch_dtype nvfp4."""
-    if placement.name == "ragged_a2a" and placement.config.layout.dispatch_dtype == "nvfp4":
-        return hidden // 2 + hidden // 16 + 4  # e2m1 values, e4m3 block scales, f32 row scale
-    return hidden * act_bytes
-
-
-def _devices(placement) -> int:
-    return placement.ep * placement.tp
-
-
-def _ragged_counts(placement, ids: np.ndarray) -> np.ndarray:
-    """sent[s, d]: rows device s dispatches to device d (the exchange's own plan)."""
-    n = _devices(placement)
-    e_local = placement.num_experts // placement.ep
-    shares = np.array_split(np.asarray(ids), n)
-    return np.stack([np.asarray(dispatch_plan(s, e_local, n)[2]) for s in shares])
-
-
-def bytes_sent_per_device(placement, ids: np.ndarray, hidden: int, act_bytes: int, experts: dict | None = None):
-    """Bytes each device sends in one MoE layer: ids [T, k] of all T rows of the pass."""
-    n = _devices(placement)
-    t, k = ids.shape
-    if n == 1:
-        return np.zeros(1)
-    row = hidden * act_bytes
-    dp = placement.rows_sharded
-    share = -(-t // n)
-    gather_results = 0 if dp else (n - 1) * share * row  # TP attention: results all-gathered
-    if placement.name in ("tensor_sliced", "expert_sharded", "hybrid"):
-        if dp:  # all-gather rows (+ picks), reduce-scatter partial outputs
-            per = (n - 1) * share * (2 * row + k * PICK_BYTES)
-        else:  # every row already everywhere: one all-reduce (ring: 2 (n-1)/n of the buffer)
-            per = 2 * (n - 1) / n * t * row
-        return np.full(n, float(per))
-    if placement.name == "ragged_a2a":
-        sent = _ragged_counts(placement, ids)
-        np.fill_diagonal(sent, 0)
-        dispatch = sent.sum(1) * (dispatch_row_bytes(placement, hidden, act_bytes) + k * PICK_BYTES)
-        combine = sent.sum(0) * row  # results go back to the rows' devices
-        return (dispatch + combine + gather_results).astype(float)
-    if placement.name == "weight_prefetch":  # each device's experts go to the n - 1 others
-        local = expert_bytes(experts) * placement.num_experts / n
-        return np.full(n, (n - 1) * local + gather_results)
-    raise ValueError(placement.name)
-
-
-def copies_per_row(placement, ids: np.ndarray) -> float:
-    """Mean number of other devices a row is sent to (the article's 'copies')."""
-    n = _devices(placement)
-    if placement.name != "ragged_a2a":
-        return float(n - 1)
-    sent = _ragged_counts(placement, ids)
-    np.fill_diagonal(sent, 0)
-    return float(sent.sum() / ids.shape[0])
-
-
-def expert_bytes_read_per_device(placement, ids: np.ndarray, experts: dict) -> np.ndarray:
-    """Expert weight bytes each device reads in one layer: its share of every touched expert."""
-    n, ep, tp = _devices(placement), placement.ep, placement.tp
-    per_expert = expert_bytes(experts)
-    if placement.name == "weight_prefetch":  # each device runs all experts its own rows pick
-        return np.array([len(np.unique(s)) * per_expert for s in np.array_split(np.asarray(ids), n)])
-    touched = np.unique(ids)
-    e_local = placement.num_experts // ep
-    group = np.bincount(touched // e_local, minlength=ep)  # touched experts per ep group
-    return np.repeat(group * per_expert / tp, tp).astype(float)
 
 
 # ----------------------------------------------------------------------------- compiled HLO

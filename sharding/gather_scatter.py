@@ -1,24 +1,39 @@
-"""Every row on every device: tensor_sliced, expert_sharded and hybrid.
+"""Every row on every device: the exchange of the placements that differ only in mesh shape.
 
-The three differ only in the mesh shape ((1, N), (N, 1), (ep, tp)): each device runs the
-picks of the experts it holds (whole, or its slice of the intermediate dimension) for all
-rows, and a reduce-scatter sums the partial outputs back to the rows' own devices.
-Runs inside `shard_map` over ("ep", "tp").
+Each device runs the picks of the experts it holds (whole, or its slice of the intermediate
+dimension) for all rows, and a reduce-scatter sums the partial outputs back to the rows' own
+devices. Runs inside `shard_map` over ("ep", "tp").
 """
 
 from __future__ import annotations
 
 import jax
+import numpy as np
 
+from sharding import accounting
 from sharding.experts import moe_local
+from sharding.mesh import MeshPlacement
 from sharding.rules import ALL
 
 
-def gather_scatter(x, ids, weights, w, *, rows_sharded: bool, num_experts: int, kernel: str):
-    """x: [T_local, D] (or [T, D] when rows are replicated) -> same shape."""
-    if rows_sharded:  # DP attention: each device starts with its own rows; gather them all
-        x, ids, weights = (jax.lax.all_gather(a, ALL, tiled=True) for a in (x, ids, weights))
-    e_local = w["gate"].shape[0]
-    y = moe_local(x, ids, weights, w, num_groups=num_experts, group_offset=jax.lax.axis_index("ep") * e_local,
-                  kernel=kernel)
-    return jax.lax.psum_scatter(y, ALL, tiled=True) if rows_sharded else jax.lax.psum(y, ALL)
+class GatherScatter(MeshPlacement):
+    """All-gather the rows, run the local experts' picks, reduce-scatter the outputs."""
+
+    def exchange(self, x, ids, weights, w):
+        if self.rows_sharded:  # DP attention: each device starts with its own rows; gather them all
+            x, ids, weights = (jax.lax.all_gather(a, ALL, tiled=True) for a in (x, ids, weights))
+        e_local = w["gate"].shape[0]
+        y = moe_local(x, ids, weights, w, num_groups=self.num_experts,
+                      group_offset=jax.lax.axis_index("ep") * e_local, kernel=self.kernel)
+        return jax.lax.psum_scatter(y, ALL, tiled=True) if self.rows_sharded else jax.lax.psum(y, ALL)
+
+    def bytes_sent_per_device(self, ids, hidden, act_bytes, experts=None):
+        n, (t, k) = self.devices, ids.shape
+        if n == 1:
+            return np.zeros(1)
+        row = hidden * act_bytes
+        if self.rows_sharded:  # all-gather rows (+ picks), reduce-scatter partial outputs
+            per = (n - 1) * -(-t // n) * (2 * row + k * accounting.PICK_BYTES)
+        else:  # every row already everywhere: one all-reduce (ring: 2 (n-1)/n of the buffer)
+            per = 2 * (n - 1) / n * t * row
+        return np.full(n, float(per))

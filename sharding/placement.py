@@ -2,7 +2,9 @@
 
 The MoE block computes router picks and calls `placement.moe(x, ids, weights, experts)`;
 attention and dense code call `placement.constrain(x, logical_axes)`. The base class is the
-single-device reference every placement must agree with.
+single-device reference every placement must agree with, and the shape every placement
+class fills in: its mesh, its rules, its exchange, its bytes accounting and the simulator's
+cost hooks (`sharding/registry.py` lists the placements).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import numpy as np
 
 import pallas_kernels
 from moejax.config import Config
+from moejax.model.params import ParamSpec, is_expert_stack
+from sharding import accounting
 from sharding.experts import moe_local
 
 
@@ -22,35 +26,45 @@ class Placement:
 
     name = "single"
     ep = tp = 1
+    # Simulator cost hook: rows never leave their device, and each device runs its own rows'
+    # picks on every expert (gathered to it); otherwise a device runs every pick of the experts
+    # it holds (`moejax.analysis.simulate.device_work`).
+    rows_stay_home = False
+    # Whether the layout's ep / tp choose this placement's mesh (else the placement fixes it).
+    mesh_from_layout = False
 
     def __init__(self, config: Config):
         self.config = config
         self.kernel = config.kernel
         self.num_experts = config.model.num_experts  # including padding experts, if any
 
+    @property
+    def devices(self) -> int:
+        return self.ep * self.tp
+
+    # ------------------------------------------------------------------ where arrays live
     def sharding(self, axes: tuple, shape: tuple):
         """Where an array with these logical axes lives (None: the default device)."""
         return None
 
-    def k_slices(self, spec) -> int:
+    def k_slices(self, spec: ParamSpec) -> int:
         """K-slices a 4-bit expert stack is packed in: its reduction axis is sliced tp ways."""
-        return self.tp if spec.axes[-2] == "expert_mlp" else 1
+        return self.tp if spec.axes[-2:-1] == ("expert_mlp",) else 1
 
     def put(self, array, axes: tuple) -> jax.Array:
         """One array onto its devices (every process passes the same host array)."""
         return jax.device_put(array, self.sharding(axes, array.shape))
 
-    def place(self, spec, array) -> jax.Array:
-        """Puts one parameter on its devices: expert stacks padded to `num_experts` and,
-        with `weights.expert_format` nvfp4/mxfp4, quantized along their reduction axis."""
-        if spec.axes[:1] != ("experts",):
-            return self.put(array, spec.axes)
-        if array.shape[0] < self.num_experts:  # empty padding experts: never picked
-            array = np.pad(np.asarray(array), [(0, self.num_experts - array.shape[0])] + [(0, 0)] * (array.ndim - 1))
-        fmt = self.config.weights.expert_format
-        if fmt != "bf16":
-            array = quantize_in_slices(jax.numpy.asarray(array, jax.numpy.float32), fmt, self.k_slices(spec))
-        return jax.tree.map(lambda a: self.put(a, spec.axes), array)
+    def place(self, spec: ParamSpec, value) -> jax.Array:
+        """One parameter (an array, or a 4-bit tree of arrays) onto its devices; expert stacks
+        padded with empty experts up to `num_experts` (never picked)."""
+        def put_leaf(a):
+            if is_expert_stack(spec) and a.shape[0] < self.num_experts:
+                a = np.pad(np.asarray(a), [(0, self.num_experts - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+            # A leaf of another rank (the Blackwell kernel's scale tiling) is split on experts only.
+            axes = spec.axes if a.ndim == len(spec.axes) else spec.axes[:1] + (None,) * (a.ndim - 1)
+            return self.put(a, axes)
+        return jax.tree.map(put_leaf, value)
 
     def place_cache(self, cache: list[dict]) -> list[dict]:
         return cache
@@ -63,32 +77,31 @@ class Placement:
         """Activation sharding by logical axis names (no-op without a mesh)."""
         return x
 
+    # ------------------------------------------------------------------ the MoE exchange
     def expert_weights(self, layers: Sequence[dict]) -> Sequence[dict]:
         """The expert weights each MoE layer computes with, in layer order. A placement that
-        moves weights (weight_prefetch) returns a sequence that issues its gathers ahead."""
+        moves weights returns a sequence that issues its gathers ahead."""
         return layers
 
     def moe(self, x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict) -> jax.Array:
         """x: [T, D], ids/weights: [T, k] -> [T, D]: the routed experts' weighted sum per row."""
         return moe_local(x, ids, weights, experts, kernel=self.kernel)
 
+    # ------------------------------------------------------------------ accounting
+    # For one MoE layer and one forward pass: ids [T, k] are the picks of every row of the pass,
+    # laid out over devices as the placement lays rows out; one number per device.
+    sent_source = "collective sizes"  # where `bytes_sent_per_device` comes from (compare labels it)
 
-def quantize_in_slices(w: jax.Array, fmt: str, slices: int):
-    """Quantizes experts w: [E, K, N] along K as `slices` independent K-slices, laid end to end.
+    def bytes_sent_per_device(self, ids: np.ndarray, hidden: int, act_bytes: int, experts: dict | None = None):
+        return np.zeros(self.devices)
 
-    A packed byte holds two values of its own slice, so a device holding K-slice j of every
-    expert holds a complete 4-bit matrix (down projections under tensor slicing). Blocks
-    never straddle slices and NVFP4's tensor scale stays per expert, so the values and
-    scales are those of quantizing each whole matrix."""
-    e, k, n = w.shape
-    q = pallas_kernels.quantize(w.reshape(e, slices, k // slices, n), fmt, axis=-2, tensor_axes=(-3, -2, -1))
-    return q.replace(values=q.values.reshape(e, -1, n), scales=q.scales.reshape(e, -1, n),
-                     tensor_scale=None if q.tensor_scale is None else q.tensor_scale.reshape(e, 1, 1))
+    def copies_per_row(self, ids: np.ndarray) -> float:
+        """Mean number of other devices a row is sent to (the article's 'copies')."""
+        return float(self.devices - 1)
 
-
-def make_placement(config: Config) -> Placement:
-    if config.layout.devices == 1:
-        return Placement(config)
-    from sharding.mesh_placements import MeshPlacement
-
-    return MeshPlacement(config)
+    def expert_bytes_read_per_device(self, ids: np.ndarray, experts: dict) -> np.ndarray:
+        """Expert weight bytes each device reads in one layer: its share of every touched expert."""
+        touched = np.unique(ids)
+        e_local = self.num_experts // self.ep
+        group = np.bincount(touched // e_local, minlength=self.ep)  # touched experts per ep group
+        return np.repeat(group * accounting.expert_bytes(experts) / self.tp, self.tp).astype(float)

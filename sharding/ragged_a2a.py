@@ -11,11 +11,16 @@ block of T_local slots per source. On TPU and GPU only the used slots travel
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import pallas_kernels
+from sharding import accounting
 from sharding.experts import moe_local
+from sharding.mesh import MeshPlacement, own_share
 from sharding.rules import ALL
 
 
@@ -87,3 +92,52 @@ def ragged_a2a(x, ids, weights, w, *, num_experts: int, dispatch_dtype: str, use
     back = _exchange(y.reshape(n, t, -1), jax.lax.all_to_all(send_sizes, ALL, 0, 0, tiled=True), use_ragged)
     # Sum each row's results from the devices it went to.
     return jnp.zeros_like(x).at[row_of_slot.reshape(-1)].add(back.reshape(n * t, -1), mode="drop")
+
+
+class RaggedA2A(MeshPlacement):
+    """Whole experts, E/N per device (an N x 1 mesh); rows travel to the devices of their picks."""
+
+    name = "ragged_a2a"
+
+    def __init__(self, config, mesh=None, use_ragged: bool | None = None):
+        super().__init__(config, mesh)
+        # XLA:CPU has no ragged-all-to-all; elsewhere only the used slots travel.
+        self.use_ragged = jax.default_backend() != "cpu" if use_ragged is None else use_ragged
+        if not self.use_ragged:
+            self.sent_source = "exchange plan (this backend sends whole buffers)"
+
+    @classmethod
+    def mesh_shape(cls, layout):
+        return cls.fixed_mesh(layout, (layout.devices, 1))
+
+    def exchange(self, x, ids, weights, w):
+        inner = functools.partial(ragged_a2a, num_experts=self.num_experts,
+                                  dispatch_dtype=self.config.layout.dispatch_dtype, use_ragged=self.use_ragged,
+                                  kernel=self.kernel)
+        return inner(x, ids, weights, w) if self.rows_sharded else own_share(inner, x, ids, weights, w)
+
+    # ------------------------------------------------------------------ accounting
+    def dispatch_row_bytes(self, hidden: int, act_bytes: int) -> int:
+        """Bytes of one row as it travels."""
+        if self.config.layout.dispatch_dtype == "nvfp4":
+            return hidden // 2 + hidden // 16 + 4  # e2m1 values, e4m3 block scales, f32 row scale
+        return hidden * act_bytes
+
+    def sent_rows(self, ids: np.ndarray) -> np.ndarray:
+        """sent[s, d]: rows device s dispatches to another device d (the exchange's own plan)."""
+        n = self.devices
+        shares = np.array_split(np.asarray(ids), n)
+        sent = np.stack([np.asarray(dispatch_plan(s, self.num_experts // self.ep, n)[2]) for s in shares])
+        np.fill_diagonal(sent, 0)
+        return sent
+
+    def bytes_sent_per_device(self, ids, hidden, act_bytes, experts=None):
+        if self.devices == 1:
+            return np.zeros(1)
+        sent, k = self.sent_rows(ids), ids.shape[1]
+        dispatch = sent.sum(1) * (self.dispatch_row_bytes(hidden, act_bytes) + k * accounting.PICK_BYTES)
+        combine = sent.sum(0) * hidden * act_bytes  # results go back to the rows' devices
+        return (dispatch + combine + self.gathered_results_bytes(ids.shape[0], hidden, act_bytes)).astype(float)
+
+    def copies_per_row(self, ids):
+        return float(self.sent_rows(ids).sum() / ids.shape[0])

@@ -1,8 +1,8 @@
 """Logical-axis rules: one table per placement, mapping parameter and activation axis names
 to mesh axes, as MaxText and Flax's logical partitioning do.
 
-The mesh is always ("ep", "tp"); a placement is its shape plus its table:
-tensor_sliced is (1, N), the whole-expert placements are (N, 1), hybrid is (ep, tp).
+The mesh is always ("ep", "tp"); each placement class chooses its shape (`mesh_shape`):
+slices of every expert are (1, N), whole experts (N, 1), the mix (ep, tp).
 """
 
 from __future__ import annotations
@@ -15,18 +15,6 @@ from moejax.config import ConfigError, LayoutConfig, ModelConfig
 from pallas_kernels.formats import FORMATS
 
 ALL = ("ep", "tp")  # every device
-
-
-def mesh_shape(layout: LayoutConfig) -> tuple[int, int]:
-    n = layout.devices
-    if layout.experts == "tensor_sliced":
-        return 1, n
-    if layout.experts == "hybrid":
-        ep = layout.ep or n // layout.tp
-        if ep * layout.tp != n:
-            raise ConfigError(f"hybrid needs ep * tp = devices; got ep={ep} x tp={layout.tp} for {n} devices")
-        return ep, layout.tp
-    return n, 1
 
 
 def rules(layout: LayoutConfig) -> dict[str, str | tuple | None]:
@@ -62,7 +50,7 @@ def partition_spec(axes: tuple, shape: tuple, table: dict, mesh_sizes: dict[str,
     return P(*out)
 
 
-def check_model(c: ModelConfig, ep: int, tp: int, expert_format: str = "bf16") -> None:
+def check_model(c: ModelConfig, ep: int, tp: int, expert_format: str = "unquantized") -> None:
     """Expert slices must divide; expert counts need not (padding experts fill the last share).
     4-bit slices must also hold whole packed block pairs (2 x 16 values NVFP4, 2 x 32 MXFP4)."""
     f = c.moe_intermediate_size

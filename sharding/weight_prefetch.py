@@ -8,6 +8,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
+
+from sharding import accounting
+from sharding.experts import moe_local
+from sharding.mesh import MeshPlacement, own_share
 
 
 class PrefetchedExperts(Sequence):
@@ -29,6 +34,47 @@ class PrefetchedExperts(Sequence):
         return self.gathered.pop(i)
 
 
-def gather_experts(w: dict, axis: str) -> dict:
-    """Inside shard_map: this device's experts [E/N, ...] -> all experts [E, ...]."""
-    return jax.tree.map(lambda a: jax.lax.all_gather(a, axis, axis=0, tiled=True), w)
+def gather_experts(w: dict) -> dict:
+    """Inside shard_map: this device's experts [E/N, ...] -> all experts [E, ...], the same on
+    every device of the "ep" axis."""
+    return jax.tree.map(lambda a: jax.lax.all_gather(a, "ep", axis=0, tiled=True, to="invarying"), w)
+
+
+class WeightPrefetch(MeshPlacement):
+    """Whole experts, E/N per device at rest (an N x 1 mesh); each layer's experts gathered to
+    every device ahead of use."""
+
+    name = "weight_prefetch"
+    rows_stay_home = True
+
+    @classmethod
+    def mesh_shape(cls, layout):
+        return cls.fixed_mesh(layout, (layout.devices, 1))
+
+    def expert_weights(self, layers):
+        def gather(w):
+            return jax.shard_map(gather_experts, mesh=self.mesh, in_specs=(self.expert_specs(w),),
+                                 out_specs=self.expert_specs(w, gathered=True))(w)
+
+        return PrefetchedExperts(layers, gather, self.config.layout.prefetch_depth)
+
+    def exchange(self, x, ids, weights, w):
+        inner = lambda x, ids, weights, w: moe_local(x, ids, weights, w, num_groups=self.num_experts,
+                                                     kernel=self.kernel)
+        return inner(x, ids, weights, w) if self.rows_sharded else own_share(inner, x, ids, weights, w)
+
+    def moe(self, x, ids, weights, experts, gathered: bool = True):
+        return super().moe(x, ids, weights, experts, gathered=gathered)
+
+    # ------------------------------------------------------------------ accounting
+    def bytes_sent_per_device(self, ids, hidden, act_bytes, experts=None):
+        if self.devices == 1:
+            return np.zeros(1)
+        local = accounting.expert_bytes(experts) * self.num_experts / self.devices  # each device's experts
+        return np.full(self.devices, (self.devices - 1) * local + self.gathered_results_bytes(ids.shape[0], hidden,
+                                                                                             act_bytes))
+
+    def expert_bytes_read_per_device(self, ids, experts):
+        """Each device runs every expert its own rows pick."""
+        per_expert = accounting.expert_bytes(experts)
+        return np.array([len(np.unique(s)) * per_expert for s in np.array_split(np.asarray(ids), self.devices)])

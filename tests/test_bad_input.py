@@ -17,6 +17,7 @@ CONFIGS = {
     "wrong_type.yaml": "layout:\n  devices: two\n",
     "unknown_key.yaml": "layout:\n  experts: hybrid\n  bogus: 3\n",
     "not_yaml.yaml": "layout: [unclosed\n",
+    "wrong_type_hf/config.json": '{"model_type": "mixtral", "num_hidden_layers": 2, "num_local_experts": "six"}',
 }
 GEN = ["generate", "--preset", "tiny"]
 
@@ -28,6 +29,12 @@ BAD_INPUT = {
     "more devices than the machine has": ([*GEN, "--placement", "expert_sharded", "--devices", "64"],
                                           "this machine has 8"),
     "zero devices": ([*GEN, "--devices", "0"], "devices must be at least 1"),
+    "a mesh the placement does not take": ([*GEN, "--placement", "expert_sharded", "--tp", "2", "--devices", "8"],
+                                           "do not apply to it"),
+    "the Blackwell kernel without a Blackwell GPU": ([*GEN, "--kernel", "blackwell"], "needs an NVIDIA Blackwell (sm_100)"),
+    "the TPU kernel without a TPU": ([*GEN, "--kernel", "pallas_tpu"], "needs a TPU"),
+    "config.json field of the wrong type": (["generate", "--hf", "{configs}/wrong_type_hf"],
+                                            "num_local_experts must be an integer, got 'six'"),
     "slice width that does not divide": ([*GEN, "--placement", "tensor_sliced", "--devices", "3"],
                                          "cannot be sliced 3 ways"),
     "token id out of range": ([*GEN, "--prompt-ids", "1,99999"], "token id 99999 outside the vocabulary"),
@@ -60,6 +67,7 @@ BAD_INPUT = {
 def configs(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("configs")
     for name, text in CONFIGS.items():
+        (directory / name).parent.mkdir(exist_ok=True)
         (directory / name).write_text(text)
     return directory
 

@@ -26,15 +26,15 @@ from sharding import make_placement
 GOLDEN = Path(__file__).parent / "golden" / "deepseek_v3"
 ROOT = Path(__file__).parent.parent
 LAYOUTS = {
-    "tensor_sliced": LayoutConfig(experts="tensor_sliced", devices=8),
-    "expert_sharded": LayoutConfig(experts="expert_sharded", devices=8),
-    "hybrid": LayoutConfig(experts="hybrid", devices=8, ep=4, tp=2),
-    "ragged_a2a": LayoutConfig(experts="ragged_a2a", devices=8),
-    "weight_prefetch": LayoutConfig(experts="weight_prefetch", devices=8),
+    "tensor_sliced": LayoutConfig(placement="tensor_sliced", devices=8),
+    "expert_sharded": LayoutConfig(placement="expert_sharded", devices=8),
+    "hybrid": LayoutConfig(placement="hybrid", devices=8, ep=4, tp=2),
+    "ragged_a2a": LayoutConfig(placement="ragged_a2a", devices=8),
+    "weight_prefetch": LayoutConfig(placement="weight_prefetch", devices=8),
 }
 # 12 experts do not divide ep=8: expert_sharded, ragged_a2a and weight_prefetch pad to 16,
 # hybrid (ep=4) and tensor_sliced (ep=1) do not pad. 4-bit runs use the preset's 16.
-MODELS = {"bf16": dataclasses.replace(PRESETS["tiny"], num_experts=12), "nvfp4": PRESETS["tiny"]}
+MODELS = {"unquantized": dataclasses.replace(PRESETS["tiny"], num_experts=12), "nvfp4": PRESETS["tiny"]}
 
 
 def cli(argv: list, capsys) -> tuple[int, str, str]:
@@ -243,4 +243,4 @@ def test_damaged_transformers_directory_ends_in_one_line_and_writes_nothing(dama
 
 def test_explicit_other_expert_format_is_refused(converted, capsys):
     rc, _, err = cli(["score", "--checkpoint", converted, "--expert-format", "nvfp4"], capsys)
-    assert rc == 2 and "holds bf16 experts" in err
+    assert rc == 2 and "holds unquantized experts" in err

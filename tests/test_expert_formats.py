@@ -30,7 +30,7 @@ def generation(fmt: str, twin: bool = False):
     if twin:  # the same 4-bit values, dequantized, through the full-precision path
         params = jax.tree.map(lambda a: pallas_kernels.dequantize(a) if isinstance(a, pallas_kernels.QuantizedArray) else a,
                               engine.params, is_leaf=lambda a: isinstance(a, pallas_kernels.QuantizedArray))
-        engine = engine_for("bf16", params)
+        engine = engine_for("unquantized", params)
     return engine.generate(PROMPTS, 8, return_logits=True)
 
 
@@ -43,22 +43,22 @@ def test_4bit_model_gives_its_dequantized_twins_logits(fmt):
 
 def first_step_error(fmt: str) -> float:
     """Mean logit error of the first new token (same prompts, so comparable) against full precision."""
-    return float(np.abs(generation(fmt).logits[0] - generation("bf16").logits[0]).mean())
+    return float(np.abs(generation(fmt).logits[0] - generation("unquantized").logits[0]).mean())
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_4bit_greedy_token_stays_among_the_full_precision_best(fmt):
     """Weights at std 0.2 through two MoE layers: e2m1's 3 bits move logits by tens of
     percent, but not past the model's own top few tokens."""
-    full = generation("bf16").logits[0]
+    full = generation("unquantized").logits[0]
     assert first_step_error(fmt) < 0.5 * np.abs(full).mean()
     top5 = np.argsort(full, axis=-1)[:, -5:]
     assert all(t in top5[i] for i, t in enumerate(generation(fmt).logits[0].argmax(-1)))
 
 
 def test_4bit_experts_are_about_a_quarter_of_the_bytes():
-    bf16 = engine_for("bf16").params["layers"][1]["moe"]["experts"]
+    full = engine_for("unquantized").params["layers"][1]["moe"]["experts"]
     nvfp4 = engine_for("nvfp4").params["layers"][1]["moe"]["experts"]
-    ratio = sum(pallas_kernels.nbytes(a) for a in jax.tree.leaves(bf16)) / sum(
+    ratio = sum(pallas_kernels.nbytes(a) for a in jax.tree.leaves(full)) / sum(
         pallas_kernels.nbytes(a) for a in jax.tree.leaves(nvfp4, is_leaf=lambda a: isinstance(a, pallas_kernels.QuantizedArray)))
     assert ratio > 7  # float32 against 4.5 bits per value

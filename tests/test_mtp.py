@@ -18,9 +18,9 @@ from moejax.cli import main
 from moejax.config import Config, EngineConfig, LayoutConfig, preset
 from moejax.engine.engine import Engine
 from moejax.engine.sampling import Sampling, sampling_logits
-from moejax.engine.speculative import SpeculativeEngine, load_mtp, verify
+from moejax.engine.speculative import SpeculativeEngine, verify
 from moejax.errors import UsageError
-from moejax.loading import load_params
+from moejax.loading import load_mtp, load_params
 from moejax.model.mtp import init_mtp_cache, mirrored_draft
 from sharding import make_placement
 
@@ -58,11 +58,11 @@ def test_greedy_equals_plain_greedy(draft):
 
 
 @pytest.mark.parametrize("layout", [
-    LayoutConfig(experts="ragged_a2a", devices=8, attention="dp"),
-    LayoutConfig(experts="weight_prefetch", devices=8, attention="tp"),
-    LayoutConfig(experts="hybrid", devices=8, ep=4, tp=2, attention="dp"),
-    LayoutConfig(experts="tensor_sliced", devices=8, attention="dp"),
-    LayoutConfig(experts="expert_sharded", devices=8, attention="tp"),
+    LayoutConfig(placement="ragged_a2a", devices=8, attention="dp"),
+    LayoutConfig(placement="weight_prefetch", devices=8, attention="tp"),
+    LayoutConfig(placement="hybrid", devices=8, ep=4, tp=2, attention="dp"),
+    LayoutConfig(placement="tensor_sliced", devices=8, attention="dp"),
+    LayoutConfig(placement="expert_sharded", devices=8, attention="tp"),
 ], ids=lambda l: l.experts)
 def test_greedy_equals_plain_greedy_under_placements(layout):
     spec = _mirror(layout)
@@ -110,7 +110,7 @@ def test_sampled_generation_follows_the_target_distribution():
 
 @pytest.mark.parametrize("where,sampling", [("single", Sampling(temperature=1.0, top_p=0.9)), ("ragged_a2a", Sampling())])
 def test_jitted_step_has_no_host_transfer(where, sampling):
-    spec = _random_draft("tiny-glm5") if where == "single" else _mirror(LayoutConfig(experts="ragged_a2a", devices=8, attention="dp"))
+    spec = _random_draft("tiny-glm5") if where == "single" else _mirror(LayoutConfig(placement="ragged_a2a", devices=8, attention="dp"))
     e = spec.engine
     cache = e.new_cache(8, 64)
     mtp_cache = e.placement.place_cache([init_mtp_cache(e.c, 8, 64, e.dtype)])[0]

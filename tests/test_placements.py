@@ -15,30 +15,25 @@ from moejax.config import Config, ConfigError, LayoutConfig, WeightsConfig, pres
 from moejax.engine.engine import Engine
 from moejax.loading import load_params
 import pallas_kernels
-from sharding import accounting, make_placement
+from sharding import accounting, make_placement, names
 from sharding.experts import moe_local
-from sharding.mesh_placements import MeshPlacement
+from sharding.mesh import MeshPlacement
+from sharding.ragged_a2a import RaggedA2A
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21, 22]]
 NEW = 5
 
-LAYOUTS = {
-    "tensor_sliced": {},
-    "expert_sharded": {},
-    "hybrid_2x4": dict(experts="hybrid", ep=2, tp=4),
-    "hybrid_4x2": dict(experts="hybrid", ep=4, tp=2),
-    "ragged_a2a": {},
-    "weight_prefetch": dict(prefetch_depth=1),
-}
+# Every registered placement on its default mesh (the mix: 4 x 2), and the mix the other way round.
+LAYOUTS = {**{name: {} for name in names()}, "hybrid_2x4": dict(placement="hybrid", ep=2, tp=4)}
 
 
 def layout(name: str, **kw) -> LayoutConfig:
-    spec = {"experts": name, **LAYOUTS.get(name, {}), **kw}
+    spec = {"placement": name, **LAYOUTS.get(name, {}), **kw}
     return LayoutConfig(devices=8, **spec)
 
 
 @functools.cache
-def run(model_name: str, layout_cfg: LayoutConfig | None, fmt: str = "bf16", **model_kw):
+def run(model_name: str, layout_cfg: LayoutConfig | None, fmt: str = "unquantized", **model_kw):
     model = dataclasses.replace(preset(model_name), **model_kw) if model_kw else preset(model_name)
     config = Config(model=model, layout=layout_cfg or LayoutConfig(), weights=WeightsConfig(fmt)).validate()
     placement = make_placement(config)
@@ -58,7 +53,7 @@ def test_placement_matches_single_device(model, name, attention):
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("name", ["tensor_sliced", "expert_sharded", "hybrid_4x2", "ragged_a2a", "weight_prefetch"])
+@pytest.mark.parametrize("name", names())
 def test_4bit_experts_under_every_placement_match_single_device(name, fmt):
     """Slices of a 4-bit expert hold the same values and scales as the whole expert."""
     ref, got = run("tiny", None, fmt), run("tiny", layout(name), fmt)
@@ -137,10 +132,10 @@ def even_router(rows: int, experts: int, k: int, seed: int = 0) -> np.ndarray:
 def test_glm_shaped_even_routing_sends_4_6_copies_against_7():
     """Seed 1 section 4.3: 256 experts, top-8, 8 devices: 4.6 copies per row against 7."""
     ids = even_router(4096, 256, 8)
-    assert accounting.copies_per_row(glm_placement("ragged_a2a"), ids) == pytest.approx(4.6, abs=0.05)
-    assert accounting.copies_per_row(glm_placement("tensor_sliced"), ids) == 7.0
-    ragged = accounting.bytes_sent_per_device(glm_placement("ragged_a2a"), ids, 6144, 2).mean()
-    sliced = accounting.bytes_sent_per_device(glm_placement("tensor_sliced"), ids, 6144, 2).mean()
+    assert glm_placement("ragged_a2a").copies_per_row(ids) == pytest.approx(4.6, abs=0.05)
+    assert glm_placement("tensor_sliced").copies_per_row(ids) == 7.0
+    ragged = glm_placement("ragged_a2a").bytes_sent_per_device(ids, 6144, 2).mean()
+    sliced = glm_placement("tensor_sliced").bytes_sent_per_device(ids, 6144, 2).mean()
     # Per row: 4.6 dispatched copies (+ their picks) and 4.6 results back, against 7 + 7.
     assert ragged / sliced == pytest.approx(4.6 / 7, rel=0.02)
 
@@ -158,11 +153,11 @@ def moe_program_and_counts(name: str, **kw):
     x, ids, w = (jax.device_put(a, rows) for a in (x, ids, w))
     fn = jax.jit(lambda x, i, w_, e: placement.moe(x, i, w_, placement.expert_weights([e])[0]))
     hlo = fn.lower(x, ids, w, experts).compile().as_text()
-    sent = accounting.bytes_sent_per_device(placement, np.asarray(ids), d, 4, experts)
+    sent = placement.bytes_sent_per_device(np.asarray(ids), d, 4, experts)
     return accounting.hlo_collective_bytes(hlo), sent
 
 
-@pytest.mark.parametrize("name", ["tensor_sliced", "expert_sharded", "hybrid_4x2", "weight_prefetch"])
+@pytest.mark.parametrize("name", ["tensor_sliced", "expert_sharded", "hybrid", "weight_prefetch"])
 def test_accounting_equals_the_compiled_collectives(name):
     hlo_bytes, sent = moe_program_and_counts(name)
     assert hlo_bytes == pytest.approx(sent.mean(), rel=1e-6)
@@ -178,7 +173,7 @@ def test_ragged_accounting_is_within_the_worst_case_buffers_of_the_compiled_exch
 def test_real_ragged_all_to_all_lowers_for_tpu_and_cuda():
     """XLA:CPU lacks ragged-all-to-all; the path TPUs and GPUs take must still lower."""
     config = Config(model=preset("tiny"), layout=layout("ragged_a2a")).validate()
-    placement = MeshPlacement(config, use_ragged=True)
+    placement = RaggedA2A(config, use_ragged=True)
     experts = load_params(config, placement)["layers"][1]["moe"]["experts"]
     t, d, k = 32, config.model.hidden_size, config.model.num_experts_per_tok
     rows = placement.sharding(("batch", None), (t, d))

@@ -71,7 +71,7 @@ def devices_per_row(num_experts: int, k: int, n: int) -> float:
 
 
 def copies_sent_per_row(num_experts: int, k: int, n: int) -> float:
-    """Copies a row sends under ragged_a2a: devices_per_row minus the row's own device.
+    """Copies a row sends when rows travel to their experts: devices_per_row minus the row's own device.
 
     Under DP attention a row sits on one device independent of its picks, so its own device is
     among its experts' devices with probability devices_per_row / n, and the expected copies are
@@ -82,7 +82,7 @@ def copies_sent_per_row(num_experts: int, k: int, n: int) -> float:
 
 
 def slice_width(moe_intermediate_size: int, n: int) -> int | None:
-    """tensor_sliced: each device's share of an expert's intermediate dim; None where n does not divide it."""
+    """Sliced experts: each device's share of an expert's intermediate dim; None where n does not divide it."""
     return moe_intermediate_size // n if moe_intermediate_size % n == 0 else None
 
 

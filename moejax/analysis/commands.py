@@ -11,8 +11,9 @@ from moejax.analysis import analyze as analysis
 from moejax.analysis import calc, plots, synthetic
 from moejax.analysis.trace import load_trace, save_trace
 from moejax.commands import add_model_args, prompt_ids
-from moejax.config import EXPERT_FORMATS, ConfigError, ModelConfig, from_hf_config, preset
+from moejax.config import ConfigError, ModelConfig, from_hf_config, preset
 from moejax.errors import UsageError
+from moejax.vocab import STORAGE_FORMATS
 
 GB, MB = 1e9, 1e6
 COSTS_DIR = Path.home() / ".cache/moejax/costs"
@@ -243,7 +244,7 @@ def register(subparsers) -> None:
     p.add_argument("--devices", default="8,16,32", help="device counts, comma-separated (default 8,16,32)")
     p.add_argument("--tokens", type=int, default=64, help="rows per step (default 64: a 64-request decode step)")
     p.add_argument("--touched", type=float, help="experts a step touches, for bytes read (default: even router's)")
-    p.add_argument("--expert-format", choices=EXPERT_FORMATS, default="nvfp4",
+    p.add_argument("--expert-format", choices=STORAGE_FORMATS, default="nvfp4",
                    help="expert format for bytes read per device (default nvfp4, with scales)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_calc)
@@ -262,7 +263,7 @@ def register(subparsers) -> None:
     p.add_argument("trace", help="trace .npz written by `moejax record`")
     p.add_argument("--devices", default="8,16,32", help="device counts, comma-separated (default 8,16,32)")
     _add_model(p, "glm-5.3")
-    p.add_argument("--expert-format", choices=EXPERT_FORMATS, default="nvfp4",
+    p.add_argument("--expert-format", choices=STORAGE_FORMATS, default="nvfp4",
                    help="expert format for bytes read (default nvfp4, with scales)")
     p.add_argument("--eplb-slots", type=int, default=32, help="EPLB spare slots per layer (default 32)")
     p.add_argument("--plots", metavar="DIR", help="write PNG figures into DIR")

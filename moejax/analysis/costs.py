@@ -4,7 +4,7 @@
             expert call (`sharding.experts.moe_local`) as base + per_route * routes + per_expert *
             distinct experts, least squares over routings that move routes and experts apart.
   exchange  per placement, mesh and rows: microseconds of one MoE layer (`placement.moe`, and for
-            weight_prefetch its expert gather) minus the simulated expert phase of the same picks.
+            a placement that moves weights, its expert gather) minus the simulated expert phase of the same picks.
   non_moe   per device count and rows: microseconds of a decode step outside the MoE exchange and
             expert calls (attention, dense layers, router, shared expert, dispatch), fitted once
             from one measured step (`fit_non_moe`).
@@ -152,7 +152,7 @@ def measure_compute(config: Config, rows: int, width: int, held: int, seed: int 
     w = {}
     for name, shape in shapes.items():
         a = jnp.asarray(rng.normal(0, 0.02, shape), jnp.float32)
-        w[name] = pallas_kernels.quantize(a, fmt, axis=-2) if fmt != "bf16" else a.astype(dtype)
+        w[name] = pallas_kernels.quantize(a, fmt, axis=-2) if fmt in pallas_kernels.FORMATS else a.astype(dtype)
     x = jnp.asarray(rng.normal(size=(rows, c.hidden_size)), dtype)
     k = c.num_experts_per_tok
     fn = _repeated(lambda x, ids, wts, w: moe_local(x, ids, wts, w, num_groups=c.num_experts, kernel=config.kernel))
@@ -173,13 +173,10 @@ def layer_timer(config: Config, layout: Layout, ids: np.ndarray, seed: int = 0):
     import jax
     import jax.numpy as jnp
 
-    from moejax.compare import layout_for
     from moejax.loading import load_params
-    from sharding import make_placement
+    from sharding import make_placement, with_placement
 
-    cfg = layout_for(config, layout.name, layout.devices)
-    if layout.name == "hybrid":
-        cfg = dataclasses.replace(cfg, layout=dataclasses.replace(cfg.layout, ep=layout.ep, tp=layout.tp)).validate()
+    cfg = with_placement(config, layout.name, layout.devices, layout.ep, layout.tp)
     placement = make_placement(cfg)
     params = load_params(cfg, placement, seed=seed)
     experts = next(lp["moe"]["experts"] for lp in params["layers"] if "moe" in lp)
@@ -189,7 +186,7 @@ def layer_timer(config: Config, layout: Layout, ids: np.ndarray, seed: int = 0):
     x = put(jnp.asarray(np.random.default_rng(seed).normal(size=(rows, cfg.model.hidden_size)), dtype))
 
     def layer(x, ids, wts, w):
-        w = placement.expert_weights([w])[0]  # weight_prefetch gathers here; others pass through
+        w = placement.expert_weights([w])[0]  # a placement that moves weights gathers here
         return placement.moe(x, ids, wts, w)
     return _timer(_repeated(layer), x, put(jnp.asarray(ids)), put(jnp.full((rows, k), 1.0 / k, dtype)), experts)
 

@@ -25,12 +25,13 @@ import numpy as np
 from moejax.analysis import eplb, metrics
 from moejax.analysis.analyze import FIT_FRACTION
 from moejax.analysis.trace import Trace
-from moejax.config import PLACEMENTS
+from moejax.config import LayoutConfig
+from sharding import registry
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    name: str  # a placement (config.PLACEMENTS)
+    name: str  # a placement (`sharding.registry`)
     ep: int  # expert groups
     tp: int  # slices of each expert's intermediate dimension
 
@@ -38,11 +39,17 @@ class Layout:
     def devices(self) -> int:
         return self.ep * self.tp
 
+    @property
+    def rows_stay_home(self) -> bool:
+        """The placement's cost hook: rows stay on their device and meet every expert there."""
+        return registry.placement_class(self.name).rows_stay_home
 
-def layouts(n: int, hybrid_tp: int = 2) -> list[Layout]:
-    """Every placement on n devices; hybrid as `moejax compare` runs it by default (n/2 x 2)."""
-    shapes = {"tensor_sliced": (1, n), "hybrid": (max(1, n // hybrid_tp), min(hybrid_tp, n))}
-    return [Layout(name, *shapes.get(name, (n, 1))) for name in PLACEMENTS]
+
+def layouts(n: int) -> list[Layout]:
+    """Every registered placement on n devices, each on the mesh it takes by default (as
+    `moejax compare` runs it)."""
+    return [Layout(name, *cls.mesh_shape(LayoutConfig(placement=name, devices=n)))
+            for name, cls in registry.REGISTRY.items()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +68,7 @@ def padded_rows(trace: Trace, n: int) -> np.ndarray:
 
 
 def own_row_counts(trace: Trace, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(routes, experts) int[S, L, n] of each device's own rows (weight_prefetch: rows stay home)."""
+    """(routes, experts) int[S, L, n] of each device's own rows (placements whose rows stay home)."""
     s, l = trace.ids.shape[:2]
     routes, experts = np.zeros((s, l, n), np.int64), np.zeros((s, l, n), np.int64)
     for step in range(s):
@@ -78,11 +85,11 @@ def device_work(trace: Trace, layout: Layout, phy2log: np.ndarray, intermediate:
     """Each device's work under `layout` with experts ordered by phy2log int[L, P] (P slots over ep groups)."""
     n = layout.devices
     rows = padded_rows(trace, n)
-    if layout.name == "weight_prefetch":  # every expert gathered, own rows only
+    if layout.rows_stay_home:  # every expert gathered, own rows only
         routes, experts = own_row_counts(trace, n)
         return Work(rows // n, intermediate, trace.num_experts, routes, experts)
     # Every device of an ep group holds the group's experts, a 1/tp slice of each, and runs all
-    # picks of them (ragged_a2a: the rows it received, in a buffer of the whole batch's size).
+    # picks of them (rows that travel: those it received, in a buffer of the whole batch's size).
     counts = metrics.placement_counts(trace, phy2log, layout.ep)
     spread = lambda a: np.repeat(a, layout.tp, axis=-1)  # [S, L, ep] -> [S, L, N], ep-major as the mesh
     return Work(rows, intermediate // layout.tp, phy2log.shape[1] // layout.ep, spread(counts.device_picks),
@@ -135,7 +142,7 @@ def advise(trace: Trace, n: int, costs) -> dict:
         order = eplb.contiguous(num_layers, e)
         entry = {"placement": layout.name, "ep": layout.ep, "tp": layout.tp,
                  "contiguous": simulate(decode, layout, order, costs)}
-        if test.num_steps and layout.ep > 1 and layout.name != "weight_prefetch":
+        if test.num_steps and layout.ep > 1 and not layout.rows_stay_home:
             fitted, _, _ = eplb.rebalance_experts(weight, e, 1, 1, layout.ep)
             entry["contiguous_test"] = simulate(test, layout, order, costs)
             entry["eplb_test"] = simulate(test, layout, fitted, costs)

@@ -26,8 +26,7 @@ import numpy as np
 from moejax.engine.engine import Engine, bucket
 from moejax.engine.sampling import Sampling, sample, sampling_logits
 from moejax.errors import UsageError
-from moejax.model.mtp import init_mtp_cache, mtp_forward, mtp_specs
-from moejax.model.params import ParamSpec, init_params
+from moejax.model.mtp import init_mtp_cache, mtp_forward
 from moejax.model.transformer import forward, lm_head
 
 
@@ -187,21 +186,3 @@ class SpeculativeEngine:
             acceptance_rate=drafts_accepted / max(1, active_steps), steps=len(emitted),
             prefill_ms=prefill_ms, step_ms=decode_ms / max(1, len(emitted)),
         )
-
-
-def load_mtp(config, placement, *, hf_dir: str | None = None, checkpoint: str | None = None, init: str | None = None,
-             seed: int = 0) -> dict:
-    """The MTP module's parameters, placed: read from a transformers-layout directory that
-    carries them; random when `init == "random"` or the model itself is random (a preset)."""
-    from checkpoints.hf import has_mtp, load_hf
-
-    c, dtype = config.model, jnp.dtype(config.engine.dtype)
-    if hf_dir is not None and has_mtp(hf_dir, c):
-        return load_hf(hf_dir, c, dtype, placement.place, mtp=True)
-    source = hf_dir or checkpoint
-    if source is not None and init != "random":
-        raise UsageError(f"--speculative mtp: {source} has no MTP weights (model.layers.{c.num_layers}.eh_proj and the "
-                         "rest of that layer; transformers drops them); pass --mtp-init random for a random draft module")
-    specs = mtp_specs(c)
-    params = init_params(c, jax.random.key(seed + 1), dtype, specs=specs)
-    return jax.tree.map(placement.place, specs, params, is_leaf=lambda x: isinstance(x, ParamSpec))

@@ -52,7 +52,7 @@ def _softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
     return jax.nn.softmax(scores, axis=-1)
 
 
-def gqa(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: ModelConfig, rt):
+def gqa(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: ModelConfig, placement):
     q = jnp.einsum("btd,dhk->bthk", x, p["q"])
     k = jnp.einsum("btd,dhk->bthk", x, p["k"])
     v = jnp.einsum("btd,dhk->bthk", x, p["v"])
@@ -63,8 +63,8 @@ def gqa(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: Mo
     cos, sin = cos_sin
     q, k = apply_rope(q, cos, sin, c.rope_interleave), apply_rope(k, cos, sin, c.rope_interleave)
     cache = {"k": _write(cache["k"], k, positions, seq_axis=2), "v": _write(cache["v"], v, positions, seq_axis=2)}
-    keys = rt.constrain(cache["k"], KV_AXES)  # [B, H_kv, S, Dh]
-    values = rt.constrain(cache["v"], KV_AXES)
+    keys = placement.constrain(cache["k"], KV_AXES)  # [B, H_kv, S, Dh]
+    values = placement.constrain(cache["v"], KV_AXES)
     b, t, h, dh = q.shape
     groups = h // c.num_kv_heads
     q = q.reshape(b, t, c.num_kv_heads, groups, dh)
@@ -74,7 +74,7 @@ def gqa(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: Mo
     return jnp.einsum("bthk,hkd->btd", out, p["o"]), cache
 
 
-def mla(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: ModelConfig, rt, selected=None):
+def mla(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: ModelConfig, placement, selected=None):
     """DeepSeek's MLA with the key/value up-projections absorbed into the query and output.
 
     DSA (GLM-5): a layer with an indexer selects the key positions each query sees; a layer
@@ -93,12 +93,12 @@ def mla(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: Mo
     q_rope = apply_rope(q_rope, cos, sin, c.rope_interleave)
     k_rope = apply_rope(k_rope, cos, sin, c.rope_interleave)[:, :, 0]
     cache = {**cache, "latent": _write(cache["latent"], latent, positions), "k_rope": _write(cache["k_rope"], k_rope, positions)}
-    lat = rt.constrain(cache["latent"], ("batch", "cache_seq", None))
-    kr = rt.constrain(cache["k_rope"], ("batch", "cache_seq", None))
+    lat = placement.constrain(cache["latent"], ("batch", "cache_seq", None))
+    kr = placement.constrain(cache["k_rope"], ("batch", "cache_seq", None))
     visible = _causal_mask(positions, lat.shape[1])  # [B, T, S]
     if "indexer" in p:
         cache["index_k"] = _write(cache["index_k"], dsa.index_keys(p["indexer"], x, cos_sin), positions)
-        keys = rt.constrain(cache["index_k"], ("batch", "cache_seq", None))
+        keys = placement.constrain(cache["index_k"], ("batch", "cache_seq", None))
         selected = dsa.select(p["indexer"], x, q_lat, cos_sin, keys, visible, c)
     if selected is not None:
         visible = visible & selected
@@ -110,8 +110,8 @@ def mla(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: Mo
     return jnp.einsum("bthv,hvd->btd", out, p["o"]), cache, selected
 
 
-def attention(p, x, positions, cos_sin, cache, c: ModelConfig, rt, selected=None):
+def attention(p, x, positions, cos_sin, cache, c: ModelConfig, placement, selected=None):
     """-> (out [B, T, D], cache, selected: the DSA selection a following layer may reuse, else None)."""
     if c.is_mla:
-        return mla(p, x, positions, cos_sin, cache, c, rt, selected)
-    return (*gqa(p, x, positions, cos_sin, cache, c, rt), None)
+        return mla(p, x, positions, cos_sin, cache, c, placement, selected)
+    return (*gqa(p, x, positions, cos_sin, cache, c, placement), None)

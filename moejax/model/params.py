@@ -30,6 +30,12 @@ def _is_spec(x) -> bool:
     return isinstance(x, ParamSpec)
 
 
+def is_expert_stack(spec: ParamSpec) -> bool:
+    """Stacked routed experts [E, ...]: the parameters placements split by expert and that
+    `weights.expert_format` may store in 4 bits."""
+    return spec.axes[:1] == ("experts",)
+
+
 def _mlp_specs(d: int, f: int, axis: str) -> dict:
     return {
         "gate": ParamSpec((d, f), ("embed", axis)),

@@ -1,0 +1,24 @@
+"""The closed vocabularies of a run, one tuple each.
+
+Config validation, the CLI's `choices=` and the registries that implement the names (the
+kernel registry in `pallas_kernels.registry`) all read these tuples; `tests/test_vocab.py`
+checks that they agree. Placement names are not here: the placement registry
+(`sharding.registry`) is their only list, since each name belongs to the class behind it.
+
+This module imports nothing, so the CLI can build its parser without loading jax.
+"""
+
+FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "glm_moe_dsa")
+DTYPES = ("float32", "bfloat16")
+# "unquantized": the experts stay in the run dtype (engine.dtype); the others are 4-bit formats.
+EXPERT_FORMATS = ("unquantized", "nvfp4", "mxfp4")
+QUANTIZED_FORMATS = EXPERT_FORMATS[1:]
+# What `calc` and `analyze` count a full-size model's expert bytes in (no run dtype there).
+STORAGE_FORMATS = ("bf16", *QUANTIZED_FORMATS)
+# Grouped-GEMM backends: "auto" picks by platform; "interpret" runs the TPU kernel in Pallas'
+# interpreter on any platform, "interpret_gpu" the GPU one; "blackwell" needs an sm_100 GPU and
+# 4-bit experts.
+KERNELS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "blackwell", "interpret", "interpret_gpu")
+ATTENTION_MODES = ("dp", "tp")  # data-parallel (requests split over devices) | tensor-parallel (heads)
+SPLIT_MODES = ("tp", "replicated")  # dense layers and the shared expert: sliced or copied
+DISPATCH_DTYPES = ("bf16", "nvfp4")  # how rows travel, where a placement sends rows to their experts

@@ -1,0 +1,123 @@
+"""What every placement on a device mesh shares: the ("ep", "tp") mesh, the logical-axis
+rules of `rules.py` for parameters, cache and activations, and running its exchange under
+`shard_map`. A placement class adds its mesh shape and its exchange (`exchange`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from moejax.config import Config, ConfigError, LayoutConfig
+from moejax.model.attention import cache_specs
+from sharding import rules
+from sharding.placement import Placement
+
+EXPERT_AXES = {"gate": ("experts", "embed", "expert_mlp"), "up": ("experts", "embed", "expert_mlp"),
+               "down": ("experts", "expert_mlp", "embed")}
+
+
+def make_mesh(shape: tuple[int, int]) -> Mesh:
+    n = shape[0] * shape[1]
+    devices = jax.devices()
+    if len(devices) < n:
+        raise ConfigError(f"the layout needs {n} devices, this machine has {len(devices)}")
+    # Auto axes: the placements state shardings as constraints and in shard_map specs and let
+    # GSPMD propagate the rest (Explicit axes would put shardings in every array's type).
+    return jax.make_mesh(shape, rules.ALL, axis_types=(AxisType.Auto,) * 2, devices=devices[:n])
+
+
+class MeshPlacement(Placement):
+    """A placement over an ("ep", "tp") mesh; subclasses give `mesh_shape` and `exchange`."""
+
+    def __init__(self, config: Config, mesh: Mesh | None = None):
+        super().__init__(config)
+        layout = config.layout
+        self.ep, self.tp = self.mesh_shape(layout)
+        rules.check_model(config.model, self.ep, self.tp, config.weights.expert_format)
+        self.mesh = mesh or make_mesh((self.ep, self.tp))
+        self.table = rules.rules(layout)
+        self.sizes = dict(self.mesh.shape)
+        self.num_experts = rules.padded_experts(config.model.num_experts, self.ep)
+        self.rows_sharded = layout.attention == "dp"
+
+    @classmethod
+    def mesh_shape(cls, layout: LayoutConfig) -> tuple[int, int]:
+        """(ep, tp) of this placement on `layout.devices` devices."""
+        raise NotImplementedError(f"{cls.__name__} must define its mesh shape")
+
+    @classmethod
+    def fixed_mesh(cls, layout: LayoutConfig, shape: tuple[int, int]) -> tuple[int, int]:
+        """`shape`, after checking that the layout does not ask for another one."""
+        asked = (layout.ep or shape[0], layout.tp or shape[1])
+        if asked != shape:
+            raise ConfigError(f"{cls.name} runs on a {shape[0]} x {shape[1]} (ep x tp) mesh of {layout.devices} "
+                              f"devices; ep={layout.ep} tp={layout.tp} do not apply to it")
+        return shape
+
+    # ------------------------------------------------------------------ shardings
+    def spec(self, axes: tuple, shape: tuple) -> P:
+        return rules.partition_spec(axes, shape, self.table, self.sizes)
+
+    def sharding(self, axes: tuple, shape: tuple) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(axes, shape))
+
+    def put(self, array, axes):
+        """Each device takes its own block of the host array: works when the mesh spans
+        several processes (multi-host), where device_put of a whole array cannot."""
+        host = np.asarray(array)
+        return jax.make_array_from_callback(host.shape, self.sharding(axes, host.shape), lambda index: host[index])
+
+    def place_cache(self, cache):
+        axes = {k: a for k, (_, a) in cache_specs(self.config.model, 1, 1).items()}
+        return [{k: self.put(v, axes[k]) for k, v in layer.items()} for layer in cache]
+
+    def constrain(self, x, axes):
+        return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape))
+
+    def batch_multiple(self) -> int:
+        return self.devices if self.rows_sharded else 1
+
+    # ------------------------------------------------------------------ the MoE exchange
+    def expert_specs(self, w: dict, gathered: bool = False) -> dict:
+        """Per-leaf PartitionSpecs of one layer's experts (4-bit leaves keep their rank);
+        `gathered`: every device holds every expert."""
+        def leaf_specs(name, tree):
+            axes = EXPERT_AXES[name] if not gathered else (None,) + EXPERT_AXES[name][1:]
+            return jax.tree.map(lambda a: self.spec(axes if a.ndim == 3 else axes[:1] + (None,) * (a.ndim - 1),
+                                                    a.shape), tree)
+        return {name: leaf_specs(name, tree) for name, tree in w.items()}
+
+    def row_spec(self, ndim: int) -> P:
+        return P(rules.ALL if self.rows_sharded else None, *([None] * (ndim - 1)))
+
+    def exchange(self, x, ids, weights, w):
+        """Inside shard_map, per device: its rows x: [T_local, D] (all T rows when rows are
+        replicated), ids/weights: [T_local, k], its experts w -> [T_local, D]."""
+        raise NotImplementedError(f"{type(self).__name__} must define its exchange")
+
+    def moe(self, x, ids, weights, experts, gathered: bool = False):
+        row = self.row_spec(2)
+        return jax.shard_map(
+            self.exchange, mesh=self.mesh, in_specs=(row, row, row, self.expert_specs(experts, gathered)),
+            out_specs=row,
+        )(x, ids, weights, experts)
+
+    # ------------------------------------------------------------------ accounting
+    def gathered_results_bytes(self, t: int, hidden: int, act_bytes: int) -> float:
+        """Bytes a device sends to hand its share's results to every device when rows are
+        replicated (TP attention) but the exchange runs on each device's own share."""
+        return 0.0 if self.rows_sharded else (self.devices - 1) * -(-t // self.devices) * hidden * act_bytes
+
+
+def own_share(inner, x, ids, weights, w):
+    """Rows replicated (TP attention): each device runs `inner` on its 1/N share, then all-gather."""
+    n, me = jax.lax.axis_size(rules.ALL), jax.lax.axis_index(rules.ALL)
+    t = x.shape[0]
+    share = -(-t // n)
+    pad = lambda a, v: jnp.pad(a, [(0, share * n - t)] + [(0, 0)] * (a.ndim - 1), constant_values=v)
+    take = lambda a: jax.lax.dynamic_slice_in_dim(a, me * share, share)
+    y = inner(take(pad(x, 0)), take(pad(ids, 0)), take(pad(weights, 0.0)), w)
+    return jax.lax.all_gather(y, rules.ALL, tiled=True, to="invarying")[:t]

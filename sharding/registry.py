@@ -1,0 +1,68 @@
+"""The placements, by name: the only list of them. A new placement is a module with its
+class plus one line here; the CLI's choices, `compare`, the simulator and the tests read it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+import pallas_kernels
+from moejax.config import Config, ConfigError
+from sharding.expert_sharded import ExpertSharded
+from sharding.hybrid import Hybrid
+from sharding.mesh import MeshPlacement
+from sharding.placement import Placement
+from sharding.ragged_a2a import RaggedA2A
+from sharding.tensor_sliced import TensorSliced
+from sharding.weight_prefetch import WeightPrefetch
+
+REGISTRY: dict[str, type[MeshPlacement]] = {
+    cls.name: cls for cls in (TensorSliced, ExpertSharded, Hybrid, RaggedA2A, WeightPrefetch)
+}
+DEFAULT = ExpertSharded.name  # layout.placement "" (a config that names none)
+
+
+def register(cls: type[MeshPlacement]) -> type[MeshPlacement]:
+    """Adds a placement class under its `name` (a plug-in's own placement; tests use it)."""
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def names() -> tuple[str, ...]:
+    return tuple(REGISTRY)
+
+
+def placement_class(name: str) -> type[MeshPlacement]:
+    cls = REGISTRY.get(name or DEFAULT)
+    if cls is None:
+        raise ConfigError(f"unknown placement {name!r}; choose one of {', '.join(REGISTRY)}")
+    return cls
+
+
+def with_placement(config: Config, name: str, devices: int, ep: int = 0, tp: int = 0) -> Config:
+    """`config` run under placement `name` on `devices` devices. ep / tp (else the layout's)
+    apply only to a placement whose mesh the layout chooses; the others take their own."""
+    cls = placement_class(name)
+    if not cls.mesh_from_layout:
+        ep = tp = 0
+    else:
+        ep, tp = ep or config.layout.ep, tp or config.layout.tp
+    layout = dataclasses.replace(config.layout, placement=cls.name, devices=devices, ep=ep, tp=tp)
+    return dataclasses.replace(config, layout=layout).validate()
+
+
+def check_kernel(config: Config) -> None:
+    """The kernel can run here with these experts; one clear line otherwise."""
+    reason = pallas_kernels.unavailable(config.kernel, jax.default_backend(), config.weights.expert_format)
+    if reason:
+        raise ConfigError(f"kernel {config.kernel}: {reason}")
+
+
+def make_placement(config: Config) -> Placement:
+    """The placement of `config.layout` (the single-device reference on one device)."""
+    cls = placement_class(config.layout.placement)
+    check_kernel(config)
+    if config.layout.devices == 1:
+        return Placement(config)
+    return cls(config)

@@ -1,0 +1,91 @@
+"""One list per vocabulary: the CLI's choices, config validation and the registries that
+implement the names read the same tuple; each placement name lives in one module."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moejax import vocab
+from moejax.cli import build_parser
+from moejax.commands import config_from_args
+from moejax.config import Config, ConfigError, EngineConfig, LayoutConfig, WeightsConfig, load_file
+from pallas_kernels import BACKENDS, run_weights
+from pallas_kernels.gmm_blackwell import BlackwellWeights
+from sharding import names
+
+ROOT = Path(__file__).parent.parent
+SOURCES = [p for d in ("moejax", "sharding", "pallas_kernels", "checkpoints") for p in (ROOT / d).rglob("*.py")]
+
+
+def choices(verb: str, flag: str) -> tuple:
+    sub = next(a for a in build_parser()._actions if a.dest == "verb").choices[verb]
+    return tuple(next(a for a in sub._actions if flag in a.option_strings).choices)
+
+
+@pytest.mark.parametrize("flag,expected", [
+    ("--placement", names()), ("--kernel", vocab.KERNELS), ("--expert-format", vocab.EXPERT_FORMATS),
+    ("--dtype", vocab.DTYPES), ("--attention", vocab.ATTENTION_MODES), ("--dispatch-dtype", vocab.DISPATCH_DTYPES),
+])
+def test_cli_choices_are_the_vocabulary(flag, expected):
+    assert choices("generate", flag) == tuple(expected)
+
+
+def test_kernel_registry_implements_every_kernel_name():
+    assert BACKENDS == vocab.KERNELS
+
+
+@pytest.mark.parametrize("section,key,values", [
+    ("engine", "dtype", vocab.DTYPES), ("weights", "expert_format", vocab.EXPERT_FORMATS),
+    ("layout", "attention", vocab.ATTENTION_MODES), ("layout", "dense", vocab.SPLIT_MODES),
+    ("layout", "shared_expert", vocab.SPLIT_MODES), ("layout", "dispatch_dtype", vocab.DISPATCH_DTYPES),
+])
+def test_config_accepts_each_word_of_its_vocabulary_and_nothing_else(section, key, values):
+    make = {"engine": lambda v: Config(engine=EngineConfig(**{key: v})),
+            "weights": lambda v: Config(weights=WeightsConfig(**{key: v})),
+            "layout": lambda v: Config(layout=LayoutConfig(**{key: v}))}[section]
+    for value in values:
+        make(value).validate()
+    with pytest.raises(ConfigError, match=key):
+        make("nope").validate()
+
+
+def test_kernel_config_accepts_every_kernel_name():
+    for name in vocab.KERNELS:
+        Config(kernel=name).validate()
+    with pytest.raises(ConfigError, match="kernel 'nope'"):
+        Config(kernel="nope").validate()
+
+
+@pytest.mark.parametrize("name", names())
+def test_each_placement_name_string_is_in_exactly_one_module(name):
+    holders = [p for p in SOURCES if re.search(rf"[\"']{name}[\"']", p.read_text())]
+    assert len(holders) == 1, holders
+
+
+def test_config_file_model_fields_apply_on_top_of_the_preset(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  num_layers: 2\nlayout:\n  placement: ragged_a2a\n")
+    args = build_parser().parse_args(["generate", "--preset", "tiny-qwen3-moe", "--config", str(path)])
+    config = config_from_args(args)
+    assert (config.model.family, config.model.num_layers) == ("qwen3_moe", 2)
+    assert config.layout.placement == "ragged_a2a"
+
+
+def test_config_files_in_the_earlier_words_still_read(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("layout:\n  experts: hybrid\nweights:\n  expert_format: bf16\n")
+    config = load_file(path)
+    assert (config.layout.placement, config.weights.expert_format) == ("hybrid", "unquantized")
+
+
+def test_blackwell_weights_are_prepared_once_at_load():
+    """The kernel's K-major layout and scale tiling are made from the 4-bit experts when
+    they are loaded, so no call converts them."""
+    w = np.random.default_rng(0).normal(size=(2, 256, 128)).astype(np.float32)
+    prepared = run_weights(w, "nvfp4", kernel="blackwell")
+    assert isinstance(prepared, BlackwellWeights) and prepared.shape == w.shape
+    assert not isinstance(run_weights(w, "nvfp4"), BlackwellWeights)
