@@ -63,7 +63,7 @@ def test_greedy_equals_plain_greedy(draft):
     LayoutConfig(placement="hybrid", devices=8, ep=4, tp=2, attention="dp"),
     LayoutConfig(placement="tensor_sliced", devices=8, attention="dp"),
     LayoutConfig(placement="expert_sharded", devices=8, attention="tp"),
-], ids=lambda l: l.experts)
+], ids=lambda l: l.placement)
 def test_greedy_equals_plain_greedy_under_placements(layout):
     spec = _mirror(layout)
     gen = spec.generate(PROMPTS, 16)
