@@ -321,7 +321,9 @@ def _check_hf_types(hf: dict) -> None:
 
 
 def _checked_model(**fields) -> ModelConfig:
-    return replace_checked(ModelConfig(), fields, "")
+    """A ModelConfig from transformers' values, each checked against its field's type; a field
+    transformers leaves null (one the family does not use) keeps its default."""
+    return replace_checked(ModelConfig(), {k: v for k, v in fields.items() if v is not None}, "")
 
 
 def from_hf_config(hf: dict) -> ModelConfig:
