@@ -24,7 +24,7 @@ from checkpoints.safetensors_io import SafetensorsDir
 from moejax.config import ConfigError, ModelConfig, from_hf_config
 from moejax.errors import UsageError
 from moejax.model.mtp import mtp_specs
-from moejax.model.params import ParamSpec, param_specs
+from moejax.model.params import ParamSpec, Run, layer_runs, param_specs
 
 
 def read_hf_config(directory: str | Path) -> ModelConfig:
@@ -130,6 +130,13 @@ def _layer(st: SafetensorsDir, i: int, c: ModelConfig) -> dict:
     return layer
 
 
+def _run(st: SafetensorsDir, run: Run, c: ModelConfig) -> dict:
+    """The same tree as a run's stacked specs: each leaf reads that parameter of every layer of
+    the run and stacks them."""
+    per_layer = [_layer(st, i, c) for i in run.layers]
+    return jax.tree.map(lambda *reads: lambda: np.stack([read() for read in reads]), *per_layer)
+
+
 def _mtp_sources(st: SafetensorsDir, c: ModelConfig) -> dict:
     """The same tree as `mtp_specs(c)`: the layer after the last decoder layer."""
     pre = f"model.layers.{c.num_layers}."
@@ -146,7 +153,7 @@ def _sources(st: SafetensorsDir, c: ModelConfig) -> dict:
     """The same tree as `param_specs`, each leaf a thunk that reads that parameter."""
     return {
         "embed": lambda: st.get("model.embed_tokens.weight"),
-        "layers": [_layer(st, i, c) for i in range(c.num_layers)],
+        "layers": [_run(st, run, c) for run in layer_runs(c)],
         "final_norm": lambda: st.get("model.norm.weight"),
         "lm_head": lambda: _linear(st, "lm_head"),
     }

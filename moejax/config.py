@@ -157,8 +157,8 @@ class LayoutConfig:
         ):
             if value not in allowed:
                 raise ConfigError(f"layout.{name} {value!r} is not one of {', '.join(allowed)}")
-        if self.prefetch_depth < 1:
-            raise ConfigError(f"layout.prefetch_depth must be at least 1, got {self.prefetch_depth}")
+        if self.prefetch_depth < 0:
+            raise ConfigError(f"layout.prefetch_depth must be 0 (gather at use) or more, got {self.prefetch_depth}")
 
 
 # The expert format's earlier name for "unquantized", still read from config files and checkpoints.
@@ -321,7 +321,9 @@ def _check_hf_types(hf: dict) -> None:
 
 
 def _checked_model(**fields) -> ModelConfig:
-    return replace_checked(ModelConfig(), fields, "")
+    """A ModelConfig from transformers' values, each checked against its field's type; a field
+    transformers leaves null (one the family does not use) keeps its default."""
+    return replace_checked(ModelConfig(), {k: v for k, v in fields.items() if v is not None}, "")
 
 
 def from_hf_config(hf: dict) -> ModelConfig:

@@ -51,7 +51,12 @@ def run_weights(w, expert_format: str, k_slices: int = 1, kernel: str = "auto"):
     if expert_format not in formats.FORMATS:
         return w
     q = formats.quantize_experts(w, expert_format, k_slices)
-    return prepare_weights(q) if kernel == "blackwell" else q
+    if kernel != "blackwell":
+        return q
+    prepare = prepare_weights
+    for _ in range(q.ndim - 3):  # a run's stacked layers
+        prepare = jax.vmap(prepare)
+    return prepare(q)
 
 
 def is_blackwell() -> bool:

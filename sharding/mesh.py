@@ -71,8 +71,10 @@ class MeshPlacement(Placement):
         return jax.make_array_from_callback(host.shape, self.sharding(axes, host.shape), lambda index: host[index])
 
     def place_cache(self, cache):
+        """Cache dicts (a run's, with a leading layers axis, or one layer's) onto the devices."""
         axes = {k: a for k, (_, a) in cache_specs(self.config.model, 1, 1).items()}
-        return [{k: self.put(v, axes[k]) for k, v in layer.items()} for layer in cache]
+        return [{k: self.put(v, ("layers",) * (v.ndim - len(axes[k])) + axes[k]) for k, v in layer.items()}
+                for layer in cache]
 
     def constrain(self, x, axes):
         return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape))

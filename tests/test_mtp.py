@@ -21,6 +21,7 @@ from moejax.engine.sampling import Sampling, sampling_logits
 from moejax.engine.speculative import SpeculativeEngine, verify
 from moejax.errors import UsageError
 from moejax.loading import load_mtp, load_params
+from moejax.model.transformer import layer_params
 from moejax.model.mtp import init_mtp_cache, mirrored_draft
 from sharding import make_placement
 
@@ -167,7 +168,7 @@ def test_mtp_weights_load_from_the_layer_after_the_last(glm5_dirs):
     mtp = load_mtp(config, placement, hf_dir=str(with_mtp))
     np.testing.assert_array_equal(mtp["eh_proj"], extra[f"model.layers.{n}.eh_proj.weight"].T)
     np.testing.assert_array_equal(mtp["norm"], extra[f"model.layers.{n}.shared_head.norm.weight"])
-    layer1 = load_params(config, placement, hf_dir=str(with_mtp))["layers"][1]
+    layer1 = layer_params(load_params(config, placement, hf_dir=str(with_mtp)), 1, config.model)
     jax.tree.map(np.testing.assert_array_equal, mtp["layer"], layer1)
 
 
