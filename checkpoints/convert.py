@@ -10,11 +10,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from checkpoints.hf import expert_format as native_format
 from checkpoints.hf import iter_hf_tensors, read_hf_config
+from checkpoints.placing import place_tensor
 from checkpoints.manifest import Manifest
 from checkpoints.orbax_io import named_specs, param_key, to_stored, write
 from moejax.config import Config, EngineConfig, WeightsConfig
-from moejax.model.params import param_dtype
 
 
 class Progress:
@@ -40,6 +41,7 @@ def convert(hf_dir: str | Path, out: str | Path, *, expert_format: str = "bf16",
     from sharding.placement import Placement
 
     model = read_hf_config(hf_dir)
+    expert_format = native_format(hf_dir, expert_format)
     config = Config(model=model, weights=WeightsConfig(expert_format), engine=EngineConfig(dtype=dtype)).validate()
     placement = Placement(config)
     manifest = Manifest(model, dtype, expert_format)
@@ -48,7 +50,7 @@ def convert(hf_dir: str | Path, out: str | Path, *, expert_format: str = "bf16",
     def stream():
         for path, spec, array in iter_hf_tensors(hf_dir, model):
             key = param_key(path)
-            yield key, to_stored(spec, placement.place(spec, array.astype(param_dtype(spec, dtype))), placement)
+            yield key, to_stored(spec, place_tensor(placement, spec, array, dtype), placement)
             bar.step(key)
 
     return write(out, manifest, stream())

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from checkpoints.quantization import Tensors, read_scheme
 from checkpoints.safetensors_io import SafetensorsDir
 from moejax.config import ConfigError, ModelConfig, from_hf_config
 from moejax.errors import UsageError
@@ -39,15 +40,29 @@ def read_hf_config(directory: str | Path) -> ModelConfig:
     except ConfigError as e:
         raise UsageError(f"{path}: {e}") from None
     cfg.validate()
+    read_scheme(directory)  # a quantization this runtime does not read ends here, in one line
     return cfg
 
 
-def _linear(st: SafetensorsDir, name: str) -> np.ndarray:
+def expert_format(directory: str | Path, wanted: str) -> str:
+    """The expert format a run of `directory` uses: experts published 4-bit stay in their
+    format (bit for bit); others are `wanted` (bf16 = the run dtype, or quantized on load)."""
+    native = read_scheme(directory)
+    native = native.expert_format if native else None
+    if native is None:
+        return wanted
+    if wanted not in ("bf16", native):
+        raise UsageError(f"{directory} holds {native} experts, not {wanted}; they run as published "
+                         f"(--expert-format {native})")
+    return native
+
+
+def _linear(st: Tensors, name: str) -> np.ndarray:
     """torch Linear weight [out, in] -> [in, out]."""
     return st.get(name + ".weight").T
 
 
-def _attention(st: SafetensorsDir, pre: str, c: ModelConfig) -> dict[str, Callable[[], np.ndarray]]:
+def _attention(st: Tensors, pre: str, c: ModelConfig) -> dict[str, Callable[[], np.ndarray]]:
     h, d = c.num_heads, c.hidden_size
     if c.is_mla:
         def kv_b(part: slice):
@@ -86,11 +101,11 @@ def _attention(st: SafetensorsDir, pre: str, c: ModelConfig) -> dict[str, Callab
     }
 
 
-def _mlp(st: SafetensorsDir, pre: str) -> dict[str, Callable[[], np.ndarray]]:
+def _mlp(st: Tensors, pre: str) -> dict[str, Callable[[], np.ndarray]]:
     return {p: (lambda p=p: _linear(st, f"{pre}{p}_proj")) for p in ("gate", "up", "down")}
 
 
-def _experts(st: SafetensorsDir, pre: str, c: ModelConfig) -> dict[str, Callable[[], np.ndarray]]:
+def _experts(st: Tensors, pre: str, c: ModelConfig) -> dict[str, Callable[[], np.ndarray]]:
     f = c.moe_intermediate_size
     names = {"gate": "w1", "up": "w3", "down": "w2"} if c.family == "mixtral" else {p: f"{p}_proj" for p in ("gate", "up", "down")}
     fused = pre + "gate_up_proj" in st
@@ -101,12 +116,12 @@ def _experts(st: SafetensorsDir, pre: str, c: ModelConfig) -> dict[str, Callable
                 return st.get(pre + "down_proj").transpose(0, 2, 1)  # [E, D, F] -> [E, F, D]
             w = st.get(pre + "gate_up_proj")  # [E, 2F, D]
             return (w[:, :f] if part == "gate" else w[:, f:]).transpose(0, 2, 1)
-        return np.stack([_linear(st, f"{pre}{e}.{names[part]}") for e in range(c.num_experts)])
+        return st.experts([f"{pre}{e}.{names[part]}" for e in range(c.num_experts)])
 
     return {p: (lambda p=p: per_expert(p)) for p in ("gate", "up", "down")}
 
 
-def _layer(st: SafetensorsDir, i: int, c: ModelConfig) -> dict:
+def _layer(st: Tensors, i: int, c: ModelConfig) -> dict:
     """The same tree as `layer_specs(c, i)`, each leaf a thunk that reads that parameter."""
     pre = f"model.layers.{i}."
     layer = {
@@ -127,7 +142,7 @@ def _layer(st: SafetensorsDir, i: int, c: ModelConfig) -> dict:
     return layer
 
 
-def _mtp_sources(st: SafetensorsDir, c: ModelConfig) -> dict:
+def _mtp_sources(st: Tensors, c: ModelConfig) -> dict:
     """The same tree as `mtp_specs(c)`: the layer after the last decoder layer."""
     pre = f"model.layers.{c.num_layers}."
     return {
@@ -139,7 +154,7 @@ def _mtp_sources(st: SafetensorsDir, c: ModelConfig) -> dict:
     }
 
 
-def _sources(st: SafetensorsDir, c: ModelConfig) -> dict:
+def _sources(st: Tensors, c: ModelConfig) -> dict:
     """The same tree as `param_specs`, each leaf a thunk that reads that parameter."""
     return {
         "embed": lambda: st.get("model.embed_tokens.weight"),
@@ -154,7 +169,7 @@ def iter_hf_tensors(directory: str | Path, c: ModelConfig, mtp: bool = False) ->
     with `mtp` the MTP module's."""
     from moejax.model.mtp import mtp_specs
 
-    st = SafetensorsDir(directory)
+    st = Tensors(directory)
     specs, sources = (mtp_specs(c), _mtp_sources(st, c)) if mtp else (param_specs(c), _sources(st, c))
 
     def walk(spec_tree, src_tree, path):
@@ -183,17 +198,15 @@ def has_mtp(directory: str | Path, c: ModelConfig) -> bool:
     return f"model.layers.{c.num_layers}.eh_proj.weight" in SafetensorsDir(directory)
 
 
-def load_hf(directory: str | Path, c: ModelConfig, dtype, place: Callable[[ParamSpec, np.ndarray], object],
-            mtp: bool = False):
-    """Params (with `mtp`: the MTP module's): every tensor read, cast and handed to
-    `place(spec, array)` (which puts it on its devices) before the next one is read."""
+def load_hf(directory: str | Path, c: ModelConfig, dtype, placement, mtp: bool = False):
+    """Params (with `mtp`: the MTP module's): every tensor read, cast and put on its devices
+    by `placement` before the next one is read."""
     import jax
-    import jax.numpy as jnp
 
+    from checkpoints.placing import place_tensor
     from moejax.model.mtp import mtp_specs
 
     params = jax.tree.map(lambda s: None, mtp_specs(c) if mtp else param_specs(c), is_leaf=lambda x: isinstance(x, ParamSpec))
     for path, spec, array in iter_hf_tensors(directory, c, mtp):
-        target = np.float32 if spec.float32 else jnp.dtype(dtype)
-        set_path(params, path, place(spec, array.astype(target)))
+        set_path(params, path, place_tensor(placement, spec, array, dtype))
     return params

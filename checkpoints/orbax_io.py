@@ -49,7 +49,8 @@ def _is_expert_stack(spec: ParamSpec) -> bool:
 
 
 def is_quantized(spec: ParamSpec, expert_format: str) -> bool:
-    return _is_expert_stack(spec) and expert_format != "bf16"
+    """4-bit expert matrices; expert biases [E, N] stay in the storage dtype."""
+    return _is_expert_stack(spec) and len(spec.shape) == 3 and expert_format != "bf16"
 
 
 def stored_leaves(spec: ParamSpec, manifest: Manifest) -> dict[str, jax.ShapeDtypeStruct]:

@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from checkpoints.hf import load_hf, read_hf_config
+from checkpoints.hf import expert_format, load_hf, read_hf_config
 from moejax.config import Config
 from moejax.errors import UsageError
 from moejax.model.params import ParamSpec, init_params, param_specs
@@ -16,9 +16,11 @@ from moejax.model.params import ParamSpec, init_params, param_specs
 
 def with_hf_model(config: Config, hf_dir: str | None, checkpoint: str | None = None) -> Config:
     """The run config with the model of `hf_dir/config.json` or of `checkpoint` (unchanged
-    without either). A checkpoint's experts are used in the format they were stored in."""
+    without either). Experts stored 4-bit (a moejax checkpoint, or a published NVFP4/MXFP4
+    directory) are used in the format they were stored in."""
     if hf_dir is not None:
-        return dataclasses.replace(config, model=read_hf_config(hf_dir))
+        weights = dataclasses.replace(config.weights, expert_format=expert_format(hf_dir, config.weights.expert_format))
+        return dataclasses.replace(config, model=read_hf_config(hf_dir), weights=weights)
     if checkpoint is None:
         return config
     from checkpoints.manifest import read_manifest
@@ -38,7 +40,7 @@ def load_params(config: Config, placement, *, hf_dir: str | None = None, checkpo
     array straight into its sharding), or random from `seed`."""
     dtype = jnp.dtype(config.engine.dtype)
     if hf_dir is not None:
-        return load_hf(hf_dir, config.model, dtype, placement.place)
+        return load_hf(hf_dir, config.model, dtype, placement)
     if checkpoint is not None:
         from checkpoints.orbax_io import restore_params
 

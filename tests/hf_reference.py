@@ -61,13 +61,15 @@ def hf_config(family: str):
     raise ValueError(family)
 
 
-def build_hf_model(family: str, directory: Path, seed: int = 0):
-    """A random transformers model saved to `directory` (save_pretrained); returns the model."""
+def build_hf_model(family: str, directory: Path, seed: int = 0, config=None):
+    """A random transformers model (of `config`, default the family's) saved to `directory`
+    (save_pretrained); returns the model."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(family), dtype=torch.float32).eval()
+    config = hf_config(family) if config is None else config
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):

@@ -197,7 +197,7 @@ def load_mtp(config, placement, *, hf_dir: str | None = None, checkpoint: str | 
 
     c, dtype = config.model, jnp.dtype(config.engine.dtype)
     if hf_dir is not None and has_mtp(hf_dir, c):
-        return load_hf(hf_dir, c, dtype, placement.place, mtp=True)
+        return load_hf(hf_dir, c, dtype, placement, mtp=True)
     source = hf_dir or checkpoint
     if source is not None and init != "random":
         raise UsageError(f"--speculative mtp: {source} has no MTP weights (model.layers.{c.num_layers}.eh_proj and the "
