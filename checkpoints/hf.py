@@ -96,6 +96,8 @@ def _attention(st: Tensors, pre: str, c: ModelConfig) -> dict[str, Callable[[], 
         "q_bias": lambda: st.get(pre + "q_proj.bias").reshape(h, dh),
         "k_bias": lambda: st.get(pre + "k_proj.bias").reshape(kv, dh),
         "v_bias": lambda: st.get(pre + "v_proj.bias").reshape(kv, dh),
+        "o_bias": lambda: st.get(pre + "o_proj.bias"),
+        "sinks": lambda: st.get(pre + "sinks"),
         "q_norm": lambda: st.get(pre + "q_norm.weight"),
         "k_norm": lambda: st.get(pre + "k_norm.weight"),
     }
@@ -105,7 +107,26 @@ def _mlp(st: Tensors, pre: str) -> dict[str, Callable[[], np.ndarray]]:
     return {p: (lambda p=p: _linear(st, f"{pre}{p}_proj")) for p in ("gate", "up", "down")}
 
 
+def _gpt_oss_experts(st: Tensors, pre: str) -> dict[str, Callable[[], np.ndarray]]:
+    """gpt-oss: gate_up_proj [E, D, 2F] with gate and up interleaved along 2F (and its bias
+    [E, 2F]), down_proj [E, F, D]; or, as released, MXFP4 `*_blocks` / `*_scales` [E, N, ...]."""
+    gate, up = slice(0, None, 2), slice(1, None, 2)
+    if pre + "gate_up_proj_blocks" in st:
+        weights = {"gate": lambda: st.mxfp4_experts(pre + "gate_up_proj", gate),
+                   "up": lambda: st.mxfp4_experts(pre + "gate_up_proj", up),
+                   "down": lambda: st.mxfp4_experts(pre + "down_proj")}
+    else:
+        weights = {"gate": lambda: st.get(pre + "gate_up_proj")[:, :, gate],
+                   "up": lambda: st.get(pre + "gate_up_proj")[:, :, up],
+                   "down": lambda: st.get(pre + "down_proj")}
+    return weights | {"gate_bias": lambda: st.get(pre + "gate_up_proj_bias")[:, gate],
+                      "up_bias": lambda: st.get(pre + "gate_up_proj_bias")[:, up],
+                      "down_bias": lambda: st.get(pre + "down_proj_bias")}
+
+
 def _experts(st: Tensors, pre: str, c: ModelConfig) -> dict[str, Callable[[], np.ndarray]]:
+    if c.family == "gpt_oss":
+        return _gpt_oss_experts(st, pre)
     f = c.moe_intermediate_size
     names = {"gate": "w1", "up": "w3", "down": "w2"} if c.family == "mixtral" else {p: f"{p}_proj" for p in ("gate", "up", "down")}
     fused = pre + "gate_up_proj" in st
@@ -133,9 +154,10 @@ def _layer(st: Tensors, i: int, c: ModelConfig) -> dict:
         layer["mlp"] = _mlp(st, pre + "mlp.")
     else:
         m = pre + ("block_sparse_moe." if c.family == "mixtral" else "mlp.")
+        router, bias = ("router", "router.bias") if c.family == "gpt_oss" else ("gate", "gate.e_score_correction_bias")
         layer["moe"] = {
-            "router": lambda: _linear(st, m + "gate"),
-            "router_bias": lambda: st.get(m + "gate.e_score_correction_bias"),
+            "router": lambda: _linear(st, m + router),
+            "router_bias": lambda: st.get(m + bias),
             "experts": _experts(st, m + "experts.", c),
             "shared": _mlp(st, m + "shared_experts."),
         }

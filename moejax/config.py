@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "glm_moe_dsa")
+FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "glm_moe_dsa", "gpt_oss")
 PLACEMENTS = ("tensor_sliced", "expert_sharded", "hybrid", "ragged_a2a", "weight_prefetch")
 EXPERT_FORMATS = ("bf16", "nvfp4", "mxfp4")
 KERNELS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "interpret")
@@ -56,15 +56,23 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     rope_interleave: bool = False
     attention_bias: bool = False
+    o_bias: bool = False  # gpt-oss: the output projection has a bias too
+    attention_sinks: bool = False  # gpt-oss: one learned logit per head joins each softmax
+    sliding_window: int = 0  # layers in `sliding_layers` see only the last `sliding_window` positions
+    sliding_layers: tuple[int, ...] = ()
     qk_norm: bool = False
     rms_norm_eps: float = 1e-6
     num_experts: int = 8
     num_experts_per_tok: int = 2
     num_shared_experts: int = 0
-    router_scoring: str = "softmax"  # softmax | sigmoid
+    router_scoring: str = "softmax"  # softmax | sigmoid | topk_softmax (softmax over the k best logits)
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
-    router_bias: bool = False  # e_score_correction_bias (sigmoid routers)
+    router_bias: bool = False  # e_score_correction_bias (sigmoid routers); added to the logits (topk_softmax)
+    expert_bias: bool = False  # gpt-oss: biases on the experts' gate, up and down projections
+    expert_act: str = "silu"  # silu: silu(gate) * up | clamped_swiglu (gpt-oss, swiglu_alpha and swiglu_limit)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     n_group: int = 1
     topk_group: int = 1
     dense_layers: tuple[int, ...] = ()
@@ -116,8 +124,13 @@ class ModelConfig:
             raise ConfigError(f"num_experts_per_tok {self.num_experts_per_tok} must be in 1..num_experts {self.num_experts}")
         if self.num_experts % self.n_group or self.topk_group > self.n_group:
             raise ConfigError(f"n_group {self.n_group} / topk_group {self.topk_group} do not fit {self.num_experts} experts")
-        if self.router_scoring not in ("softmax", "sigmoid"):
-            raise ConfigError(f"router_scoring {self.router_scoring!r} is not softmax or sigmoid")
+        if self.router_scoring not in ("softmax", "sigmoid", "topk_softmax"):
+            raise ConfigError(f"router_scoring {self.router_scoring!r} is not softmax, sigmoid or topk_softmax")
+        if self.expert_act not in ("silu", "clamped_swiglu"):
+            raise ConfigError(f"expert_act {self.expert_act!r} is not silu or clamped_swiglu")
+        if any(not 0 <= i < self.num_layers for i in self.sliding_layers) or (self.sliding_layers and self.sliding_window < 1):
+            raise ConfigError(f"sliding_layers {self.sliding_layers} need a sliding_window >= 1 and layers in "
+                              f"0..{self.num_layers - 1}")
         if any(not 0 <= i < self.num_layers for i in self.dense_layers):
             raise ConfigError(f"dense_layers {self.dense_layers} outside 0..{self.num_layers - 1}")
         if self.is_dsa:
@@ -357,6 +370,18 @@ def from_hf_config(hf: dict) -> ModelConfig:
             qk_nope_head_dim=g("qk_nope_head_dim"), qk_rope_head_dim=g("qk_rope_head_dim"),
             v_head_dim=g("v_head_dim"), rope_interleave=bool(g("rope_interleave", True)),
             attention_bias=bool(g("attention_bias", False)),
+        )
+    if model_type == "gpt_oss":
+        types = g("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        bias = bool(g("attention_bias", True))
+        return ModelConfig(
+            family="gpt_oss", **common, head_dim=head_dim, intermediate_size=g("intermediate_size"),
+            moe_intermediate_size=g("intermediate_size"), num_experts=g("num_local_experts"),
+            router_scoring="topk_softmax", router_bias=True, norm_topk_prob=False, attention_bias=bias, o_bias=bias,
+            attention_sinks=True, sliding_window=g("sliding_window") or 0,
+            sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+            expert_bias=True, expert_act="clamped_swiglu", swiglu_alpha=float(g("swiglu_alpha", 1.702)),
+            swiglu_limit=float(g("swiglu_limit", 7.0)),
         )
     raise ConfigError(f"unsupported architecture {model_type!r} (supported: {', '.join(FAMILIES)})")
 

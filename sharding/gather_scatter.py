@@ -20,5 +20,5 @@ def gather_scatter(x, ids, weights, w, *, rows_sharded: bool, num_experts: int, 
         x, ids, weights = (jax.lax.all_gather(a, ALL, tiled=True) for a in (x, ids, weights))
     e_local = w["gate"].shape[0]
     y = moe_local(x, ids, weights, w, num_groups=num_experts, group_offset=jax.lax.axis_index("ep") * e_local,
-                  kernel=kernel)
+                  kernel=kernel, first_slice=jax.lax.axis_index("tp") == 0)
     return jax.lax.psum_scatter(y, ALL, tiled=True) if rows_sharded else jax.lax.psum(y, ALL)

@@ -20,7 +20,10 @@ from sharding.ragged_a2a import ragged_a2a
 from sharding.weight_prefetch import PrefetchedExperts, gather_experts
 
 EXPERT_AXES = {"gate": ("experts", "embed", "expert_mlp"), "up": ("experts", "embed", "expert_mlp"),
-               "down": ("experts", "expert_mlp", "embed")}
+               "down": ("experts", "expert_mlp", "embed"),
+               "gate_bias": ("experts", "expert_mlp"), "up_bias": ("experts", "expert_mlp"),
+               "down_bias": ("experts", "embed"),
+               "act": ()}  # the experts' activation (no arrays)
 
 
 def make_mesh(shape: tuple[int, int]) -> Mesh:

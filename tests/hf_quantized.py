@@ -121,3 +121,33 @@ def write_nvfp4(directory: Path, exclude: tuple[str, ...] = ()):
     quant = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": list(exclude)}
     (directory / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": quant}))
     return _save(directory, tensors, dequantized, {"quant_method": "modelopt", **quant})
+
+
+def mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """OCP MXFP4 of w: float32 [E, N, K] along K -> (blocks uint8 [E, N, K/32, 16] (byte b:
+    elements 2b low, 2b + 1 high), e8m0 scales uint8 [E, N, K/32]), as gpt-oss is released."""
+    e, n, k = w.shape
+    blocks = w.reshape(e, n, k // 32, 32)
+    amax = np.abs(blocks).max(-1)
+    exp = np.clip(np.floor(np.log2(np.where(amax > 0, amax, 1.0))) - 2, -126, 127)
+    codes = (np.clip(blocks / np.exp2(exp)[..., None], -E2M1_MAX, E2M1_MAX).astype(ml_dtypes.float4_e2m1fn)
+             .view(np.uint8) & 0xF)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8), (exp + 127).astype(np.uint8)
+
+
+def write_mxfp4(directory: Path):
+    """gpt-oss as released: experts' `gate_up_proj` / `down_proj` as MXFP4 `*_blocks` and
+    `*_scales`, everything else unquantized. The reference model holds the experts as
+    transformers' own MXFP4 loader dequantizes them (`convert_moe_packed_tensors`)."""
+    import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    tensors = _read(directory)
+    dequantized = dict(tensors)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4(tensors.pop(name).numpy().transpose(0, 2, 1))  # [E, in, out] -> [E, out, in]
+        tensors[name + "_blocks"], tensors[name + "_scales"] = torch.from_numpy(blocks), torch.from_numpy(scales)
+        dequantized[name] = convert_moe_packed_tensors(tensors[name + "_blocks"], tensors[name + "_scales"],
+                                                       dtype=torch.float32)
+    return _save(directory, tensors, dequantized,
+                 {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]})

@@ -78,6 +78,10 @@ def _attention_specs(c: ModelConfig, indexer: bool) -> dict:
         s["q_bias"] = ParamSpec((h, dh), ("heads", "head_dim"), "zeros")
         s["k_bias"] = ParamSpec((kv, dh), ("kv_heads", "head_dim"), "zeros")
         s["v_bias"] = ParamSpec((kv, dh), ("kv_heads", "head_dim"), "zeros")
+    if c.o_bias:
+        s["o_bias"] = ParamSpec((d,), ("embed",), "zeros")
+    if c.attention_sinks:
+        s["sinks"] = ParamSpec((h,), ("heads",))
     if c.qk_norm:
         s["q_norm"] = ParamSpec((dh,), ("head_dim",), "ones")
         s["k_norm"] = ParamSpec((dh,), ("head_dim",), "ones")
@@ -94,6 +98,12 @@ def _moe_specs(c: ModelConfig) -> dict:
             "down": ParamSpec((e, f, d), ("experts", "expert_mlp", "embed")),
         },
     }
+    if c.expert_bias:
+        s["experts"] |= {
+            "gate_bias": ParamSpec((e, f), ("experts", "expert_mlp"), "zeros"),
+            "up_bias": ParamSpec((e, f), ("experts", "expert_mlp"), "zeros"),
+            "down_bias": ParamSpec((e, d), ("experts", "embed"), "zeros"),
+        }
     if c.router_bias:
         # Random, not zero: at zero, sigmoid routers tie and greedy tokens become a coin toss.
         s["router_bias"] = ParamSpec((e,), (None,), "normal", float32=True)

@@ -13,11 +13,13 @@ from moejax.model.moe import moe_block
 ROWS = ("batch", "seq", "embed")
 
 
-def decoder_layer(lp: dict, experts, x: jax.Array, positions, cos_sin, cache: dict, selected, c: ModelConfig, placement):
+def decoder_layer(lp: dict, experts, x: jax.Array, positions, cos_sin, cache: dict, selected, c: ModelConfig, placement,
+                  window: int = 0):
     """One layer (attention + dense MLP or MoE) on x: [B, T, D] -> (x, cache, selected, picks or None).
-    `experts`: the MoE layer's expert weights from the placement; `selected`: DSA selection."""
+    `experts`: the MoE layer's expert weights from the placement; `selected`: DSA selection;
+    `window`: the layer's sliding window (0: full attention)."""
     h = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
-    a, cache, selected = attention(lp["attn"], h, positions, cos_sin, cache, c, placement, selected)
+    a, cache, selected = attention(lp["attn"], h, positions, cos_sin, cache, c, placement, selected, window)
     x = placement.constrain(x + a, ROWS)
     h = rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
     ids = None
@@ -37,9 +39,11 @@ def forward(params: dict, cache: list, tokens: jax.Array, positions: jax.Array, 
     cos_sin = rope_cos_sin(c, positions)
     experts = iter(placement.expert_weights([lp["moe"]["experts"] for lp in params["layers"] if "moe" in lp]))
     new_cache, picks, selected = [], [], None
-    for lp, layer_cache in zip(params["layers"], cache):
+    for i, (lp, layer_cache) in enumerate(zip(params["layers"], cache)):
+        window = c.sliding_window if i in c.sliding_layers else 0
         x, layer_cache, selected, ids = decoder_layer(
-            lp, next(experts) if "moe" in lp else None, x, positions, cos_sin, layer_cache, selected, c, placement
+            lp, next(experts) if "moe" in lp else None, x, positions, cos_sin, layer_cache, selected, c, placement,
+            window,
         )
         new_cache.append(layer_cache)
         if ids is not None:
