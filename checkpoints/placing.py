@@ -1,4 +1,4 @@
-"""Host tensors read from a checkpoint onto a placement.
+"""Parameters (read from a checkpoint, or random) onto a placement.
 
 Floats go through `Placement.place` (which quantizes expert stacks when the run asks for
 4-bit experts). 4-bit experts read as published (`PackedExperts`) are repacked from the file's
@@ -36,10 +36,10 @@ def place_packed(placement, spec: ParamSpec, p: PackedExperts):
 
 
 def place_tensor(placement, spec: ParamSpec, array, dtype):
-    """One parameter read from a checkpoint, on its devices, in the run's `dtype`."""
+    """One parameter (host or device array, or `PackedExperts`) on its devices, in the run's `dtype`."""
     if isinstance(array, PackedExperts):
         return place_packed(placement, spec, array)
-    array = np.asarray(array).astype(param_dtype(spec, dtype))
+    array = array.astype(param_dtype(spec, dtype))
     if spec.axes[:1] == ("experts",) and array.ndim < 3:  # expert biases [E, N]
-        return placement.put(_pad_experts(array, placement.num_experts), spec.axes)
+        return placement.put(_pad_experts(np.asarray(array), placement.num_experts), spec.axes)
     return placement.place(spec, array)

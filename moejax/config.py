@@ -258,6 +258,16 @@ PRESETS: dict[str, ModelConfig] = {
         router_scoring="sigmoid", router_bias=True, routed_scaling_factor=1.5, n_group=1, topk_group=1,
         dense_layers=(0,), initializer_range=0.2, rms_norm_eps=1e-5,
     ),
+    "tiny-gpt-oss": ModelConfig(
+        family="gpt_oss", vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=128,
+        num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True, o_bias=True,
+        attention_sinks=True, sliding_window=4, sliding_layers=(0, 2), num_experts=16, num_experts_per_tok=4,
+        router_scoring="topk_softmax", router_bias=True, norm_topk_prob=False, expert_bias=True,
+        expert_act="clamped_swiglu", swiglu_limit=1.0, initializer_range=0.2, rms_norm_eps=1e-5, rope_theta=150000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256, "beta_fast": 32.0,
+                      "beta_slow": 1.0, "truncate": False},
+        max_position_embeddings=2048,
+    ),
     # Mid-size model of the benchmark (issue 2): Qwen3-MoE geometry scaled down.
     "bench-qwen3-moe": ModelConfig(
         family="qwen3_moe", vocab_size=32000, hidden_size=1024, intermediate_size=2048,

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from checkpoints.hf import expert_format, load_hf, read_hf_config
+from checkpoints.placing import place_tensor
 from moejax.config import Config
 from moejax.errors import UsageError
 from moejax.model.params import ParamSpec, init_params, param_specs
@@ -47,4 +48,4 @@ def load_params(config: Config, placement, *, hf_dir: str | None = None, checkpo
         return restore_params(checkpoint, config, placement)
     specs = jax.tree.leaves(param_specs(config.model), is_leaf=lambda x: isinstance(x, ParamSpec))
     flat, treedef = jax.tree_util.tree_flatten_with_path(init_params(config.model, jax.random.key(seed), dtype))
-    return jax.tree.unflatten(treedef, [placement.place(spec, x) for (_, x), spec in zip(flat, specs)])
+    return jax.tree.unflatten(treedef, [place_tensor(placement, spec, x, dtype) for (_, x), spec in zip(flat, specs)])

@@ -25,6 +25,7 @@ def expert_ffn(x: jax.Array, group_sizes: jax.Array, w: dict, *, group_offset=0,
     gmm = lambda lhs, rhs: pallas_kernels.grouped_gemm(
         lhs, rhs, group_sizes, group_offset=group_offset, backend=kernel, preferred_element_type=x.dtype
     )
+
     def biased(y, name, here=True):
         if name not in w:
             return y

@@ -18,7 +18,7 @@ from checkpoints.orbax_io import restore_params
 from hf_quantized import write_mxfp4
 from hf_reference import build_hf_model, hf_greedy, hf_logits
 from moejax.cli import main
-from moejax.config import Config, LayoutConfig
+from moejax.config import Config, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import Engine
 from moejax.loading import load_params, with_hf_model
 from moejax.model.params import param_specs
@@ -141,3 +141,20 @@ def test_mxfp4_convert_keeps_the_experts_4bit(released, tmp_path):
     config, placement, params = loaded(directory, LAYOUTS["tensor_sliced"])
     for a, b in zip(jax.tree.leaves(restore_params(tmp_path / "ckpt", config, placement)), jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("layout", ["hybrid", "expert_sharded"])
+def test_random_preset_quantizes_expert_matrices_and_keeps_their_biases(layout):
+    """tiny-gpt-oss with MXFP4 experts quantized on load: the matrices 4-bit, the biases floats
+    of the placement's padded expert count, equal to the single device's."""
+    import pallas_kernels
+    from sharding import make_placement
+
+    def experts(layout: LayoutConfig):
+        config = Config(model=preset("tiny-gpt-oss"), layout=layout, weights=WeightsConfig("mxfp4")).validate()
+        return load_params(config, make_placement(config), seed=3)["layers"][1]["moe"]["experts"]
+
+    single, placed = experts(LayoutConfig()), experts(LAYOUTS[layout])
+    assert all(isinstance(placed[p], pallas_kernels.QuantizedArray) for p in ("gate", "up", "down"))
+    for name in ("gate_bias", "up_bias", "down_bias"):
+        np.testing.assert_array_equal(np.asarray(placed[name]), np.asarray(single[name]))
