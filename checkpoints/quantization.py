@@ -130,16 +130,6 @@ def e2m1_pairs(packed: np.ndarray) -> np.ndarray:
     return E2M1[codes].reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
-def dequantize_packed(p: PackedExperts) -> np.ndarray:
-    """float32 [E, K, N]: the values the file stands for."""
-    block = 16 if p.fmt == "nvfp4" else 32
-    v = e2m1_pairs(np.swapaxes(p.values, 1, 2))  # [E, N, K]
-    step = np.repeat(np.swapaxes(p.scales, 1, 2).astype(np.float32), block, axis=-1)
-    if p.tensor_scale is not None:
-        step = step * p.tensor_scale
-    return np.swapaxes(v * step, 1, 2)
-
-
 # ----------------------------------------------------------------------------- reading
 
 class Tensors:

@@ -91,11 +91,15 @@ def test_cached_decode_logits_equal_full_forward(gpt_oss):
     assert_close_relative(gen.logits[:, 0], full[len(PROMPT) - 1 :], rel=1e-5)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+# Tensor-parallel attention on 4 devices: the query heads and their sinks sliced 4 ways.
+ATTENTION_TP = LayoutConfig(experts="expert_sharded", devices=4, attention="tp")
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "attention_tp"])
 def test_every_placement_gives_the_single_device_tokens(gpt_oss, layout):
     """Expert biases go through the placements; K-sliced ones add the down bias once."""
     _, directory = gpt_oss
-    ref, got = generation(directory), generation(directory, LAYOUTS[layout])
+    ref, got = generation(directory), generation(directory, LAYOUTS.get(layout, ATTENTION_TP))
     assert got.tokens == ref.tokens
     assert_close_relative(got.logits, ref.logits)
 

@@ -168,6 +168,8 @@ REFUSED = {
                                  "per-tensor FP8"),
     "F8_E4M3 without a quantization_config": (lambda d: _edit_config(d, quantization_config=None),
                                               "has dtype F8_E4M3, which moejax does not read here"),
+    "ModelOpt FP8": (lambda d: (_edit_config(d, quantization_config=None), (d / "hf_quant_config.json").write_text(
+        json.dumps({"quantization": {"quant_algo": "FP8"}}))), "ModelOpt quant_algo 'FP8' is not read"),
 }
 
 
