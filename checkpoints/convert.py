@@ -1,8 +1,9 @@
 """`convert`: a transformers directory -> an orbax checkpoint, one tensor at a time.
 
-Each tensor is read from its memory-mapped safetensors file, cast, quantized if asked (by the
-same single-device `Placement.place` a run would use, so 4-bit experts are bit-identical to
-quantizing on load) and handed to the group writer before the next one is read.
+Each tensor is read from its memory-mapped safetensors file (dequantized if published FP8 or
+NVFP4), cast, quantized if asked (by the same single-device `place_tensor` a run would use, so
+4-bit experts are bit-identical to quantizing on load; experts published 4-bit stay as
+published) and handed to the group writer before the next one is read.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from pathlib import Path
 
 from checkpoints.hf import expert_format as native_format
 from checkpoints.hf import iter_hf_tensors, read_hf_config
-from checkpoints.placing import place_tensor
 from checkpoints.manifest import Manifest
 from checkpoints.orbax_io import named_specs, param_key, to_stored, write
+from checkpoints.placing import place_tensor
 from moejax.config import Config, EngineConfig, WeightsConfig
 
 

@@ -7,7 +7,10 @@ Tensor names are those transformers writes to disk: per-expert
 stored [out, in] by torch; ours are [in, out], split per head where attention needs it.
 A DeepSeek-V3 / GLM checkpoint may carry the MTP module as one extra layer after the last,
 `model.layers.{num_layers}.*` (enorm, hnorm, eh_proj, shared_head.norm, a decoder layer);
-transformers drops it, `load_hf_mtp` reads it.
+transformers drops it, `load_hf_mtp` reads it. gpt-oss keeps its experts fused
+(`mlp.experts.gate_up_proj` [E, D, 2F], gate and up interleaved, with biases) and its router at
+`mlp.router`. Quantized checkpoints (FP8, NVFP4, MXFP4) are read through
+`checkpoints.quantization.Tensors`: the thunks see floats, or 4-bit experts as published.
 """
 
 from __future__ import annotations
@@ -186,9 +189,10 @@ def _sources(st: Tensors, c: ModelConfig) -> dict:
     }
 
 
-def iter_hf_tensors(directory: str | Path, c: ModelConfig, mtp: bool = False) -> Iterator[tuple[tuple, ParamSpec, np.ndarray]]:
+def iter_hf_tensors(directory: str | Path, c: ModelConfig, mtp: bool = False) -> Iterator[tuple[tuple, ParamSpec, object]]:
     """Yields (path in the param tree, spec, array) one parameter at a time: the model's, or
-    with `mtp` the MTP module's."""
+    with `mtp` the MTP module's. An array is a float numpy array, or `PackedExperts` for
+    experts published 4-bit."""
     from moejax.model.mtp import mtp_specs
 
     st = Tensors(directory)
