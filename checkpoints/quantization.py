@@ -12,7 +12,9 @@ Read:
   it; `weight_scale` F8_E4M3 [out, in/16]; `weight_scale_2` f32 scalar; value = e2m1 x
   (weight_scale x weight_scale_2). Routed experts stay 4-bit (`PackedExperts`), every other
   linear is dequantized. `input_scale` (the activation scale of ModelOpt's W4A4 recipe) is not
-  read: moejax runs 4-bit weights against activations in the run dtype (weight-only).
+  read: moejax runs 4-bit weights against activations in the run dtype (weight-only). Nor are
+  the `k_scale` / `v_scale` of a `kv_cache_quant_algo` FP8 export: the KV cache is kept in the
+  run dtype.
 - MXFP4 (gpt-oss; quant_method mxfp4): experts' `*_blocks` uint8 [E, N, K/32, 16] (byte b of a
   block: elements 2b low, 2b + 1 high) and `*_scales` e8m0 [E, N, K/32]; stay 4-bit.
 
