@@ -132,6 +132,23 @@ def test_fp8_converts_to_a_checkpoint_of_the_same_weights(fp8, tmp_path, capsys)
         np.testing.assert_array_equal(a, b)
 
 
+def test_fp8_128x128_blocks_scale_each_block_by_its_own_scale(tmp_path):
+    """DeepSeek's blocks on a matrix they do not divide: element (i, j) takes scale (i // 128, j // 128)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from checkpoints.quantization import Tensors
+
+    rng = np.random.default_rng(0)
+    q = torch.from_numpy(rng.normal(size=(300, 200)).astype(np.float32)).to(torch.float8_e4m3fn)
+    scale = rng.uniform(0.5, 2.0, size=(3, 2)).astype(np.float32)
+    save_file({"w.weight": q, "w.weight_scale_inv": torch.from_numpy(scale)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}))
+    expected = q.float().numpy() * scale[np.arange(300)[:, None] // 128, np.arange(200)[None, :] // 128]
+    np.testing.assert_array_equal(Tensors(tmp_path).get("w.weight"), expected)
+
+
 # ----------------------------------------------------------------------------- refusals
 
 def _edit_config(directory: Path, **changes) -> None:
@@ -158,7 +175,8 @@ def _torch_zeros(*shape):
 
 
 SCALE = "model.layers.0.self_attn.q_proj.weight_scale_inv"
-REFUSED = {
+NVFP4_SCALE = "model.layers.2.mlp.experts.5.up_proj.weight_scale"
+REFUSED = {  # case: (what to damage, how, what the one line says); fp8 unless named nvfp4
     "weight_scale_inv missing": (lambda d: _rewrite_tensor(d, SCALE, None), f"tensor {SCALE} is missing"),
     "weight_scale_inv mis-shaped": (lambda d: _rewrite_tensor(d, SCALE, _torch_zeros(1, 1)),
                                     f"tensor {SCALE} has shape [1, 1], expected [2, 2]"),
@@ -170,15 +188,20 @@ REFUSED = {
                                               "has dtype F8_E4M3, which moejax does not read here"),
     "ModelOpt FP8": (lambda d: (_edit_config(d, quantization_config=None), (d / "hf_quant_config.json").write_text(
         json.dumps({"quantization": {"quant_algo": "FP8"}}))), "ModelOpt quant_algo 'FP8' is not read"),
+    "nvfp4 weight_scale_2 missing": (lambda d: _rewrite_tensor(d, NVFP4_SCALE + "_2", None),
+                                     f"tensor {NVFP4_SCALE}_2 is missing"),
+    "nvfp4 weight_scale mis-shaped": (lambda d: _rewrite_tensor(d, NVFP4_SCALE, _torch_zeros(64, 1)),
+                                      f"tensor {NVFP4_SCALE} has shape [64, 1], expected [64, 2]"),
 }
 
 
 @pytest.mark.parametrize("case", REFUSED)
-def test_unreadable_quantization_ends_in_one_line(case, fp8, tmp_path, capsys):
+def test_unreadable_quantization_ends_in_one_line(case, request, tmp_path, capsys):
     directory = tmp_path / "hf"
-    shutil.copytree(fp8[1], directory)
+    shutil.copytree(request.getfixturevalue("nvfp4" if case.startswith("nvfp4") else "fp8")[1], directory)
     do, says = REFUSED[case]
     do(directory)
+    capsys.readouterr()  # a fixture built just now printed transformers' progress
     rc, out, err = cli(["score", "--hf", directory, "--prompt-ids", "1,2,3"], capsys)
     assert rc == 2 and out == ""
     assert err.count("\n") == 1 and says in err, err
