@@ -1,8 +1,9 @@
 """`convert`: a transformers directory -> an orbax checkpoint, one tensor at a time.
 
-Each tensor is read from its memory-mapped safetensors file, cast, quantized if asked (by the
-same `pallas_kernels.run_weights` a run loads with, so 4-bit experts are bit-identical to quantizing on load)
-and handed to the group writer before the next one is read.
+Each tensor is read from its memory-mapped safetensors file (dequantized if published FP8 or
+NVFP4), cast, quantized if asked (by the same `run_form` a run loads with, so 4-bit experts are
+bit-identical to quantizing on load; experts published 4-bit stay as published) and handed to
+the group writer before the next one is read.
 """
 
 from __future__ import annotations
@@ -10,12 +11,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pallas_kernels
+from checkpoints.hf import expert_format as native_format
 from checkpoints.hf import iter_hf_tensors, read_hf_config
 from checkpoints.manifest import Manifest
 from checkpoints.orbax_io import named_specs, param_key, to_stored, write
+from checkpoints.placing import run_form
 from moejax.config import Config, EngineConfig, WeightsConfig
-from moejax.model.params import is_expert_stack, param_dtype
 
 
 class Progress:
@@ -39,6 +40,7 @@ class Progress:
 def convert(hf_dir: str | Path, out: str | Path, *, expert_format: str = "unquantized", dtype: str = "float32",
             progress: bool = False) -> Manifest:
     model = read_hf_config(hf_dir)
+    expert_format = native_format(hf_dir, expert_format)
     Config(model=model, weights=WeightsConfig(expert_format), engine=EngineConfig(dtype=dtype)).validate()
     manifest = Manifest(model, dtype, expert_format)
     bar = Progress(len(named_specs(manifest)[0]), progress)
@@ -46,10 +48,8 @@ def convert(hf_dir: str | Path, out: str | Path, *, expert_format: str = "unquan
     def stream():
         for path, spec, array in iter_hf_tensors(hf_dir, model):
             key = param_key(path)
-            array = array.astype(param_dtype(spec, dtype))
-            if is_expert_stack(spec):  # one K-slice: on disk, 4-bit values are independent of any placement
-                array = pallas_kernels.run_weights(array, expert_format)
-            yield key, to_stored(spec, array, 1)
+            # One K-slice: on disk, 4-bit values are independent of any placement.
+            yield key, to_stored(spec, run_form(spec, array, dtype, expert_format), 1)
             bar.step(key)
 
     return write(out, manifest, stream())

@@ -23,7 +23,7 @@ from checkpoints import packing
 from checkpoints.manifest import (MANIFEST, Manifest, commit, file_sums, new_data_dir, read_manifest, verify_files,
                                   warn_leftovers)
 from moejax.errors import UsageError
-from moejax.model.params import ParamSpec, expert_axis, is_expert_stack, param_dtype, param_specs
+from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_dtype, param_specs
 
 QUANTIZED_LEAVES = ("values", "scales", "tensor_scale")
 GROUP_BYTES = 64 << 20  # below this, orbax's fixed cost per save and restore dominates
@@ -45,7 +45,8 @@ def named_specs(manifest: Manifest) -> tuple[list[tuple[str, ParamSpec]], object
 
 
 def is_quantized(spec: ParamSpec, expert_format: str) -> bool:
-    return is_expert_stack(spec) and expert_format in pallas_kernels.FORMATS
+    """4-bit expert matrices; expert biases stay in the storage dtype."""
+    return is_expert_matrix(spec) and expert_format in pallas_kernels.FORMATS
 
 
 def stored_leaves(spec: ParamSpec, manifest: Manifest) -> dict[str, jax.ShapeDtypeStruct]:

@@ -16,7 +16,10 @@ from sharding import rules
 from sharding.placement import Placement
 
 EXPERT_AXES = {"gate": ("experts", "embed", "expert_mlp"), "up": ("experts", "embed", "expert_mlp"),
-               "down": ("experts", "expert_mlp", "embed")}
+               "down": ("experts", "expert_mlp", "embed"),
+               "gate_bias": ("experts", "expert_mlp"), "up_bias": ("experts", "expert_mlp"),
+               "down_bias": ("experts", "embed"),
+               "act": ()}  # the experts' activation (no arrays)
 
 
 def make_mesh(shape: tuple[int, int]) -> Mesh:
@@ -88,7 +91,7 @@ class MeshPlacement(Placement):
         `gathered`: every device holds every expert."""
         def leaf_specs(name, tree):
             axes = EXPERT_AXES[name] if not gathered else (None,) + EXPERT_AXES[name][1:]
-            return jax.tree.map(lambda a: self.spec(axes if a.ndim == 3 else axes[:1] + (None,) * (a.ndim - 1),
+            return jax.tree.map(lambda a: self.spec(axes if a.ndim == len(axes) else axes[:1] + (None,) * (a.ndim - 1),
                                                     a.shape), tree)
         return {name: leaf_specs(name, tree) for name, tree in w.items()}
 

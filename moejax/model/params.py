@@ -36,6 +36,11 @@ def is_expert_stack(spec: ParamSpec) -> bool:
     return "experts" in spec.axes[:2]
 
 
+def is_expert_matrix(spec: ParamSpec) -> bool:
+    """An expert stack of matrices [..., E, K, N] (not a bias [..., E, N]): what 4-bit formats quantize."""
+    return spec.axes[-3:-2] == ("experts",)
+
+
 def expert_axis(spec: ParamSpec) -> int:
     """Where the experts axis of an expert stack lies (1 in a run's stacked tree)."""
     return spec.axes.index("experts")
@@ -89,6 +94,10 @@ def _attention_specs(c: ModelConfig, indexer: bool) -> dict:
         s["q_bias"] = ParamSpec((h, dh), ("heads", "head_dim"), "zeros")
         s["k_bias"] = ParamSpec((kv, dh), ("kv_heads", "head_dim"), "zeros")
         s["v_bias"] = ParamSpec((kv, dh), ("kv_heads", "head_dim"), "zeros")
+    if c.o_bias:
+        s["o_bias"] = ParamSpec((d,), ("embed",), "zeros")
+    if c.attention_sinks:
+        s["sinks"] = ParamSpec((h,), ("heads",))
     if c.qk_norm:
         s["q_norm"] = ParamSpec((dh,), ("head_dim",), "ones")
         s["k_norm"] = ParamSpec((dh,), ("head_dim",), "ones")
@@ -105,6 +114,12 @@ def _moe_specs(c: ModelConfig) -> dict:
             "down": ParamSpec((e, f, d), ("experts", "expert_mlp", "embed")),
         },
     }
+    if c.expert_bias:
+        s["experts"] |= {
+            "gate_bias": ParamSpec((e, f), ("experts", "expert_mlp"), "zeros"),
+            "up_bias": ParamSpec((e, f), ("experts", "expert_mlp"), "zeros"),
+            "down_bias": ParamSpec((e, d), ("experts", "embed"), "zeros"),
+        }
     if c.router_bias:
         # Random, not zero: at zero, sigmoid routers tie and greedy tokens become a coin toss.
         s["router_bias"] = ParamSpec((e,), (None,), "normal", float32=True)

@@ -16,17 +16,18 @@ from moejax.config import ModelConfig
 from moejax.model.attention import attention
 from moejax.model.layers import rms_norm, rope_cos_sin, swiglu
 from moejax.model.moe import moe_block
-from moejax.model.params import layer_runs
+from moejax.model.params import Run, layer_runs
 
 ROWS = ("batch", "seq", "embed")
 
 
-def decoder_layer(lp: dict, experts, x: jax.Array, positions, cos_sin, cache: dict, selected, c: ModelConfig, placement):
+def decoder_layer(lp: dict, experts, x: jax.Array, positions, cos_sin, cache: dict, selected, c: ModelConfig, placement,
+                  window=0):
     """One layer (attention + dense MLP or MoE) on x: [B, T, D] -> (x, cache, selected, picks or None).
     `experts`: the MoE layer's expert weights as the placement computes with them; `selected`:
-    the DSA selection of the layer before."""
+    the DSA selection of the layer before; `window`: its sliding window (0: full attention)."""
     h = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
-    a, cache, selected = attention(lp["attn"], h, positions, cos_sin, cache, c, placement, selected)
+    a, cache, selected = attention(lp["attn"], h, positions, cos_sin, cache, c, placement, selected, window)
     x = placement.constrain(x + a, ROWS)
     h = rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
     ids = None
@@ -42,10 +43,14 @@ def _layer(stack, i):
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stack)
 
 
-def run_layers(run_params: dict, run_cache: dict, x, selected, positions, cos_sin, c: ModelConfig, placement):
+def run_layers(run: Run, run_params: dict, run_cache: dict, x, selected, positions, cos_sin, c: ModelConfig,
+               placement):
     """One run of identical layers under `lax.scan`: x: [B, T, D] -> (x, run_cache, selected,
     picks: int32 [layers, B*T, k] of a MoE run, else None)."""
-    count = jax.tree.leaves(run_params)[0].shape[0]
+    count = run.count
+    # Sliding-window and full-attention layers share their parameters' shape: the window is
+    # a per-layer input of the scan.
+    windows = jnp.asarray([c.sliding_window if i in c.sliding_layers else 0 for i in run.layers], jnp.int32)
     moe = "moe" in run_params
     depth = min(placement.prefetch_depth, count) if moe else 0
     gather = lambda i: placement.gather_experts(_layer(run_params["moe"]["experts"], jnp.minimum(i, count - 1)))
@@ -53,7 +58,7 @@ def run_layers(run_params: dict, run_cache: dict, x, selected, positions, cos_si
 
     def body(carry, xs):
         x, selected, ahead = carry
-        lp, layer_cache, i = xs
+        lp, layer_cache, i, window = xs
         if not moe:
             experts = None
         elif depth:  # computed with weights gathered `depth` iterations ago; the next gather goes out now
@@ -61,11 +66,11 @@ def run_layers(run_params: dict, run_cache: dict, x, selected, positions, cos_si
         else:
             experts = placement.gather_experts(lp["moe"]["experts"])
         x, layer_cache, selected, ids = decoder_layer(lp, experts, x, positions, cos_sin, layer_cache, selected, c,
-                                                      placement)
+                                                      placement, window)
         return (x, selected, ahead), (layer_cache, ids)
 
     (x, selected, _), (run_cache, picks) = jax.lax.scan(
-        body, (x, selected, ahead), (run_params, run_cache, jnp.arange(count, dtype=jnp.int32)))
+        body, (x, selected, ahead), (run_params, run_cache, jnp.arange(count, dtype=jnp.int32), windows))
     return x, run_cache, selected, picks
 
 
@@ -80,8 +85,8 @@ def forward(params: dict, cache: list, tokens: jax.Array, positions: jax.Array, 
     # DSA: the selection a layer without an indexer reuses (layer 0 always has its own).
     selected = jnp.ones((b, t, jax.tree.leaves(cache)[0].shape[2]), bool) if c.is_dsa else None
     new_cache, picks = [], []
-    for run_params, run_cache in zip(params["layers"], cache):
-        x, run_cache, selected, run_picks = run_layers(run_params, run_cache, x, selected, positions, cos_sin, c,
+    for run, run_params, run_cache in zip(layer_runs(c), params["layers"], cache):
+        x, run_cache, selected, run_picks = run_layers(run, run_params, run_cache, x, selected, positions, cos_sin, c,
                                                        placement)
         new_cache.append(run_cache)
         if run_picks is not None:
