@@ -60,12 +60,12 @@ def loaded(directory: Path, layout: LayoutConfig = LayoutConfig()):
     return config, placement, load_params(config, placement, hf_dir=str(directory))
 
 
-@functools.cache
 def moe_run_specs(c) -> dict:
     """The parameter specs of the first run of MoE layers."""
     return next(run["moe"] for run in param_specs(c)["layers"] if "moe" in run)
 
 
+@functools.cache
 def engine(directory: Path, layout: LayoutConfig = LayoutConfig()) -> Engine:
     config, placement, params = loaded(directory, layout)
     return Engine(config, params, placement)
