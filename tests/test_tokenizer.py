@@ -37,12 +37,17 @@ def test_chat_template_renders_messages_with_generation_prompt(tok):
 @pytest.mark.parametrize("files, expected", [
     ({"generation_config.json": {"eos_token_id": [1, 5]}, "config.json": {"eos_token_id": 9}}, (1, 5)),
     ({"generation_config.json": {}, "config.json": {"eos_token_id": 9}}, (9,)),
-    ({"config.json": {"eos_token_id": None}}, ()),
+    ({"generation_config.json": {"eos_token_id": []}, "config.json": {"eos_token_id": 9}}, ()),
+    ({"config.json": {"eos_token_id": None}}, None),
 ])
 def test_eos_ids_from_generation_config_else_config(tmp_path, files, expected):
     for name, content in files.items():
         (tmp_path / name).write_text(json.dumps(content))
     assert eos_ids(tmp_path) == expected
+
+
+def test_tokenizer_eos_token_when_the_model_files_name_none(tmp_path):
+    assert Tokenizer(make_text_model(tmp_path)).eos_ids == (1,)
 
 
 def test_no_tokenizer_json_means_ids_only(tmp_path):

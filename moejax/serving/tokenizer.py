@@ -23,14 +23,15 @@ def _read_json(path: Path) -> dict:
         raise UsageError(f"cannot read {path}: {e}") from None
 
 
-def eos_ids(directory: str | Path) -> tuple[int, ...]:
-    """End-of-sequence ids of a model directory: generation_config.json's, else config.json's."""
+def eos_ids(directory: str | Path) -> tuple[int, ...] | None:
+    """End-of-sequence ids of a model directory: generation_config.json's, else config.json's;
+    None when neither names any."""
     directory = Path(directory)
     for name in ("generation_config.json", "config.json"):
         value = _read_json(directory / name).get("eos_token_id")
         if value is not None:
             return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
-    return ()
+    return None
 
 
 def _token_text(value) -> str | None:
@@ -63,9 +64,10 @@ class Tokenizer:
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.chat_template = _chat_template(directory, config)
-        self.eos_ids = eos_ids(directory)
-        if not self.eos_ids and self.eos_token is not None and self._tok.token_to_id(self.eos_token) is not None:
-            self.eos_ids = (self._tok.token_to_id(self.eos_token),)
+        ids = eos_ids(directory)
+        if ids is None and self.eos_token is not None and self._tok.token_to_id(self.eos_token) is not None:
+            ids = (self._tok.token_to_id(self.eos_token),)  # the model files name none: the tokenizer's
+        self.eos_ids = ids or ()
 
     @classmethod
     def from_dir(cls, directory: str | Path | None) -> "Tokenizer | None":
