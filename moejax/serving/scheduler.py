@@ -58,8 +58,8 @@ class Request:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int = 0
-    # on_event(request, delta_text, finished): after every new token, from the engine thread.
-    on_event: Callable[["Request", str, bool], None] | None = None
+    # on_event(token, delta_text, finished): after every new token, from the engine thread.
+    on_event: Callable[[int, str, bool], None] | None = None
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     token_times: list[float] = dataclasses.field(default_factory=list)  # when each new token was out
     finished: float | None = None
@@ -307,7 +307,7 @@ class Scheduler:
             with self._cv:
                 self.slots[s] = None
         if r.on_event is not None:
-            r.on_event(r, delta, done)
+            r.on_event(token, delta, done)
 
     def _observe(self, kind: str, picks: list, valid: np.ndarray) -> None:
         if self.pick_observers and picks:

@@ -1,0 +1,76 @@
+"""The `serve` and `bench` verbs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from moejax.errors import UsageError
+
+
+def add_scheduler_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokenizer", metavar="DIR", help="directory with tokenizer.json (default: the --hf directory)")
+    p.add_argument("--slots", type=int, default=16, help="decode slots: requests running at once")
+    p.add_argument("--max-seq-len", type=int, default=0, help="KV cache positions per slot (default: model context, at most 2048)")
+    p.add_argument("--prefill-rows", type=int, default=1, help="requests per prefill call")
+    p.add_argument("--max-batched-tokens", type=int, default=0,
+                   help="tokens per step, decode + prefill (default: slots + one prefill call)")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond which new ones get 429")
+
+
+def build_scheduler(args, progress: bool = True):
+    """(scheduler, tokenizer, end-of-sequence ids), compiled and ready."""
+    from tqdm import tqdm
+
+    from moejax.commands import build_engine, config_from_args
+    from moejax.serving.scheduler import Scheduler
+    from moejax.serving.tokenizer import Tokenizer, eos_ids
+
+    tokenizer = Tokenizer.from_dir(args.tokenizer or args.hf)
+    eos = tokenizer.eos_ids if tokenizer else (eos_ids(args.hf) or ()) if args.hf else ()
+    with tqdm(total=2, desc="load + compile", disable=None if progress else True, file=sys.stderr) as bar:
+        engine = build_engine(config_from_args(args), args.hf, args.seed, args.checkpoint)
+        bar.update()
+        scheduler = Scheduler(engine, slots=args.slots, max_len=args.max_seq_len, prefill_rows=args.prefill_rows,
+                              token_budget=args.max_batched_tokens, max_queue=args.max_queue)
+        scheduler.warm_up()
+        bar.update()
+    return scheduler, tokenizer, eos
+
+
+def model_name(args) -> str:
+    return args.served_model_name or args.hf or args.checkpoint or args.preset or "tiny"
+
+
+def cmd_serve(args) -> int:
+    from moejax.serving.metrics import Metrics, TraceRecorder
+    from moejax.serving.server import build_app, serve
+
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port {args.port} is not a TCP port")
+    api_key = args.api_key or os.environ.get("MOEJAX_API_KEY") or None
+    scheduler, tokenizer, eos = build_scheduler(args)
+    name = model_name(args)
+    metrics = Metrics(scheduler, window=args.expert_window)
+    recorder = TraceRecorder(scheduler, name) if args.record else None
+    app = build_app(scheduler, metrics, tokenizer=tokenizer, eos_ids=eos, model_name=name, api_key=api_key,
+                    on_exit=(lambda: recorder.save(args.record)) if recorder else None)
+    serve(app, args.host, args.port)
+    return 0
+
+
+def register(sub) -> None:
+    from moejax.commands import add_model_args
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching and Prometheus metrics")
+    add_model_args(s)
+    add_scheduler_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                                     "(default: $MOEJAX_API_KEY)")
+    s.add_argument("--served-model-name", help="the model name clients send (default: the model source)")
+    s.add_argument("--record", metavar="FILE", help="write the router picks of all traffic as a trace at exit")
+    s.add_argument("--expert-window", type=int, default=100, help="forward passes in /metrics' expert load")
+    s.set_defaults(func=cmd_serve)
