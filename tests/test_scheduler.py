@@ -82,3 +82,12 @@ def test_no_compile_after_warm_up(scheduler):
     sizes = scheduler._decode._cache_size(), scheduler._prefill._cache_size()
     scheduler.run_all([request(PROMPTS[1], 4, temperature=0.5, top_k=5), request(list(range(3, 40)), 3)])
     assert (scheduler._decode._cache_size(), scheduler._prefill._cache_size()) == sizes
+
+
+def test_bench_drives_an_in_process_scheduler(engine):
+    from moejax.serving import bench
+
+    client = bench.LocalClient(Scheduler(engine, slots=2, max_len=32))
+    s = bench.run(client, num_prompts=5, input_len=6, output_len=4, request_rate=50.0, max_concurrency=None, progress=False)
+    client.close()
+    assert (s["completed"], s["total_output_tokens"]) == (5, 20) and s["request_throughput"] > 0

@@ -224,3 +224,16 @@ def test_record_writes_the_router_picks_of_live_traffic(small):
     small.stop()
     trace = load_trace(small.trace)
     assert set(trace.kind.tolist()) == {"prefill", "decode"} and trace.valid.sum() > 0
+
+
+def test_bench_against_the_server_reports_every_request(server, capsys):
+    from moejax.cli import main
+
+    url = f"http://127.0.0.1:{server.port}"
+    code = main(["bench", "--url", url, "--api-key", KEY, "--num-prompts", "12", "--input-len", "9", "--output-len", "5",
+                 "--max-concurrency", "4", "--json"])
+    s = json.loads(capsys.readouterr().out)
+    assert code == 0 and (s["completed"], s["failed"], s["total_output_tokens"]) == (12, 0, 60)
+    for name in ("ttft", "tpot", "itl", "e2e_latency"):
+        assert 0 < s[f"p50_{name}_ms"] <= s[f"p90_{name}_ms"] <= s[f"p99_{name}_ms"]
+    assert s["mean_ttft_ms"] < s["mean_e2e_latency_ms"]

@@ -60,6 +60,27 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    import json
+
+    from moejax.serving import bench
+
+    if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
+        raise UsageError("--num-prompts, --input-len and --output-len must be at least 1")
+    if args.request_rate <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
+        raise UsageError("--request-rate must be positive and --max-concurrency at least 1")
+    if args.url:
+        client = bench.HTTPClient(args.url, args.api_key or os.environ.get("MOEJAX_API_KEY"))
+    else:
+        client = bench.LocalClient(build_scheduler(args)[0])
+    summary = bench.run(client, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+                        request_rate=args.request_rate, max_concurrency=args.max_concurrency, seed=args.bench_seed)
+    if not args.url:
+        client.close()
+    print(json.dumps(summary) if args.json else bench.table(summary))
+    return 0 if summary["failed"] == 0 else 1
+
+
 def register(sub) -> None:
     from moejax.commands import add_model_args
 
@@ -74,3 +95,17 @@ def register(sub) -> None:
     s.add_argument("--record", metavar="FILE", help="write the router picks of all traffic as a trace at exit")
     s.add_argument("--expert-window", type=int, default=100, help="forward passes in /metrics' expert load")
     s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="load generator: throughput and TTFT/TPOT/ITL/latency percentiles")
+    b.add_argument("--url", help="a running server (moejax serve or any OpenAI-compatible one); without it, "
+                                 "the model flags build an in-process engine")
+    b.add_argument("--api-key", help="bearer key for --url (default: $MOEJAX_API_KEY)")
+    b.add_argument("--num-prompts", type=int, default=64)
+    b.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    b.add_argument("--output-len", type=int, default=64, help="tokens generated per request")
+    b.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson arrivals (default: all at once)")
+    b.add_argument("--max-concurrency", type=int, help="requests in flight at most")
+    b.add_argument("--bench-seed", type=int, default=0, help="seed of the prompts and arrival times")
+    add_model_args(b)
+    add_scheduler_args(b)
+    b.set_defaults(func=cmd_bench)
