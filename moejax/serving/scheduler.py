@@ -7,8 +7,8 @@ SGLang's chunked prefill: a long prompt never stalls the running requests for mo
 A request that stops (end-of-sequence, stop id or string, length, full cache) frees its slot at
 once and the oldest waiting request takes it.
 
-Every jitted program has one shape: decode is [slots, 1], a prefill call is [prefill_rows,
-chunk] with the rows' cache slots gathered from and scattered back into the big cache, so after
+Every jitted program has a few fixed shapes: decode is [W, 1] over the first W slots (W a power
+of two, or all slots), a prefill call is [prefill_rows, chunk] with the rows' cache slots gathered from and scattered back into the big cache, so after
 `warm_up` no request compiles anything.
 
 Why a contiguous cache row per slot and not paged blocks: XLA wants static shapes, and the
@@ -105,10 +105,15 @@ def sample_rows(logits, temperature, top_p, top_k, seeds, positions, *, greedy_o
 
 
 def decode_slots(params, cache, tokens, positions, temperature, top_p, top_k, seeds, *, c, placement, greedy_only):
-    """One decode step over every slot: tokens, positions: [S] -> (next tokens [S], cache, picks)."""
-    h, cache, picks = forward(params, cache, tokens[:, None], positions[:, None], c, placement)
+    """One decode step over the first W slots: tokens, positions: [W] -> (next tokens [W], cache, picks).
+    W (a power of two, or all slots) covers every generating slot; the rest of the cache is left alone."""
+    width, slots = tokens.shape[0], cache[0][next(iter(cache[0]))].shape[0]
+    rows = cache if width == slots else [{k: v[:width] for k, v in layer.items()} for layer in cache]
+    h, rows, picks = forward(params, rows, tokens[:, None], positions[:, None], c, placement)
+    if width < slots:
+        rows = [{k: v.at[:width].set(r[k]) for k, v in layer.items()} for layer, r in zip(cache, rows)]
     logits = lm_head(params, h[:, 0], c)
-    return sample_rows(logits, temperature, top_p, top_k, seeds, positions + 1, greedy_only=greedy_only), cache, picks
+    return sample_rows(logits, temperature, top_p, top_k, seeds, positions + 1, greedy_only=greedy_only), rows, picks
 
 
 def prefill_slots(params, cache, slots, tokens, start, last, temperature, top_p, top_k, seeds, *, c, placement,
@@ -249,13 +254,24 @@ class Scheduler:
         return dict(temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds,
                     greedy_only=bool((temperature == 0).all()))
 
+    def decode_widths(self) -> list[int]:
+        """The decode batch sizes: powers of two from the devices' multiple, and all slots. Slots are
+        taken lowest first, so few requests decode in a narrow batch (a step over all slots costs
+        about 3x a one-row step on the bench model)."""
+        multiple = self.engine.placement.batch_multiple()
+        widths = {self.num_slots}
+        while multiple < self.num_slots:
+            widths.add(multiple)
+            multiple *= 2
+        return sorted(widths)
+
     def _decode_step(self, decoding: list[int]) -> None:
-        tokens = np.zeros(self.num_slots, np.int32)
-        positions = np.full(self.num_slots, self.max_len, np.int32)  # idle: writes dropped
+        width = min(w for w in self.decode_widths() if w > max(decoding))
+        tokens = np.zeros(width, np.int32)
+        positions = np.full(width, self.max_len, np.int32)  # idle: writes dropped
         for s in decoding:
             tokens[s], positions[s] = self.slots[s].token, self.slots[s].pos
-        sampling = self._sampling([self.slots[s].request if s in decoding else None for s in range(self.num_slots)],
-                                  self.num_slots)
+        sampling = self._sampling([self.slots[s].request if s in decoding else None for s in range(width)], width)
         out, self.cache, picks = self._decode(self.engine.params, self.cache, tokens, positions, **sampling)
         out = to_host(out)
         self._observe("decode", picks, positions < self.max_len)
@@ -321,10 +337,11 @@ class Scheduler:
         idle rows, which write nothing."""
         p, n = self.prefill_rows, self.num_slots
         for greedy in (True, False):
-            sampling = self._sampling([], n)
-            sampling["greedy_only"] = greedy
-            _, self.cache, _ = self._decode(self.engine.params, self.cache, np.zeros(n, np.int32),
-                                            np.full(n, self.max_len, np.int32), **sampling)
+            for w in self.decode_widths():
+                sampling = self._sampling([], w)
+                sampling["greedy_only"] = greedy
+                _, self.cache, _ = self._decode(self.engine.params, self.cache, np.zeros(w, np.int32),
+                                                np.full(w, self.max_len, np.int32), **sampling)
             sampling = self._sampling([], p)
             sampling["greedy_only"] = greedy
             out, self.cache, _ = self._prefill(self.engine.params, self.cache, np.full(p, n, np.int32),
