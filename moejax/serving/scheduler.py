@@ -104,16 +104,28 @@ def sample_rows(logits, temperature, top_p, top_k, seeds, positions, *, greedy_o
     return jnp.where(temperature > 0, drawn, greedy)
 
 
-def decode_slots(params, cache, tokens, positions, temperature, top_p, top_k, seeds, *, c, placement, greedy_only):
-    """One decode step over the first W slots: tokens, positions: [W] -> (next tokens [W], cache, picks).
-    W (a power of two, or all slots) covers every generating slot; the rest of the cache is left alone."""
-    width, slots = tokens.shape[0], cache[0][next(iter(cache[0]))].shape[0]
-    rows = cache if width == slots else [{k: v[:width] for k, v in layer.items()} for layer in cache]
-    h, rows, picks = forward(params, rows, tokens[:, None], positions[:, None], c, placement)
-    if width < slots:
-        rows = [{k: v.at[:width].set(r[k]) for k, v in layer.items()} for layer, r in zip(cache, rows)]
+def take_rows(cache: list[dict], slots: jax.Array) -> list[dict]:
+    """The cache rows of `slots` [W] (slot S, out of range: zeros)."""
+    return [{k: v.at[slots].get(mode="fill", fill_value=0) for k, v in layer.items()} for layer in cache]
+
+
+def put_rows(cache: list[dict], slots: jax.Array, rows: list[dict]) -> list[dict]:
+    """cache with `rows` written back at `slots` (slot S: dropped). A gather/scatter at traced slot
+    ids: with static slices XLA folds the read into the write-back and copies the whole cache twice
+    a step instead of updating it in place."""
+    return [{k: v.at[slots].set(r[k], mode="drop") for k, v in layer.items()} for layer, r in zip(cache, rows)]
+
+
+def decode_slots(params, cache, slots, tokens, positions, temperature, top_p, top_k, seeds, *, c, placement,
+                 greedy_only):
+    """One decode step over the W slots `slots` (the first W, in practice):
+    tokens, positions: [W] -> (next tokens [W], cache, picks)."""
+    every = slots.shape[0] == cache[0][next(iter(cache[0]))].shape[0]  # all slots: no gather needed
+    h, rows, picks = forward(params, cache if every else take_rows(cache, slots), tokens[:, None], positions[:, None],
+                             c, placement)
     logits = lm_head(params, h[:, 0], c)
-    return sample_rows(logits, temperature, top_p, top_k, seeds, positions + 1, greedy_only=greedy_only), rows, picks
+    token = sample_rows(logits, temperature, top_p, top_k, seeds, positions + 1, greedy_only=greedy_only)
+    return token, rows if every else put_rows(cache, slots, rows), picks
 
 
 def prefill_slots(params, cache, slots, tokens, start, last, temperature, top_p, top_k, seeds, *, c, placement,
@@ -122,13 +134,11 @@ def prefill_slots(params, cache, slots, tokens, start, last, temperature, top_p,
     A padding row names slot S (out of range): it reads zeros and its writes are dropped.
     Returns (the token after `last` per row [P], meaningful where `last` is in this chunk; cache; picks)."""
     p, chunk = tokens.shape
-    rows = [{k: v.at[slots].get(mode="fill", fill_value=0) for k, v in layer.items()} for layer in cache]
     positions = start[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
-    h, rows, picks = forward(params, rows, tokens, positions, c, placement)
+    h, rows, picks = forward(params, take_rows(cache, slots), tokens, positions, c, placement)
     h = h[jnp.arange(p), jnp.clip(last - start, 0, chunk - 1)]
     token = sample_rows(lm_head(params, h, c), temperature, top_p, top_k, seeds, last + 1, greedy_only=greedy_only)
-    cache = [{k: v.at[slots].set(r[k], mode="drop") for k, v in layer.items()} for layer, r in zip(cache, rows)]
-    return token, cache, picks
+    return token, put_rows(cache, slots, rows), picks
 
 
 # ----------------------------------------------------------------------------- the scheduler
@@ -257,8 +267,9 @@ class Scheduler:
     def decode_widths(self) -> list[int]:
         """The decode batch sizes: powers of two from the devices' multiple, and all slots. Slots are
         taken lowest first, so few requests decode in a narrow batch (a step over all slots costs
-        about 3x a one-row step on the bench model)."""
-        multiple = self.engine.placement.batch_multiple()
+        about 3x a one-row step on the bench model). At least 2: XLA:CPU turns a one-row gather
+        into a slice and then copies the whole cache every step."""
+        multiple = max(2, self.engine.placement.batch_multiple())
         widths = {self.num_slots}
         while multiple < self.num_slots:
             widths.add(multiple)
@@ -272,7 +283,8 @@ class Scheduler:
         for s in decoding:
             tokens[s], positions[s] = self.slots[s].token, self.slots[s].pos
         sampling = self._sampling([self.slots[s].request if s in decoding else None for s in range(width)], width)
-        out, self.cache, picks = self._decode(self.engine.params, self.cache, tokens, positions, **sampling)
+        out, self.cache, picks = self._decode(self.engine.params, self.cache, np.arange(width, dtype=np.int32), tokens,
+                                             positions, **sampling)
         out = to_host(out)
         self._observe("decode", picks, positions < self.max_len)
         now = time.perf_counter()
@@ -340,7 +352,7 @@ class Scheduler:
             for w in self.decode_widths():
                 sampling = self._sampling([], w)
                 sampling["greedy_only"] = greedy
-                _, self.cache, _ = self._decode(self.engine.params, self.cache, np.zeros(w, np.int32),
+                _, self.cache, _ = self._decode(self.engine.params, self.cache, np.arange(w, dtype=np.int32), np.zeros(w, np.int32),
                                                 np.full(w, self.max_len, np.int32), **sampling)
             sampling = self._sampling([], p)
             sampling["greedy_only"] = greedy
