@@ -91,3 +91,10 @@ def test_bench_drives_an_in_process_scheduler(engine):
     s = bench.run(client, num_prompts=5, input_len=6, output_len=4, request_rate=50.0, max_concurrency=None, progress=False)
     client.close()
     assert (s["completed"], s["total_output_tokens"]) == (5, 20) and s["request_throughput"] > 0
+
+
+def test_cancelled_request_frees_its_slot_at_the_next_step(scheduler):
+    r = request(PROMPTS[0], 30)
+    r.on_event = lambda token, delta, done: setattr(r, "cancelled", len(r.tokens) >= 3)
+    scheduler.run_all([r])
+    assert len(r.tokens) == 3 and scheduler.running == 0

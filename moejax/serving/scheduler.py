@@ -63,6 +63,7 @@ class Request:
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     token_times: list[float] = dataclasses.field(default_factory=list)  # when each new token was out
     finished: float | None = None
+    cancelled: bool = False  # set by any thread (a client that went away); the next step drops it
 
     @property
     def tokens(self) -> list[int]:
@@ -249,6 +250,13 @@ class Scheduler:
 
     def _admit(self) -> None:
         with self._cv:
+            for r in [r for r in self.waiting if r.cancelled]:
+                self.waiting.remove(r)
+            for s, slot in enumerate(self.slots):
+                if slot is not None and slot.request.cancelled:
+                    self.slots[s] = None
+                    if s in self.prefilling:
+                        self.prefilling.remove(s)
             for s in range(self.num_slots):
                 if self.slots[s] is None and self.waiting:
                     self.slots[s] = _Slot(self.waiting.popleft())

@@ -118,11 +118,14 @@ def build_app(scheduler, metrics, *, tokenizer, eos_ids, model_name: str, api_ke
 
         async def sse():
             first, done = True, False
-            while not done:
-                token, delta, done = await events.get()
-                out = openai.chunk(rid, model_name, chat, token, delta, r.finish_reason if done else None, first)
-                first = False
-                yield f"data: {json.dumps(out)}\n\n"
+            try:
+                while not done:
+                    token, delta, done = await events.get()
+                    out = openai.chunk(rid, model_name, chat, token, delta, r.finish_reason if done else None, first)
+                    first = False
+                    yield f"data: {json.dumps(out)}\n\n"
+            finally:
+                r.cancelled = not done  # the client went away: free its slot
             metrics.request_done(r)
             if include_usage:
                 yield f"data: {json.dumps({'id': rid, 'object': 'usage', 'choices': [], 'usage': openai.usage(r)})}\n\n"
