@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from moejax.config import Config, EngineConfig
+from moejax.config import Config, EngineConfig, LayoutConfig
 from moejax.engine.engine import Engine
 from moejax.loading import load_params, with_hf_model
 from moejax.serving.scheduler import Request, Scheduler
@@ -18,13 +18,21 @@ PROMPTS = [[5, 17, 45, 2, 88, 61, 9, 30, 12], [7, 3], [40] * 13, [9, 8, 7, 6, 5]
 LENGTHS = [6, 9, 3, 12, 5]
 
 
+def build_engine(directory, prefill_chunk: int, layout: LayoutConfig = LayoutConfig()) -> Engine:
+    config = with_hf_model(Config(engine=EngineConfig(prefill_chunk=prefill_chunk), layout=layout), str(directory))
+    placement = make_placement(config.validate())
+    return Engine(config, load_params(config, placement, hf_dir=str(directory)), placement)
+
+
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    directory = make_text_model(tmp_path_factory.mktemp("text_model"))
-    config = with_hf_model(Config(engine=EngineConfig(prefill_chunk=4)), str(directory)).validate()
-    placement = make_placement(config)
-    engine = Engine(config, load_params(config, placement, hf_dir=str(directory)), placement)
-    engine.tokenizer = Tokenizer(directory)
+def model_dir(tmp_path_factory):
+    return make_text_model(tmp_path_factory.mktemp("text_model"))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    engine = build_engine(model_dir, 4)
+    engine.tokenizer = Tokenizer(model_dir)
     return engine
 
 
@@ -49,6 +57,17 @@ def test_requests_among_others_equal_the_static_engine_alone(engine, scheduler):
     assert [r.tokens for r in done] == [engine.generate([p], n).tokens[0] for p, n in zip(PROMPTS, LENGTHS)]
     assert [r.finish_reason for r in done] == ["length"] * len(PROMPTS)
     assert scheduler.running == 0
+
+
+# ragged_a2a runs in test_server.py (the server on 8 devices).
+@pytest.mark.parametrize("layout", [
+    LayoutConfig(experts="tensor_sliced", devices=8), LayoutConfig(experts="hybrid", devices=8, ep=4, tp=2),
+    LayoutConfig(experts="weight_prefetch", devices=8), LayoutConfig(experts="expert_sharded", devices=8, attention="tp"),
+], ids=lambda layout: f"{layout.experts}-{layout.attention}")
+def test_every_placement_batches_continuously_to_the_single_device_tokens(engine, model_dir, layout):
+    s = Scheduler(build_engine(model_dir, 8, layout), slots=8, max_len=64)
+    done = s.run_all([request(p, n) for p, n in zip(PROMPTS, LENGTHS)])
+    assert [r.tokens for r in done] == [engine.generate([p], n).tokens[0] for p, n in zip(PROMPTS, LENGTHS)]
 
 
 def test_sampled_request_among_others_equals_it_alone(scheduler):
