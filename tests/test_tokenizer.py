@@ -87,3 +87,8 @@ def test_length_shows_what_was_held(tok):
 def test_stop_strings_need_a_tokenizer():
     with pytest.raises(UsageError, match="tokenizer"):
         Stopper(None, stop_strings=["x"])
+
+
+def test_tokenizer_dir_without_tokenizer_json_is_one_usage_line(tmp_path):
+    with pytest.raises(UsageError, match="no tokenizer.json"):
+        Tokenizer.for_run(str(tmp_path), None)

@@ -27,7 +27,7 @@ def build_scheduler(args, progress: bool = True):
     from moejax.serving.scheduler import Scheduler
     from moejax.serving.tokenizer import Tokenizer, eos_ids
 
-    tokenizer = Tokenizer.from_dir(args.tokenizer or args.hf)
+    tokenizer = Tokenizer.for_run(args.tokenizer, args.hf)
     eos = tokenizer.eos_ids if tokenizer else (eos_ids(args.hf) or ()) if args.hf else ()
     with tqdm(total=2, desc="load + compile", disable=None if progress else True, file=sys.stderr) as bar:
         engine = build_engine(config_from_args(args), args.hf, args.seed, args.checkpoint)

@@ -25,7 +25,7 @@ def add_text_args(p: argparse.ArgumentParser) -> None:
 
 
 def load_tokenizer(args) -> Tokenizer | None:
-    return Tokenizer.from_dir(args.tokenizer or args.hf)
+    return Tokenizer.for_run(args.tokenizer, args.hf)
 
 
 def model_stop_ids(args, tokenizer: Tokenizer | None) -> tuple[int, ...]:

@@ -76,6 +76,13 @@ class Tokenizer:
             return None
         return cls(directory)
 
+    @classmethod
+    def for_run(cls, tokenizer_dir: str | None, model_dir: str | None) -> "Tokenizer | None":
+        """--tokenizer DIR (which must hold tokenizer.json), else the model directory's if it has one."""
+        if tokenizer_dir is not None and not (Path(tokenizer_dir) / "tokenizer.json").is_file():
+            raise UsageError(f"--tokenizer {tokenizer_dir}: no tokenizer.json there")
+        return cls.from_dir(tokenizer_dir or model_dir)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
