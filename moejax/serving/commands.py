@@ -17,6 +17,8 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batched-tokens", type=int, default=0,
                    help="tokens per step, decode + prefill (default: slots + one prefill call)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond which new ones get 429")
+    p.add_argument("--speculative", choices=("mtp",), help="decode with the model's MTP draft module (greedy requests)")
+    p.add_argument("--mtp-init", choices=("random",), help="a random MTP module when the checkpoint carries none")
 
 
 def build_scheduler(args, progress: bool = True):
@@ -32,8 +34,17 @@ def build_scheduler(args, progress: bool = True):
     with tqdm(total=2, desc="load + compile", disable=None if progress else True, file=sys.stderr) as bar:
         engine = build_engine(config_from_args(args), args.hf, args.seed, args.checkpoint)
         bar.update()
-        scheduler = Scheduler(engine, slots=args.slots, max_len=args.max_seq_len, prefill_rows=args.prefill_rows,
-                              token_budget=args.max_batched_tokens, max_queue=args.max_queue)
+        kw = dict(slots=args.slots, max_len=args.max_seq_len, prefill_rows=args.prefill_rows,
+                  token_budget=args.max_batched_tokens, max_queue=args.max_queue)
+        if args.speculative == "mtp":
+            from moejax.engine.speculative import load_mtp
+            from moejax.serving.speculative import SpecScheduler
+
+            mtp = load_mtp(engine.config, engine.placement, hf_dir=args.hf, checkpoint=args.checkpoint,
+                           init=args.mtp_init, seed=args.seed)
+            scheduler = SpecScheduler(engine, mtp, **kw)
+        else:
+            scheduler = Scheduler(engine, **kw)
         scheduler.warm_up()
         bar.update()
     return scheduler, tokenizer, eos

@@ -66,6 +66,9 @@ class Metrics:
         self.prompt_tokens = Counter("moejax_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("moejax_generation_tokens", "tokens generated", registry=r)
         self.finished = Counter("moejax_requests_finished", "finished requests", ["finish_reason"], registry=r)
+        if hasattr(scheduler, "drafts"):  # MTP
+            Gauge("moejax_mtp_acceptance_rate", "accepted MTP drafts / drafts checked", registry=r).set_function(
+                lambda: scheduler.accepted / max(1, scheduler.drafts))
         c = scheduler.engine.c
         self.experts = ExpertWindow(list(c.moe_layers), c.num_experts, window)
         r.register(self.experts)

@@ -80,6 +80,7 @@ class _Slot:
     done: int = 0  # prompt positions prefilled
     pos: int = 0  # decode: the position of `token`, fed in the next step
     token: int = 0
+    draft: int = 0  # MTP: the draft for pos + 1 (speculative.py)
 
 
 # ----------------------------------------------------------------------------- jitted programs
