@@ -120,7 +120,7 @@ def put_rows(cache: list[dict], slots: jax.Array, rows: list[dict]) -> list[dict
 
 def decode_slots(params, cache, slots, tokens, positions, temperature, top_p, top_k, seeds, *, c, placement,
                  greedy_only):
-    """One decode step over the W slots `slots` (the first W, in practice):
+    """One decode step over the first W slots (`slots` = 0..W-1):
     tokens, positions: [W] -> (next tokens [W], cache, picks)."""
     every = slots.shape[0] == cache[0][next(iter(cache[0]))].shape[0]  # all slots: no gather needed
     h, rows, picks = forward(params, cache if every else take_rows(cache, slots), tokens[:, None], positions[:, None],
