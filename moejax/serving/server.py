@@ -28,12 +28,30 @@ from moejax.errors import UsageError
 from moejax.serving import openai
 from moejax.serving.scheduler import Draining, QueueFull
 
+DISCONNECT_CHECK_S = 1.0  # how often a waiting non-streamed request checks that its client is still there
+
 
 def error(status: int, message: str) -> JSONResponse:
     """One line of JSON, the shape OpenAI clients parse."""
     kinds = {400: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error"}
     return JSONResponse({"error": {"message": message, "type": kinds.get(status, "server_error"), "code": status}},
                         status_code=status)
+
+
+class BearerKey:
+    """Every endpoint but /health needs `Authorization: Bearer KEY`. Plain ASGI rather than
+    FastAPI's http middleware, which hides a client's disconnect from the handlers."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error(401, "missing or wrong API key: send 'Authorization: Bearer KEY'")
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 def build_app(scheduler, metrics, *, tokenizer, eos_ids, model_name: str, api_key: str | None = None,
@@ -59,13 +77,8 @@ def build_app(scheduler, metrics, *, tokenizer, eos_ids, model_name: str, api_ke
 
     app = FastAPI(title="moejax", lifespan=lifespan)
 
-    @app.middleware("http")
-    async def require_key(request: HTTPRequest, call_next):
-        if api_key is not None and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error(401, "missing or wrong API key: send 'Authorization: Bearer KEY'")
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(BearerKey, key=api_key)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc: HTTPException):
@@ -106,13 +119,25 @@ def build_app(scheduler, metrics, *, tokenizer, eos_ids, model_name: str, api_ke
             return error(503, "the server is shutting down")
         rid = openai.new_id(chat)
 
-        async def finished():
-            while not (await events.get())[2]:
-                pass
-            metrics.request_done(r)
+        async def finished() -> bool:
+            """Waits for the last token; False (request cancelled) if the client goes away first."""
+            checked = time.monotonic()
+            while True:
+                try:
+                    if (await asyncio.wait_for(events.get(), timeout=DISCONNECT_CHECK_S))[2]:
+                        metrics.request_done(r)
+                        return True
+                except asyncio.TimeoutError:
+                    pass
+                if time.monotonic() - checked >= DISCONNECT_CHECK_S:
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        r.cancelled = True
+                        return False
 
         if not stream:
-            await finished()
+            if not await finished():
+                return error(499, "client closed the request")
             return openai.response(r, rid, model_name, chat)
         include_usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage")
 
