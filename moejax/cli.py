@@ -13,7 +13,7 @@ import sys
 from moejax.config import ConfigError
 
 # Modules that define `register(subparsers)`; each subparser sets `func(args) -> int`.
-VERB_MODULES = ("moejax.commands", "moejax.compare", "moejax.analysis.commands", "checkpoints.commands",
+VERB_MODULES = ("moejax.commands", "moejax.compare", "moejax.plan", "moejax.analysis.commands", "checkpoints.commands",
                 "moejax.serving.commands")
 
 
