@@ -57,8 +57,11 @@ def run_layers(run: Run, run_params: dict, run_cache: dict, x, selected, positio
     ahead = tuple(gather(j) for j in range(depth))  # the first `depth` layers' experts, before the scan
 
     def body(carry, xs):
-        x, selected, ahead = carry
-        lp, layer_cache, i, window = xs
+        # The run's cache rides in the carry and each layer updates its own slice in place (as
+        # scanned inputs and outputs, XLA would keep two more copies of the whole cache).
+        x, selected, ahead, run_cache = carry
+        lp, i, window = xs
+        layer_cache = _layer(run_cache, i)
         if not moe:
             experts = None
         elif depth:  # computed with weights gathered `depth` iterations ago; the next gather goes out now
@@ -67,10 +70,12 @@ def run_layers(run: Run, run_params: dict, run_cache: dict, x, selected, positio
             experts = placement.gather_experts(lp["moe"]["experts"])
         x, layer_cache, selected, ids = decoder_layer(lp, experts, x, positions, cos_sin, layer_cache, selected, c,
                                                       placement, window)
-        return (x, selected, ahead), (layer_cache, ids)
+        run_cache = jax.tree.map(lambda whole, new: jax.lax.dynamic_update_index_in_dim(whole, new, i, 0), run_cache,
+                                 layer_cache)
+        return (x, selected, ahead, run_cache), ids
 
-    (x, selected, _), (run_cache, picks) = jax.lax.scan(
-        body, (x, selected, ahead), (run_params, run_cache, jnp.arange(count, dtype=jnp.int32), windows))
+    (x, selected, _, run_cache), picks = jax.lax.scan(
+        body, (x, selected, ahead, run_cache), (run_params, jnp.arange(count, dtype=jnp.int32), windows))
     return x, run_cache, selected, picks
 
 
