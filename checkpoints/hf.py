@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from checkpoints.placing import place_tensor

@@ -7,7 +7,6 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 
 from moejax.config import Config, ConfigError, from_dict, load_file, replace_checked
 from moejax.errors import UsageError

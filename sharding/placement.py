@@ -12,7 +12,6 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-import pallas_kernels
 from moejax.config import Config
 from moejax.model.params import ParamSpec, expert_axis, is_expert_stack
 from sharding import accounting

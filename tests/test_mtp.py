@@ -19,7 +19,6 @@ from moejax.config import Config, EngineConfig, LayoutConfig, preset
 from moejax.engine.engine import Engine
 from moejax.engine.sampling import Sampling, sampling_logits
 from moejax.engine.speculative import SpeculativeEngine, verify
-from moejax.errors import UsageError
 from moejax.loading import load_mtp, load_params
 from moejax.model.transformer import layer_params
 from moejax.model.mtp import init_mtp_cache, mirrored_draft

@@ -138,7 +138,6 @@ def routing(rows: int, k: int, num_experts: int, held: int, share: float, spread
 
 def measure_compute(config: Config, rows: int, width: int, held: int, seed: int = 0) -> list[float]:
     """[base, per_route, per_expert] microseconds of one device's `moe_local` call of this shape."""
-    import jax
     import jax.numpy as jnp
 
     import pallas_kernels
