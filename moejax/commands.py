@@ -116,7 +116,12 @@ def cmd_generate(args) -> int:
     if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
         raise UsageError(f"sampling needs --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1; got "
                          f"{args.temperature}, {args.top_k}, {args.top_p}")
+    from moejax.engine import compile_clock
+
+    compile_clock.start()
+    t0 = compile_clock.now()
     engine = build_engine(config_from_args(args), args.hf, args.seed, args.checkpoint)
+    t1 = compile_clock.now()
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if (args.top_k or args.top_p < 1.0) and sampling.greedy:
         sampling = dataclasses.replace(sampling, temperature=1.0)
@@ -131,7 +136,13 @@ def cmd_generate(args) -> int:
     else:
         gen = engine.generate(prompts, args.max_new_tokens, sampling, seed=args.sample_seed)
     if args.json:
-        print(json.dumps({"tokens": gen.tokens, "finish_reasons": gen.finish_reasons, **extra}))
+        # Disjoint parts of the run: loading less its compiles, all compiles (or cache loads),
+        # then the model's own prefill and mean decode step.
+        timing = {"load_s": round(t1 - t0 - compile_clock.compile_seconds(t0, t1), 3),
+                  "compile_s": round(compile_clock.compile_seconds(t0), 3),
+                  "prefill_ms": round(gen.prefill_ms, 2),
+                  "decode_step_ms": round(gen.step_ms if args.speculative else gen.decode_step_ms, 2)}
+        print(json.dumps({"tokens": gen.tokens, "finish_reasons": gen.finish_reasons, **extra, "timing": timing}))
     else:
         for i, toks in enumerate(gen.tokens):
             print(f"request {i}: {' '.join(map(str, toks))}")
