@@ -39,7 +39,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch-depth", type=int)
     p.add_argument("--expert-format", choices=("bf16", "nvfp4", "mxfp4"))
     p.add_argument("--kernel", choices=("auto", "xla", "pallas_tpu", "pallas_gpu", "interpret"))
-    p.add_argument("--prefill-chunk", type=int)
+    p.add_argument("--prefill-chunk", type=int, help="most prompt positions per prefill call (default: 1024 on CPU, 512 elsewhere)")
     p.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--num-processes", type=int, default=1, help="multi-host: processes in the run (jax.distributed)")
