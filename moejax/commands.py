@@ -47,7 +47,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch-depth", type=int, help="layers ahead that expert weights are gathered")
     p.add_argument("--expert-format", choices=EXPERT_FORMATS, help="experts in --dtype (unquantized) or 4-bit")
     p.add_argument("--kernel", choices=KERNELS, help="grouped-GEMM backend (auto: by platform)")
-    p.add_argument("--prefill-chunk", type=int)
+    p.add_argument("--prefill-chunk", type=int, help="most prompt positions per prefill call (default: 1024 on CPU, 512 elsewhere)")
     p.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--num-processes", type=int, default=1, help="multi-host: processes in the run (jax.distributed)")
@@ -125,12 +125,16 @@ def cmd_generate(args) -> int:
     if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
         raise UsageError(f"sampling needs --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1; got "
                          f"{args.temperature}, {args.top_k}, {args.top_p}")
+    from moejax.engine import compile_clock
     from moejax.serving import text
 
     tokenizer = text.load_tokenizer(args)
     prompts, extra = text.encode_prompts(args.prompt_ids or [[1]], tokenizer, args.chat), {}
     stop_ids = text.model_stop_ids(args, tokenizer)
+    compile_clock.start()
+    t0 = compile_clock.now()
     engine = build_engine(config_from_args(args), args.hf, args.seed, args.checkpoint)
+    t1 = compile_clock.now()
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if (args.top_k or args.top_p < 1.0) and sampling.greedy:
         sampling = dataclasses.replace(sampling, temperature=1.0)
@@ -149,7 +153,14 @@ def cmd_generate(args) -> int:
     if tokenizer is not None:
         extra["text"] = [d.text for d in done]
     if args.json:
-        print(json.dumps({"tokens": [d.tokens for d in done], "finish_reasons": [d.finish_reason for d in done], **extra}))
+        # Disjoint parts of the run: loading less its compiles, all compiles (or cache loads),
+        # then the model's own prefill and mean decode step.
+        timing = {"load_s": round(t1 - t0 - compile_clock.compile_seconds(t0, t1), 3),
+                  "compile_s": round(compile_clock.compile_seconds(t0), 3),
+                  "prefill_ms": round(gen.prefill_ms, 2),
+                  "decode_step_ms": round(gen.step_ms if args.speculative else gen.decode_step_ms, 2)}
+        print(json.dumps({"tokens": [d.tokens for d in done], "finish_reasons": [d.finish_reason for d in done], **extra,
+                          "timing": timing}))
     else:
         for i, d in enumerate(done):
             print(f"request {i}: {' '.join(map(str, d.tokens))}" + (f"\n  {d.text!r}" if tokenizer else ""))

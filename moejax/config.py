@@ -194,14 +194,14 @@ class WeightsConfig:
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     dtype: str = "float32"
-    prefill_chunk: int = 64
+    prefill_chunk: int = 0  # most prompt positions per prefill call; 0 = the platform's default
     max_seq_len: int = 0  # 0 = sized from the prompts and max_new_tokens
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"engine.dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.prefill_chunk < 1:
-            raise ConfigError(f"engine.prefill_chunk must be positive, got {self.prefill_chunk}")
+        if self.prefill_chunk < 0:
+            raise ConfigError(f"engine.prefill_chunk must be positive (or 0: the platform's default), got {self.prefill_chunk}")
 
 
 @dataclasses.dataclass(frozen=True)

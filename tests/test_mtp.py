@@ -187,4 +187,4 @@ def test_cli_reads_mtp_from_the_checkpoint(glm5_dirs, capsys):
     _, with_mtp, _, _ = glm5_dirs
     assert main(["generate", "--hf", str(with_mtp), "--speculative", "mtp", "--max-new-tokens", "6", "--json",
                  "--prompt-ids", "3,17,45,2"]) == 0
-    assert set(json.loads(capsys.readouterr().out)) == {"tokens", "finish_reasons", "acceptance_rate"}
+    assert set(json.loads(capsys.readouterr().out)) == {"tokens", "finish_reasons", "acceptance_rate", "timing"}
