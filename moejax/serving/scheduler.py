@@ -152,6 +152,9 @@ def prefill_slots(params, cache, slots, tokens, start, last, temperature, top_p,
 
 # ----------------------------------------------------------------------------- the scheduler
 
+SERVE_PREFILL_CHUNK = 64
+
+
 class Scheduler:
     """Owns the KV cache and the slots; `step` is called from one engine thread, `submit` from any."""
 
@@ -159,7 +162,10 @@ class Scheduler:
                  max_queue: int = 1024):
         self.engine = engine
         c = engine.c
-        self.chunk = engine.config.engine.prefill_chunk
+        # Unset, a prefill call takes 64 positions per request: a call runs between two decode
+        # steps, so its length is every running request's inter-token latency (the static engine's
+        # one-call-per-prompt default would stall them for a whole prompt).
+        self.chunk = engine.config.engine.prefill_chunk or SERVE_PREFILL_CHUNK
         self.max_len = max_len or min(c.max_position_embeddings, 2048)
         multiple = engine.placement.batch_multiple()
         if slots < 1 or slots % multiple:
