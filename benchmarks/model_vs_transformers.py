@@ -7,11 +7,17 @@ Geometry (issue 2): hidden 1024, 4 layers, 64 experts top-8, expert intermediate
 tokens/s at batch 1 and 16, and the ratio moejax / transformers. Decode is also shown against
 the weight-read bound: bytes a step must read (attention, router, touched experts, head) over
 this machine's measured read bandwidth.
+
+Both sides run as a user gets them: moejax at its default settings (prefill chunk, buckets,
+XLA flags), transformers in its fastest standard configuration: every expert implementation
+it offers on the CPU is timed once, and each measure then uses its fastest one. The settings
+of both sides are printed above the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 
@@ -36,11 +42,14 @@ def hf_model(directory: str):
 
 
 BATCHES = (1, 16)
+MEASURES = ("prefill", *(f"decode b{b}" for b in BATCHES))
+HF_EXPERTS = ("eager", "grouped_mm", "batched_mm")  # transformers' CPU expert implementations
 
 
-def hf_runner(model, prompt_len: int, steps: int):
+def hf_runner(model, prompt_len: int, steps: int, experts=("grouped_mm",) * len(MEASURES)):
     """A function timing one round: [prefill seconds for one prompt of prompt_len, then seconds
-    per decode step at each of BATCHES]. Its first call warms up."""
+    per decode step at each of BATCHES], each measure with its expert implementation from
+    `experts`. Its first call warms up."""
     import torch
 
     rng = np.random.default_rng(0)
@@ -57,24 +66,40 @@ def hf_runner(model, prompt_len: int, steps: int):
             cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
         return (time.perf_counter() - t) / steps
 
-    @torch.no_grad()
-    def run() -> list[float]:
+    def prefill() -> float:
         t = time.perf_counter()
         model(long)
-        return [time.perf_counter() - t] + [decode(short) for short in shorts]
+        return time.perf_counter() - t
+
+    jobs = [prefill] + [lambda short=short: decode(short) for short in shorts]
+
+    @torch.no_grad()
+    def run() -> list[float]:
+        times = []
+        for job, impl in zip(jobs, experts):
+            model.set_experts_implementation(impl)
+            times.append(job())
+        return times
 
     run()
     return run
 
 
+def fastest_hf_experts(model, prompt_len: int, steps: int) -> tuple[str, ...]:
+    """Per measure, the expert implementation transformers runs it fastest with (one timed
+    round each after a warm-up)."""
+    times = {impl: hf_runner(model, prompt_len, steps, (impl,) * len(MEASURES))() for impl in HF_EXPERTS}
+    return tuple(min(HF_EXPERTS, key=lambda impl: times[impl][i]) for i in range(len(MEASURES)))
+
+
 def moejax_runner(directory: str, prompt_len: int, steps: int):
     """As hf_runner, for moejax on one CPU device; its first call compiles."""
-    from moejax.config import Config, EngineConfig
+    from moejax.config import Config
     from moejax.engine.engine import Engine
     from moejax.loading import load_params, with_hf_model
     from sharding import make_placement
 
-    config = with_hf_model(Config(engine=EngineConfig(prefill_chunk=prompt_len)), directory).validate()
+    config = with_hf_model(Config(), directory).validate()  # default settings, as a user runs it
     placement = make_placement(config)
     engine = Engine(config, load_params(config, placement, hf_dir=directory), placement)
     rng = np.random.default_rng(0)
@@ -97,6 +122,21 @@ def step_bytes(batch: int) -> float:
     return 4 * (layers * (attn + d * experts + touched * 3 * d * f) + 2 * d * vocab)
 
 
+def print_settings(experts: tuple[str, ...]) -> None:
+    import jax
+    import torch
+    import transformers
+
+    from moejax.engine.engine import default_prefill_chunk
+
+    print(f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end (other processes add noise)")
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}: {torch.get_num_threads()} threads, "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, expert implementation per measure: "
+          + ", ".join(f"{m} {e}" for m, e in zip(MEASURES, experts)))
+    print(f"moejax on jax {jax.__version__} ({jax.default_backend()}), defaults: prefill chunk "
+          f"{default_prefill_chunk()}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '') or 'none'}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--decode-steps", type=int, default=32)
@@ -105,11 +145,12 @@ def main():
     args = ap.parse_args()
     import torch
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(os.cpu_count())
     with tempfile.TemporaryDirectory() as directory:
         model = hf_model(directory)
         bw = read_bandwidth()
-        runners = [hf_runner(model, args.prompt_len, args.decode_steps),
+        experts = fastest_hf_experts(model, args.prompt_len, args.decode_steps)
+        runners = [hf_runner(model, args.prompt_len, args.decode_steps, experts),
                    moejax_runner(directory, args.prompt_len, args.decode_steps)]
         # The host is shared and noisy: alternate the two and keep each one's best round, so
         # that a slow spell does not land on one side only. The pause lets the other library's
@@ -120,6 +161,7 @@ def main():
                 time.sleep(1.0)
                 best[i] = list(map(min, best[i], run()))
     (hf_pre, *hf_steps), (mj_pre, *mj_steps) = best
+    print_settings(experts)
     print(f"read bandwidth {bw / 1e9:.1f} GB/s; prompt {args.prompt_len} tokens; {args.decode_steps} decode steps; "
           f"best of {args.rounds} alternating rounds")
     print(f"{'measure':<26}{'transformers':>14}{'moejax':>10}{'ratio':>8}{'bound':>9}")

@@ -7,7 +7,10 @@ Tensor names are those transformers writes to disk: per-expert
 stored [out, in] by torch; ours are [in, out], split per head where attention needs it.
 A DeepSeek-V3 / GLM checkpoint may carry the MTP module as one extra layer after the last,
 `model.layers.{num_layers}.*` (enorm, hnorm, eh_proj, shared_head.norm, a decoder layer);
-transformers drops it, `load_hf_mtp` reads it.
+transformers drops it, `load_hf_mtp` reads it. gpt-oss keeps its experts fused
+(`mlp.experts.gate_up_proj` [E, D, 2F], gate and up interleaved, with biases) and its router at
+`mlp.router`. Quantized checkpoints (FP8, NVFP4, MXFP4) are read through
+`checkpoints.quantization.Tensors`: the thunks see floats, or 4-bit experts as published.
 """
 
 from __future__ import annotations
@@ -17,14 +20,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from checkpoints.placing import place_tensor
+from checkpoints.quantization import Tensors, read_scheme, stack
 from checkpoints.safetensors_io import SafetensorsDir
 from moejax.config import ConfigError, ModelConfig, from_hf_config
 from moejax.errors import UsageError
 from moejax.model.mtp import mtp_specs
-from moejax.model.params import ParamSpec, param_specs
+from moejax.model.params import ParamSpec, Run, layer_runs, param_specs
 
 
 def read_hf_config(directory: str | Path) -> ModelConfig:
@@ -42,15 +46,29 @@ def read_hf_config(directory: str | Path) -> ModelConfig:
     except ConfigError as e:
         raise UsageError(f"{path}: {e}") from None
     cfg.validate()
+    read_scheme(directory)  # a quantization this runtime does not read ends here, in one line
     return cfg
 
 
-def _linear(st: SafetensorsDir, name: str) -> np.ndarray:
+def expert_format(directory: str | Path, wanted: str) -> str:
+    """The expert format a run of `directory` uses: experts published 4-bit stay in their
+    format (bit for bit); others are `wanted` (the run dtype, or quantized on load)."""
+    native = read_scheme(directory)
+    native = native.expert_format if native else None
+    if native is None:
+        return wanted
+    if wanted not in ("unquantized", native):
+        raise UsageError(f"{directory} holds {native} experts, not {wanted}; they run as published "
+                         f"(--expert-format {native})")
+    return native
+
+
+def _linear(st: Tensors, name: str) -> np.ndarray:
     """torch Linear weight [out, in] -> [in, out]."""
     return st.get(name + ".weight").T
 
 
-def _attention(st: SafetensorsDir, pre: str, c: ModelConfig) -> dict[str, Callable[[], np.ndarray]]:
+def _attention(st: Tensors, pre: str, c: ModelConfig) -> dict[str, Callable[[], np.ndarray]]:
     h, d = c.num_heads, c.hidden_size
     if c.is_mla:
         def kv_b(part: slice):
@@ -84,16 +102,37 @@ def _attention(st: SafetensorsDir, pre: str, c: ModelConfig) -> dict[str, Callab
         "q_bias": lambda: st.get(pre + "q_proj.bias").reshape(h, dh),
         "k_bias": lambda: st.get(pre + "k_proj.bias").reshape(kv, dh),
         "v_bias": lambda: st.get(pre + "v_proj.bias").reshape(kv, dh),
+        "o_bias": lambda: st.get(pre + "o_proj.bias"),
+        "sinks": lambda: st.get(pre + "sinks"),
         "q_norm": lambda: st.get(pre + "q_norm.weight"),
         "k_norm": lambda: st.get(pre + "k_norm.weight"),
     }
 
 
-def _mlp(st: SafetensorsDir, pre: str) -> dict[str, Callable[[], np.ndarray]]:
+def _mlp(st: Tensors, pre: str) -> dict[str, Callable[[], np.ndarray]]:
     return {p: (lambda p=p: _linear(st, f"{pre}{p}_proj")) for p in ("gate", "up", "down")}
 
 
-def _experts(st: SafetensorsDir, pre: str, c: ModelConfig) -> dict[str, Callable[[], np.ndarray]]:
+def _gpt_oss_experts(st: Tensors, pre: str) -> dict[str, Callable[[], np.ndarray]]:
+    """gpt-oss: gate_up_proj [E, D, 2F] with gate and up interleaved along 2F (and its bias
+    [E, 2F]), down_proj [E, F, D]; or, as released, MXFP4 `*_blocks` / `*_scales` [E, N, ...]."""
+    gate, up = slice(0, None, 2), slice(1, None, 2)
+    if pre + "gate_up_proj_blocks" in st:
+        weights = {"gate": lambda: st.mxfp4_experts(pre + "gate_up_proj", gate),
+                   "up": lambda: st.mxfp4_experts(pre + "gate_up_proj", up),
+                   "down": lambda: st.mxfp4_experts(pre + "down_proj")}
+    else:
+        weights = {"gate": lambda: st.get(pre + "gate_up_proj")[:, :, gate],
+                   "up": lambda: st.get(pre + "gate_up_proj")[:, :, up],
+                   "down": lambda: st.get(pre + "down_proj")}
+    return weights | {"gate_bias": lambda: st.get(pre + "gate_up_proj_bias")[:, gate],
+                      "up_bias": lambda: st.get(pre + "gate_up_proj_bias")[:, up],
+                      "down_bias": lambda: st.get(pre + "down_proj_bias")}
+
+
+def _experts(st: Tensors, pre: str, c: ModelConfig) -> dict[str, Callable[[], np.ndarray]]:
+    if c.family == "gpt_oss":
+        return _gpt_oss_experts(st, pre)
     f = c.moe_intermediate_size
     names = {"gate": "w1", "up": "w3", "down": "w2"} if c.family == "mixtral" else {p: f"{p}_proj" for p in ("gate", "up", "down")}
     fused = pre + "gate_up_proj" in st
@@ -104,12 +143,12 @@ def _experts(st: SafetensorsDir, pre: str, c: ModelConfig) -> dict[str, Callable
                 return st.get(pre + "down_proj").transpose(0, 2, 1)  # [E, D, F] -> [E, F, D]
             w = st.get(pre + "gate_up_proj")  # [E, 2F, D]
             return (w[:, :f] if part == "gate" else w[:, f:]).transpose(0, 2, 1)
-        return np.stack([_linear(st, f"{pre}{e}.{names[part]}") for e in range(c.num_experts)])
+        return st.experts([f"{pre}{e}.{names[part]}" for e in range(c.num_experts)])
 
     return {p: (lambda p=p: per_expert(p)) for p in ("gate", "up", "down")}
 
 
-def _layer(st: SafetensorsDir, i: int, c: ModelConfig) -> dict:
+def _layer(st: Tensors, i: int, c: ModelConfig) -> dict:
     """The same tree as `layer_specs(c, i)`, each leaf a thunk that reads that parameter."""
     pre = f"model.layers.{i}."
     layer = {
@@ -121,16 +160,24 @@ def _layer(st: SafetensorsDir, i: int, c: ModelConfig) -> dict:
         layer["mlp"] = _mlp(st, pre + "mlp.")
     else:
         m = pre + ("block_sparse_moe." if c.family == "mixtral" else "mlp.")
+        router, bias = ("router", "router.bias") if c.family == "gpt_oss" else ("gate", "gate.e_score_correction_bias")
         layer["moe"] = {
-            "router": lambda: _linear(st, m + "gate"),
-            "router_bias": lambda: st.get(m + "gate.e_score_correction_bias"),
+            "router": lambda: _linear(st, m + router),
+            "router_bias": lambda: st.get(m + bias),
             "experts": _experts(st, m + "experts.", c),
             "shared": _mlp(st, m + "shared_experts."),
         }
     return layer
 
 
-def _mtp_sources(st: SafetensorsDir, c: ModelConfig) -> dict:
+def _run(st: Tensors, run: Run, c: ModelConfig) -> dict:
+    """The same tree as a run's stacked specs: each leaf reads that parameter of every layer of
+    the run and stacks them."""
+    per_layer = [_layer(st, i, c) for i in run.layers]
+    return jax.tree.map(lambda *reads: lambda: stack([read() for read in reads]), *per_layer)
+
+
+def _mtp_sources(st: Tensors, c: ModelConfig) -> dict:
     """The same tree as `mtp_specs(c)`: the layer after the last decoder layer."""
     pre = f"model.layers.{c.num_layers}."
     return {
@@ -142,20 +189,21 @@ def _mtp_sources(st: SafetensorsDir, c: ModelConfig) -> dict:
     }
 
 
-def _sources(st: SafetensorsDir, c: ModelConfig) -> dict:
+def _sources(st: Tensors, c: ModelConfig) -> dict:
     """The same tree as `param_specs`, each leaf a thunk that reads that parameter."""
     return {
         "embed": lambda: st.get("model.embed_tokens.weight"),
-        "layers": [_layer(st, i, c) for i in range(c.num_layers)],
+        "layers": [_run(st, run, c) for run in layer_runs(c)],
         "final_norm": lambda: st.get("model.norm.weight"),
         "lm_head": lambda: _linear(st, "lm_head"),
     }
 
 
-def iter_hf_tensors(directory: str | Path, c: ModelConfig, mtp: bool = False) -> Iterator[tuple[tuple, ParamSpec, np.ndarray]]:
+def iter_hf_tensors(directory: str | Path, c: ModelConfig, mtp: bool = False) -> Iterator[tuple[tuple, ParamSpec, object]]:
     """Yields (path in the param tree, spec, array) one parameter at a time: the model's, or
-    with `mtp` the MTP module's."""
-    st = SafetensorsDir(directory)
+    with `mtp` the MTP module's. An array is a float numpy array, or `PackedExperts` for
+    experts published 4-bit."""
+    st = Tensors(directory)
     specs, sources = (mtp_specs(c), _mtp_sources(st, c)) if mtp else (param_specs(c), _sources(st, c))
 
     def walk(spec_tree, src_tree, path):
@@ -184,12 +232,10 @@ def has_mtp(directory: str | Path, c: ModelConfig) -> bool:
     return f"model.layers.{c.num_layers}.eh_proj.weight" in SafetensorsDir(directory)
 
 
-def load_hf(directory: str | Path, c: ModelConfig, dtype, place: Callable[[ParamSpec, np.ndarray], object],
-            mtp: bool = False):
-    """Params (with `mtp`: the MTP module's): every tensor read, cast and handed to
-    `place(spec, array)` (which puts it on its devices) before the next one is read."""
+def load_hf(directory: str | Path, c: ModelConfig, dtype, placement, mtp: bool = False):
+    """Params (with `mtp`: the MTP module's): every tensor read, cast and put on its devices
+    by `placement` before the next one is read."""
     params = jax.tree.map(lambda s: None, mtp_specs(c) if mtp else param_specs(c), is_leaf=lambda x: isinstance(x, ParamSpec))
     for path, spec, array in iter_hf_tensors(directory, c, mtp):
-        target = np.float32 if spec.float32 else jnp.dtype(dtype)
-        set_path(params, path, place(spec, array.astype(target)))
+        set_path(params, path, place_tensor(placement, spec, array, dtype))
     return params

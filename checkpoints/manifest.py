@@ -26,7 +26,8 @@ from pathlib import Path
 from moejax.config import OLD_EXPERT_FORMAT_NAMES, ConfigError, ModelConfig, replace_checked
 from moejax.errors import UsageError
 
-FORMAT_VERSION = 1
+# 2: a run of identical layers is stored stacked, as the layer scan reads it (1: layer by layer).
+FORMAT_VERSION = 2
 MANIFEST = "moejax.json"
 
 
@@ -63,7 +64,8 @@ def read_manifest(ckpt: str | Path) -> Manifest:
         raise UsageError(f"{path}: corrupted (not valid JSON)") from None
     version = doc.get("format_version") if isinstance(doc, dict) else None
     if version != FORMAT_VERSION:
-        raise UsageError(f"{path}: checkpoint format version {version}, this moejax reads version {FORMAT_VERSION}")
+        again = "; convert it again from its transformers directory" if version == 1 else ""
+        raise UsageError(f"{path}: checkpoint format version {version}, this moejax reads version {FORMAT_VERSION}{again}")
     try:
         manifest = Manifest(
             model=replace_checked(ModelConfig(), doc["model"], "model."),

@@ -23,7 +23,7 @@ from checkpoints import packing
 from checkpoints.manifest import (MANIFEST, Manifest, commit, file_sums, new_data_dir, read_manifest, verify_files,
                                   warn_leftovers)
 from moejax.errors import UsageError
-from moejax.model.params import ParamSpec, is_expert_stack, param_dtype, param_specs
+from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_dtype, param_specs
 
 QUANTIZED_LEAVES = ("values", "scales", "tensor_scale")
 GROUP_BYTES = 64 << 20  # below this, orbax's fixed cost per save and restore dominates
@@ -45,7 +45,8 @@ def named_specs(manifest: Manifest) -> tuple[list[tuple[str, ParamSpec]], object
 
 
 def is_quantized(spec: ParamSpec, expert_format: str) -> bool:
-    return is_expert_stack(spec) and expert_format in pallas_kernels.FORMATS
+    """4-bit expert matrices; expert biases stay in the storage dtype."""
+    return is_expert_matrix(spec) and expert_format in pallas_kernels.FORMATS
 
 
 def stored_leaves(spec: ParamSpec, manifest: Manifest) -> dict[str, jax.ShapeDtypeStruct]:
@@ -132,7 +133,7 @@ def save_params(ckpt: str | Path, params: dict, placement) -> Manifest:
     def unpadded():
         for (key, spec), value in zip(names, leaves):
             if is_expert_stack(spec):
-                value = jax.tree.map(lambda a: a[:e], value)
+                value = jax.tree.map(lambda a: jax.lax.slice_in_dim(a, 0, e, axis=expert_axis(spec)), value)
             yield key, to_stored(spec, value, placement.k_slices(spec))
 
     return write(ckpt, manifest, unpadded())
@@ -175,7 +176,7 @@ def _restore_args(spec: ParamSpec, leaves: dict, placement, run_dtype) -> dict:
     for name, leaf in leaves.items():
         shape = list(leaf.shape)
         if is_expert_stack(spec):
-            shape[0] = placement.num_experts  # padding experts: orbax fills zeros
+            shape[expert_axis(spec)] = placement.num_experts  # padding experts: orbax fills zeros
         dtype = param_dtype(spec, run_dtype) if name == "w" else leaf.dtype
         sharding = placement.sharding(spec.axes, tuple(shape)) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
         out[name] = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=tuple(shape), dtype=dtype, strict=False)

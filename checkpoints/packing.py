@@ -16,30 +16,30 @@ import jax.numpy as jnp
 
 
 def _codes(values: jax.Array, slices: int) -> jax.Array:
-    """Slice-wise half-split packed [E, K/2, N] -> codes [E, K, N]."""
-    e, h, n = values.shape
-    v = values.reshape(e, slices, h // slices, n)
-    return jnp.concatenate([v & 0xF, v >> 4], axis=-2).reshape(e, 2 * h, n)
+    """Slice-wise half-split packed [..., K/2, N] -> codes [..., K, N]."""
+    *lead, h, n = values.shape
+    v = values.reshape(*lead, slices, h // slices, n)
+    return jnp.concatenate([v & 0xF, v >> 4], axis=-2).reshape(*lead, 2 * h, n)
 
 
 def _half_split(codes: jax.Array, slices: int) -> jax.Array:
-    e, k, n = codes.shape
-    c = codes.reshape(e, slices, k // slices, n)
+    *lead, k, n = codes.shape
+    c = codes.reshape(*lead, slices, k // slices, n)
     half = k // slices // 2
-    return (c[:, :, :half] | (c[:, :, half:] << 4)).reshape(e, k // 2, n)
+    return (c[..., :half, :] | (c[..., half:, :] << 4)).reshape(*lead, k // 2, n)
 
 
 @functools.partial(jax.jit, static_argnames="slices")
 def to_disk(values: jax.Array, slices: int) -> jax.Array:
     codes = _codes(values, slices)
-    e, k, n = codes.shape
-    pairs = codes.reshape(e, k // 2, 2, n)
-    return pairs[:, :, 0] | (pairs[:, :, 1] << 4)
+    *lead, k, n = codes.shape
+    pairs = codes.reshape(*lead, k // 2, 2, n)
+    return pairs[..., 0, :] | (pairs[..., 1, :] << 4)
 
 
 @functools.partial(jax.jit, static_argnames=("slices", "sharding"))
 def from_disk(values: jax.Array, slices: int, sharding=None) -> jax.Array:
-    e, h, n = values.shape
-    codes = jnp.stack([values & 0xF, values >> 4], axis=2).reshape(e, 2 * h, n)
+    *lead, h, n = values.shape
+    codes = jnp.stack([values & 0xF, values >> 4], axis=-2).reshape(*lead, 2 * h, n)
     out = _half_split(codes, slices)
     return out if sharding is None else jax.lax.with_sharding_constraint(out, sharding)

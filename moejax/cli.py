@@ -7,13 +7,14 @@ convention for bad arguments), never a traceback.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from moejax.config import ConfigError
+from moejax.startup import configure_compile_cache
 
 # Modules that define `register(subparsers)`; each subparser sets `func(args) -> int`.
-VERB_MODULES = ("moejax.commands", "moejax.compare", "moejax.analysis.commands", "checkpoints.commands")
+VERB_MODULES = ("moejax.commands", "moejax.compare", "moejax.plan", "moejax.analysis.commands", "checkpoints.commands",
+                "moejax.serving.commands")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,9 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     # Compiled programs persist between runs: XLA:CPU compiles are most of a short run's time.
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/moejax/xla"))
+    # Before build_parser, whose verb modules import jax.
+    configure_compile_cache()
+    args = build_parser().parse_args(argv)
     try:
         from moejax.commands import init_processes
 

@@ -7,7 +7,6 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 
 from moejax.config import Config, ConfigError, from_dict, load_file, replace_checked
 from moejax.errors import UsageError
@@ -48,7 +47,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch-depth", type=int, help="layers ahead that expert weights are gathered")
     p.add_argument("--expert-format", choices=EXPERT_FORMATS, help="experts in --dtype (unquantized) or 4-bit")
     p.add_argument("--kernel", choices=KERNELS, help="grouped-GEMM backend (auto: by platform)")
-    p.add_argument("--prefill-chunk", type=int)
+    p.add_argument("--prefill-chunk", type=int, help="most prompt positions per prefill call (default: 1024 on CPU, 512 elsewhere)")
     p.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--num-processes", type=int, default=1, help="multi-host: processes in the run (jax.distributed)")
@@ -126,11 +125,19 @@ def cmd_generate(args) -> int:
     if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
         raise UsageError(f"sampling needs --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1; got "
                          f"{args.temperature}, {args.top_k}, {args.top_p}")
+    from moejax.engine import compile_clock
+    from moejax.serving import text
+
+    tokenizer = text.load_tokenizer(args)
+    prompts, extra = text.encode_prompts(args.prompt_ids or [[1]], tokenizer, args.chat), {}
+    stop_ids = text.model_stop_ids(args, tokenizer)
+    compile_clock.start()
+    t0 = compile_clock.now()
     engine = build_engine(config_from_args(args), args.hf, args.seed, args.checkpoint)
+    t1 = compile_clock.now()
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if (args.top_k or args.top_p < 1.0) and sampling.greedy:
         sampling = dataclasses.replace(sampling, temperature=1.0)
-    prompts, extra = args.prompt_ids or [[1]], {}
     if args.speculative == "mtp":
         from moejax.engine.speculative import SpeculativeEngine
         from moejax.loading import load_mtp
@@ -141,11 +148,22 @@ def cmd_generate(args) -> int:
         extra = {"acceptance_rate": gen.acceptance_rate}
     else:
         gen = engine.generate(prompts, args.max_new_tokens, sampling, seed=args.sample_seed)
+    # A static batch runs every request to max_new_tokens; the stop rules then cut each one.
+    done = [text.stopped(t, tokenizer, stop_ids, args.stop) for t in gen.tokens]
+    if tokenizer is not None:
+        extra["text"] = [d.text for d in done]
     if args.json:
-        print(json.dumps({"tokens": gen.tokens, "finish_reasons": gen.finish_reasons, **extra}))
+        # Disjoint parts of the run: loading less its compiles, all compiles (or cache loads),
+        # then the model's own prefill and mean decode step.
+        timing = {"load_s": round(t1 - t0 - compile_clock.compile_seconds(t0, t1), 3),
+                  "compile_s": round(compile_clock.compile_seconds(t0), 3),
+                  "prefill_ms": round(gen.prefill_ms, 2),
+                  "decode_step_ms": round(gen.step_ms if args.speculative else gen.decode_step_ms, 2)}
+        print(json.dumps({"tokens": [d.tokens for d in done], "finish_reasons": [d.finish_reason for d in done], **extra,
+                          "timing": timing}))
     else:
-        for i, toks in enumerate(gen.tokens):
-            print(f"request {i}: {' '.join(map(str, toks))}")
+        for i, d in enumerate(done):
+            print(f"request {i}: {' '.join(map(str, d.tokens))}" + (f"\n  {d.text!r}" if tokenizer else ""))
     return 0
 
 
@@ -161,9 +179,14 @@ def cmd_score(args) -> int:
 
 
 def register(sub) -> None:
+    from moejax.serving.text import add_text_args as text_args
+
     g = sub.add_parser("generate", help="generate tokens for one batch of prompts")
     add_model_args(g)
     g.add_argument("--prompt-ids", type=prompt_ids, action="append", help="1,2,3 (repeat: one request each)")
+    g.add_argument("--prompt", dest="prompt_ids", action="append", metavar="TEXT", help="prompt text (repeatable; in order with --prompt-ids)")
+    g.add_argument("--chat", action="store_true", help="each --prompt is a user message under the model's chat template")
+    text_args(g)
     g.add_argument("--max-new-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0)

@@ -15,6 +15,7 @@ import numpy as np
 
 from moejax.commands import add_model_args, build_engine, config_from_args, ensure_devices, prompt_ids
 from moejax.errors import UsageError
+from moejax.model.transformer import layer_params
 from sharding import registry
 
 # Eight requests of different lengths: one per device under DP attention.
@@ -35,7 +36,7 @@ def measure(engine, prompts, max_new_tokens: int) -> dict:
     placement, c = engine.placement, engine.c
     act_bytes = engine.dtype.itemsize
     decode_picks = gen.picks[-(max_new_tokens - 1):] if max_new_tokens > 1 else gen.picks
-    moe_layers = [lp["moe"]["experts"] for lp in engine.params["layers"] if "moe" in lp]
+    moe_layers = [layer_params(engine.params, i, c)["moe"]["experts"] for i in c.moe_layers]
     sent, read, copies = [], [], []
     for step in decode_picks:
         step_read = 0

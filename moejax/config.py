@@ -17,7 +17,8 @@ from typing import Any
 
 import yaml
 
-from moejax.vocab import ATTENTION_MODES, DISPATCH_DTYPES, DTYPES, EXPERT_FORMATS, FAMILIES, KERNELS, SPLIT_MODES
+from moejax.vocab import (ATTENTION_MODES, DISPATCH_DTYPES, DTYPES, EXPERT_ACTIVATIONS, EXPERT_FORMATS, FAMILIES, KERNELS,
+                          ROUTER_SCORINGS, SPLIT_MODES)
 
 
 class ConfigError(ValueError):
@@ -52,15 +53,23 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     rope_interleave: bool = False
     attention_bias: bool = False
+    o_bias: bool = False  # gpt-oss: the output projection has a bias too
+    attention_sinks: bool = False  # gpt-oss: one learned logit per head joins each softmax
+    sliding_window: int = 0  # layers in `sliding_layers` see only the last `sliding_window` positions
+    sliding_layers: tuple[int, ...] = ()
     qk_norm: bool = False
     rms_norm_eps: float = 1e-6
     num_experts: int = 8
     num_experts_per_tok: int = 2
     num_shared_experts: int = 0
-    router_scoring: str = "softmax"  # softmax | sigmoid
+    router_scoring: str = "softmax"  # softmax | sigmoid | topk_softmax (softmax over the k best logits)
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
-    router_bias: bool = False  # e_score_correction_bias (sigmoid routers)
+    router_bias: bool = False  # e_score_correction_bias (sigmoid routers); added to the logits (topk_softmax)
+    expert_bias: bool = False  # gpt-oss: biases on the experts' gate, up and down projections
+    expert_act: str = "silu"  # silu: silu(gate) * up | clamped_swiglu (gpt-oss, swiglu_alpha and swiglu_limit)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     n_group: int = 1
     topk_group: int = 1
     dense_layers: tuple[int, ...] = ()
@@ -112,8 +121,13 @@ class ModelConfig:
             raise ConfigError(f"num_experts_per_tok {self.num_experts_per_tok} must be in 1..num_experts {self.num_experts}")
         if self.num_experts % self.n_group or self.topk_group > self.n_group:
             raise ConfigError(f"n_group {self.n_group} / topk_group {self.topk_group} do not fit {self.num_experts} experts")
-        if self.router_scoring not in ("softmax", "sigmoid"):
-            raise ConfigError(f"router_scoring {self.router_scoring!r} is not softmax or sigmoid")
+        if self.router_scoring not in ROUTER_SCORINGS:
+            raise ConfigError(f"router_scoring {self.router_scoring!r} is not one of {', '.join(ROUTER_SCORINGS)}")
+        if self.expert_act not in EXPERT_ACTIVATIONS:
+            raise ConfigError(f"expert_act {self.expert_act!r} is not one of {', '.join(EXPERT_ACTIVATIONS)}")
+        if any(not 0 <= i < self.num_layers for i in self.sliding_layers) or (self.sliding_layers and self.sliding_window < 1):
+            raise ConfigError(f"sliding_layers {self.sliding_layers} need a sliding_window >= 1 and layers in "
+                              f"0..{self.num_layers - 1}")
         if any(not 0 <= i < self.num_layers for i in self.dense_layers):
             raise ConfigError(f"dense_layers {self.dense_layers} outside 0..{self.num_layers - 1}")
         if self.is_dsa:
@@ -157,8 +171,8 @@ class LayoutConfig:
         ):
             if value not in allowed:
                 raise ConfigError(f"layout.{name} {value!r} is not one of {', '.join(allowed)}")
-        if self.prefetch_depth < 1:
-            raise ConfigError(f"layout.prefetch_depth must be at least 1, got {self.prefetch_depth}")
+        if self.prefetch_depth < 0:
+            raise ConfigError(f"layout.prefetch_depth must be 0 (gather at use) or more, got {self.prefetch_depth}")
 
 
 # The expert format's earlier name for "unquantized", still read from config files and checkpoints.
@@ -180,14 +194,14 @@ class WeightsConfig:
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     dtype: str = "float32"
-    prefill_chunk: int = 64
+    prefill_chunk: int = 0  # most prompt positions per prefill call; 0 = the platform's default
     max_seq_len: int = 0  # 0 = sized from the prompts and max_new_tokens
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"engine.dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.prefill_chunk < 1:
-            raise ConfigError(f"engine.prefill_chunk must be positive, got {self.prefill_chunk}")
+        if self.prefill_chunk < 0:
+            raise ConfigError(f"engine.prefill_chunk must be positive (or 0: the platform's default), got {self.prefill_chunk}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +263,16 @@ PRESETS: dict[str, ModelConfig] = {
         attention_bias=True, qk_norm=True, num_experts=16, num_experts_per_tok=4, num_shared_experts=1,
         router_scoring="sigmoid", router_bias=True, routed_scaling_factor=1.5, n_group=1, topk_group=1,
         dense_layers=(0,), initializer_range=0.2, rms_norm_eps=1e-5,
+    ),
+    "tiny-gpt-oss": ModelConfig(
+        family="gpt_oss", vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=128,
+        num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True, o_bias=True,
+        attention_sinks=True, sliding_window=4, sliding_layers=(0, 2), num_experts=16, num_experts_per_tok=4,
+        router_scoring="topk_softmax", router_bias=True, norm_topk_prob=False, expert_bias=True,
+        expert_act="clamped_swiglu", swiglu_limit=1.0, initializer_range=0.2, rms_norm_eps=1e-5, rope_theta=150000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256, "beta_fast": 32.0,
+                      "beta_slow": 1.0, "truncate": False},
+        max_position_embeddings=2048,
     ),
     # Mid-size model of the benchmark (issue 2): Qwen3-MoE geometry scaled down.
     "bench-qwen3-moe": ModelConfig(
@@ -389,6 +413,18 @@ def from_hf_config(hf: dict) -> ModelConfig:
             qk_nope_head_dim=g("qk_nope_head_dim"), qk_rope_head_dim=g("qk_rope_head_dim"),
             v_head_dim=g("v_head_dim"), rope_interleave=bool(g("rope_interleave", True)),
             attention_bias=bool(g("attention_bias", False)),
+        )
+    if model_type == "gpt_oss":
+        types = g("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        bias = bool(g("attention_bias", True))
+        return _checked_model(
+            family="gpt_oss", **common, head_dim=head_dim, intermediate_size=g("intermediate_size"),
+            moe_intermediate_size=g("intermediate_size"), num_experts=g("num_local_experts"),
+            router_scoring="topk_softmax", router_bias=True, norm_topk_prob=False, attention_bias=bias, o_bias=bias,
+            attention_sinks=True, sliding_window=g("sliding_window") or 0,
+            sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+            expert_bias=True, expert_act="clamped_swiglu", swiglu_alpha=float(g("swiglu_alpha", 1.702)),
+            swiglu_limit=float(g("swiglu_limit", 7.0)),
         )
     raise ConfigError(f"unsupported architecture {model_type!r} (supported: {', '.join(FAMILIES)})")
 

@@ -8,8 +8,10 @@ checks that they agree. Placement names are not here: the placement registry
 This module imports nothing, so the CLI can build its parser without loading jax.
 """
 
-FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "glm_moe_dsa")
+FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "glm_moe_dsa", "gpt_oss")
 DTYPES = ("float32", "bfloat16")
+ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax")  # topk_softmax: softmax over the k best logits
+EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")  # silu(gate) * up | gpt-oss's clamped (up + 1) * swish
 # "unquantized": the experts stay in the run dtype (engine.dtype); the others are 4-bit formats.
 EXPERT_FORMATS = ("unquantized", "nvfp4", "mxfp4")
 QUANTIZED_FORMATS = EXPERT_FORMATS[1:]

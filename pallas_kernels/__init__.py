@@ -10,13 +10,14 @@ from pallas_kernels.formats import (
     quantize_rows,
     values_nbytes,
 )
-from pallas_kernels.registry import BACKENDS, grouped_gemm, run_weights, unavailable
+from pallas_kernels.registry import BACKENDS, for_kernel, grouped_gemm, run_weights, unavailable
 
 __all__ = [
     "BACKENDS",
     "FORMATS",
     "QuantizedArray",
     "dequantize",
+    "for_kernel",
     "grouped_gemm",
     "unavailable",
     "nbytes",

@@ -181,14 +181,14 @@ def nbytes(x) -> int:
 
 
 def quantize_experts(w: jax.Array, fmt: str, k_slices: int = 1) -> QuantizedArray:
-    """Quantizes stacked experts w: [E, K, N] along K as `k_slices` independent K-slices laid
-    end to end (a placement that slices K over tp devices packs tp slices).
+    """Quantizes stacked experts w: [..., E, K, N] along K as `k_slices` independent K-slices
+    laid end to end (a placement that slices K over tp devices packs tp slices).
 
     A packed byte holds two values of its own slice, so a device holding K-slice j of every
     expert holds a complete 4-bit matrix. Blocks never straddle slices and NVFP4's tensor scale
     stays per expert, so the values and scales are those of quantizing each whole matrix."""
-    e, k, n = w.shape
-    q = quantize(jnp.asarray(w, jnp.float32).reshape(e, k_slices, k // k_slices, n), fmt, axis=-2,
+    *lead, k, n = w.shape
+    q = quantize(jnp.asarray(w, jnp.float32).reshape(*lead, k_slices, k // k_slices, n), fmt, axis=-2,
                  tensor_axes=(-3, -2, -1))
-    return q.replace(values=q.values.reshape(e, -1, n), scales=q.scales.reshape(e, -1, n),
-                     tensor_scale=None if q.tensor_scale is None else q.tensor_scale.reshape(e, 1, 1))
+    return q.replace(values=q.values.reshape(*lead, -1, n), scales=q.scales.reshape(*lead, -1, n),
+                     tensor_scale=None if q.tensor_scale is None else q.tensor_scale.reshape(*lead, 1, 1))

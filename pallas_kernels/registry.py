@@ -50,8 +50,17 @@ def run_weights(w, expert_format: str, k_slices: int = 1, kernel: str = "auto"):
     at load, for a kernel that wants its own layout."""
     if expert_format not in formats.FORMATS:
         return w
-    q = formats.quantize_experts(w, expert_format, k_slices)
-    return prepare_weights(q) if kernel == "blackwell" else q
+    return for_kernel(formats.quantize_experts(w, expert_format, k_slices), kernel)
+
+
+def for_kernel(q: formats.QuantizedArray, kernel: str):
+    """4-bit experts [..., E, K, N] in the layout `kernel` reads (converted once, at load)."""
+    if kernel != "blackwell":
+        return q
+    prepare = prepare_weights
+    for _ in range(q.ndim - 3):  # a run's stacked layers
+        prepare = jax.vmap(prepare)
+    return prepare(q)
 
 
 def is_blackwell() -> bool:

@@ -12,17 +12,36 @@ import jax.numpy as jnp
 import pallas_kernels
 
 
-def expert_ffn(x: jax.Array, group_sizes: jax.Array, w: dict, *, group_offset=0, kernel: str = "auto") -> jax.Array:
-    """x: [M, D] rows sorted by expert; group_sizes: [E_total]; w: gate/up [E, D, F], down [E, F, D].
+def expert_ffn(x: jax.Array, group_sizes: jax.Array, w: dict, *, group_offset=0, kernel: str = "auto",
+               first_slice=True) -> jax.Array:
+    """x: [M, D] rows sorted by expert; group_sizes: [E_total]; w: gate/up [E, D, F], down [E, F, D],
+    optional biases gate_bias/up_bias [E, F], down_bias [E, D] and activation `act(gate, up)`
+    (default silu(gate) * up).
 
     Rows of experts outside [group_offset, group_offset + E) and rows past sum(group_sizes)
-    come out zero.
+    come out zero. Where F is sliced (K-sliced down projections), every slice's output is a
+    partial sum: only the `first_slice` adds the down bias, so the sum has it once.
     """
     gmm = lambda lhs, rhs: pallas_kernels.grouped_gemm(
         lhs, rhs, group_sizes, group_offset=group_offset, backend=kernel, preferred_element_type=x.dtype
     )
-    h = jax.nn.silu(gmm(x, w["gate"])) * gmm(x, w["up"])
-    return gmm(h, w["down"])
+
+    def biased(y, name, here=True):
+        if name not in w:
+            return y
+        return y + jnp.where(here, _row_bias(w[name], group_sizes, group_offset, x.shape[0]), 0).astype(y.dtype)
+
+    gate, up = biased(gmm(x, w["gate"]), "gate_bias"), biased(gmm(x, w["up"]), "up_bias")
+    h = w["act"](gate, up) if "act" in w else jax.nn.silu(gate) * up
+    return biased(gmm(h, w["down"]), "down_bias", first_slice)
+
+
+def _row_bias(b: jax.Array, group_sizes: jax.Array, group_offset, rows: int) -> jax.Array:
+    """b: [E_local, N] -> [rows, N]: each sorted row's expert's bias; zero for rows of other
+    experts (and past the last group), as their outputs are."""
+    expert = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right") - group_offset
+    mine = (expert >= 0) & (expert < b.shape[0])
+    return jnp.where(mine[:, None], b[jnp.clip(expert, 0, b.shape[0] - 1)], 0)
 
 
 def sort_picks(ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
@@ -44,14 +63,14 @@ def combine(y_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Ar
 
 def moe_local(
     x: jax.Array, ids: jax.Array, weights: jax.Array, w: dict, *, num_groups: int | None = None,
-    group_offset=0, kernel: str = "auto",
+    group_offset=0, kernel: str = "auto", first_slice=True,
 ) -> jax.Array:
     """The experts this device holds, applied to its rows: x: [T, D], ids/weights: [T, k] -> [T, D].
 
     `w` holds experts [group_offset, group_offset + E_local) of `num_groups` (default: all of
-    them); picks of other experts contribute zero, and cost nothing.
+    them); picks of other experts contribute zero, and cost nothing. `first_slice`: see `expert_ffn`.
     """
     order, group_sizes = sort_picks(ids, num_groups or w["gate"].shape[0])
     rows = order // ids.shape[1]
-    y = expert_ffn(x[rows], group_sizes, w, group_offset=group_offset, kernel=kernel)
+    y = expert_ffn(x[rows], group_sizes, w, group_offset=group_offset, kernel=kernel, first_slice=first_slice)
     return combine(y, order, weights)

@@ -24,7 +24,8 @@ class GatherScatter(MeshPlacement):
             x, ids, weights = (jax.lax.all_gather(a, ALL, tiled=True) for a in (x, ids, weights))
         e_local = w["gate"].shape[0]
         y = moe_local(x, ids, weights, w, num_groups=self.num_experts,
-                      group_offset=jax.lax.axis_index("ep") * e_local, kernel=self.kernel)
+                      group_offset=jax.lax.axis_index("ep") * e_local, kernel=self.kernel,
+                      first_slice=jax.lax.axis_index("tp") == 0)
         return jax.lax.psum_scatter(y, ALL, tiled=True) if self.rows_sharded else jax.lax.psum(y, ALL)
 
     def bytes_sent_per_device(self, ids, hidden, act_bytes, experts=None):

@@ -16,7 +16,10 @@ from sharding import rules
 from sharding.placement import Placement
 
 EXPERT_AXES = {"gate": ("experts", "embed", "expert_mlp"), "up": ("experts", "embed", "expert_mlp"),
-               "down": ("experts", "expert_mlp", "embed")}
+               "down": ("experts", "expert_mlp", "embed"),
+               "gate_bias": ("experts", "expert_mlp"), "up_bias": ("experts", "expert_mlp"),
+               "down_bias": ("experts", "embed"),
+               "act": ()}  # the experts' activation (no arrays)
 
 
 def make_mesh(shape: tuple[int, int]) -> Mesh:
@@ -71,8 +74,10 @@ class MeshPlacement(Placement):
         return jax.make_array_from_callback(host.shape, self.sharding(axes, host.shape), lambda index: host[index])
 
     def place_cache(self, cache):
+        """Cache dicts (a run's, with a leading layers axis, or one layer's) onto the devices."""
         axes = {k: a for k, (_, a) in cache_specs(self.config.model, 1, 1).items()}
-        return [{k: self.put(v, axes[k]) for k, v in layer.items()} for layer in cache]
+        return [{k: self.put(v, ("layers",) * (v.ndim - len(axes[k])) + axes[k]) for k, v in layer.items()}
+                for layer in cache]
 
     def constrain(self, x, axes):
         return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape))
@@ -86,7 +91,7 @@ class MeshPlacement(Placement):
         `gathered`: every device holds every expert."""
         def leaf_specs(name, tree):
             axes = EXPERT_AXES[name] if not gathered else (None,) + EXPERT_AXES[name][1:]
-            return jax.tree.map(lambda a: self.spec(axes if a.ndim == 3 else axes[:1] + (None,) * (a.ndim - 1),
+            return jax.tree.map(lambda a: self.spec(axes if a.ndim == len(axes) else axes[:1] + (None,) * (a.ndim - 1),
                                                     a.shape), tree)
         return {name: leaf_specs(name, tree) for name, tree in w.items()}
 

@@ -9,14 +9,11 @@ cost hooks (`sharding/registry.py` lists the placements).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax
 import numpy as np
 
-import pallas_kernels
 from moejax.config import Config
-from moejax.model.params import ParamSpec, is_expert_stack
+from moejax.model.params import ParamSpec, expert_axis, is_expert_stack
 from sharding import accounting
 from sharding.experts import moe_local
 
@@ -59,10 +56,15 @@ class Placement:
         """One parameter (an array, or a 4-bit tree of arrays) onto its devices; expert stacks
         padded with empty experts up to `num_experts` (never picked)."""
         def put_leaf(a):
-            if is_expert_stack(spec) and a.shape[0] < self.num_experts:
-                a = np.pad(np.asarray(a), [(0, self.num_experts - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+            if is_expert_stack(spec):
+                ax = expert_axis(spec)
+                if a.shape[ax] < self.num_experts:
+                    pad = [(0, 0)] * a.ndim
+                    pad[ax] = (0, self.num_experts - a.shape[ax])
+                    a = np.pad(np.asarray(a), pad)
             # A leaf of another rank (the Blackwell kernel's scale tiling) is split on experts only.
-            axes = spec.axes if a.ndim == len(spec.axes) else spec.axes[:1] + (None,) * (a.ndim - 1)
+            axes = spec.axes if a.ndim == len(spec.axes) else tuple(
+                x if x in ("layers", "experts") else None for x in spec.axes[:2]) + (None,) * (a.ndim - 2)
             return self.put(a, axes)
         return jax.tree.map(put_leaf, value)
 
@@ -78,10 +80,14 @@ class Placement:
         return x
 
     # ------------------------------------------------------------------ the MoE exchange
-    def expert_weights(self, layers: Sequence[dict]) -> Sequence[dict]:
-        """The expert weights each MoE layer computes with, in layer order. A placement that
-        moves weights returns a sequence that issues its gathers ahead."""
-        return layers
+    # MoE layers ahead that a placement moving weights to the rows gathers them (the decoder's
+    # layer scan carries that many gathered layers); 0 gathers each layer's weights at its use.
+    prefetch_depth = 0
+
+    def gather_experts(self, w: dict) -> dict:
+        """The experts a device computes one MoE layer with, from those at rest on it: the same
+        ones for placements that keep weights in place, every expert for one that moves them."""
+        return w
 
     def moe(self, x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict) -> jax.Array:
         """x: [T, D], ids/weights: [T, k] -> [T, D]: the routed experts' weighted sum per row."""

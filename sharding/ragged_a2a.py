@@ -59,6 +59,30 @@ def _exchange_rows(rows: jax.Array, sizes: jax.Array, dispatch_dtype: str, use_r
     return pallas_kernels.dequantize(q, rows.dtype).reshape(rows.shape)
 
 
+def local_picks(k: int, e_local: int) -> int:
+    """Picks a received row can have on its device: it picked k distinct experts, E_local of
+    which are there."""
+    return min(k, e_local)
+
+
+def exchange_buffers(t_local: int, n: int, k: int, e_local: int, hidden: int, act_bytes: int,
+                     dispatch_row_bytes: int) -> dict[str, int]:
+    """Bytes of each buffer one device allocates for one MoE layer of a pass with t_local rows
+    per device. Sized for the worst case (every row of every device picking this device), so no
+    row is ever dropped: send and receive blocks of t_local slots per peer, each row with its
+    kk = min(k, E_local) local picks (int32 id + f32 weight), and the kk-fold expanded rows the
+    local experts run on."""
+    kk = local_picks(k, e_local)
+    slots = n * t_local
+    return {
+        "dispatch_send": slots * (dispatch_row_bytes + kk * 8),
+        "dispatch_recv": slots * (dispatch_row_bytes + kk * 8),
+        "expert_rows": slots * kk * hidden * act_bytes,
+        "combine_send": slots * hidden * act_bytes,
+        "combine_recv": slots * hidden * act_bytes,
+    }
+
+
 def ragged_a2a(x, ids, weights, w, *, num_experts: int, dispatch_dtype: str, use_ragged: bool, kernel: str):
     """x: [T, D] this device's rows, ids/weights: [T, k] -> [T, D]."""
     t, k = ids.shape
@@ -77,8 +101,14 @@ def ragged_a2a(x, ids, weights, w, *, num_experts: int, dispatch_dtype: str, use
     safe = jnp.where(valid, row_of_slot, 0)
     pick_dev = ids[safe] // e_local  # [n, T, k]
     keep = valid[..., None] & (pick_dev == jnp.arange(n)[:, None, None])
-    send_ids = jnp.where(keep, ids[safe], num_experts)
-    send_w = jnp.where(keep, weights[safe], 0.0)
+    # A row carries only the picks of the device it goes to, at most kk = min(k, E_local) of
+    # them: its kept picks first (stable), then cut to kk, so the receiver computes kk picks
+    # per received row and not k.
+    kk = local_picks(k, e_local)
+    first = jnp.argsort(~keep, axis=-1, stable=True)[..., :kk]  # [n, T, kk]
+    take = lambda a: jnp.take_along_axis(a, first, axis=-1)
+    send_ids = jnp.where(take(keep), take(ids[safe]), num_experts)
+    send_w = jnp.where(take(keep), take(weights[safe]), 0.0)
 
     recv_rows = _exchange_rows(x[safe], send_sizes, dispatch_dtype, use_ragged)
     recv_ids = _exchange(send_ids, send_sizes, use_ragged)
@@ -87,7 +117,7 @@ def ragged_a2a(x, ids, weights, w, *, num_experts: int, dispatch_dtype: str, use
         recv_sizes = jax.lax.all_to_all(send_sizes, ALL, 0, 0, tiled=True)
         recv_ids = jnp.where(jnp.arange(t)[None, :, None] < recv_sizes[:, None, None], recv_ids, num_experts)
 
-    y = moe_local(recv_rows.reshape(n * t, -1), recv_ids.reshape(n * t, k), recv_w.reshape(n * t, k), w,
+    y = moe_local(recv_rows.reshape(n * t, -1), recv_ids.reshape(n * t, kk), recv_w.reshape(n * t, kk), w,
                   num_groups=num_experts + 1, group_offset=me * e_local, kernel=kernel)
     back = _exchange(y.reshape(n, t, -1), jax.lax.all_to_all(send_sizes, ALL, 0, 0, tiled=True), use_ragged)
     # Sum each row's results from the devices it went to.
@@ -134,8 +164,8 @@ class RaggedA2A(MeshPlacement):
     def bytes_sent_per_device(self, ids, hidden, act_bytes, experts=None):
         if self.devices == 1:
             return np.zeros(1)
-        sent, k = self.sent_rows(ids), ids.shape[1]
-        dispatch = sent.sum(1) * (self.dispatch_row_bytes(hidden, act_bytes) + k * accounting.PICK_BYTES)
+        sent, kk = self.sent_rows(ids), local_picks(ids.shape[1], self.num_experts // self.ep)
+        dispatch = sent.sum(1) * (self.dispatch_row_bytes(hidden, act_bytes) + kk * accounting.PICK_BYTES)
         combine = sent.sum(0) * hidden * act_bytes  # results go back to the rows' devices
         return (dispatch + combine + self.gathered_results_bytes(ids.shape[0], hidden, act_bytes)).astype(float)
 

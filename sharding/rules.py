@@ -21,6 +21,7 @@ def rules(layout: LayoutConfig) -> dict[str, str | tuple | None]:
     """Logical axis -> mesh axes. Experts always live on 'ep' and their intermediate
     dimension on 'tp'; the mesh shape is what tells the placements apart."""
     return {
+        "layers": None,  # a run's stacked layers: every device holds its share of each layer
         "experts": "ep",
         "expert_mlp": "tp",
         "batch": ALL if layout.attention == "dp" else None,

@@ -1,11 +1,10 @@
 """Weights travel to the rows: each device keeps E/N experts of every layer at rest and
-all-gathers a layer's other experts `depth` layers ahead of use, so the gather overlaps the
-compute of the layers before it. Rows never leave their device.
+all-gathers a layer's other experts `prefetch_depth` MoE layers ahead of use, so the gather
+overlaps the compute of the layers before it (the decoder's layer scan carries the gathered
+layers: `moejax.model.transformer`). Rows never leave their device.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -13,25 +12,6 @@ import numpy as np
 from sharding import accounting
 from sharding.experts import moe_local
 from sharding.mesh import MeshPlacement, own_share
-
-
-class PrefetchedExperts(Sequence):
-    """The expert weights of each MoE layer, gathered in full. Asking for layer i issues the
-    gathers of layers up to i + depth first (trace order is issue order), so layer i's
-    experts were requested `depth` layers before they are used."""
-
-    def __init__(self, layers: Sequence[dict], gather: Callable[[dict], dict], depth: int):
-        self.layers, self.gather, self.depth = layers, gather, depth
-        self.gathered: dict[int, dict] = {}
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
-    def __getitem__(self, i: int) -> dict:
-        for j in range(i, min(i + self.depth, len(self.layers) - 1) + 1):
-            if j not in self.gathered:
-                self.gathered[j] = self.gather(self.layers[j])
-        return self.gathered.pop(i)
 
 
 def gather_experts(w: dict) -> dict:
@@ -47,16 +27,17 @@ class WeightPrefetch(MeshPlacement):
     name = "weight_prefetch"
     rows_stay_home = True
 
+    def __init__(self, config, mesh=None):
+        super().__init__(config, mesh)
+        self.prefetch_depth = config.layout.prefetch_depth
+
     @classmethod
     def mesh_shape(cls, layout):
         return cls.fixed_mesh(layout, (layout.devices, 1))
 
-    def expert_weights(self, layers):
-        def gather(w):
-            return jax.shard_map(gather_experts, mesh=self.mesh, in_specs=(self.expert_specs(w),),
-                                 out_specs=self.expert_specs(w, gathered=True))(w)
-
-        return PrefetchedExperts(layers, gather, self.config.layout.prefetch_depth)
+    def gather_experts(self, w):
+        return jax.shard_map(gather_experts, mesh=self.mesh, in_specs=(self.expert_specs(w),),
+                             out_specs=self.expert_specs(w, gathered=True))(w)
 
     def exchange(self, x, ids, weights, w):
         inner = lambda x, ids, weights, w: moe_local(x, ids, weights, w, num_groups=self.num_experts,

@@ -58,22 +58,34 @@ def hf_config(family: str):
             index_n_heads=8, indexer_types=["full", "full", "shared"],
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
+    if family == "gpt_oss":
+        # Experts of 128 (MXFP4 blocks of 32 fit each half of a K-slice over 2 devices); a
+        # window of 4 under the test prompts' length; a low swiglu_limit so the clamps bite.
+        return transformers.GptOssConfig(
+            **common | {"hidden_size": 64}, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+            num_local_experts=8, num_experts_per_tok=2, sliding_window=4, swiglu_limit=1.0,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
+        )
     raise ValueError(family)
 
 
-def build_hf_model(family: str, directory: Path, seed: int = 0):
-    """A random transformers model saved to `directory` (save_pretrained); returns the model."""
+def build_hf_model(family: str, directory: Path, seed: int = 0, config=None):
+    """A random transformers model (of `config`, default the family's) saved to `directory`
+    (save_pretrained); returns the model."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(family), dtype=torch.float32).eval()
+    config = hf_config(family) if config is None else config
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.normal_(0.0, 0.2)
         for name, p in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith((".bias", "_bias")):
                 p.normal_(0.0, 0.2)
             elif "norm" in name:
                 p.normal_(1.0, 0.1)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from checkpoints import orbax_io
-from checkpoints.manifest import MANIFEST, read_manifest
+from checkpoints.manifest import FORMAT_VERSION, MANIFEST, read_manifest
 from checkpoints.orbax_io import restore_params, save_params
 from moejax.cli import main
 from moejax.config import PRESETS, Config, LayoutConfig, WeightsConfig
@@ -84,7 +84,7 @@ def test_converted_checkpoint_generates_the_tokens_of_the_transformers_directory
 def test_convert_with_json_prints_one_document_and_no_progress(tmp_path, capsys):
     rc, out, err = cli(["convert", "--hf", GOLDEN, "--out", tmp_path / "ckpt", "--json"], capsys)
     assert rc == 0 and err == ""
-    assert json.loads(out)["tensors"] == 52
+    assert json.loads(out)["tensors"] == 34  # 4 layers as 2 runs (dense, MoE): each run's parameters stacked
 
 
 def test_groups_hold_at_most_the_largest_tensor(converted):
@@ -185,7 +185,9 @@ DAMAGE = {
     "manifest missing": (lambda c: (c / MANIFEST).unlink(), "moejax.json is missing"),
     "manifest not json": (lambda c: (c / MANIFEST).write_text("{"), "moejax.json: corrupted"),
     "other format version": (lambda c: _edit_manifest(c, lambda d: d.update(format_version=99)),
-                             "format version 99, this moejax reads version 1"),
+                             f"format version 99, this moejax reads version {FORMAT_VERSION}"),
+    "layer-by-layer format of earlier versions": (lambda c: _edit_manifest(c, lambda d: d.update(format_version=1)),
+                                                  "convert it again from its transformers directory"),
     "config not matching arrays": (lambda c: _edit_manifest(c, lambda d: d["model"].update(hidden_size=48)),
                                    "model config in moejax.json implies"),
     "data file truncated": (lambda c: os.truncate(_largest_data_file(c), 100), "truncated"),

@@ -57,7 +57,7 @@ def test_4bit_greedy_token_stays_among_the_full_precision_best(fmt):
 
 
 def test_4bit_experts_are_about_a_quarter_of_the_bytes():
-    full = engine_for("unquantized").params["layers"][1]["moe"]["experts"]
+    full = engine_for("unquantized").params["layers"][1]["moe"]["experts"]  # the MoE run's stacks
     nvfp4 = engine_for("nvfp4").params["layers"][1]["moe"]["experts"]
     ratio = sum(pallas_kernels.nbytes(a) for a in jax.tree.leaves(full)) / sum(
         pallas_kernels.nbytes(a) for a in jax.tree.leaves(nvfp4, is_leaf=lambda a: isinstance(a, pallas_kernels.QuantizedArray)))

@@ -19,8 +19,8 @@ from moejax.config import Config, EngineConfig, LayoutConfig, preset
 from moejax.engine.engine import Engine
 from moejax.engine.sampling import Sampling, sampling_logits
 from moejax.engine.speculative import SpeculativeEngine, verify
-from moejax.errors import UsageError
 from moejax.loading import load_mtp, load_params
+from moejax.model.transformer import layer_params
 from moejax.model.mtp import init_mtp_cache, mirrored_draft
 from sharding import make_placement
 
@@ -167,7 +167,7 @@ def test_mtp_weights_load_from_the_layer_after_the_last(glm5_dirs):
     mtp = load_mtp(config, placement, hf_dir=str(with_mtp))
     np.testing.assert_array_equal(mtp["eh_proj"], extra[f"model.layers.{n}.eh_proj.weight"].T)
     np.testing.assert_array_equal(mtp["norm"], extra[f"model.layers.{n}.shared_head.norm.weight"])
-    layer1 = load_params(config, placement, hf_dir=str(with_mtp))["layers"][1]
+    layer1 = layer_params(load_params(config, placement, hf_dir=str(with_mtp)), 1, config.model)
     jax.tree.map(np.testing.assert_array_equal, mtp["layer"], layer1)
 
 
@@ -187,4 +187,4 @@ def test_cli_reads_mtp_from_the_checkpoint(glm5_dirs, capsys):
     _, with_mtp, _, _ = glm5_dirs
     assert main(["generate", "--hf", str(with_mtp), "--speculative", "mtp", "--max-new-tokens", "6", "--json",
                  "--prompt-ids", "3,17,45,2"]) == 0
-    assert set(json.loads(capsys.readouterr().out)) == {"tokens", "finish_reasons", "acceptance_rate"}
+    assert set(json.loads(capsys.readouterr().out)) == {"tokens", "finish_reasons", "acceptance_rate", "timing"}

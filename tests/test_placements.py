@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,11 +15,12 @@ import pytest
 from moejax.config import Config, ConfigError, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import Engine
 from moejax.loading import load_params
+from moejax.model.transformer import layer_params
 import pallas_kernels
 from sharding import accounting, make_placement, names
 from sharding.experts import moe_local
 from sharding.mesh import MeshPlacement
-from sharding.ragged_a2a import RaggedA2A
+from sharding.ragged_a2a import RaggedA2A, exchange_buffers
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21, 22]]
 NEW = 5
@@ -65,7 +67,7 @@ def test_nvfp4_dispatch_equals_the_experts_on_quantized_rows():
     """Rows travelling as NVFP4 are exactly the dequantized rows at their experts."""
     config = Config(model=preset("tiny"), layout=layout("ragged_a2a", dispatch_dtype="nvfp4")).validate()
     placement = make_placement(config)
-    experts = load_params(config, placement)["layers"][1]["moe"]["experts"]
+    experts = layer_params(load_params(config, placement), 1, config.model)["moe"]["experts"]
     t, k = 32, config.model.num_experts_per_tok
     x = jax.random.normal(jax.random.key(0), (t, config.model.hidden_size))
     ids = jnp.asarray(even_router(t, config.model.num_experts, k))
@@ -86,7 +88,7 @@ def adversarial_params(config, placement, key=0):
     for lp in params["layers"]:
         if "moe" in lp:
             lp["moe"]["router"] = jnp.zeros_like(lp["moe"]["router"])
-            lp["moe"]["router_bias"] = jnp.zeros(lp["moe"]["router_bias"].shape).at[:2].set(10.0)
+            lp["moe"]["router_bias"] = jnp.zeros(lp["moe"]["router_bias"].shape).at[..., :2].set(10.0)
     return params
 
 
@@ -145,13 +147,13 @@ def moe_program_and_counts(name: str, **kw):
     config = Config(model=preset("tiny"), layout=layout(name, **kw)).validate()
     placement = make_placement(config)
     params = load_params(config, placement)
-    experts = params["layers"][1]["moe"]["experts"]
+    experts = layer_params(params, 1, config.model)["moe"]["experts"]
     t, d, k = 32, config.model.hidden_size, config.model.num_experts_per_tok
     ids = jnp.asarray(even_router(t, config.model.num_experts, k))
     x, w = jnp.ones((t, d)), jnp.full((t, k), 0.25)
     rows = placement.sharding(("batch", None), (t, d))  # each device starts with its own rows
     x, ids, w = (jax.device_put(a, rows) for a in (x, ids, w))
-    fn = jax.jit(lambda x, i, w_, e: placement.moe(x, i, w_, placement.expert_weights([e])[0]))
+    fn = jax.jit(lambda x, i, w_, e: placement.moe(x, i, w_, placement.gather_experts(e)))
     hlo = fn.lower(x, ids, w, experts).compile().as_text()
     sent = placement.bytes_sent_per_device(np.asarray(ids), d, 4, experts)
     return accounting.hlo_collective_bytes(hlo), sent
@@ -170,11 +172,27 @@ def test_ragged_accounting_is_within_the_worst_case_buffers_of_the_compiled_exch
 
 # ----------------------------------------------------------------------------- compiled programs
 
+def test_ragged_receiver_expands_each_row_to_its_local_picks_only():
+    """32 experts top-8 on 8 devices: a received row has at most 4 picks there, so the local
+    experts run on 4 copies of each received slot, not 8 (the buffers `exchange_buffers` states)."""
+    config = Config(model=preset("tiny-glm5"), layout=layout("ragged_a2a")).validate()
+    placement = make_placement(config)
+    experts = layer_params(load_params(config, placement), 1, config.model)["moe"]["experts"]
+    t, d, k = 32, config.model.hidden_size, config.model.num_experts_per_tok
+    rows = placement.sharding(("batch", None), (t, d))
+    args = [jax.device_put(a, rows) for a in (jnp.ones((t, d)), jnp.zeros((t, k), jnp.int32), jnp.ones((t, k)))]
+    hlo = jax.jit(placement.moe).lower(*args, experts).compile().as_text()
+    slots = 8 * (t // 8)  # n blocks of T_local slots
+    assert f"f32[{slots * 4},{d}]" in hlo and f"f32[{slots * k},{d}]" not in hlo
+    buffers = exchange_buffers(t // 8, 8, k, 4, d, 4, d * 4)
+    assert buffers["expert_rows"] == slots * 4 * d * 4
+
+
 def test_real_ragged_all_to_all_lowers_for_tpu_and_cuda():
     """XLA:CPU lacks ragged-all-to-all; the path TPUs and GPUs take must still lower."""
     config = Config(model=preset("tiny"), layout=layout("ragged_a2a")).validate()
     placement = RaggedA2A(config, use_ragged=True)
-    experts = load_params(config, placement)["layers"][1]["moe"]["experts"]
+    experts = layer_params(load_params(config, placement), 1, config.model)["moe"]["experts"]
     t, d, k = 32, config.model.hidden_size, config.model.num_experts_per_tok
     rows = placement.sharding(("batch", None), (t, d))
     args = [jax.device_put(a, rows) for a in (jnp.ones((t, d)), jnp.zeros((t, k), jnp.int32), jnp.ones((t, k)))]
@@ -186,20 +204,73 @@ def test_real_ragged_all_to_all_lowers_for_tpu_and_cuda():
         assert exported.mlir_module().count("@ragged_all_to_all(") == 4
 
 
-def test_weight_prefetch_gathers_the_next_layer_before_this_layers_experts_run():
-    """In the compiled decode step, MoE layer 2's expert all-gathers are scheduled before
-    MoE layer 1's grouped GEMM loops (prefetch_depth 1)."""
+def _instructions(computation: list[str]) -> dict[str, tuple[str, set[str]]]:
+    """name -> (line, names on its right-hand side) for one HLO computation's instructions."""
+    out = {}
+    for line in computation:
+        m = re.match(r"\s*(?:ROOT )?(%[\w.\-]+) = (.*)", line)
+        if m:
+            out[m.group(1)] = (m.group(2), set(re.findall(r"%[\w.\-]+", m.group(2))))
+    return out
+
+
+def _computations(hlo: str) -> list[list[str]]:
+    comps, current = [], None
+    for line in hlo.splitlines():
+        if line.endswith("{") and not line.startswith(" "):
+            current = []
+        elif line == "}" and current is not None:
+            comps.append(current)
+            current = None
+        elif current is not None:
+            current.append(line)
+    return comps
+
+
+def expert_loops_fed_by_gathers(hlo: str, gathered: tuple[str, ...]) -> tuple[int, int]:
+    """In the layer scan's body (the computation that holds both the full-expert all-gathers and
+    the expert loops, whiles over full experts): (expert loops, of them fed by a gather of that
+    same computation, following operands)."""
+    for comp in _computations(hlo):
+        ins = _instructions(comp)
+        gathers = [n for n, (rhs, _) in ins.items() if " all-gather(" in f" {rhs}" and rhs.startswith(gathered)]
+        loops = [n for n, (rhs, _) in ins.items() if " while(" in rhs and any(g in rhs for g in gathered)]
+        if gathers and loops:
+            fed, frontier = set(gathers), list(gathers)
+            users = {n: [m for m, (_, deps) in ins.items() if n in deps] for n in ins}
+            while frontier:
+                for user in users[frontier.pop()]:
+                    if user not in fed:
+                        fed.add(user)
+                        frontier.append(user)
+            return len(loops), len(set(loops) & fed)
+    raise AssertionError("no computation holds both the expert all-gathers and the expert loops")
+
+
+@functools.cache
+def prefetch_engine(depth: int) -> Engine:
+    model = dataclasses.replace(preset("tiny"), num_layers=4)  # a run of 3 MoE layers
+    config = Config(model=model, layout=layout("weight_prefetch", prefetch_depth=depth)).validate()
+    placement = make_placement(config)
+    return Engine(config, load_params(config, placement), placement)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_weight_prefetch_expert_loops_compute_with_weights_gathered_iterations_earlier(depth):
+    """In the compiled decode step's layer scan, at depth >= 1 no expert loop takes weights
+    gathered in its own iteration (they come from the carry); at depth 0 all of them do."""
     from moejax.engine.sampling import Sampling
 
-    config = Config(model=preset("tiny"), layout=layout("weight_prefetch", prefetch_depth=1)).validate()
-    placement = make_placement(config)
-    engine = Engine(config, load_params(config, placement), placement)
+    engine = prefetch_engine(depth)
+    c = engine.c
     args = (engine.params, engine.new_cache(8, 32), jnp.zeros(8, jnp.int32), jnp.zeros(8, jnp.int32), jax.random.key(0))
     hlo = engine._decode.lower(*args, sampling=Sampling(), record=False).compile().as_text()
-    entry = hlo[hlo.index("ENTRY"):].splitlines()
-    e, d, f = config.model.num_experts, config.model.hidden_size, config.model.moe_intermediate_size
-    full = (f"f32[{e},{d},{f}]", f"f32[{e},{f},{d}]")  # a layer's experts, gathered in full
-    gathers = [i for i, line in enumerate(entry) if " all-gather(" in line and any(s in line for s in full)]
-    loops = [i for i, line in enumerate(entry) if " while(" in line and any(s in line for s in full)]
-    assert len(gathers) == 6 and len(loops) == 6  # 2 MoE layers x (gate, up, down)
-    assert max(gathers) < min(loops)  # layer 2's weights were requested before layer 1 computes
+    e, d, f = c.num_experts, c.hidden_size, c.moe_intermediate_size
+    loops, fed = expert_loops_fed_by_gathers(hlo, (f"f32[{e},{d},{f}]", f"f32[{e},{f},{d}]"))
+    assert loops == 3  # gate, up, down
+    assert fed == (3 if depth == 0 else 0)
+
+
+def test_weight_prefetch_depths_give_the_same_tokens():
+    tokens = [prefetch_engine(depth).generate(PROMPTS, 4).tokens for depth in (0, 1, 2)]
+    assert tokens[0] == tokens[1] == tokens[2]

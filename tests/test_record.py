@@ -36,12 +36,13 @@ def test_valid_rows_mark_batch_padding_and_positions_past_each_prompt():
 
 
 def test_recorded_trace_shape_and_valid_mask(single):
-    # tiny: 3 layers, layer 0 dense, 16 experts top-4; one prefill chunk of 64 positions x 2 requests.
-    assert single.ids.shape == (4, 2, 128, 4)
+    # tiny: 3 layers, layer 0 dense, 16 experts top-4; one prefill chunk of 16 positions (the
+    # prompts' bucket) x 2 requests.
+    assert single.ids.shape == (4, 2, 32, 4)
     assert single.kind.tolist() == ["prefill", "decode", "decode", "decode"]
     assert single.layers.tolist() == [1, 2] and single.num_experts == 16 and single.model == "tiny"
     assert single.valid.sum(axis=1).tolist() == [3 + 5, 2, 2, 2]
-    assert single.valid[0, [0, 1, 2, 64, 68]].all() and not single.valid[0, [3, 69]].any()
+    assert single.valid[0, [0, 1, 2, 16, 20]].all() and not single.valid[0, [3, 21]].any()
     for s in range(single.num_steps):  # a row's picks are distinct experts
         picks = single.step_ids(s)
         assert (np.sort(picks, axis=-1)[..., 1:] != np.sort(picks, axis=-1)[..., :-1]).all()

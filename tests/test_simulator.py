@@ -1,16 +1,14 @@
 """The placement simulator on hand-made traces and a hand-made cost table (no timing): per-device
 work per placement, skew moving the slowest device, and `moejax advise --json`."""
 
-import contextlib
 import dataclasses
-import io
 import json
 
 import numpy as np
 import pytest
 
 from moejax.analysis import costs, eplb
-from moejax.analysis.simulate import Layout, device_work, layouts, phase_us, simulate
+from moejax.analysis.simulate import device_work, layouts, phase_us, simulate
 from moejax.analysis.trace import Trace, save_trace
 from moejax.cli import main
 from moejax.config import Config, preset

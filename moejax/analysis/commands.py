@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from moejax.analysis import analyze as analysis
-from moejax.analysis import calc, plots, synthetic
+from moejax.analysis import calc, synthetic
 from moejax.analysis.trace import load_trace, save_trace
 from moejax.commands import add_model_args, prompt_ids
 from moejax.config import ConfigError, ModelConfig, from_hf_config, preset
@@ -167,6 +167,8 @@ def run_analyze(args) -> int:
     report = analysis.analyze(load_trace(args.trace), devices, geometry, name, args.expert_format, args.eplb_slots)
     if args.plots:
         try:
+            from moejax.analysis import plots  # matplotlib: ~1 s of import every other verb would pay
+
             report["plots"] = [str(p) for p in plots.write_plots(report, args.plots)]
         except OSError as e:
             raise UsageError(f"cannot write plots into {args.plots}: {e.strerror}") from None

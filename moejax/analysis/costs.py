@@ -138,7 +138,6 @@ def routing(rows: int, k: int, num_experts: int, held: int, share: float, spread
 
 def measure_compute(config: Config, rows: int, width: int, held: int, seed: int = 0) -> list[float]:
     """[base, per_route, per_expert] microseconds of one device's `moe_local` call of this shape."""
-    import jax
     import jax.numpy as jnp
 
     import pallas_kernels
@@ -174,19 +173,20 @@ def layer_timer(config: Config, layout: Layout, ids: np.ndarray, seed: int = 0):
     import jax.numpy as jnp
 
     from moejax.loading import load_params
+    from moejax.model.transformer import layer_params
     from sharding import make_placement, with_placement
 
     cfg = with_placement(config, layout.name, layout.devices, layout.ep, layout.tp)
     placement = make_placement(cfg)
     params = load_params(cfg, placement, seed=seed)
-    experts = next(lp["moe"]["experts"] for lp in params["layers"] if "moe" in lp)
+    experts = layer_params(params, cfg.model.moe_layers[0], cfg.model)["moe"]["experts"]
     dtype = jnp.dtype(cfg.engine.dtype)
     rows, k = ids.shape
     put = lambda a: jax.device_put(a, placement.sharding(("batch", None), a.shape))
     x = put(jnp.asarray(np.random.default_rng(seed).normal(size=(rows, cfg.model.hidden_size)), dtype))
 
     def layer(x, ids, wts, w):
-        w = placement.expert_weights([w])[0]  # a placement that moves weights gathers here
+        w = placement.gather_experts(w)  # a placement that moves weights gathers here
         return placement.moe(x, ids, wts, w)
     return _timer(_repeated(layer), x, put(jnp.asarray(ids)), put(jnp.full((rows, k), 1.0 / k, dtype)), experts)
 

@@ -25,7 +25,7 @@ def valid_rows(prompt_lens: list[int], batch: int, chunk: int, start: int | None
 def model_trace(engine, prompts: list[list[int]], steps: int, model: str) -> dict:
     """`save_trace`'s fields for prefill of `prompts` then `steps` decode steps of greedy generation."""
     gen = engine.generate(prompts, steps + 1, record=True)  # the first new token comes from prefill
-    chunk = engine.config.engine.prefill_chunk
+    chunk = engine.chunk_for(prompts)
     passes = [np.stack([np.asarray(p) for p in layers]) for layers in gen.picks]  # each int32[L, R_s, k]
     batch = passes[-1].shape[1]  # a decode step has one row per (padded) request
     num_prefill = len(passes) - steps

@@ -1,4 +1,5 @@
-"""The preallocated KV cache: one dict of arrays per layer, shaped [B, S, ...]."""
+"""The preallocated KV cache: per run of identical layers (`params.layer_runs`), one dict of
+arrays stacked on a leading layers axis, [layers, B, ...]."""
 
 from __future__ import annotations
 
@@ -7,17 +8,13 @@ import jax.numpy as jnp
 
 from moejax.config import ModelConfig
 from moejax.model.attention import cache_specs
-
-
-def cache_axes(c: ModelConfig, batch: int, max_len: int) -> list[dict]:
-    """Logical axes of every cache array (for the placements' shardings)."""
-    return [{k: axes for k, (_, axes) in cache_specs(c, batch, max_len, i).items()} for i in range(c.num_layers)]
+from moejax.model.params import layer_runs
 
 
 def init_cache(c: ModelConfig, batch: int, max_len: int, dtype) -> list[dict]:
     return [
-        {k: jnp.zeros(shape, dtype) for k, (shape, _) in cache_specs(c, batch, max_len, i).items()}
-        for i in range(c.num_layers)
+        {k: jnp.zeros((run.count, *shape), dtype) for k, (shape, _) in cache_specs(c, batch, max_len, run.first).items()}
+        for run in layer_runs(c)
     ]
 
 

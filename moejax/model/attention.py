@@ -42,17 +42,24 @@ def _write(cache: jax.Array, new: jax.Array, positions: jax.Array, seq_axis: int
     return cache.at[index].set(new.astype(cache.dtype), mode="drop")
 
 
-def _causal_mask(positions: jax.Array, max_len: int) -> jax.Array:
-    """[B, T, S]: key position s is visible to the query at position p when s <= p."""
-    return jnp.arange(max_len)[None, None, :] <= positions[:, :, None]
+def _causal_mask(positions: jax.Array, max_len: int, window=0) -> jax.Array:
+    """[B, T, S]: key position s is visible to the query at position p when s <= p (and, with a
+    sliding `window` > 0, s > p - window). `window` may be traced: a layer scan's per-layer input."""
+    s, p = jnp.arange(max_len)[None, None, :], positions[:, :, None]
+    return (s <= p) & ((window == 0) | (s > p - window))
 
 
-def _softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
+def _softmax(scores: jax.Array, mask: jax.Array, sinks: jax.Array | None = None) -> jax.Array:
+    """Softmax over the last axis; `sinks` (broadcast against scores[..., :1]) are logits that
+    join the normalisation but attend to nothing (gpt-oss's attention sinks)."""
     scores = jnp.where(mask, scores.astype(jnp.float32), -jnp.inf)
-    return jax.nn.softmax(scores, axis=-1)
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1)
+    sinks = jnp.broadcast_to(sinks.astype(jnp.float32), scores[..., :1].shape)
+    return jax.nn.softmax(jnp.concatenate([scores, sinks], axis=-1), axis=-1)[..., :-1]
 
 
-def gqa(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: ModelConfig, placement):
+def gqa(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: ModelConfig, placement, window=0):
     q = jnp.einsum("btd,dhk->bthk", x, p["q"])
     k = jnp.einsum("btd,dhk->bthk", x, p["k"])
     v = jnp.einsum("btd,dhk->bthk", x, p["v"])
@@ -69,9 +76,11 @@ def gqa(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: Mo
     groups = h // c.num_kv_heads
     q = q.reshape(b, t, c.num_kv_heads, groups, dh)
     scores = jnp.einsum("btkgd,bksd->bkgts", q, keys) * c.softmax_scale
-    probs = _softmax(scores, _causal_mask(positions, keys.shape[2])[:, None, None]).astype(values.dtype)
+    sinks = p["sinks"].reshape(c.num_kv_heads, groups, 1, 1) if c.attention_sinks else None
+    probs = _softmax(scores, _causal_mask(positions, keys.shape[2], window)[:, None, None], sinks).astype(values.dtype)
     out = jnp.einsum("bkgts,bksd->btkgd", probs, values).reshape(b, t, h, dh)
-    return jnp.einsum("bthk,hkd->btd", out, p["o"]), cache
+    out = jnp.einsum("bthk,hkd->btd", out, p["o"])
+    return (out + p["o_bias"] if c.o_bias else out), cache
 
 
 def mla(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: ModelConfig, placement, selected=None):
@@ -110,8 +119,9 @@ def mla(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: Mo
     return jnp.einsum("bthv,hvd->btd", out, p["o"]), cache, selected
 
 
-def attention(p, x, positions, cos_sin, cache, c: ModelConfig, placement, selected=None):
-    """-> (out [B, T, D], cache, selected: the DSA selection a following layer may reuse, else None)."""
+def attention(p, x, positions, cos_sin, cache, c: ModelConfig, placement, selected=None, window=0):
+    """-> (out [B, T, D], cache, selected: the DSA selection a following layer may reuse, else None).
+    `window`: a sliding-window layer's window (0: full attention; GQA only)."""
     if c.is_mla:
         return mla(p, x, positions, cos_sin, cache, c, placement, selected)
-    return (*gqa(p, x, positions, cos_sin, cache, c, placement), None)
+    return (*gqa(p, x, positions, cos_sin, cache, c, placement, window), None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +22,22 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 def swiglu(x: jax.Array, p: dict) -> jax.Array:
     """x: [..., D] -> [..., D] through gate/up [D, F] and down [F, D]."""
     return (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
+
+
+@flax.struct.dataclass
+class ClampedSwiGLU:
+    """gpt-oss's expert activation: gate clamped above, up clamped both sides at `limit`,
+    (up + 1) * gate * sigmoid(alpha * gate). Static (no arrays): it travels through the
+    placement seam with the expert weights it belongs to (`experts["act"]`)."""
+
+    alpha: float = flax.struct.field(pytree_node=False)
+    limit: float = flax.struct.field(pytree_node=False)
+
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        gate = jnp.minimum(gate, self.limit)
+        up = jnp.clip(up, -self.limit, self.limit)
+        glu = gate * jax.nn.sigmoid(gate * self.alpha)
+        return (up + 1) * glu
 
 
 def rope_inv_freq(c: ModelConfig) -> tuple[np.ndarray, float]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 
 from moejax.config import ModelConfig
-from moejax.model.layers import swiglu
+from moejax.model.layers import ClampedSwiGLU, swiglu
 from moejax.model.router import route
 
 
@@ -15,6 +15,8 @@ def moe_block(p: dict, experts: dict, x: jax.Array, c: ModelConfig, placement) -
     b, t, d = x.shape
     rows = x.reshape(b * t, d)
     ids, weights = route(p, rows, c)
+    if c.expert_act == "clamped_swiglu":
+        experts = {**experts, "act": ClampedSwiGLU(c.swiglu_alpha, c.swiglu_limit)}
     y = placement.moe(rows, ids, weights, experts)
     if c.num_shared_experts:
         y = y + swiglu(rows, p["shared"])

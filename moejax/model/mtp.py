@@ -15,7 +15,7 @@ from moejax.config import ModelConfig
 from moejax.model.attention import cache_specs
 from moejax.model.layers import rms_norm, rope_cos_sin
 from moejax.model.params import ParamSpec, layer_specs
-from moejax.model.transformer import ROWS, decoder_layer
+from moejax.model.transformer import ROWS, decoder_layer, layer_params
 
 
 def mtp_specs(c: ModelConfig) -> dict:
@@ -41,7 +41,7 @@ def mtp_forward(mtp: dict, params: dict, cache: dict, hidden: jax.Array, tokens:
     e = rms_norm(params["embed"][tokens], mtp["enorm"], c.rms_norm_eps)
     h = rms_norm(hidden, mtp["hnorm"], c.rms_norm_eps)
     x = placement.constrain(jnp.concatenate([e, h], axis=-1) @ mtp["eh_proj"], ROWS)
-    experts = placement.expert_weights([mtp["layer"]["moe"]["experts"]])[0]
+    experts = placement.gather_experts(mtp["layer"]["moe"]["experts"])
     x, cache, _, _ = decoder_layer(mtp["layer"], experts, x, positions, rope_cos_sin(c, positions), cache, None, c, placement)
     return rms_norm(x, mtp["norm"], c.rms_norm_eps), cache
 
@@ -61,7 +61,7 @@ def mirrored_draft(params: dict, c: ModelConfig) -> tuple[dict, dict]:
         "enorm": jnp.ones((d,), embed.dtype),
         "hnorm": jnp.ones((d,), embed.dtype),
         "eh_proj": jnp.concatenate([jnp.eye(d, dtype=embed.dtype), jnp.zeros((d, d), embed.dtype)]),
-        "layer": params["layers"][-1],
+        "layer": layer_params(params, c.num_layers - 1, c),
         "norm": params["final_norm"],
     }
     return {**params, "embed": embed}, mtp

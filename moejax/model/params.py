@@ -31,9 +31,19 @@ def _is_spec(x) -> bool:
 
 
 def is_expert_stack(spec: ParamSpec) -> bool:
-    """Stacked routed experts [E, ...]: the parameters placements split by expert and that
-    `weights.expert_format` may store in 4 bits."""
-    return spec.axes[:1] == ("experts",)
+    """Routed experts [E, ...] (in a run: [layers, E, ...]): the parameters placements split by
+    expert and that `weights.expert_format` may store in 4 bits."""
+    return "experts" in spec.axes[:2]
+
+
+def is_expert_matrix(spec: ParamSpec) -> bool:
+    """An expert stack of matrices [..., E, K, N] (not a bias [..., E, N]): what 4-bit formats quantize."""
+    return spec.axes[-3:-2] == ("experts",)
+
+
+def expert_axis(spec: ParamSpec) -> int:
+    """Where the experts axis of an expert stack lies (1 in a run's stacked tree)."""
+    return spec.axes.index("experts")
 
 
 def _mlp_specs(d: int, f: int, axis: str) -> dict:
@@ -84,6 +94,10 @@ def _attention_specs(c: ModelConfig, indexer: bool) -> dict:
         s["q_bias"] = ParamSpec((h, dh), ("heads", "head_dim"), "zeros")
         s["k_bias"] = ParamSpec((kv, dh), ("kv_heads", "head_dim"), "zeros")
         s["v_bias"] = ParamSpec((kv, dh), ("kv_heads", "head_dim"), "zeros")
+    if c.o_bias:
+        s["o_bias"] = ParamSpec((d,), ("embed",), "zeros")
+    if c.attention_sinks:
+        s["sinks"] = ParamSpec((h,), ("heads",))
     if c.qk_norm:
         s["q_norm"] = ParamSpec((dh,), ("head_dim",), "ones")
         s["k_norm"] = ParamSpec((dh,), ("head_dim",), "ones")
@@ -100,6 +114,12 @@ def _moe_specs(c: ModelConfig) -> dict:
             "down": ParamSpec((e, f, d), ("experts", "expert_mlp", "embed")),
         },
     }
+    if c.expert_bias:
+        s["experts"] |= {
+            "gate_bias": ParamSpec((e, f), ("experts", "expert_mlp"), "zeros"),
+            "up_bias": ParamSpec((e, f), ("experts", "expert_mlp"), "zeros"),
+            "down_bias": ParamSpec((e, d), ("experts", "embed"), "zeros"),
+        }
     if c.router_bias:
         # Random, not zero: at zero, sigmoid routers tie and greedy tokens become a coin toss.
         s["router_bias"] = ParamSpec((e,), (None,), "normal", float32=True)
@@ -123,11 +143,43 @@ def layer_specs(c: ModelConfig, layer: int) -> dict:
     return specs
 
 
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Consecutive decoder layers with the same parameter tree: one `lax.scan` runs them, over
+    their parameters stacked on a leading "layers" axis."""
+
+    first: int  # its first layer
+    count: int
+
+    @property
+    def layers(self) -> range:
+        return range(self.first, self.first + self.count)
+
+
+def layer_runs(c: ModelConfig) -> tuple[Run, ...]:
+    """The decoder's layers as runs of identical layers: a dense prefix, then the MoE layers
+    (a DSA layer that shares the previous layer's selection, having no indexer, ends a run)."""
+    kinds = [(i in c.dense_layers, c.has_indexer(i)) for i in range(c.num_layers)]
+    runs, first = [], 0
+    for i in range(1, c.num_layers + 1):
+        if i == c.num_layers or kinds[i] != kinds[first]:
+            runs.append(Run(first, i - first))
+            first = i
+    return tuple(runs)
+
+
+def stacked(specs, count: int):
+    """A layer's spec tree with a leading never-sharded "layers" axis of `count`."""
+    return jax.tree.map(lambda s: dataclasses.replace(s, shape=(count, *s.shape), axes=("layers", *s.axes)), specs,
+                        is_leaf=_is_spec)
+
+
 def param_specs(c: ModelConfig) -> dict:
+    """The model's parameters; "layers" holds one stacked tree per run (`layer_runs`)."""
     d = c.hidden_size
     specs = {
         "embed": ParamSpec((c.vocab_size, d), ("vocab", "embed")),
-        "layers": [layer_specs(c, i) for i in range(c.num_layers)],
+        "layers": [stacked(layer_specs(c, run.first), run.count) for run in layer_runs(c)],
         "final_norm": ParamSpec((d,), ("embed",), "ones"),
     }
     if not c.tie_word_embeddings:

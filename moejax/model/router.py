@@ -17,6 +17,9 @@ def route(p: dict, x: jax.Array, c: ModelConfig) -> tuple[jax.Array, jax.Array]:
     logits = x.astype(jnp.float32) @ p["router"]  # [T, E]
     if c.router_scoring == "softmax":
         weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    elif c.router_scoring == "topk_softmax":  # gpt-oss: biased logits, softmax over the k picked
+        best, ids = jax.lax.top_k(logits + p["router_bias"] if c.router_bias else logits, k)
+        weights = jax.nn.softmax(best, axis=-1)
     else:
         scores = jax.nn.sigmoid(logits)
         choice = scores + p["router_bias"] if c.router_bias else scores

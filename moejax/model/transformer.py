@@ -1,4 +1,11 @@
-"""The decoder: embedding, layers (attention + dense MLP or MoE), final norm, LM head."""
+"""The decoder: embedding, layers (attention + dense MLP or MoE), final norm, LM head.
+
+Layers run as one `lax.scan` per run of identical layers (`params.layer_runs`) over their
+stacked parameters and cache, so compile time and memory do not grow with depth. A placement
+that moves expert weights to the rows (`placement.prefetch_depth` > 0) has the scan carry the
+experts gathered for the next `prefetch_depth` MoE layers: iteration i computes with weights
+gathered `prefetch_depth` iterations earlier and issues the gather for layer i + depth.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +16,18 @@ from moejax.config import ModelConfig
 from moejax.model.attention import attention
 from moejax.model.layers import rms_norm, rope_cos_sin, swiglu
 from moejax.model.moe import moe_block
+from moejax.model.params import Run, layer_runs
 
 ROWS = ("batch", "seq", "embed")
 
 
-def decoder_layer(lp: dict, experts, x: jax.Array, positions, cos_sin, cache: dict, selected, c: ModelConfig, placement):
+def decoder_layer(lp: dict, experts, x: jax.Array, positions, cos_sin, cache: dict, selected, c: ModelConfig, placement,
+                  window=0):
     """One layer (attention + dense MLP or MoE) on x: [B, T, D] -> (x, cache, selected, picks or None).
-    `experts`: the MoE layer's expert weights from the placement; `selected`: DSA selection."""
+    `experts`: the MoE layer's expert weights as the placement computes with them; `selected`:
+    the DSA selection of the layer before; `window`: its sliding window (0: full attention)."""
     h = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
-    a, cache, selected = attention(lp["attn"], h, positions, cos_sin, cache, c, placement, selected)
+    a, cache, selected = attention(lp["attn"], h, positions, cos_sin, cache, c, placement, selected, window)
     x = placement.constrain(x + a, ROWS)
     h = rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
     ids = None
@@ -28,6 +38,47 @@ def decoder_layer(lp: dict, experts, x: jax.Array, positions, cos_sin, cache: di
     return placement.constrain(x + m, ROWS), cache, selected, ids
 
 
+def _layer(stack, i):
+    """Layer i (traced) of a run's stacked tree."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stack)
+
+
+def run_layers(run: Run, run_params: dict, run_cache: dict, x, selected, positions, cos_sin, c: ModelConfig,
+               placement):
+    """One run of identical layers under `lax.scan`: x: [B, T, D] -> (x, run_cache, selected,
+    picks: int32 [layers, B*T, k] of a MoE run, else None)."""
+    count = run.count
+    # Sliding-window and full-attention layers share their parameters' shape: the window is
+    # a per-layer input of the scan.
+    windows = jnp.asarray([c.sliding_window if i in c.sliding_layers else 0 for i in run.layers], jnp.int32)
+    moe = "moe" in run_params
+    depth = min(placement.prefetch_depth, count) if moe else 0
+    gather = lambda i: placement.gather_experts(_layer(run_params["moe"]["experts"], jnp.minimum(i, count - 1)))
+    ahead = tuple(gather(j) for j in range(depth))  # the first `depth` layers' experts, before the scan
+
+    def body(carry, xs):
+        # The run's cache rides in the carry and each layer updates its own slice in place (as
+        # scanned inputs and outputs, XLA would keep two more copies of the whole cache).
+        x, selected, ahead, run_cache = carry
+        lp, i, window = xs
+        layer_cache = _layer(run_cache, i)
+        if not moe:
+            experts = None
+        elif depth:  # computed with weights gathered `depth` iterations ago; the next gather goes out now
+            experts, ahead = ahead[0], ahead[1:] + (gather(i + depth),)
+        else:
+            experts = placement.gather_experts(lp["moe"]["experts"])
+        x, layer_cache, selected, ids = decoder_layer(lp, experts, x, positions, cos_sin, layer_cache, selected, c,
+                                                      placement, window)
+        run_cache = jax.tree.map(lambda whole, new: jax.lax.dynamic_update_index_in_dim(whole, new, i, 0), run_cache,
+                                 layer_cache)
+        return (x, selected, ahead, run_cache), ids
+
+    (x, selected, _, run_cache), picks = jax.lax.scan(
+        body, (x, selected, ahead, run_cache), (run_params, jnp.arange(count, dtype=jnp.int32), windows))
+    return x, run_cache, selected, picks
+
+
 def forward(params: dict, cache: list, tokens: jax.Array, positions: jax.Array, c: ModelConfig, placement):
     """tokens, positions: [B, T] -> (hidden: [B, T, D] after the final norm, cache, picks).
 
@@ -35,15 +86,16 @@ def forward(params: dict, cache: list, tokens: jax.Array, positions: jax.Array, 
     """
     x = placement.constrain(params["embed"][tokens], ROWS)
     cos_sin = rope_cos_sin(c, positions)
-    experts = iter(placement.expert_weights([lp["moe"]["experts"] for lp in params["layers"] if "moe" in lp]))
-    new_cache, picks, selected = [], [], None
-    for lp, layer_cache in zip(params["layers"], cache):
-        x, layer_cache, selected, ids = decoder_layer(
-            lp, next(experts) if "moe" in lp else None, x, positions, cos_sin, layer_cache, selected, c, placement
-        )
-        new_cache.append(layer_cache)
-        if ids is not None:
-            picks.append(ids)
+    b, t = tokens.shape
+    # DSA: the selection a layer without an indexer reuses (layer 0 always has its own).
+    selected = jnp.ones((b, t, jax.tree.leaves(cache)[0].shape[2]), bool) if c.is_dsa else None
+    new_cache, picks = [], []
+    for run, run_params, run_cache in zip(layer_runs(c), params["layers"], cache):
+        x, run_cache, selected, run_picks = run_layers(run, run_params, run_cache, x, selected, positions, cos_sin, c,
+                                                       placement)
+        new_cache.append(run_cache)
+        if run_picks is not None:
+            picks.extend(run_picks)
     return rms_norm(x, params["final_norm"], c.rms_norm_eps), new_cache, picks
 
 
@@ -51,3 +103,9 @@ def lm_head(params: dict, h: jax.Array, c: ModelConfig) -> jax.Array:
     """h: [..., D] -> float32 logits [..., V]."""
     w = params["embed"].T if c.tie_word_embeddings else params["lm_head"]
     return (h @ w).astype(jnp.float32)
+
+
+def layer_params(params: dict, layer: int, c: ModelConfig) -> dict:
+    """Decoder layer `layer`'s parameters, out of its run's stack."""
+    run_index, run = next((r, run) for r, run in enumerate(layer_runs(c)) if layer in run.layers)
+    return jax.tree.map(lambda a: a[layer - run.first], params["layers"][run_index])

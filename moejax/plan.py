@@ -1,0 +1,155 @@
+"""`moejax plan`: the full-size model on N devices, compiled without the hardware.
+
+Lowers and compiles the decode step (a batch of `--batch` requests over a KV cache of
+`--context` positions) and one prefill chunk (`--prefill-chunk` tokens over the devices) on N
+virtual CPU devices, with abstract weights: `jax.ShapeDtypeStruct`s carrying their
+`NamedSharding`s, so nothing is allocated. Reports per placement and device the parameter
+bytes, the KV-cache bytes and the compiled programs' temporary bytes
+(`compiled.memory_analysis()`), their total against `--hbm-gb`, and the compile time.
+
+Temporaries are those of the XLA:CPU compilation: the same program, but another compiler's
+buffer assignment than a GPU's or TPU's. In particular XLA:CPU computes bf16 dots in f32 and
+hoists the weights' converts out of the layer loop, so in bf16 about twice the non-expert
+parameter bytes show up as temporaries (glm-5.3 on 8 devices, decode: 73 GB in bf16, 14 GB in
+f32); a GPU or TPU compile has no such converts. Parameters and KV cache are exact: they are the
+shards each device holds.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+from moejax.commands import ensure_devices
+from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
+from moejax.engine.engine import decode_step, prefill
+from moejax.engine.kv_cache import init_cache
+from moejax.engine.sampling import Sampling
+from moejax.errors import UsageError
+from moejax.model.attention import cache_specs
+from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_dtype, param_specs
+from moejax.vocab import ATTENTION_MODES, DTYPES, EXPERT_FORMATS
+from sharding import make_placement, names, with_placement
+
+GB = 1e9
+
+
+def _sharded(a, placement, axes: tuple):
+    """`a` (a shape) as an abstract array with the sharding its logical axes give it."""
+    if a.ndim != len(axes):  # a leaf of another rank (Blackwell tilings): split on its leading axes only
+        axes = tuple(x if x in ("layers", "experts") else None for x in axes[:2]) + (None,) * (a.ndim - 2)
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placement.sharding(axes, a.shape))
+
+
+def abstract_params(config: Config, placement) -> dict:
+    """Every parameter as the run holds it (4-bit experts as their QuantizedArray leaves, expert
+    stacks padded to the placement's count), abstract and sharded."""
+    def one(spec: ParamSpec):
+        shape = list(spec.shape)
+        if is_expert_stack(spec):
+            shape[expert_axis(spec)] = placement.num_experts
+        array = jax.ShapeDtypeStruct(tuple(shape), param_dtype(spec, config.engine.dtype))
+        if is_expert_matrix(spec):
+            array = jax.eval_shape(functools.partial(pallas_kernels.run_weights, expert_format=config.weights.expert_format,
+                                                     k_slices=placement.k_slices(spec), kernel=config.kernel), array)
+        return jax.tree.map(lambda a: _sharded(a, placement, spec.axes), array)
+    return jax.tree.map(one, param_specs(config.model), is_leaf=lambda x: isinstance(x, ParamSpec))
+
+
+def abstract_cache(config: Config, placement, batch: int, context: int) -> list[dict]:
+    axes = {k: a for k, (_, a) in cache_specs(config.model, 1, 1).items()}
+    cache = jax.eval_shape(functools.partial(init_cache, config.model, batch, context, jnp.dtype(config.engine.dtype)))
+    return [{k: _sharded(v, placement, ("layers",) + axes[k]) for k, v in run.items()} for run in cache]
+
+
+def bytes_per_device(tree) -> int:
+    """Bytes of one device's shards (the largest, where shards differ)."""
+    return sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
+def _compiled(fn, *args):
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn, donate_argnums=1).lower(*args).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def plan_placement(config: Config, batch: int, context: int, prefill_chunk: int, hbm_gb: float) -> dict:
+    """One placement's per-device bytes and compile time (`config.layout` names it)."""
+    placement = make_placement(config)
+    c = config.model
+    bind = dict(c=c, placement=placement)
+    params = abstract_params(config, placement)
+    multiple = placement.batch_multiple()
+    if batch % multiple:
+        raise UsageError(f"--batch {batch} must be a multiple of {multiple} (requests split over the devices)")
+    cache = abstract_cache(config, placement, batch, context)
+    rows = lambda b: jax.ShapeDtypeStruct((b,), jnp.int32, sharding=placement.sharding(("batch",), (b,)))
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    decode, decode_s = _compiled(functools.partial(decode_step, sampling=Sampling(), record=False, **bind),
+                                 params, cache, rows(batch), rows(batch), key)
+    # A prefill chunk: prefill_chunk tokens, one request per device under DP attention.
+    per_row = -(-prefill_chunk // multiple)
+    chunk_cache = abstract_cache(config, placement, multiple, context)
+    tokens = jax.ShapeDtypeStruct((multiple, per_row), jnp.int32,
+                                  sharding=placement.sharding(("batch", "seq"), (multiple, per_row)))
+    pre, prefill_s = _compiled(functools.partial(prefill, all_logits=False, record=False, **bind), params, chunk_cache,
+                               tokens, jax.ShapeDtypeStruct((), jnp.int32), rows(multiple))
+    param_bytes, kv_bytes = bytes_per_device(params), bytes_per_device(cache)
+    temp = max(decode.memory_analysis().temp_size_in_bytes, pre.memory_analysis().temp_size_in_bytes)
+    total = param_bytes + kv_bytes + temp
+    experts = [leaf for run in params["layers"] if "moe" in run for leaf in jax.tree.leaves(run["moe"]["experts"])]
+    return {
+        "name": placement.name, "ep": placement.ep, "tp": placement.tp,
+        "param_bytes_per_device": param_bytes, "expert_bytes_per_device": bytes_per_device(experts),
+        "kv_cache_bytes_per_device": kv_bytes, "temp_bytes_per_device": int(temp),
+        "total_bytes_per_device": int(total), "fits": bool(total <= hbm_gb * GB),
+        "compile_s": round(decode_s + prefill_s, 1),
+    }
+
+
+def cmd_plan(args) -> int:
+    ensure_devices(args.devices)
+    model = preset(args.preset)
+    config = Config(model=model, layout=LayoutConfig(devices=args.devices, attention=args.attention),
+                    weights=WeightsConfig(args.expert_format), engine=EngineConfig(dtype=args.dtype)).validate()
+    chosen = names() if args.placement == "all" else [args.placement]
+    rows = [plan_placement(with_placement(config, name, args.devices), args.batch, args.context, args.prefill_chunk,
+                           args.hbm_gb) for name in chosen]
+    if args.json:
+        print(json.dumps({"model": args.preset, "devices": args.devices, "batch": args.batch, "context": args.context,
+                          "prefill_chunk": args.prefill_chunk, "hbm_gb": args.hbm_gb, "placements": rows}))
+        return 0
+    print(f"{args.preset} on {args.devices} devices ({args.dtype}, experts {args.expert_format}): decode batch "
+          f"{args.batch} x {args.context} positions, prefill chunk {args.prefill_chunk}; GB per device of {args.hbm_gb:g}")
+    print(f"{'placement':<16}{'ep x tp':>8}{'params':>9}{'experts':>9}{'KV cache':>10}{'temp':>8}{'total':>8}"
+          f"{'fits':>6}{'compile s':>11}")
+    for r in rows:
+        gb = lambda key: f"{r[key] / GB:.1f}"
+        print(f"{r['name']:<16}{r['ep']:>4} x {r['tp']:<2}{gb('param_bytes_per_device'):>9}"
+              f"{gb('expert_bytes_per_device'):>9}{gb('kv_cache_bytes_per_device'):>10}{gb('temp_bytes_per_device'):>8}"
+              f"{gb('total_bytes_per_device'):>8}{'yes' if r['fits'] else 'no':>6}{r['compile_s']:>11.1f}")
+    print("temp: the compiled programs' temporaries on XLA:CPU (another compiler's buffers than a GPU's or TPU's)")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="per-device bytes of a full-size model under each placement, compiled abstractly")
+    p.add_argument("--preset", default="glm-5.3", help="a named model (full-size ones included)")
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--placement", default="all", choices=("all", *names()))
+    p.add_argument("--expert-format", choices=EXPERT_FORMATS, default="nvfp4")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument("--attention", choices=ATTENTION_MODES, default="dp")
+    p.add_argument("--batch", type=int, default=256, help="decode batch (concurrent requests)")
+    p.add_argument("--context", type=int, default=8192, help="KV cache positions per request")
+    p.add_argument("--prefill-chunk", type=int, default=4096, help="tokens of one prefill chunk over all devices")
+    p.add_argument("--hbm-gb", type=float, default=288.0, help="memory per device (B300: 288)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+

@@ -1,0 +1,1 @@
+"""Serving: text, stopping, continuous batching, the HTTP server and the load generator."""

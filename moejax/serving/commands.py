@@ -1,0 +1,122 @@
+"""The `serve` and `bench` verbs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from moejax.errors import UsageError
+
+
+def add_scheduler_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokenizer", metavar="DIR", help="directory with tokenizer.json (default: the --hf directory)")
+    p.add_argument("--slots", type=int, default=16, help="decode slots: requests running at once")
+    p.add_argument("--max-seq-len", type=int, default=0, help="KV cache positions per slot (default: model context, at most 2048)")
+    p.add_argument("--prefill-rows", type=int, default=1, help="requests per prefill call")
+    p.add_argument("--max-batched-tokens", type=int, default=0,
+                   help="tokens per step, decode + prefill (default: slots + one prefill call)")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond which new ones get 429")
+    p.add_argument("--speculative", choices=("mtp",), help="decode with the model's MTP draft module (greedy requests)")
+    p.add_argument("--mtp-init", choices=("random",), help="a random MTP module when the checkpoint carries none")
+
+
+def build_scheduler(args, progress: bool = True):
+    """(scheduler, tokenizer, end-of-sequence ids), compiled and ready."""
+    from tqdm import tqdm
+
+    from moejax.commands import build_engine, config_from_args
+    from moejax.serving.scheduler import Scheduler
+    from moejax.serving.tokenizer import Tokenizer, eos_ids
+
+    tokenizer = Tokenizer.for_run(args.tokenizer, args.hf)
+    eos = tokenizer.eos_ids if tokenizer else (eos_ids(args.hf) or ()) if args.hf else ()
+    with tqdm(total=2, desc="load + compile", disable=None if progress else True, file=sys.stderr) as bar:
+        engine = build_engine(config_from_args(args), args.hf, args.seed, args.checkpoint)
+        bar.update()
+        kw = dict(slots=args.slots, max_len=args.max_seq_len, prefill_rows=args.prefill_rows,
+                  token_budget=args.max_batched_tokens, max_queue=args.max_queue)
+        if args.speculative == "mtp":
+            from moejax.loading import load_mtp
+            from moejax.serving.speculative import SpecScheduler
+
+            mtp = load_mtp(engine.config, engine.placement, hf_dir=args.hf, checkpoint=args.checkpoint,
+                           init=args.mtp_init, seed=args.seed)
+            scheduler = SpecScheduler(engine, mtp, **kw)
+        else:
+            scheduler = Scheduler(engine, **kw)
+        scheduler.warm_up()
+        bar.update()
+    return scheduler, tokenizer, eos
+
+
+def model_name(args) -> str:
+    return args.served_model_name or args.hf or args.checkpoint or args.preset or "tiny"
+
+
+def cmd_serve(args) -> int:
+    from moejax.serving.metrics import Metrics, TraceRecorder
+    from moejax.serving.server import build_app, serve
+
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port {args.port} is not a TCP port")
+    api_key = args.api_key or os.environ.get("MOEJAX_API_KEY") or None
+    scheduler, tokenizer, eos = build_scheduler(args)
+    name = model_name(args)
+    metrics = Metrics(scheduler, window=args.expert_window)
+    recorder = TraceRecorder(scheduler, name) if args.record else None
+    app = build_app(scheduler, metrics, tokenizer=tokenizer, eos_ids=eos, model_name=name, api_key=api_key,
+                    on_exit=(lambda: recorder.save(args.record)) if recorder else None)
+    serve(app, args.host, args.port)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import json
+
+    from moejax.serving import bench
+
+    if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
+        raise UsageError("--num-prompts, --input-len and --output-len must be at least 1")
+    if args.request_rate <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
+        raise UsageError("--request-rate must be positive and --max-concurrency at least 1")
+    if args.url:
+        client = bench.HTTPClient(args.url, args.api_key or os.environ.get("MOEJAX_API_KEY"))
+    else:
+        client = bench.LocalClient(build_scheduler(args)[0])
+    summary = bench.run(client, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+                        request_rate=args.request_rate, max_concurrency=args.max_concurrency, seed=args.bench_seed)
+    if not args.url:
+        client.close()
+    print(json.dumps(summary) if args.json else bench.table(summary))
+    return 0 if summary["failed"] == 0 else 1
+
+
+def register(sub) -> None:
+    from moejax.commands import add_model_args
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching and Prometheus metrics")
+    add_model_args(s)
+    add_scheduler_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                                     "(default: $MOEJAX_API_KEY)")
+    s.add_argument("--served-model-name", help="the model name clients send (default: the model source)")
+    s.add_argument("--record", metavar="FILE", help="write the router picks of all traffic as a trace at exit")
+    s.add_argument("--expert-window", type=int, default=100, help="forward passes in /metrics' expert load")
+    s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="load generator: throughput and TTFT/TPOT/ITL/latency percentiles")
+    b.add_argument("--url", help="a running server (moejax serve or any OpenAI-compatible one); without it, "
+                                 "the model flags build an in-process engine")
+    b.add_argument("--api-key", help="bearer key for --url (default: $MOEJAX_API_KEY)")
+    b.add_argument("--num-prompts", type=int, default=64)
+    b.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    b.add_argument("--output-len", type=int, default=64, help="tokens generated per request")
+    b.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson arrivals (default: all at once)")
+    b.add_argument("--max-concurrency", type=int, help="requests in flight at most")
+    b.add_argument("--bench-seed", type=int, default=0, help="seed of the prompts and arrival times")
+    add_model_args(b)
+    add_scheduler_args(b)
+    b.set_defaults(func=cmd_bench)

@@ -1,0 +1,111 @@
+"""Prometheus metrics of a running server, and the router-pick trace of its live traffic.
+
+Request latencies are observed when a request finishes (from the engine thread); gauges read
+the scheduler when scraped. Expert load is the picks of the last `window` forward passes, per
+MoE layer and expert, so a scrape shows the current traffic rather than all-time totals.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from moejax.analysis.trace import save_trace
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ExpertWindow:
+    """Picks per (MoE layer, expert) over the last `window` forward passes."""
+
+    def __init__(self, layers: list[int], num_experts: int, window: int):
+        self.layers, self.num_experts = layers, num_experts
+        self.steps: collections.deque[np.ndarray] = collections.deque(maxlen=window)
+        self.lock = threading.Lock()
+
+    def observe(self, kind: str, ids: np.ndarray, valid: np.ndarray) -> None:
+        """ids: [L, R, k], valid: [R]."""
+        picked = ids[:, valid].reshape(len(self.layers), -1)  # [L, valid rows * k]
+        counts = np.stack([np.bincount(row, minlength=self.num_experts) for row in picked])
+        with self.lock:
+            self.steps.append(counts)
+
+    def totals(self) -> np.ndarray:
+        with self.lock:
+            return sum(self.steps, np.zeros((len(self.layers), self.num_experts), np.int64))
+
+    def collect(self):
+        family = GaugeMetricFamily("moejax_expert_tokens", "rows routed to each expert over the recent window of "
+                                   "forward passes", labels=["layer", "expert"])
+        totals = self.totals()
+        for i, layer in enumerate(self.layers):
+            for e in range(self.num_experts):
+                family.add_metric([str(layer), str(e)], float(totals[i, e]))
+        yield family
+
+
+class Metrics:
+    def __init__(self, scheduler, window: int = 100):
+        self.registry = r = CollectorRegistry()
+        Gauge("moejax_requests_running", "requests holding a decode slot", registry=r).set_function(
+            lambda: scheduler.running)
+        Gauge("moejax_requests_waiting", "requests queued for a slot", registry=r).set_function(
+            lambda: scheduler.num_waiting)
+        Gauge("moejax_kv_slots_used", "KV cache slots in use", registry=r).set_function(lambda: scheduler.running)
+        Gauge("moejax_kv_slots_total", "KV cache slots", registry=r).set(scheduler.num_slots)
+        self.ttft = Histogram("moejax_time_to_first_token_seconds", "arrival to first token", registry=r,
+                              buckets=LATENCY_BUCKETS)
+        self.itl = Histogram("moejax_inter_token_latency_seconds", "time between a request's tokens", registry=r,
+                             buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram("moejax_e2e_request_latency_seconds", "arrival to last token", registry=r,
+                             buckets=LATENCY_BUCKETS)
+        self.prompt_tokens = Counter("moejax_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("moejax_generation_tokens", "tokens generated", registry=r)
+        self.finished = Counter("moejax_requests_finished", "finished requests", ["finish_reason"], registry=r)
+        if hasattr(scheduler, "drafts"):  # MTP
+            Gauge("moejax_mtp_acceptance_rate", "accepted MTP drafts / drafts checked", registry=r).set_function(
+                lambda: scheduler.accepted / max(1, scheduler.drafts))
+        c = scheduler.engine.c
+        self.experts = ExpertWindow(list(c.moe_layers), c.num_experts, window)
+        r.register(self.experts)
+        scheduler.pick_observers.append(self.experts.observe)
+
+    def request_done(self, request) -> None:
+        times = request.token_times
+        self.ttft.observe(times[0] - request.arrival)
+        for a, b in zip(times, times[1:]):
+            self.itl.observe(b - a)
+        self.e2e.observe(request.finished - request.arrival)
+        self.prompt_tokens.inc(len(request.prompt))
+        self.generation_tokens.inc(len(request.tokens))
+        self.finished.labels(request.finish_reason).inc()
+
+
+class TraceRecorder:
+    """Every forward pass's router picks, written in `record`'s trace format by `save`."""
+
+    def __init__(self, scheduler, model: str):
+        c = scheduler.engine.c
+        self.layers, self.num_experts, self.model = list(c.moe_layers), c.num_experts, model
+        self.passes: list[tuple[str, np.ndarray, np.ndarray]] = []
+        scheduler.pick_observers.append(self.observe)
+
+    def observe(self, kind: str, ids: np.ndarray, valid: np.ndarray) -> None:
+        if valid.any():
+            self.passes.append((kind, ids, valid))
+
+    def save(self, path) -> None:
+        if not self.passes:
+            return
+        rows = max(ids.shape[1] for _, ids, _ in self.passes)
+        l, k = self.passes[0][1].shape[0], self.passes[0][1].shape[2]
+        ids = np.zeros((len(self.passes), l, rows, k), np.int32)  # [S, L, R, k]
+        valid = np.zeros((len(self.passes), rows), bool)
+        for s, (_, p, v) in enumerate(self.passes):
+            ids[s, :, : p.shape[1]] = p
+            valid[s, : p.shape[1]] = v
+        save_trace(path, ids, valid, [kind for kind, _, _ in self.passes], self.layers, self.num_experts, self.model)

@@ -1,0 +1,384 @@
+"""Continuous batching: a fixed number of decode slots over one KV cache [slots, max_len].
+
+Each step decodes one token for every slot that is generating (one forward pass over all slots,
+per-slot positions; idle slots write at position max_len, which the cache drops), then spends
+what is left of the step's token budget on prefill chunks of admitted requests (vLLM's and
+SGLang's chunked prefill: a long prompt never stalls the running requests for more than a chunk).
+A request that stops (end-of-sequence, stop id or string, length, full cache) frees its slot at
+once and the oldest waiting request takes it.
+
+Every jitted program has a few fixed shapes: decode is [W, 1] over the first W slots (W a power
+of two, or all slots), a prefill call is [prefill_rows, chunk] with the rows' cache slots gathered from and scattered back into the big cache, so after
+`warm_up` no request compiles anything.
+
+Why a contiguous cache row per slot and not paged blocks: XLA wants static shapes, and the
+attention of `moejax.model` reads a contiguous [B, ..., S] cache; pages would need a block-table
+gather in every attention layer of every placement (or a paged-attention kernel per backend) and
+pay off only when memory, not compute, limits how many requests run at once. Here slots x max_len
+is allocated up front and `--slots`/`--max-seq-len` size it; a page table is the next step when
+long and short requests must share HBM.
+
+Greedy tokens of a request do not depend on its neighbours: every row's attention sees only its
+own slot, and the MoE placements compute each row's experts independently.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import threading
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.engine.engine import to_host
+from moejax.errors import UsageError
+from moejax.model.transformer import forward, lm_head
+from moejax.serving.stopping import Stopper
+
+
+class QueueFull(Exception):
+    """The waiting queue holds --max-queue requests already."""
+
+
+class Draining(Exception):
+    """The scheduler is shutting down and admits nothing new."""
+
+
+@dataclasses.dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    stopper: Stopper
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int = 0
+    # on_event(token, delta_text, finished): after every new token, from the engine thread.
+    on_event: Callable[[int, str, bool], None] | None = None
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    token_times: list[float] = dataclasses.field(default_factory=list)  # when each new token was out
+    finished: float | None = None
+    cancelled: bool = False  # set by any thread (a client that went away); the next step drops it
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.stopper.tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.stopper.finish_reason
+
+
+@dataclasses.dataclass
+class _Slot:
+    request: Request
+    done: int = 0  # prompt positions prefilled
+    pos: int = 0  # decode: the position of `token`, fed in the next step
+    token: int = 0
+    draft: int = 0  # MTP: the draft for pos + 1 (speculative.py)
+
+
+# ----------------------------------------------------------------------------- jitted programs
+
+def sample_rows(logits, temperature, top_p, top_k, seeds, positions, *, greedy_only: bool):
+    """Per-row sampling: logits [B, V] and per-row temperature / top_p / top_k / seed [B] -> [B].
+    A row's key depends only on its seed and position, never on its slot or neighbours."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if greedy_only:
+        return greedy
+    logits = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    desc = jnp.sort(logits, axis=-1)[:, ::-1]
+    kth = jnp.take_along_axis(desc, jnp.maximum(top_k - 1, 0)[:, None], axis=-1)
+    logits = jnp.where((top_k[:, None] > 0) & (logits < kth), -jnp.inf, logits)
+    desc = jnp.sort(logits, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(desc, axis=-1)
+    # Keep the smallest set of tokens whose mass reaches top_p (the best token always stays).
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    cutoff = jnp.min(jnp.where(mass_before < top_p[:, None], desc, jnp.inf), axis=-1, keepdims=True)
+    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(jax.random.key(0), s), p))(seeds, positions)
+    drawn = jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)
+
+
+# The batch axis of a cache array: 1 in a run's stacked [layers, B, ...] cache, 0 in the MTP
+# layer's own [B, ...] cache.
+RUN_BATCH_AXIS = 1
+
+
+def take_rows(cache: list[dict], slots: jax.Array, axis: int = RUN_BATCH_AXIS) -> list[dict]:
+    """The cache rows of `slots` [W] (slot S, out of range: zeros)."""
+    at = (slice(None),) * axis + (slots,)
+    return [{k: v.at[at].get(mode="fill", fill_value=0) for k, v in layer.items()} for layer in cache]
+
+
+def put_rows(cache: list[dict], slots: jax.Array, rows: list[dict], axis: int = RUN_BATCH_AXIS) -> list[dict]:
+    """cache with `rows` written back at `slots` (slot S: dropped). A gather/scatter at traced slot
+    ids: with static slices XLA folds the read into the write-back and copies the whole cache twice
+    a step instead of updating it in place."""
+    at = (slice(None),) * axis + (slots,)
+    return [{k: v.at[at].set(r[k], mode="drop") for k, v in layer.items()} for layer, r in zip(cache, rows)]
+
+
+def decode_slots(params, cache, slots, tokens, positions, temperature, top_p, top_k, seeds, *, c, placement,
+                 greedy_only):
+    """One decode step over the first W slots (`slots` = 0..W-1):
+    tokens, positions: [W] -> (next tokens [W], cache, picks)."""
+    every = slots.shape[0] == cache[0][next(iter(cache[0]))].shape[RUN_BATCH_AXIS]  # all slots: no gather needed
+    h, rows, picks = forward(params, cache if every else take_rows(cache, slots), tokens[:, None], positions[:, None],
+                             c, placement)
+    logits = lm_head(params, h[:, 0], c)
+    token = sample_rows(logits, temperature, top_p, top_k, seeds, positions + 1, greedy_only=greedy_only)
+    return token, rows if every else put_rows(cache, slots, rows), picks
+
+
+def prefill_slots(params, cache, slots, tokens, start, last, temperature, top_p, top_k, seeds, *, c, placement,
+                  greedy_only):
+    """One prefill chunk of P requests into their slots: slots, start, last: [P], tokens: [P, C].
+    A padding row names slot S (out of range): it reads zeros and its writes are dropped.
+    Returns (the token after `last` per row [P], meaningful where `last` is in this chunk; cache; picks)."""
+    p, chunk = tokens.shape
+    positions = start[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
+    h, rows, picks = forward(params, take_rows(cache, slots), tokens, positions, c, placement)
+    h = h[jnp.arange(p), jnp.clip(last - start, 0, chunk - 1)]
+    token = sample_rows(lm_head(params, h, c), temperature, top_p, top_k, seeds, last + 1, greedy_only=greedy_only)
+    return token, put_rows(cache, slots, rows), picks
+
+
+# ----------------------------------------------------------------------------- the scheduler
+
+SERVE_PREFILL_CHUNK = 64
+
+
+class Scheduler:
+    """Owns the KV cache and the slots; `step` is called from one engine thread, `submit` from any."""
+
+    def __init__(self, engine, slots: int = 16, max_len: int = 0, prefill_rows: int = 1, token_budget: int = 0,
+                 max_queue: int = 1024):
+        self.engine = engine
+        c = engine.c
+        # Unset, a prefill call takes 64 positions per request: a call runs between two decode
+        # steps, so its length is every running request's inter-token latency (the static engine's
+        # one-call-per-prompt default would stall them for a whole prompt).
+        self.chunk = engine.config.engine.prefill_chunk or SERVE_PREFILL_CHUNK
+        self.max_len = max_len or min(c.max_position_embeddings, 2048)
+        multiple = engine.placement.batch_multiple()
+        if slots < 1 or slots % multiple:
+            raise UsageError(f"--slots {slots} must be a positive multiple of {multiple} (requests are split over the devices)")
+        if (prefill_rows * self.chunk) % multiple:
+            raise UsageError(f"a prefill call of {prefill_rows} x {self.chunk} rows must split over {multiple} devices; "
+                             f"choose --prefill-chunk a multiple of {multiple}")
+        if self.max_len > c.max_position_embeddings:
+            raise UsageError(f"--max-seq-len {self.max_len} exceeds the model's context of {c.max_position_embeddings}")
+        self.num_slots, self.prefill_rows = slots, prefill_rows
+        # Tokens per step: by default every slot's decode token plus one prefill call.
+        self.token_budget = token_budget or slots + prefill_rows * self.chunk
+        self.max_queue = max_queue
+        self.slots: list[_Slot | None] = [None] * slots
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.prefilling: collections.deque[int] = collections.deque()  # slots in admission order
+        self.cache = engine.new_cache(slots, self.max_len)
+        self.pick_observers: list[Callable[[str, np.ndarray, np.ndarray], None]] = []  # (kind, ids [L,R,k], valid [R])
+        self._cv = threading.Condition()
+        self._draining = False
+        bind = dict(c=c, placement=engine.placement)
+        self._decode = jax.jit(functools.partial(decode_slots, **bind), donate_argnums=1, static_argnames="greedy_only")
+        self._prefill = jax.jit(functools.partial(prefill_slots, **bind), donate_argnums=1, static_argnames="greedy_only")
+
+    # ------------------------------------------------------------------ requests in
+    def check(self, request: Request) -> None:
+        """Raises UsageError for a request that can never run (the HTTP side answers 400)."""
+        vocab = self.engine.c.vocab_size
+        if not request.prompt:
+            raise UsageError("the prompt is empty")
+        bad = [t for t in request.prompt if not 0 <= t < vocab]
+        if bad:
+            raise UsageError(f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
+        if len(request.prompt) >= self.max_len:
+            raise UsageError(f"prompt of {len(request.prompt)} tokens does not fit the KV cache of {self.max_len} positions")
+        if request.max_tokens < 1:
+            raise UsageError(f"max_tokens must be at least 1, got {request.max_tokens}")
+        if request.temperature < 0 or request.top_k < 0 or not 0 < request.top_p <= 1:
+            raise UsageError("sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+
+    def submit(self, request: Request) -> None:
+        self.check(request)
+        with self._cv:
+            if self._draining:
+                raise Draining()
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull()
+            self.waiting.append(request)
+            self._cv.notify()
+
+    @property
+    def running(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        """The engine thread: steps while there is work; after `drain`, returns once all is done."""
+        while True:
+            with self._cv:
+                while not self.waiting and not self.running:
+                    if self._draining:
+                        return
+                    self._cv.wait()
+            self.step()
+
+    def drain(self) -> None:
+        """Stop admitting new requests; `run` returns when every accepted one has finished."""
+        with self._cv:
+            self._draining = True
+            self._cv.notify()
+
+    def run_all(self, requests: list[Request]) -> list[Request]:
+        """Offline use: every request through the scheduler on this thread."""
+        for r in requests:
+            self.check(r)
+        with self._cv:
+            self.waiting.extend(requests)
+        while self.waiting or self.running:
+            self.step()
+        return requests
+
+    def step(self) -> None:
+        self._admit()
+        decoding = [s for s, slot in enumerate(self.slots) if slot is not None and s not in self.prefilling]
+        if decoding:
+            self._decode_step(decoding)
+        chunks = max(1, (self.token_budget - len(decoding)) // self.chunk)
+        while self.prefilling and chunks > 0:
+            rows = list(self.prefilling)[: min(chunks, self.prefill_rows)]
+            self._prefill_call(rows)
+            chunks -= len(rows)
+
+    def _admit(self) -> None:
+        with self._cv:
+            for r in [r for r in self.waiting if r.cancelled]:
+                self.waiting.remove(r)
+            for s, slot in enumerate(self.slots):
+                if slot is not None and slot.request.cancelled:
+                    self.slots[s] = None
+                    if s in self.prefilling:
+                        self.prefilling.remove(s)
+            for s in range(self.num_slots):
+                if self.slots[s] is None and self.waiting:
+                    self.slots[s] = _Slot(self.waiting.popleft())
+                    self.prefilling.append(s)
+
+    def _sampling(self, requests: list[Request | None], n: int):
+        """Per-row sampling arrays for n rows (rows past the requests, or None: greedy padding)."""
+        temperature, top_p = np.zeros(n, np.float32), np.ones(n, np.float32)
+        top_k, seeds = np.zeros(n, np.int32), np.zeros(n, np.int32)
+        for i, r in enumerate(requests):
+            if r is not None:
+                temperature[i], top_p[i], top_k[i], seeds[i] = r.temperature, r.top_p, r.top_k, r.seed
+        return dict(temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds,
+                    greedy_only=bool((temperature == 0).all()))
+
+    def decode_widths(self) -> list[int]:
+        """The decode batch sizes: powers of two from the devices' multiple, and all slots. Slots are
+        taken lowest first, so few requests decode in a narrow batch (a step over all slots costs
+        about 3x a one-row step on the bench model). At least 2: XLA:CPU turns a one-row gather
+        into a slice and then copies the whole cache every step."""
+        multiple = max(2, self.engine.placement.batch_multiple())
+        widths = {self.num_slots}
+        while multiple < self.num_slots:
+            widths.add(multiple)
+            multiple *= 2
+        return sorted(widths)
+
+    def _decode_step(self, decoding: list[int]) -> None:
+        width = min(w for w in self.decode_widths() if w > max(decoding))
+        tokens = np.zeros(width, np.int32)
+        positions = np.full(width, self.max_len, np.int32)  # idle: writes dropped
+        for s in decoding:
+            tokens[s], positions[s] = self.slots[s].token, self.slots[s].pos
+        sampling = self._sampling([self.slots[s].request if s in decoding else None for s in range(width)], width)
+        out, self.cache, picks = self._decode(self.engine.params, self.cache, np.arange(width, dtype=np.int32), tokens,
+                                             positions, **sampling)
+        out = to_host(out)
+        self._observe("decode", picks, positions < self.max_len)
+        now = time.perf_counter()
+        for s in decoding:
+            slot = self.slots[s]
+            slot.pos += 1
+            self._emit(s, int(out[s]), now)
+
+    def _prefill_call(self, rows: list[int]) -> None:
+        p, c = self.prefill_rows, self.chunk
+        slots = np.full(p, self.num_slots, np.int32)  # padding rows: out of range
+        tokens = np.zeros((p, c), np.int32)
+        start, last = np.zeros(p, np.int32), np.zeros(p, np.int32)
+        valid = np.zeros((p, c), bool)
+        for i, s in enumerate(rows):
+            slot = self.slots[s]
+            piece = slot.request.prompt[slot.done : slot.done + c]
+            slots[i], start[i], last[i] = s, slot.done, len(slot.request.prompt) - 1
+            tokens[i, : len(piece)] = piece
+            valid[i, : len(piece)] = True
+        sampling = self._sampling([self.slots[s].request for s in rows], p)
+        out, self.cache, picks = self._prefill(self.engine.params, self.cache, slots, tokens, start, last, **sampling)
+        out = to_host(out)
+        self._observe("prefill", picks, valid.reshape(-1))
+        now = time.perf_counter()
+        for i, s in enumerate(rows):
+            slot = self.slots[s]
+            slot.done = min(slot.done + c, len(slot.request.prompt))
+            self.prefilling.remove(s)
+            if slot.done == len(slot.request.prompt):
+                slot.pos = slot.done
+                self._emit(s, int(out[i]), now)
+            else:
+                self.prefilling.append(s)  # its next chunk waits behind the others' (round robin)
+
+    def _emit(self, s: int, token: int, now: float) -> None:
+        slot = self.slots[s]
+        r = slot.request
+        slot.token = token
+        r.token_times.append(now)
+        delta = r.stopper.add(token)
+        # The cache holds positions 0..max_len-1: a token at max_len could never be fed back.
+        if r.finish_reason is None and (len(r.tokens) >= r.max_tokens or slot.pos >= self.max_len):
+            delta += r.stopper.finish_length()
+        done = r.finish_reason is not None
+        if done:
+            r.finished = now
+            with self._cv:
+                self.slots[s] = None
+        if r.on_event is not None:
+            r.on_event(token, delta, done)
+
+    def _observe(self, kind: str, picks: list, valid: np.ndarray) -> None:
+        if self.pick_observers and picks:
+            ids = np.stack([to_host(p) for p in picks])  # [L, R, k]
+            for observe in self.pick_observers:
+                observe(kind, ids, valid)
+
+    # ------------------------------------------------------------------ warm-up
+    def warm_up(self) -> None:
+        """Compiles every program a request can use (greedy and sampled decode and prefill) on
+        idle rows, which write nothing."""
+        p, n = self.prefill_rows, self.num_slots
+        for greedy in (True, False):
+            for w in self.decode_widths():
+                sampling = self._sampling([], w)
+                sampling["greedy_only"] = greedy
+                _, self.cache, _ = self._decode(self.engine.params, self.cache, np.arange(w, dtype=np.int32), np.zeros(w, np.int32),
+                                                np.full(w, self.max_len, np.int32), **sampling)
+            sampling = self._sampling([], p)
+            sampling["greedy_only"] = greedy
+            out, self.cache, _ = self._prefill(self.engine.params, self.cache, np.full(p, n, np.int32),
+                                               np.zeros((p, self.chunk), np.int32), np.zeros(p, np.int32),
+                                               np.zeros(p, np.int32), **sampling)
+            out.block_until_ready()

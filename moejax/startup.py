@@ -1,0 +1,36 @@
+"""Process start-up settings that must be in place before jax is first imported.
+
+jax reads its persistent compile cache settings from the environment when it is imported, so
+the CLI calls `configure_compile_cache` before anything imports jax (building the argument
+parser does). A user's own JAX_* settings win: tests point the cache at a temporary directory.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "moejax", "xla")
+
+# A short run compiles dozens of small programs (parameter init, sampling, prefill and decode
+# of a tiny model); jax by default only caches programs that took over 1 s to compile, which
+# leaves most of a warm start's time in recompiling them.
+CACHE_ENV = {
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+}
+
+
+def configure_compile_cache() -> str:
+    """Point jax's persistent compile cache at ~/.cache/moejax/xla (or JAX_COMPILATION_CACHE_DIR)
+    and cache every program. Returns the cache directory."""
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser(DEFAULT_CACHE_DIR))
+    for name, value in CACHE_ENV.items():
+        os.environ.setdefault(name, value)
+    if "jax" in sys.modules:  # called in-process after jax's import (tests): set what jax read already
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+        for name in CACHE_ENV:
+            jax.config.update(name.lower(), float(os.environ[name]) if "SECS" in name else int(os.environ[name]))
+    return os.environ["JAX_COMPILATION_CACHE_DIR"]

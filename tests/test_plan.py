@@ -1,0 +1,44 @@
+"""`moejax plan`: full-size per-device bytes from abstract compilation, checked against the
+closed form (`calc`) and against the bytes a live run really allocates."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+
+from moejax.analysis import calc
+from moejax.cli import main
+from moejax.compare import param_bytes_per_device
+from moejax.config import Config, LayoutConfig, WeightsConfig, preset
+from moejax.engine.engine import Engine
+from moejax.loading import load_params
+from moejax.plan import plan_placement
+from sharding import make_placement
+
+
+def test_plan_of_glm_reports_calcs_expert_bytes_per_device(capsys):
+    assert main(["plan", "--preset", "glm-5.3", "--devices", "8", "--placement", "ragged_a2a", "--batch", "64",
+                 "--context", "4096", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    (row,) = report["placements"]
+    closed_form = calc.expert_bytes(preset("glm-5.3"))["nvfp4"] * 256 * 75 / 8  # values + block scales
+    assert row["expert_bytes_per_device"] == pytest.approx(closed_form, rel=0.01)
+    assert row["total_bytes_per_device"] == (row["param_bytes_per_device"] + row["kv_cache_bytes_per_device"]
+                                             + row["temp_bytes_per_device"])
+    assert row["fits"] == (row["total_bytes_per_device"] <= 288e9)
+
+
+@pytest.mark.parametrize("placement,fmt", [("hybrid", "nvfp4"), ("expert_sharded", "unquantized")])
+def test_plan_bytes_are_those_a_live_run_allocates(placement, fmt):
+    config = Config(model=preset("tiny"), layout=LayoutConfig(placement=placement, devices=8),
+                    weights=WeightsConfig(fmt)).validate()
+    planned = plan_placement(config, batch=16, context=64, prefill_chunk=64, hbm_gb=1.0)
+    live = make_placement(config)
+    engine = Engine(config, load_params(config, live), live)
+    cache = engine.new_cache(16, 64)
+    assert planned["param_bytes_per_device"] == param_bytes_per_device(engine.params)
+    assert planned["kv_cache_bytes_per_device"] == max(
+        sum(s.data.nbytes for leaf in jax.tree.leaves(cache) for s in leaf.addressable_shards if s.device == d)
+        for d in jax.devices()[:8])

@@ -1,0 +1,119 @@
+"""Continuous batching: requests among others give what they give alone, stop where they
+should, free their slots, and nothing compiles after warm-up."""
+
+from __future__ import annotations
+
+import pytest
+
+from moejax.config import Config, EngineConfig, LayoutConfig
+from moejax.engine.engine import Engine
+from moejax.loading import load_params, with_hf_model
+from moejax.serving.scheduler import Request, Scheduler
+from moejax.serving.stopping import Stopper
+from moejax.serving.tokenizer import Tokenizer
+from sharding import make_placement
+from text_model import make_text_model
+
+PROMPTS = [[5, 17, 45, 2, 88, 61, 9, 30, 12], [7, 3], [40] * 13, [9, 8, 7, 6, 5], [60, 61, 62, 63, 64, 65, 66]]
+LENGTHS = [6, 9, 3, 12, 5]
+
+
+def build_engine(directory, prefill_chunk: int, layout: LayoutConfig = LayoutConfig()) -> Engine:
+    config = with_hf_model(Config(engine=EngineConfig(prefill_chunk=prefill_chunk), layout=layout), str(directory))
+    placement = make_placement(config.validate())
+    return Engine(config, load_params(config, placement, hf_dir=str(directory)), placement)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_text_model(tmp_path_factory.mktemp("text_model"))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    engine = build_engine(model_dir, 4)
+    engine.tokenizer = Tokenizer(model_dir)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def scheduler(engine):
+    # Fewer slots than requests: later ones are admitted as earlier ones finish.
+    s = Scheduler(engine, slots=3, max_len=64, prefill_rows=2)
+    s.warm_up()
+    return s
+
+
+def request(prompt, n, stop_ids=(), stop_strings=(), tokenizer=None, **sampling):
+    return Request(prompt, n, Stopper(tokenizer, stop_ids, stop_strings), **sampling)
+
+
+def alone(scheduler, prompt, n, **kw):
+    return scheduler.run_all([request(prompt, n, **kw)])[0]
+
+
+def test_requests_among_others_equal_the_static_engine_alone(engine, scheduler):
+    done = scheduler.run_all([request(p, n) for p, n in zip(PROMPTS, LENGTHS)])
+    assert [r.tokens for r in done] == [engine.generate([p], n).tokens[0] for p, n in zip(PROMPTS, LENGTHS)]
+    assert [r.finish_reason for r in done] == ["length"] * len(PROMPTS)
+    assert scheduler.running == 0
+
+
+# ragged_a2a runs in test_server.py (the server on 8 devices).
+@pytest.mark.parametrize("layout", [
+    LayoutConfig(placement="tensor_sliced", devices=8), LayoutConfig(placement="hybrid", devices=8, ep=4, tp=2),
+    LayoutConfig(placement="weight_prefetch", devices=8), LayoutConfig(placement="expert_sharded", devices=8, attention="tp"),
+], ids=lambda layout: f"{layout.placement}-{layout.attention}")
+def test_every_placement_batches_continuously_to_the_single_device_tokens(engine, model_dir, layout):
+    s = Scheduler(build_engine(model_dir, 8, layout), slots=8, max_len=64)
+    done = s.run_all([request(p, n) for p, n in zip(PROMPTS, LENGTHS)])
+    assert [r.tokens for r in done] == [engine.generate([p], n).tokens[0] for p, n in zip(PROMPTS, LENGTHS)]
+
+
+def test_sampled_request_among_others_equals_it_alone(scheduler):
+    kw = dict(temperature=1.0, top_p=0.9, seed=7)
+    mixed = scheduler.run_all([request(PROMPTS[0], 8, **kw)] + [request(p, 5) for p in PROMPTS[1:]])[0]
+    assert mixed.tokens == alone(scheduler, PROMPTS[0], 8, **kw).tokens
+
+
+def test_stop_id_ends_the_request_early_with_stop(scheduler):
+    full = alone(scheduler, PROMPTS[3], 12).tokens
+    stop = full[4]
+    r = alone(scheduler, PROMPTS[3], 12, stop_ids=[stop])
+    assert r.tokens == full[: full.index(stop) + 1] and r.finish_reason == "stop"
+    assert scheduler.running == 0
+
+
+def test_stop_string_cuts_the_text_before_it(engine, scheduler):
+    full = alone(scheduler, PROMPTS[0], 12, tokenizer=engine.tokenizer)
+    stop = full.stopper.text[5:7]
+    r = alone(scheduler, PROMPTS[0], 12, tokenizer=engine.tokenizer, stop_strings=[stop])
+    assert r.stopper.text == full.stopper.text[: full.stopper.text.index(stop)] and r.finish_reason == "stop"
+
+
+def test_full_cache_ends_the_request_by_length(scheduler):
+    prompt = list(range(3, 3 + 60))
+    r = alone(scheduler, prompt, 20)
+    assert len(r.tokens) == scheduler.max_len - len(prompt) + 1 and r.finish_reason == "length"
+
+
+def test_no_compile_after_warm_up(scheduler):
+    sizes = scheduler._decode._cache_size(), scheduler._prefill._cache_size()
+    scheduler.run_all([request(PROMPTS[1], 4, temperature=0.5, top_k=5), request(list(range(3, 40)), 3)])
+    assert (scheduler._decode._cache_size(), scheduler._prefill._cache_size()) == sizes
+
+
+def test_bench_drives_an_in_process_scheduler(engine):
+    from moejax.serving import bench
+
+    client = bench.LocalClient(Scheduler(engine, slots=2, max_len=32))
+    s = bench.run(client, num_prompts=5, input_len=6, output_len=4, request_rate=50.0, max_concurrency=None, progress=False)
+    client.close()
+    assert (s["completed"], s["total_output_tokens"]) == (5, 20) and s["request_throughput"] > 0
+
+
+def test_cancelled_request_frees_its_slot_at_the_next_step(scheduler):
+    r = request(PROMPTS[0], 30)
+    r.on_event = lambda token, delta, done: setattr(r, "cancelled", len(r.tokens) >= 3)
+    scheduler.run_all([r])
+    assert len(r.tokens) == 3 and scheduler.running == 0
