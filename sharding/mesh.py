@@ -4,6 +4,8 @@ rules of `rules.py` for parameters, cache and activations, and running its excha
 
 from __future__ import annotations
 
+import abc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,7 +34,7 @@ def make_mesh(shape: tuple[int, int]) -> Mesh:
     return jax.make_mesh(shape, rules.ALL, axis_types=(AxisType.Auto,) * 2, devices=devices[:n])
 
 
-class MeshPlacement(Placement):
+class MeshPlacement(Placement, abc.ABC):
     """A placement over an ("ep", "tp") mesh; subclasses give `mesh_shape` and `exchange`."""
 
     def __init__(self, config: Config, mesh: Mesh | None = None):
@@ -47,9 +49,9 @@ class MeshPlacement(Placement):
         self.rows_sharded = layout.attention == "dp"
 
     @classmethod
+    @abc.abstractmethod
     def mesh_shape(cls, layout: LayoutConfig) -> tuple[int, int]:
         """(ep, tp) of this placement on `layout.devices` devices."""
-        raise NotImplementedError(f"{cls.__name__} must define its mesh shape")
 
     @classmethod
     def fixed_mesh(cls, layout: LayoutConfig, shape: tuple[int, int]) -> tuple[int, int]:
@@ -98,10 +100,10 @@ class MeshPlacement(Placement):
     def row_spec(self, ndim: int) -> P:
         return P(rules.ALL if self.rows_sharded else None, *([None] * (ndim - 1)))
 
+    @abc.abstractmethod
     def exchange(self, x, ids, weights, w):
         """Inside shard_map, per device: its rows x: [T_local, D] (all T rows when rows are
         replicated), ids/weights: [T_local, k], its experts w -> [T_local, D]."""
-        raise NotImplementedError(f"{type(self).__name__} must define its exchange")
 
     def moe(self, x, ids, weights, experts, gathered: bool = False):
         row = self.row_spec(2)
