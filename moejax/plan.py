@@ -35,15 +35,14 @@ from moejax.errors import UsageError
 from moejax.model.attention import cache_specs
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_dtype, param_specs
 from moejax.vocab import ATTENTION_MODES, DTYPES, EXPERT_FORMATS
-from sharding import make_placement, names, with_placement
+from sharding import make_placement, names, rules, with_placement
 
 GB = 1e9
 
 
 def _sharded(a, placement, axes: tuple):
     """`a` (a shape) as an abstract array with the sharding its logical axes give it."""
-    if a.ndim != len(axes):  # a leaf of another rank (Blackwell tilings): split on its leading axes only
-        axes = tuple(x if x in ("layers", "experts") else None for x in axes[:2]) + (None,) * (a.ndim - 2)
+    axes = rules.leaf_axes(axes, a.ndim)
     return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placement.sharding(axes, a.shape))
 
 

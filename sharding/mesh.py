@@ -93,8 +93,7 @@ class MeshPlacement(Placement, abc.ABC):
         `gathered`: every device holds every expert."""
         def leaf_specs(name, tree):
             axes = EXPERT_AXES[name] if not gathered else (None,) + EXPERT_AXES[name][1:]
-            return jax.tree.map(lambda a: self.spec(axes if a.ndim == len(axes) else axes[:1] + (None,) * (a.ndim - 1),
-                                                    a.shape), tree)
+            return jax.tree.map(lambda a: self.spec(rules.leaf_axes(axes, a.ndim), a.shape), tree)
         return {name: leaf_specs(name, tree) for name, tree in w.items()}
 
     def row_spec(self, ndim: int) -> P:

@@ -14,7 +14,7 @@ import numpy as np
 
 from moejax.config import Config
 from moejax.model.params import ParamSpec, expert_axis, is_expert_stack
-from sharding import accounting
+from sharding import accounting, rules
 from sharding.experts import moe_local
 
 
@@ -62,10 +62,7 @@ class Placement:
                     pad = [(0, 0)] * a.ndim
                     pad[ax] = (0, self.num_experts - a.shape[ax])
                     a = np.pad(np.asarray(a), pad)
-            # A leaf of another rank (the Blackwell kernel's scale tiling) is split on experts only.
-            axes = spec.axes if a.ndim == len(spec.axes) else tuple(
-                x if x in ("layers", "experts") else None for x in spec.axes[:2]) + (None,) * (a.ndim - 2)
-            return self.put(a, axes)
+            return self.put(a, rules.leaf_axes(spec.axes, a.ndim))
         return jax.tree.map(put_leaf, value)
 
     def place_cache(self, cache: list[dict]) -> list[dict]:

@@ -37,6 +37,15 @@ def rules(layout: LayoutConfig) -> dict[str, str | tuple | None]:
     }
 
 
+def leaf_axes(axes: tuple, ndim: int) -> tuple:
+    """The logical axes of one array of a parameter with logical `axes`: the same where the ranks
+    agree; an array of another rank (the Blackwell kernel's scale tiling) keeps only its leading
+    "layers" / "experts" axes and is replicated along the rest."""
+    if ndim == len(axes):
+        return axes
+    return tuple(a if a in ("layers", "experts") else None for a in axes[:2]) + (None,) * (ndim - 2)
+
+
 def partition_spec(axes: tuple, shape: tuple, table: dict, mesh_sizes: dict[str, int]) -> P:
     """A PartitionSpec for one array. Axes that do not divide evenly stay replicated (a head
     count below the device count, say); the expert axes were checked up front (`check_model`)."""
