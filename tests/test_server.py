@@ -199,18 +199,27 @@ def test_full_queue_gets_429(small):
     bodies = [{"prompt": [5, 6], "max_tokens": 60, "temperature": 0}] * 8
     with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
         statuses = sorted(s for s, _ in pool.map(lambda b: small.request("POST", "/v1/completions", b), bodies))
-    # One running and two waiting are accepted; the rest find the queue full.
-    assert statuses[:3] == [200] * 3 and 429 in statuses and set(statuses) == {200, 429}
+    # Two waiting are accepted, and a third when the engine has taken one into its slot before the
+    # others arrive (a race the requests run against it); the rest find the queue full.
+    assert statuses.count(200) in (2, 3) and statuses.count(429) == len(bodies) - statuses.count(200)
 
 
 def test_sigterm_finishes_every_accepted_request_then_exits(small):
     bodies = [{"prompt": [5, 6, i + 10], "max_tokens": 40, "temperature": 0} for i in range(3)]
-    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
-        futures = [pool.submit(small.complete, b) for b in bodies]
-        deadline = time.monotonic() + 60
-        while small.metric("moejax_requests_running") + small.metric("moejax_requests_waiting") < 3:
+    deadline = time.monotonic() + 60
+
+    def wait_for(running: int, waiting: int) -> None:
+        while small.metric("moejax_requests_running") < running or small.metric("moejax_requests_waiting") < waiting:
             assert time.monotonic() < deadline
             time.sleep(0.01)
+
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        # The first takes the one slot before the others queue (all at once, the third could find
+        # the two queue places taken before the engine has moved the first into its slot).
+        futures = [pool.submit(small.complete, bodies[0])]
+        wait_for(1, 0)
+        futures += [pool.submit(small.complete, b) for b in bodies[1:]]
+        wait_for(1, 2)
         small.proc.send_signal(signal.SIGTERM)
         out = [f.result(timeout=120) for f in futures]
     assert [o["usage"]["completion_tokens"] for o in out] == [40] * 3
