@@ -332,15 +332,23 @@ class Scheduler:
         out = to_host(out)
         self._observe("prefill", picks, valid.reshape(-1))
         now = time.perf_counter()
+        for i, s in self._advance_prefill(rows, c):
+            self.slots[s].pos = self.slots[s].done
+            self._emit(s, int(out[i]), now)
+
+    def _advance_prefill(self, rows: list[int], c: int) -> list[tuple[int, int]]:
+        """After a prefill call of `c` positions for the slots `rows`: (row, slot) of those whose
+        prompt is now whole; the others' next chunks wait behind the rest's (round robin)."""
+        finished = []
         for i, s in enumerate(rows):
             slot = self.slots[s]
             slot.done = min(slot.done + c, len(slot.request.prompt))
             self.prefilling.remove(s)
             if slot.done == len(slot.request.prompt):
-                slot.pos = slot.done
-                self._emit(s, int(out[i]), now)
+                finished.append((i, s))
             else:
-                self.prefilling.append(s)  # its next chunk waits behind the others' (round robin)
+                self.prefilling.append(s)
+        return finished
 
     def _emit(self, s: int, token: int, now: float) -> None:
         slot = self.slots[s]

@@ -118,15 +118,10 @@ class SpecScheduler(Scheduler):
             self.engine.params, self.mtp, self.cache, self.mtp_cache, slots, tokens, start, last, after)
         first, draft = to_host(first), to_host(draft)
         now = time.perf_counter()
-        for i, s in enumerate(rows):
+        for i, s in self._advance_prefill(rows, c):
             slot = self.slots[s]
-            slot.done = min(slot.done + c, len(slot.request.prompt))
-            self.prefilling.remove(s)
-            if slot.done == len(slot.request.prompt):
-                slot.pos, slot.draft = slot.done, int(draft[i])
-                self._emit(s, int(first[i]), now)
-            else:
-                self.prefilling.append(s)
+            slot.pos, slot.draft = slot.done, int(draft[i])
+            self._emit(s, int(first[i]), now)
 
     def warm_up(self) -> None:
         p, n = self.prefill_rows, self.num_slots
