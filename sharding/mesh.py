@@ -80,11 +80,19 @@ class MeshPlacement(Placement, abc.ABC):
         host = np.asarray(array)
         return jax.make_array_from_callback(host.shape, self.sharding(axes, host.shape), lambda index: host[index])
 
-    def place_cache(self, cache):
-        """Cache dicts (a run's, with a leading layers axis, or one layer's) onto the devices."""
+    def cache_axes(self, cache) -> list[dict]:
+        """Logical axes of each array of cache dicts (a run's, with a leading layers axis, or one layer's)."""
         axes = {k: a for k, (_, a) in cache_specs(self.config.model, 1, 1).items()}
-        return [{k: self.put(v, ("layers",) * (v.ndim - len(axes[k])) + axes[k]) for k, v in layer.items()}
-                for layer in cache]
+        return [{k: ("layers",) * (v.ndim - len(axes[k])) + axes[k] for k, v in layer.items()} for layer in cache]
+
+    def place_cache(self, cache):
+        """Cache dicts from the host onto the devices."""
+        return [{k: self.put(v, axes[k]) for k, v in layer.items()} for layer, axes in zip(cache, self.cache_axes(cache))]
+
+    def cache_shardings(self, cache) -> list[dict]:
+        """Where this placement keeps each array of cache dicts (for a cache placed elsewhere)."""
+        return [{k: self.sharding(axes[k], v.shape) for k, v in layer.items()}
+                for layer, axes in zip(cache, self.cache_axes(cache))]
 
     def constrain(self, x, axes):
         return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape))
