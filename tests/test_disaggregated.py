@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
@@ -13,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from moejax.config import Config, LayoutConfig, preset
 from moejax.engine.disaggregated import Disaggregated, bytes_moved
-from moejax.engine.engine import Engine
+from moejax.engine.engine import Engine, Prefilled
 from moejax.engine.kv_cache import init_cache
 from moejax.loading import load_params
 from sharding import make_placement, names
@@ -55,12 +56,31 @@ def test_shared_devices_under_two_placements_give_the_single_device_tokens():
     assert pair("ragged_a2a", "weight_prefetch", False).tokens == single_device_tokens()
 
 
-def test_hand_over_between_disjoint_meshes_moves_the_whole_cache():
-    prefill, decode = CYCLE[0]
-    batch, max_len = 4, 16  # 4 requests (DP on 4 devices); 7 + 5 positions bucketed
-    shapes = jax.tree.leaves(jax.eval_shape(lambda: init_cache(preset("tiny"), batch, max_len, np.float32)))
-    whole = sum(a.size * a.dtype.itemsize for a in shapes)
-    assert pair(prefill, decode, True).handover_bytes == whole > 0
+def cache_nbytes(batch: int, positions: int) -> int:
+    shapes = jax.tree.leaves(jax.eval_shape(lambda: init_cache(preset("tiny"), batch, positions, np.float32)))
+    return sum(a.size * a.dtype.itemsize for a in shapes)
+
+
+def test_hand_over_between_disjoint_meshes_moves_the_written_cache():
+    """4 requests (DP on 4 devices), prompts padded to 16 positions, a 16-position cache (7 + 5 bucketed)."""
+    assert pair(*CYCLE[0], True).handover_bytes == cache_nbytes(4, 16) > 0
+
+
+def test_hand_over_moves_only_the_positions_the_prefill_wrote():
+    """A 64-position cache of which the prefill wrote 16: a quarter travels, the rest is made
+    as zeros on the decode mesh."""
+    prefill, decode = engine(CYCLE[0][0], 0, 4), engine(CYCLE[0][1], 4, 4)
+    filled = jax.tree.map(lambda a: np.arange(a.size, dtype=np.float32).reshape(a.shape) % 7 + 1,
+                          init_cache(preset("tiny"), 4, 64, np.float32))
+    state = Prefilled(PROMPTS, prefill.placement.place_cache([{k: v.copy() for k, v in run.items()} for run in filled]),
+                      jnp.zeros(4, jnp.int32), None, np.ones(4, np.int32), 64, 16, None, [], 0.0)
+    moved_state, moved, _ = Disaggregated(prefill, decode).hand_over(state)
+    assert moved == cache_nbytes(4, 16)
+    for run, got in zip(filled, moved_state.cache):
+        for k, a in got.items():
+            assert set(a.sharding.device_set) == set(jax.devices()[4:8])
+            np.testing.assert_array_equal(np.asarray(a)[:, :, :16], run[k][:, :, :16])
+            assert not np.asarray(a)[:, :, 16:].any()
 
 
 def test_hand_over_between_layouts_of_the_same_cache_sharding_moves_nothing():

@@ -90,6 +90,7 @@ class Prefilled:
     logits: jax.Array  # [B, V] the logits they were chosen from
     lens: np.ndarray  # [B] prompt lengths: each request's next position
     max_len: int
+    written: int  # cache positions [0, written) the prefill wrote (the padded prompts' width); the rest are zeros
     key: jax.Array  # sampling key (folded with the step)
     picks: list
     prefill_ms: float
@@ -198,7 +199,7 @@ class Engine:
         key = jax.random.key(seed)
         tok = sample(logits, jax.random.fold_in(key, 0), sampling).block_until_ready()
         t1 = compile_clock.now()
-        return Prefilled(prompts, cache, tok, logits, lens, max_len, key, picks,
+        return Prefilled(prompts, cache, tok, logits, lens, max_len, tokens.shape[1], key, picks,
                          prefill_ms=1e3 * (t1 - t0 - compile_clock.compile_seconds(t0, t1)))
 
     def decode(self, state: Prefilled, max_new_tokens: int, sampling: Sampling = Sampling(), record: bool = False,
