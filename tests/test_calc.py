@@ -147,11 +147,11 @@ def test_glm_kv_cache_per_token_is_the_mla_latent_rope_key_and_indexer_key_of_78
 
 def test_two_micro_batches_of_a_decode_step_read_more_expert_bytes_than_one():
     """At 64 tokens an even router touches 87% of GLM's experts; each half touches 64%, so the
-    two halves read 1.47x the bytes; at 256 tokens both halves touch all: 2x."""
+    two halves read 1.47x the bytes; at 256 tokens each half touches 98%: 1.97x."""
     (d64,) = calc.calc_report(preset("glm-5.3"), [8], 64, None, "nvfp4")["devices"]
     (d256,) = calc.calc_report(preset("glm-5.3"), [8], 256, None, "nvfp4")["devices"]
     assert d64["two_batch_expert_bytes_read_per_device"] / d64["expert_bytes_read_per_device"] == pytest.approx(1.47, abs=0.01)
-    assert d256["two_batch_expert_bytes_read_per_device"] / d256["expert_bytes_read_per_device"] == pytest.approx(2, abs=0.01)
+    assert d256["two_batch_expert_bytes_read_per_device"] / d256["expert_bytes_read_per_device"] == pytest.approx(1.97, abs=0.01)
 
 
 def test_cli_reads_hf_config_json(tmp_path, capsys):
