@@ -134,8 +134,8 @@ def add_pd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-devices", type=int, default=0, help="devices of the decode mesh (the next ones)")
 
 
-def pd_devices(args, config: Config) -> tuple[list, list]:
-    """(prefill devices, decode devices) of the PD flags: split, or both the first --devices."""
+def pd_devices(args, shared: int) -> tuple[list, list]:
+    """(prefill devices, decode devices) of the PD flags: split, or both the first `shared`."""
     from moejax.engine.disaggregated import split_devices
 
     p, d = args.prefill_devices, args.decode_devices
@@ -143,8 +143,8 @@ def pd_devices(args, config: Config) -> tuple[list, list]:
         raise UsageError(f"--prefill-devices and --decode-devices go together, both at least 1; got {p} and {d}")
     if getattr(args, "num_processes", 1) > 1:
         raise UsageError("prefill and decode on their own placements run in one process (--num-processes 1)")
-    ensure_devices(p + d if p else config.layout.devices)
-    return split_devices(p, d, config.layout.devices)
+    ensure_devices(p + d or shared)
+    return split_devices(p, d, shared)
 
 
 def pd_engine(config: Config, devices: list, name: str, args):
@@ -176,7 +176,7 @@ def cmd_generate(args) -> int:
         if args.speculative:
             raise UsageError("--speculative mtp runs under one placement; drop --prefill-placement/--decode-placement")
         own = config.layout.placement or registry.DEFAULT
-        prefill_devices, decode_devices = pd_devices(args, config)
+        prefill_devices, decode_devices = pd_devices(args, config.layout.devices)
         engine = Disaggregated(pd_engine(config, prefill_devices, args.prefill_placement or own, args),
                                pd_engine(config, decode_devices, args.decode_placement or own, args))
     else:

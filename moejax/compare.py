@@ -71,14 +71,14 @@ def measure_pd(pd, prompts, max_new_tokens: int) -> dict:
             "decode_step_ms": round(gen.decode_step_ms, 2)}
 
 
-def pd_rows(args, config, names: list[str], prompts) -> list[dict]:
+def pd_rows(args, config, names: list[str], prompts, devices: int) -> list[dict]:
     """Every prefill placement x decode placement (or the ones --prefill/--decode-placement
-    name), plain, on the split or shared devices of the PD flags; engines built once per
+    name), plain, on the split devices of the PD flags or all `devices` shared; engines built once per
     placement and mesh."""
     from moejax.engine.disaggregated import Disaggregated
 
     config = dataclasses.replace(config, layout=dataclasses.replace(config.layout, two_batch_overlap=False))
-    prefill_devices, decode_devices = pd_devices(args, config)
+    prefill_devices, decode_devices = pd_devices(args, devices)
     shared = prefill_devices == decode_devices
     prefills = [args.prefill_placement] if args.prefill_placement else names
     decodes = [args.decode_placement] if args.decode_placement else names
@@ -122,7 +122,7 @@ def cmd_compare(args) -> int:
     rows = [measure(build_engine(config_of(name, devices, tbo), args.hf, args.seed, args.checkpoint),
                     prompts, args.max_new_tokens)
             for name, tbo in variants]
-    pairs = pd_rows(args, config, names, prompts) if args.pd else []
+    pairs = pd_rows(args, config, names, prompts, devices) if args.pd else []
     agree = all(r["tokens"] == expected for r in rows + pairs)
     if args.json:
         print(json.dumps({"agree": agree, "devices": devices, "placements": rows, **({"pairs": pairs} if args.pd else {})}))
