@@ -12,6 +12,7 @@ from moejax.config import Config, ConfigError, from_dict, load_file, replace_che
 from moejax.errors import UsageError
 from moejax.vocab import ATTENTION_MODES, DISPATCH_DTYPES, DTYPES, EXPERT_FORMATS, KERNELS
 from sharding import registry
+from sharding.mesh import make_mesh
 
 
 def prompt_ids(text: str) -> list[int]:
@@ -110,8 +111,9 @@ def ensure_devices(n: int) -> None:
 
 
 def build_engine(config: Config, hf_dir: str | None, seed: int, checkpoint: str | None = None,
-                 devices: list | None = None):
-    """An engine of `config`'s placement on the machine's first devices, or on `devices`."""
+                 devices: list | None = None, params: dict | None = None):
+    """An engine of `config`'s placement on the machine's first devices, or on `devices`;
+    `params`: already placed as this placement lays them out (else loaded and placed)."""
     # Deferred: orbax, safetensors and the model code load only for the verbs that run a model.
     from moejax.engine.engine import Engine
     from moejax.loading import load_params, with_hf_model
@@ -119,7 +121,9 @@ def build_engine(config: Config, hf_dir: str | None, seed: int, checkpoint: str 
     config = with_hf_model(config, hf_dir, checkpoint).validate()
     ensure_devices(config.layout.devices)
     placement = registry.make_placement(config, devices)
-    return Engine(config, load_params(config, placement, hf_dir=hf_dir, checkpoint=checkpoint, seed=seed), placement)
+    if params is None:
+        params = load_params(config, placement, hf_dir=hf_dir, checkpoint=checkpoint, seed=seed)
+    return Engine(config, params, placement)
 
 
 # ----------------------------------------------------------------------------- prefill / decode on their own placements
@@ -147,10 +151,15 @@ def pd_devices(args, shared: int) -> tuple[list, list]:
     return split_devices(p, d, shared)
 
 
-def pd_engine(config: Config, devices: list, name: str, args):
-    """An engine of placement `name` on `devices` (parameters placed on that mesh)."""
-    return build_engine(registry.with_placement(config, name, len(devices)), args.hf, args.seed, args.checkpoint,
-                        devices=devices)
+def pd_engine(config: Config, devices: list, name: str, args, others=()):
+    """An engine of placement `name` on `devices`. Parameters are placed once per mesh: an
+    engine of `others` on a mesh of the same devices and shape lays them out alike, and lends
+    its own (two placements of one (ep, tp) shape differ only in their exchange)."""
+    config = registry.with_placement(config, name, len(devices))
+    mesh = make_mesh(registry.placement_class(name).mesh_shape(config.layout), devices)
+    alike = [e for e in others if e.placement.mesh == mesh]
+    return build_engine(config, args.hf, args.seed, args.checkpoint, devices=devices,
+                        params=alike[0].params if alike else None)
 
 
 def cmd_generate(args) -> int:
@@ -177,8 +186,9 @@ def cmd_generate(args) -> int:
             raise UsageError("--speculative mtp runs under one placement; drop --prefill-placement/--decode-placement")
         own = config.layout.placement or registry.DEFAULT
         prefill_devices, decode_devices = pd_devices(args, config.layout.devices)
-        engine = Disaggregated(pd_engine(config, prefill_devices, args.prefill_placement or own, args),
-                               pd_engine(config, decode_devices, args.decode_placement or own, args))
+        prefill_engine = pd_engine(config, prefill_devices, args.prefill_placement or own, args)
+        engine = Disaggregated(prefill_engine, pd_engine(config, decode_devices, args.decode_placement or own, args,
+                                                         others=[prefill_engine]))
     else:
         engine = build_engine(config, args.hf, args.seed, args.checkpoint)
     t1 = compile_clock.now()

@@ -83,7 +83,12 @@ def pd_rows(args, config, names: list[str], prompts, devices: int) -> list[dict]
     prefills = [args.prefill_placement] if args.prefill_placement else names
     decodes = [args.decode_placement] if args.decode_placement else names
     engines = {}
-    engine = lambda devices, name: engines.setdefault((tuple(devices), name), pd_engine(config, devices, name, args))
+
+    def engine(devices, name):
+        if (tuple(devices), name) not in engines:
+            engines[tuple(devices), name] = pd_engine(config, devices, name, args, others=list(engines.values()))
+        return engines[tuple(devices), name]
+
     return [measure_pd(Disaggregated(engine(prefill_devices, p), engine(decode_devices, d)), prompts, args.max_new_tokens)
             for p in prefills for d in decodes if not (shared and p == d)]  # shared p == d: the single placement
 

@@ -3,6 +3,7 @@ pair, and a hand-over that moves exactly the KV cache bytes whose device changes
 
 from __future__ import annotations
 
+import argparse
 import functools
 
 import jax
@@ -12,6 +13,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from moejax.commands import pd_engine
 from moejax.config import Config, LayoutConfig, preset
 from moejax.engine.disaggregated import Disaggregated, bytes_moved
 from moejax.engine.engine import Engine, Prefilled
@@ -94,3 +96,13 @@ def test_bytes_moved_counts_only_shards_that_change_device():
     rows = jax.device_put(np.zeros((8, 3), np.float32), NamedSharding(mesh([0, 1, 2, 3]), P("x")))
     assert bytes_moved(rows, NamedSharding(mesh([0, 1, 4, 5]), P("x"))) == 4 * 3 * 4
     assert bytes_moved(rows, NamedSharding(mesh([4, 5, 6, 7]), P(None))) == 4 * 8 * 3 * 4  # a whole copy on each
+
+
+def test_two_placements_of_one_mesh_shape_on_the_same_devices_share_their_parameters():
+    """Placed once per mesh: ragged_a2a and weight_prefetch are both 8 x 1 on the same devices;
+    tensor_sliced (1 x 8) lays them out otherwise and places its own."""
+    args = argparse.Namespace(hf=None, seed=0, checkpoint=None)
+    config = Config(model=preset("tiny"), layout=LayoutConfig(devices=8)).validate()
+    ragged = pd_engine(config, jax.devices(), "ragged_a2a", args)
+    assert pd_engine(config, jax.devices(), "weight_prefetch", args, others=[ragged]).params is ragged.params
+    assert pd_engine(config, jax.devices(), "tensor_sliced", args, others=[ragged]).params is not ragged.params
