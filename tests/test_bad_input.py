@@ -40,6 +40,8 @@ BAD_INPUT = {
     "token id out of range": ([*GEN, "--prompt-ids", "1,99999"], "token id 99999 outside the vocabulary"),
     "two-batch overlap where rows stay home": ([*GEN, "--placement", "weight_prefetch", "--devices", "8",
                                                 "--two-batch-overlap"], "rows stay on their device"),
+    "plan of two-batch overlap where rows stay home": (["plan", "--placement", "weight_prefetch", "--two-batch-overlap"],
+                                                       "rows stay on their device"),
     "prefill devices without decode devices": ([*GEN, "--prefill-placement", "ragged_a2a", "--prefill-devices", "4"],
                                                "--prefill-devices and --decode-devices go together"),
     "prefill and decode devices the machine lacks": ([*GEN, "--decode-placement", "hybrid", "--prefill-devices", "6",
