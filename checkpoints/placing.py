@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import pallas_kernels
 from checkpoints import packing
-from checkpoints.quantization import PackedExperts, stack
+from checkpoints.quantization import PackedExperts
 from moejax.errors import UsageError
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, param_dtype
 from moejax.vocab import QUANTIZED_FORMATS
@@ -43,9 +43,6 @@ class Layers:
     """A run's parameter as one read per layer (files hold each layer's tensor apart)."""
 
     reads: tuple[Callable[[], object], ...]
-
-    def stacked(self):
-        return stack([read() for read in self.reads])
 
 
 def run_form(spec: ParamSpec, array, dtype, expert_format: str, k_slices: int = 1, kernel: str = "auto"):
@@ -108,19 +105,42 @@ def _empty_stack(layer, count: int):
                    out_shardings=shardings)()
 
 
+def layer_forms(spec: ParamSpec, source, form: Callable):
+    """Yields (layer, count, `form(layer_spec, array)`) for each layer of a run's stacked
+    parameter, reading one layer at a time. `source`: `Layers`, or the whole stacked array."""
+    layer_spec = _unstacked(spec)
+    reads: Sequence = source.reads if isinstance(source, Layers) else [
+        functools.partial(lambda i: source[i], i) for i in range(spec.shape[0])]
+    for i, read in enumerate(reads):
+        yield i, len(reads), form(layer_spec, read())
+
+
+def is_stacked(spec: ParamSpec) -> bool:
+    return spec.axes[:1] == ("layers",)
+
+
 def place_tensor(placement, spec: ParamSpec, source, dtype):
     """One parameter on its devices, in the run's form. `source`: the array (host or device,
     or `PackedExperts`); for a run's stacked spec also `Layers`, read one layer at a time."""
     config = placement.config
     form = lambda s, a: host_form(s, a, dtype, config.weights.expert_format, placement.k_slices(spec), config.kernel)
-    if spec.axes[:1] != ("layers",):
+    if not is_stacked(spec):
         return placement.place(spec, form(spec, source))
-    layer_spec = _unstacked(spec)
-    reads: Sequence = source.reads if isinstance(source, Layers) else [
-        functools.partial(lambda i: source[i], i) for i in range(spec.shape[0])]
+    layer_spec, whole = _unstacked(spec), None
+    for i, count, host in layer_forms(spec, source, form):
+        layer = placement.place(layer_spec, host)
+        whole = _set_layer(_empty_stack(layer, count) if whole is None else whole, layer, np.int32(i))
+    return whole
+
+
+def host_tensor(spec: ParamSpec, source, dtype, expert_format: str):
+    """One parameter in its run form (one K-slice) as numpy, a run's stack filled layer by layer."""
+    form = lambda s, a: host_form(s, a, dtype, expert_format)
+    if not is_stacked(spec):
+        return form(spec, source)
     whole = None
-    for i, read in enumerate(reads):
-        layer = placement.place(layer_spec, form(layer_spec, read()))
-        whole = _empty_stack(layer, len(reads)) if whole is None else whole
-        whole = _set_layer(whole, layer, np.int32(i))
+    for i, count, layer in layer_forms(spec, source, form):
+        if whole is None:
+            whole = jax.tree.map(lambda a: np.empty((count, *a.shape), a.dtype), layer)
+        jax.tree.map(lambda w, a: w.__setitem__(i, a), whole, layer)
     return whole

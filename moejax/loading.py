@@ -40,7 +40,7 @@ def with_hf_model(config: Config, hf_dir: str | None, checkpoint: str | None = N
 def random_params(config: Config, placement, seed: int, specs: dict) -> dict:
     """Random parameters (`init_param`) placed as a checkpoint's would be: drawn on the host's
     CPU device one layer at a time, so no device holds more than its own share."""
-    c, dtype = config.model, jnp.dtype(config.engine.dtype)
+    c, dtype = config.model, jnp.dtype(config.engine.run_dtype)
     key = jax.device_put(jax.random.key(seed), jax.local_devices(backend="cpu")[0])
 
     def place(spec: ParamSpec, k):
@@ -58,7 +58,7 @@ def load_params(config: Config, placement, *, hf_dir: str | None = None, checkpo
     """Parameters placed by `placement`: read from `hf_dir`, restored from `checkpoint` (each
     array straight into its sharding), or random from `seed`."""
     if hf_dir is not None:
-        return load_hf(hf_dir, config.model, jnp.dtype(config.engine.dtype), placement)
+        return load_hf(hf_dir, config.model, jnp.dtype(config.engine.run_dtype), placement)
     if checkpoint is not None:
         return restore_params(checkpoint, config, placement)
     return random_params(config, placement, seed, param_specs(config.model))
@@ -68,7 +68,7 @@ def load_mtp(config: Config, placement, *, hf_dir: str | None = None, checkpoint
              init: str | None = None, seed: int = 0) -> dict:
     """The MTP module's parameters, placed: read from a transformers-layout directory that
     carries them; random when `init == "random"` or the model itself is random (a preset)."""
-    c, dtype = config.model, jnp.dtype(config.engine.dtype)
+    c, dtype = config.model, jnp.dtype(config.engine.run_dtype)
     if hf_dir is not None and has_mtp(hf_dir, c):
         return load_hf(hf_dir, c, dtype, placement, mtp=True)
     source = hf_dir or checkpoint
