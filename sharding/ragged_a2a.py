@@ -129,10 +129,10 @@ class RaggedA2A(MeshPlacement):
 
     name = "ragged_a2a"
 
-    def __init__(self, config, mesh=None, use_ragged: bool | None = None):
-        super().__init__(config, mesh)
+    def __init__(self, config, mesh=None, platform=None, use_ragged: bool | None = None):
+        super().__init__(config, mesh, platform)
         # XLA:CPU has no ragged-all-to-all; elsewhere only the used slots travel.
-        self.use_ragged = jax.default_backend() != "cpu" if use_ragged is None else use_ragged
+        self.use_ragged = self.platform != "cpu" if use_ragged is None else use_ragged
         if not self.use_ragged:
             self.sent_source = "exchange plan (this backend sends whole buffers)"
 
