@@ -135,10 +135,15 @@ def plan_placement(config: Config, batch: int, context: int, prefill_chunk: int,
     temp = max(decode.memory_analysis().temp_size_in_bytes, pre.memory_analysis().temp_size_in_bytes)
     total = param_bytes + kv_bytes + temp
     experts = [leaf for run in params["layers"] if "moe" in run for leaf in jax.tree.leaves(run["moe"]["experts"])]
+    act_bytes = jnp.dtype(config.engine.run_dtype).itemsize
+    buffers = {phase: sum(placement.exchange_buffer_bytes(rows, config.model.hidden_size, act_bytes).values())
+               for phase, rows in (("decode", batch), ("prefill", multiple * per_row))}
     return {
         "name": placement.name, "ep": placement.ep, "tp": placement.tp,
         "param_bytes_per_device": param_bytes, "expert_bytes_per_device": bytes_per_device(experts),
         "kv_cache_bytes_per_device": kv_bytes, "temp_bytes_per_device": int(temp),
+        # The exchange's own buffers of one MoE layer (part of temp): sized for the worst case.
+        "exchange_buffer_bytes_per_device": buffers,
         "total_bytes_per_device": int(total), "fits": bool(total <= hbm_gb * GB),
         "compile_s": round(decode_s + prefill_s, 1),
         **({"export": [export_decode(config, batch, context, platform) for platform in export]} if export else {}),
@@ -172,6 +177,10 @@ def cmd_plan(args) -> int:
               f"{gb('total_bytes_per_device'):>8}{'yes' if r['fits'] else 'no':>6}{r['compile_s']:>11.1f}")
     print("temp: the compiled programs' temporaries on XLA:CPU (another compiler's buffers than a GPU's or TPU's)")
     for r in rows:
+        buffers = r["exchange_buffer_bytes_per_device"]
+        if any(buffers.values()):
+            print(f"{r['name']}: exchange buffers per MoE layer, worst case (every row picks one device): "
+                  f"decode {buffers['decode'] / GB:.2f} GB, prefill chunk {buffers['prefill'] / GB:.2f} GB")
         for e in r.get("export", []):
             how = (f"lowers (kernel {e['kernel']}{' as a Pallas call' if e['pallas_kernel'] else ''}"
                    f"{', ragged_all_to_all' if e['ragged_all_to_all'] else ''}, {e['export_s']:.1f} s)"

@@ -102,6 +102,11 @@ class Placement:
     def bytes_sent_per_device(self, ids: np.ndarray, hidden: int, act_bytes: int, experts: dict | None = None):
         return np.zeros(self.devices)
 
+    def exchange_buffer_bytes(self, rows: int, hidden: int, act_bytes: int) -> dict[str, int]:
+        """Bytes of the buffers one device allocates for its exchange in one MoE layer of a pass
+        of `rows` rows (all devices'), by buffer; none for an exchange of plain collectives."""
+        return {}
+
     def copies_per_row(self, ids: np.ndarray) -> float:
         """Mean number of other devices a row is sent to (the article's 'copies')."""
         return float(self.devices - 1)

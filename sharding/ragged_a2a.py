@@ -153,6 +153,11 @@ class RaggedA2A(MeshPlacement):
             return hidden // 2 + hidden // 16 + 4  # e2m1 values, e4m3 block scales, f32 row scale
         return hidden * act_bytes
 
+    def exchange_buffer_bytes(self, rows, hidden, act_bytes):
+        k = self.config.model.num_experts_per_tok
+        return exchange_buffers(-(-rows // self.devices), self.devices, k, self.num_experts // self.ep, hidden,
+                                act_bytes, self.dispatch_row_bytes(hidden, act_bytes))
+
     def sent_rows(self, ids: np.ndarray) -> np.ndarray:
         """sent[s, d]: rows device s dispatches to another device d (the exchange's own plan)."""
         n = self.devices

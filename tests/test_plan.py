@@ -17,6 +17,7 @@ from moejax.engine.engine import Engine
 from moejax.loading import load_params
 from moejax.plan import EXPORT_PLATFORMS, export_decode, plan_placement
 from sharding import make_placement
+from sharding.ragged_a2a import exchange_buffers
 
 
 def test_plan_of_glm_reports_calcs_expert_bytes_per_device(capsys):
@@ -29,6 +30,10 @@ def test_plan_of_glm_reports_calcs_expert_bytes_per_device(capsys):
     assert row["total_bytes_per_device"] == (row["param_bytes_per_device"] + row["kv_cache_bytes_per_device"]
                                              + row["temp_bytes_per_device"])
     assert row["fits"] == (row["total_bytes_per_device"] <= 288e9)
+    c = preset("glm-5.3")  # ragged_a2a's worst-case buffers for 64 decode rows: 8 per device, bf16 rows
+    d = c.hidden_size
+    want = exchange_buffers(64 // 8, 8, c.num_experts_per_tok, c.num_experts // 8, d, 2, d * 2)
+    assert row["exchange_buffer_bytes_per_device"]["decode"] == sum(want.values())
 
 
 @pytest.mark.parametrize("placement,fmt", [("hybrid", "nvfp4"), ("expert_sharded", "unquantized")])
