@@ -10,7 +10,7 @@ import os
 
 from moejax.config import Config, ConfigError, from_dict, load_file, replace_checked
 from moejax.errors import UsageError
-from moejax.vocab import ATTENTION_MODES, DISPATCH_DTYPES, DTYPES, EXPERT_FORMATS, KERNELS
+from moejax.vocab import ATTENTION_MODES, DISPATCH_DTYPES, EXPERT_FORMATS, KERNELS, RUN_DTYPES
 from sharding import registry
 
 
@@ -37,7 +37,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--hf", metavar="DIR", help="a transformers save_pretrained directory")
     src.add_argument("--checkpoint", metavar="CKPT", help="a moejax checkpoint (moejax convert), restored into the placement")
     p.add_argument("--config", metavar="FILE", help="YAML or JSON config (DESIGN.md shape); flags override it")
-    p.add_argument("--dtype", choices=DTYPES)
+    p.add_argument("--dtype", choices=RUN_DTYPES, help="auto: bfloat16 on accelerators, float32 on CPU")
     p.add_argument("--devices", type=int, help="number of devices (virtual CPU devices on a CPU host)")
     p.add_argument("--placement", type=placement_name, choices=registry.names(), help="expert placement")
     p.add_argument("--ep", type=int, help="expert groups, for a placement whose mesh the layout chooses")

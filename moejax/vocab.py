@@ -10,6 +10,9 @@ This module imports nothing, so the CLI can build its parser without loading jax
 
 FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "glm_moe_dsa", "gpt_oss")
 DTYPES = ("float32", "bfloat16")
+# A run's dtype: "auto" is bfloat16 on accelerators (their native format, half the bytes of
+# weights and KV cache) and float32 on XLA:CPU, the reference platform whose goldens are float32.
+RUN_DTYPES = ("auto", *DTYPES)
 ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax")  # topk_softmax: softmax over the k best logits
 EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")  # silu(gate) * up | gpt-oss's clamped (up + 1) * swish
 # "unquantized": the experts stay in the run dtype (engine.dtype); the others are 4-bit formats.

@@ -38,6 +38,8 @@ BAD_INPUT = {
     "slice width that does not divide": ([*GEN, "--placement", "tensor_sliced", "--devices", "3"],
                                          "cannot be sliced 3 ways"),
     "token id out of range": ([*GEN, "--prompt-ids", "1,99999"], "token id 99999 outside the vocabulary"),
+    "a platform plan cannot export to": (["plan", "--preset", "tiny", "--export", "tpu,gpu"],
+                                         "--export gpu: not one of tpu, cuda"),
     "negative token id": ([*GEN, "--prompt-ids", "1,-3"], "token id -3 outside the vocabulary"),
     "token id out of range when scoring": (["score", "--preset", "tiny", "--prompt-ids", "512"], "token id 512"),
     "empty prompt": ([*GEN, "--prompt-ids", ""], "--prompt-ids is empty"),

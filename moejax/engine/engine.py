@@ -86,7 +86,7 @@ class Engine:
         self.c = config.model
         self.params = params
         self.placement = placement
-        self.dtype = jnp.dtype(config.engine.dtype)
+        self.dtype = jnp.dtype(config.engine.run_dtype)
         compile_clock.start()
         self.max_chunk = config.engine.prefill_chunk or default_prefill_chunk()
         bind = dict(c=self.c, placement=placement)
