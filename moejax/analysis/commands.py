@@ -203,11 +203,12 @@ def advise_text(report: dict) -> str:
 
 def run_advise(args) -> int:
     from moejax.analysis import costs, simulate
-    from moejax.commands import config_from_args, ensure_devices
+    from moejax.commands import config_from_args, ensure_devices, natural_routing_only
     from moejax.loading import with_hf_model
 
     n = positive("--devices", args.devices or 8)
     config = with_hf_model(config_from_args(args), args.hf)
+    natural_routing_only(config, "advise (it simulates the trace's own picks)")
     trace = load_trace(args.trace)
     if trace.num_experts != config.model.num_experts:
         raise UsageError(f"the trace has {trace.num_experts} experts but the model has {config.model.num_experts}; "
