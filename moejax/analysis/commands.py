@@ -181,6 +181,35 @@ def run_analyze(args) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- trace
+
+def run_trace(args) -> int:
+    from moejax.analysis import plots, step_trace
+    from moejax.commands import build_engine, config_from_args
+    from moejax.compare import DEFAULT_PROMPTS
+
+    steps = positive("--steps", args.steps)
+    engine = build_engine(config_from_args(args), args.hf, args.seed, args.checkpoint)
+    prompts = args.prompt_ids or DEFAULT_PROMPTS
+    engine.check_prompts(prompts)
+    doc = step_trace.trace_engine(engine, prompts, steps, args.prefill)
+    if args.plot:
+        try:
+            doc["plot"] = str(plots.step_trace_heatmap(doc, args.plot))
+        except OSError as e:
+            raise UsageError(f"cannot write {args.plot}: {e.strerror}") from None
+    if args.json:
+        emit_json(doc)
+        return 0
+    print(f"{doc['placement']} ({doc['ep']} x {doc['tp']}), {doc['requests']} requests, routing {doc['routing']}")
+    print(step_trace.table(doc))
+    if args.prefill:
+        print("\nprefill:\n" + step_trace.table(doc["prefill"]).replace("decode step", "prefill call"))
+    if args.plot:
+        print(f"wrote {doc['plot']}")
+    return 0
+
+
 # ----------------------------------------------------------------------------- advise
 
 def advise_text(report: dict) -> str:
@@ -272,6 +301,16 @@ def register(subparsers) -> None:
     p.add_argument("--plots", metavar="DIR", help="write PNG figures into DIR")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_analyze)
+
+    p = subparsers.add_parser("trace", help="per device and MoE layer: attention, dispatch, expert and combine time "
+                                            "of decode steps, from the profiler (seed 2's table)")
+    add_model_args(p)  # the model, layout, --routing, --json
+    p.add_argument("--prompt-ids", type=prompt_ids, action="append",
+                   help="1,2,3 (repeat: one request each; default compare's eight requests)")
+    p.add_argument("--steps", type=int, default=8, help="decode steps traced (default 8)")
+    p.add_argument("--prefill", action="store_true", help="also report the prefill call(s) before them")
+    p.add_argument("--plot", metavar="PNG", help="write the devices x layers heat map of expert time")
+    p.set_defaults(func=run_trace)
 
     p = subparsers.add_parser("advise", help="rank placements for a trace's workload by simulated decode step time")
     p.add_argument("trace", help="trace .npz written by `moejax record`")
