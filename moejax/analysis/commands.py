@@ -215,7 +215,7 @@ def run_trace(args) -> int:
 def advise_text(report: dict) -> str:
     lines = [f"{report['steps']} decode steps of {report['rows_per_step']:.0f} rows, {report['layers']} MoE layers, "
              f"{report['devices']} devices; costs of {report['costs']}",
-             "placement        ep x tp  step ms   MoE ms  experts ms  exchange ms  busiest/mean routes  "
+             "placement        ep x tp  step ms   MoE ms  experts ms  imbalance ms  exchange ms  busiest/mean routes  "
              "EPLB test (contiguous test) MoE ms"]
     for r in report["placements"]:
         s = r["contiguous"]
@@ -223,15 +223,24 @@ def advise_text(report: dict) -> str:
         eplb_ms = (f"{r['eplb_test']['moe_ms']:.2f} ({r['contiguous_test']['moe_ms']:.2f})" if "eplb_test" in r
                    else "-")
         lines.append(f"{r['placement']:<16} {r['ep']:>3} x {r['tp']:<2} {step}  {s['moe_ms']:7.2f}"
-                     f"  {s['expert_ms']:10.2f}"
+                     f"  {s['expert_ms']:10.2f}  {s['imbalance_ms']:12.2f}"
                      f"  {s['exchange_ms']:11.2f}  {s['busiest_device_routes']:8.1f} / {s['mean_device_routes']:<8.1f}"
                      f"  {eplb_ms}")
     lines.append(f"fastest: {report['ranking'][0]}")
+    measured = [r for r in report["placements"] if "measured" in r]
+    if measured:
+        lines.append("simulated against traced (moejax trace)\n"
+                     "placement        step ms sim / traced  imbalance ms sim / traced  traced routing")
+        for r in measured:
+            s, m = r["contiguous"], r["measured"]
+            step = f"{s['step_ms']:.2f}" if s["step_ms"] is not None else "-"
+            lines.append(f"{r['placement']:<16} {step:>8} / {m['step_ms']:<10.2f}  {s['imbalance_ms']:>11.2f} / "
+                         f"{m['imbalance_ms']:<11.2f}  {m['routing']}")
     return "\n".join(lines)
 
 
 def run_advise(args) -> int:
-    from moejax.analysis import costs, simulate
+    from moejax.analysis import costs, simulate, step_trace
     from moejax.commands import config_from_args, ensure_devices, natural_routing_only
     from moejax.loading import with_hf_model
 
@@ -251,7 +260,7 @@ def run_advise(args) -> int:
     costs.ensure(table, config, trace, n)
     costs.save(table, path)
     try:
-        report = simulate.advise(trace, n, table)
+        report = simulate.with_measured(simulate.advise(trace, n, table), [step_trace.load(p) for p in args.step_trace])
     except ValueError as e:
         raise UsageError(str(e)) from None
     report["costs"] = str(path)
@@ -315,6 +324,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("advise", help="rank placements for a trace's workload by simulated decode step time")
     p.add_argument("trace", help="trace .npz written by `moejax record`")
     add_model_args(p)  # the model (its geometry, dtype, expert format, kernel) and --devices, --json
+    p.add_argument("--step-trace", metavar="JSON", action="append", default=[],
+                   help="a `moejax trace --json` report of the same workload (repeatable): its measured step and "
+                        "imbalance beside the simulated ones")
     p.add_argument("--costs", metavar="FILE",
                    help="cost table JSON (default: measured on this machine, cached under ~/.cache/moejax/costs)")
     p.set_defaults(func=run_advise)

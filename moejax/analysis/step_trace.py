@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import re
 import tempfile
 from pathlib import Path
@@ -36,6 +37,8 @@ from pathlib import Path
 import jax
 import numpy as np
 from jax.profiler import ProfileData
+
+from moejax.errors import UsageError
 
 PARTS = ("attention", "dispatch", "experts", "combine")
 _OP_NAME = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{op_name="([^"]*)"', re.M)
@@ -219,4 +222,16 @@ def trace_engine(engine, prompts: list[list[int]], steps: int, prefill: bool = F
            "routing": engine.config.engine.routing, "requests": len(prompts), **one("jit_decode_step")}
     if prefill:
         doc["prefill"] = one("jit_prefill")
+    return doc
+
+
+def load(path: str) -> dict:
+    """A saved `moejax trace --json` report."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UsageError(f"cannot read step trace {path}: {getattr(e, 'strerror', None) or e}") from None
+    missing = {"placement", "ep", "tp", "devices", "routing", "steps", "step_ms", "imbalance_ms", "layers"} - set(doc)
+    if missing:
+        raise UsageError(f"{path} is not a `moejax trace --json` report: no {', '.join(sorted(missing))}")
     return doc
