@@ -255,8 +255,8 @@ def run_advise(args) -> int:
         raise UsageError(f"{n} devices do not divide {trace.num_experts} experts")
     digest = hashlib.sha1(costs.geometry_key(config).encode()).hexdigest()[:12]
     path = Path(args.costs) if args.costs else COSTS_DIR / f"{digest}.json"
+    ensure_devices(n)  # the exchange is measured on an n-device mesh; before costs.load asks jax for its backend
     table = costs.load(path, config)
-    ensure_devices(n)  # the exchange is measured on an n-device mesh
     costs.ensure(table, config, trace, n)
     costs.save(table, path)
     try:
