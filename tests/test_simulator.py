@@ -107,8 +107,11 @@ def test_advise_rejects_a_trace_of_another_model(tmp_path, capsys):
     assert "6 experts" in capsys.readouterr().err
 
 
+LAYER = {"layer": 1, "slowest_ms": 2.0, "devices": [
+    {"device": 0, "attention_ms": 9.0, "dispatch_ms": 1.0, "experts_ms": 2.0, "combine_ms": 1.0},
+    {"device": 1, "attention_ms": 1.0, "dispatch_ms": 3.0, "experts_ms": 0.5, "combine_ms": 1.0}]}
 TRACED = {"placement": "expert_sharded", "ep": 8, "tp": 1, "devices": 8, "routing": "replay:t.npz", "steps": 3,
-          "step_ms": 12.5, "imbalance_ms": 1.25, "layers": []}
+          "step_ms": 12.5, "imbalance_ms": 1.25, "layers": [LAYER, LAYER]}
 
 
 def advise_with_step_trace(tmp_path, traced: dict) -> list[str]:
@@ -125,8 +128,8 @@ def advise_with_step_trace(tmp_path, traced: dict) -> list[str]:
 def test_advise_puts_a_traced_step_beside_the_simulated_one(tmp_path, capsys):
     assert main(advise_with_step_trace(tmp_path, TRACED) + ["--json"]) == 0
     rows = {p["placement"]: p for p in json.loads(capsys.readouterr().out)["placements"]}
-    assert rows["expert_sharded"]["measured"] == {"step_ms": 12.5, "imbalance_ms": 1.25, "steps": 3,
-                                                  "routing": "replay:t.npz"}
+    assert rows["expert_sharded"]["measured"] == {"step_ms": 12.5, "moe_ms": 9.0, "expert_ms": 4.0,
+                                                  "imbalance_ms": 1.25, "steps": 3, "routing": "replay:t.npz"}
     assert [name for name, p in rows.items() if "measured" in p] == ["expert_sharded"]
     simulated = rows["expert_sharded"]["contiguous"]  # every pick on device 0: the slowest minus the mean device
     assert simulated["imbalance_ms"] == pytest.approx(simulated["expert_ms"] - simulated["mean_device_expert_ms"])

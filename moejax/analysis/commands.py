@@ -229,13 +229,15 @@ def advise_text(report: dict) -> str:
     lines.append(f"fastest: {report['ranking'][0]}")
     measured = [r for r in report["placements"] if "measured" in r]
     if measured:
-        lines.append("simulated against traced (moejax trace)\n"
-                     "placement        step ms sim / traced  imbalance ms sim / traced  traced routing")
+        lines.append("simulated / traced (moejax trace), ms per decode step")
+        lines.append(f"{'placement':<16} {'step':^15}" + "".join(f"  {h:^13}" for h in ("MoE", "experts", "imbalance"))
+                     + "  traced routing")
         for r in measured:
             s, m = r["contiguous"], r["measured"]
             step = f"{s['step_ms']:.2f}" if s["step_ms"] is not None else "-"
-            lines.append(f"{r['placement']:<16} {step:>8} / {m['step_ms']:<10.2f}  {s['imbalance_ms']:>11.2f} / "
-                         f"{m['imbalance_ms']:<11.2f}  {m['routing']}")
+            lines.append(f"{r['placement']:<16} {step:>6} / {m['step_ms']:<6.2f}"
+                         + "".join(f"  {s[k]:>5.2f} / {m[k]:<5.2f}" for k in ("moe_ms", "expert_ms", "imbalance_ms"))
+                         + f"  {m['routing']}")
     return "\n".join(lines)
 
 

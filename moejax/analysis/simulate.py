@@ -157,13 +157,22 @@ def advise(trace: Trace, n: int, costs) -> dict:
 
 def with_measured(report: dict, step_traces: list[dict]) -> dict:
     """`advise`'s report with, per placement that a `moejax trace --json` report measured on the same
-    devices and mesh, its measured step and imbalance term beside the simulated ones ("measured")."""
+    devices and mesh, its measured step, MoE time (dispatch + experts + combine of the slowest device
+    per layer), expert phase (slowest device per layer) and imbalance term ("measured"), beside the
+    simulated ones."""
     entries = {r["placement"]: r for r in report["placements"]}
     for doc in step_traces:
         entry = entries.get(doc["placement"])
         if entry is None or doc["devices"] != report["devices"] or (doc["ep"], doc["tp"]) != (entry["ep"], entry["tp"]):
             raise ValueError(f"a step trace of {doc['placement']} {doc['ep']} x {doc['tp']} on {doc['devices']} devices "
                              f"matches no placement advise simulates on {report['devices']} devices")
-        entry["measured"] = {"step_ms": doc["step_ms"], "imbalance_ms": doc["imbalance_ms"], "steps": doc["steps"],
-                             "routing": doc["routing"]}
+        layers = doc["layers"]
+        entry["measured"] = {
+            "step_ms": doc["step_ms"],
+            # The simulator's MoE time and expert phase are slowest-device figures per layer, summed.
+            "moe_ms": sum(max(d["dispatch_ms"] + d["experts_ms"] + d["combine_ms"] for d in layer["devices"])
+                          for layer in layers),
+            "expert_ms": sum(layer["slowest_ms"] for layer in layers),
+            "imbalance_ms": doc["imbalance_ms"], "steps": doc["steps"], "routing": doc["routing"],
+        }
     return report
