@@ -2,6 +2,7 @@
 replayed trace comes back unchanged when the replayed run is recorded, under any placement."""
 
 import contextlib
+import dataclasses
 import io
 
 import numpy as np
@@ -10,6 +11,10 @@ import pytest
 from moejax.analysis import metrics
 from moejax.analysis.trace import load_trace
 from moejax.cli import main
+from moejax.commands import build_engine
+from moejax.config import from_dict, replace_checked
+from moejax.serving.scheduler import Request, Scheduler
+from moejax.serving.stopping import Stopper
 
 PROMPTS = ["1,2,3", "4,5,6,7,8"]
 
@@ -64,3 +69,34 @@ def test_replay_of_another_models_trace_is_one_clear_error(even, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "replay: the trace has top-4 of 16 experts on MoE layers [1, 2]" in err
+
+
+@pytest.fixture(scope="module")
+def serving():
+    """A continuous-batching scheduler on tiny under round_robin, warmed up, and the picks of its calls."""
+    config = from_dict({}, preset_name="tiny")
+    config = dataclasses.replace(config, engine=replace_checked(config.engine, {"routing": "round_robin"}, "engine."))
+    scheduler = Scheduler(build_engine(config, None, 0), slots=1, max_len=32)
+    scheduler.warm_up()
+    seen = []
+    scheduler.pick_observers.append(lambda kind, ids, valid: seen.append(ids[:, valid]))  # [L, real rows, k]
+    return scheduler, seen
+
+
+def request(prompt, n, **sampling):
+    return Request(prompt, n, Stopper(None, (), ()), **sampling)
+
+
+def test_serving_deals_round_robin_over_the_real_rows(serving):
+    scheduler, seen = serving
+    scheduler.run_all([request([1, 2, 3], 6), request([4, 5], 6)])  # 5 prompt rows and 2 x 5 decode rows
+    picks = np.concatenate(seen, axis=1)  # [L, rows, k]
+    counts = np.stack([np.bincount(layer.reshape(-1), minlength=16) for layer in picks])
+    assert picks.shape[1] == 3 + 2 + 2 * 5 and (counts.max(axis=1) - counts.min(axis=1) <= 1).all()
+
+
+def test_serving_with_an_override_compiles_nothing_after_warm_up(serving):
+    scheduler, _ = serving
+    sizes = scheduler._decode._cache_size(), scheduler._prefill._cache_size()
+    scheduler.run_all([request([7, 8], 3, temperature=0.5)])
+    assert (scheduler._decode._cache_size(), scheduler._prefill._cache_size()) == sizes

@@ -18,7 +18,7 @@ import numpy as np
 from moejax.config import Config, ModelConfig
 from moejax.engine import compile_clock
 from moejax.engine.kv_cache import init_cache
-from moejax.engine.routing import Routing
+from moejax.engine.routing import Routing, valid_rows
 from moejax.engine.sampling import Sampling, sample
 from moejax.errors import UsageError
 from moejax.model.transformer import forward, lm_head
@@ -56,9 +56,10 @@ def to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(x)
 
 
-def forced(picks: np.ndarray | None) -> jax.Array | None:
-    """A routing override's host picks as the jitted step's input (None: the router's own)."""
-    return None if picks is None else jnp.asarray(picks)
+def forced(dealer, kind: str, valid: np.ndarray) -> jax.Array | None:
+    """A routing override's picks for one forward pass whose real rows are `valid`, as the jitted
+    step's input (None without an override: the router's own)."""
+    return None if dealer is None else jnp.asarray(dealer.picks(kind, valid))
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -137,14 +138,16 @@ class Engine:
             lens[i] = len(p)
         return tokens, lens
 
-    def _run_prefill(self, cache, tokens: np.ndarray, lens: np.ndarray, all_logits: bool, record: bool, dealer):
+    def _run_prefill(self, cache, tokens: np.ndarray, lens: np.ndarray, all_logits: bool, record: bool, dealer,
+                     prompt_lens: list[int]):
         chunk = min(self.max_chunk, tokens.shape[1])  # _padded's width: one bucket, or whole max chunks
         last = jnp.asarray(lens - 1)
         outs, picks = [], []
         for start in range(0, tokens.shape[1], chunk):
+            valid = valid_rows(prompt_lens, tokens.shape[0], chunk, start)
             logits, cache, p = self._prefill(
                 self.params, cache, jnp.asarray(tokens[:, start : start + chunk]), jnp.int32(start), last,
-                forced(dealer and dealer.prefill(start, chunk)), all_logits=all_logits, record=record,
+                forced(dealer, "prefill", valid), all_logits=all_logits, record=record,
             )
             outs.append(logits)
             picks.append(p)
@@ -160,8 +163,8 @@ class Engine:
         self.check_prompts(prompts)
         tokens, lens = self._padded(prompts)
         cache = self.new_cache(tokens.shape[0], bucket(tokens.shape[1], 16))
-        dealer = self.routing.start(self.c, [len(p) for p in prompts], tokens.shape[0])
-        logits, _, _ = self._run_prefill(cache, tokens, lens, all_logits=True, record=False, dealer=dealer)
+        logits, _, _ = self._run_prefill(cache, tokens, lens, all_logits=True, record=False,
+                                         dealer=self.routing.start(self.c), prompt_lens=[len(p) for p in prompts])
         logits = to_host(logits)
         return [logits[i, : len(p)] for i, p in enumerate(prompts)]
 
@@ -183,9 +186,10 @@ class Engine:
         if longest >= max_len:
             raise UsageError(f"prompt of {longest} tokens does not fit the KV cache of {max_len} positions")
         cache = self.new_cache(tokens.shape[0], max_len)
-        dealer = self.routing.start(self.c, [len(p) for p in prompts], tokens.shape[0])
+        dealer, prompt_lens = self.routing.start(self.c), [len(p) for p in prompts]
         t0 = compile_clock.now()
-        logits, cache, picks = self._run_prefill(cache, tokens, lens, all_logits=False, record=record, dealer=dealer)
+        logits, cache, picks = self._run_prefill(cache, tokens, lens, all_logits=False, record=record, dealer=dealer,
+                                                 prompt_lens=prompt_lens)
         key = jax.random.key(seed)
         tok = sample(logits, jax.random.fold_in(key, 0), sampling).block_until_ready()
         t1 = compile_clock.now()
@@ -193,7 +197,8 @@ class Engine:
         out, step_logits = [tok], [logits] if return_logits else []  # kept only when asked: B x V per step
         for step in range(1, max_new_tokens):
             tok, logits, cache, p = self._decode(
-                self.params, cache, tok, positions, jax.random.fold_in(key, step), forced(dealer and dealer.decode()),
+                self.params, cache, tok, positions, jax.random.fold_in(key, step),
+                forced(dealer, "decode", valid_rows(prompt_lens, tokens.shape[0], 1, None)),
                 sampling=sampling, record=record,
             )
             positions = positions + 1

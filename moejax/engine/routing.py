@@ -61,31 +61,27 @@ class Routing:
                              f"{t.layers.tolist()}, the model top-{c.num_experts_per_tok} of {c.num_experts} on "
                              f"{list(c.moe_layers)}")
 
-    def start(self, c: ModelConfig, prompt_lens: list[int], batch: int) -> "Dealer | None":
-        """A fresh deal for one run of these prompts in a batch of `batch` requests (None: natural)."""
-        return None if self.mode == "natural" else Dealer(self, c, prompt_lens, batch)
+    def start(self, c: ModelConfig) -> "Dealer | None":
+        """A fresh deal for one run (None: natural, nothing forced)."""
+        return None if self.mode == "natural" else Dealer(self, c)
 
 
 class Dealer:
     """Forced picks for the forward passes of one run, in order: int32 [MoE layers, R, k] each."""
 
-    def __init__(self, routing: Routing, c: ModelConfig, prompt_lens: list[int], batch: int):
-        self.routing, self.lens, self.batch = routing, prompt_lens, batch
+    def __init__(self, routing: Routing, c: ModelConfig):
+        self.routing = routing
         self.layers, self.k, self.e = len(c.moe_layers), c.num_experts_per_tok, c.num_experts
         self.rng = np.random.default_rng(routing.seed)
         self.counters = {"real": 0, "padding": 0}  # round robin's next expert
         self.step = 0  # replay: the trace's next forward pass
 
-    def prefill(self, start: int, chunk: int) -> np.ndarray:
-        return self._picks("prefill", valid_rows(self.lens, self.batch, chunk, start))
-
-    def decode(self) -> np.ndarray:
-        return self._picks("decode", valid_rows(self.lens, self.batch, 1, None))
-
-    def _picks(self, kind: str, valid: np.ndarray) -> np.ndarray:
+    def picks(self, kind: str, valid: np.ndarray) -> np.ndarray:
+        """int32 [L, R, k] for one forward pass ("prefill" or "decode") whose real rows are valid: bool[R]."""
         out = np.empty((self.layers, valid.size, self.k), np.int32)
         out[:, ~valid] = self._round_robin("padding", int((~valid).sum()))
-        out[:, valid] = self._real(kind, int(valid.sum()))
+        if valid.any():  # a pass of padding only (a serving warm-up) takes nothing from the deal
+            out[:, valid] = self._real(kind, int(valid.sum()))
         return out
 
     def _real(self, kind: str, rows: int) -> np.ndarray:

@@ -33,7 +33,8 @@ def build_scheduler(args, progress: bool = True):
     eos = tokenizer.eos_ids if tokenizer else (eos_ids(args.hf) or ()) if args.hf else ()
     with tqdm(total=2, desc="load + compile", disable=None if progress else True, file=sys.stderr) as bar:
         config = config_from_args(args)
-        natural_routing_only(config, "continuous batching (serve, bench)")
+        if args.speculative == "mtp":
+            natural_routing_only(config, "--speculative mtp")
         engine = build_engine(config, args.hf, args.seed, args.checkpoint)
         bar.update()
         kw = dict(slots=args.slots, max_len=args.max_seq_len, prefill_rows=args.prefill_rows,
