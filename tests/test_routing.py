@@ -71,6 +71,13 @@ def test_replay_of_another_models_trace_is_one_clear_error(even, capsys):
     assert err.count("\n") == 1 and "replay: the trace has top-4 of 16 experts on MoE layers [1, 2]" in err
 
 
+@pytest.mark.parametrize("routing", ["uniform", "replay", "round_robin:2", "even:x"])
+def test_a_routing_that_is_no_mode_is_one_clear_error(routing, capsys):
+    assert main(["generate", "--preset", "tiny", "--routing", routing]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"engine.routing {routing!r} is not one of natural, even[:SEED]" in err
+
+
 @pytest.fixture(scope="module")
 def serving():
     """A continuous-batching scheduler on tiny under round_robin, warmed up, and the picks of its calls."""
