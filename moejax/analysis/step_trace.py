@@ -54,10 +54,10 @@ def profile_run(engine, prompts: list[list[int]], steps: int) -> tuple[ProfileDa
             with jax.profiler.trace(out):
                 engine.generate(prompts, steps + 1)
             profile = ProfileData.from_file(str(next(Path(out).rglob("*.xplane.pb"))))
-    # Lowered again from the shapes of the calls just made: the programs just run (compile cache hits).
-    texts = {module: jitted.lower(*args, **kwargs).compile().as_text()
-             for module, calls in (("jit_prefill", prefills), ("jit_decode_step", decodes)) if calls
-             for jitted, args, kwargs in calls[-1:]}
+    texts = {}
+    for module, calls in (("jit_prefill", prefills), ("jit_decode_step", decodes)):
+        jitted, args, kwargs = calls[-1]  # lowered again from the shapes just run: a compile cache hit
+        texts[module] = jitted.lower(*args, **kwargs).compile().as_text()
     return profile, texts
 
 
