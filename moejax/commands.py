@@ -48,6 +48,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-format", choices=EXPERT_FORMATS, help="experts in --dtype (unquantized) or 4-bit")
     p.add_argument("--kernel", choices=KERNELS, help="grouped-GEMM backend (auto: by platform)")
     p.add_argument("--prefill-chunk", type=int, help="most prompt positions per prefill call (default: 1024 on CPU, 512 elsewhere)")
+    p.add_argument("--routing", metavar="MODE", help="picks forced on the router: natural (default), even[:SEED], "
+                   "round_robin, replay:TRACE (a `moejax record` trace)")
     p.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--num-processes", type=int, default=1, help="multi-host: processes in the run (jax.distributed)")
@@ -64,7 +66,8 @@ def config_from_args(args) -> Config:
         placement=args.placement, devices=args.devices, ep=args.ep, tp=args.tp, attention=args.attention,
         dispatch_dtype=args.dispatch_dtype, prefetch_depth=args.prefetch_depth,
     ).items() if v is not None}
-    engine = {k: v for k, v in dict(dtype=args.dtype, prefill_chunk=args.prefill_chunk).items() if v is not None}
+    engine = {k: v for k, v in dict(dtype=args.dtype, prefill_chunk=args.prefill_chunk,
+                                    routing=getattr(args, "routing", None)).items() if v is not None}
     config = dataclasses.replace(
         config,
         layout=replace_checked(config.layout, layout, "layout."),
@@ -73,6 +76,12 @@ def config_from_args(args) -> Config:
         kernel=args.kernel or config.kernel,
     )
     return config.validate()
+
+
+def natural_routing_only(config: Config, what: str) -> None:
+    """Paths whose jitted steps take no forced picks refuse a routing override rather than ignore it."""
+    if config.engine.routing != "natural":
+        raise UsageError(f"{what} does not take --routing (only natural routing there); drop --routing")
 
 
 def init_processes(args) -> None:
@@ -108,13 +117,18 @@ def ensure_devices(n: int) -> None:
 
 def build_engine(config: Config, hf_dir: str | None, seed: int, checkpoint: str | None = None):
     # Deferred: orbax, safetensors and the model code load only for the verbs that run a model.
+    from moejax.analysis.trace import load_trace
     from moejax.engine.engine import Engine
+    from moejax.engine.routing import Routing
     from moejax.loading import load_params, with_hf_model
 
     config = with_hf_model(config, hf_dir, checkpoint).validate()
+    routing = Routing.parse(config.engine.routing, load_trace)
+    routing.check(config.model)  # before loading weights: a mismatched trace fails fast
     ensure_devices(config.layout.devices)
     placement = registry.make_placement(config)
-    return Engine(config, load_params(config, placement, hf_dir=hf_dir, checkpoint=checkpoint, seed=seed), placement)
+    return Engine(config, load_params(config, placement, hf_dir=hf_dir, checkpoint=checkpoint, seed=seed), placement,
+                  routing)
 
 
 def cmd_generate(args) -> int:
@@ -131,9 +145,12 @@ def cmd_generate(args) -> int:
     tokenizer = text.load_tokenizer(args)
     prompts, extra = text.encode_prompts(args.prompt_ids or [[1]], tokenizer, args.chat), {}
     stop_ids = text.model_stop_ids(args, tokenizer)
+    config = config_from_args(args)
+    if args.speculative:
+        natural_routing_only(config, "--speculative mtp")
     compile_clock.start()
     t0 = compile_clock.now()
-    engine = build_engine(config_from_args(args), args.hf, args.seed, args.checkpoint)
+    engine = build_engine(config, args.hf, args.seed, args.checkpoint)
     t1 = compile_clock.now()
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if (args.top_k or args.top_p < 1.0) and sampling.greedy:

@@ -27,3 +27,6 @@ KERNELS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "blackwell", "interpret", 
 ATTENTION_MODES = ("dp", "tp")  # data-parallel (requests split over devices) | tensor-parallel (heads)
 SPLIT_MODES = ("tp", "replicated")  # dense layers and the shared expert: sliced or copied
 DISPATCH_DTYPES = ("bf16", "nvfp4")  # how rows travel, where a placement sends rows to their experts
+# Routing overrides (`--routing`): the router's own picks, k distinct experts drawn uniformly per
+# row, experts dealt in turn, or the picks of a recorded trace (`replay:TRACE`).
+ROUTING_MODES = ("natural", "even", "round_robin", "replay")
