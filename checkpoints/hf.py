@@ -15,6 +15,7 @@ transformers drops it, `load_hf_mtp` reads it. gpt-oss keeps its experts fused
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,8 +23,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from checkpoints.placing import place_tensor
-from checkpoints.quantization import Tensors, read_scheme, stack
+from checkpoints.placing import Layers, place_tensor
+from checkpoints.quantization import Tensors, read_scheme
 from checkpoints.safetensors_io import SafetensorsDir
 from moejax.config import ConfigError, ModelConfig, from_hf_config
 from moejax.errors import UsageError
@@ -171,10 +172,9 @@ def _layer(st: Tensors, i: int, c: ModelConfig) -> dict:
 
 
 def _run(st: Tensors, run: Run, c: ModelConfig) -> dict:
-    """The same tree as a run's stacked specs: each leaf reads that parameter of every layer of
-    the run and stacks them."""
+    """The same tree as a run's stacked specs: each leaf reads that parameter layer by layer."""
     per_layer = [_layer(st, i, c) for i in run.layers]
-    return jax.tree.map(lambda *reads: lambda: stack([read() for read in reads]), *per_layer)
+    return jax.tree.map(lambda *reads: Layers(reads), *per_layer)
 
 
 def _mtp_sources(st: Tensors, c: ModelConfig) -> dict:
@@ -200,19 +200,27 @@ def _sources(st: Tensors, c: ModelConfig) -> dict:
 
 
 def iter_hf_tensors(directory: str | Path, c: ModelConfig, mtp: bool = False) -> Iterator[tuple[tuple, ParamSpec, object]]:
-    """Yields (path in the param tree, spec, array) one parameter at a time: the model's, or
-    with `mtp` the MTP module's. An array is a float numpy array, or `PackedExperts` for
-    experts published 4-bit."""
+    """Yields (path in the param tree, spec, source) one parameter at a time: the model's, or
+    with `mtp` the MTP module's. A source is a float numpy array or `PackedExperts` (experts
+    published 4-bit), or for a run's stacked parameter `Layers` that read it layer by layer."""
     st = Tensors(directory)
     specs, sources = (mtp_specs(c), _mtp_sources(st, c)) if mtp else (param_specs(c), _sources(st, c))
 
+    def checked(read, shape, path):
+        array = read()
+        if array.shape != shape:
+            raise UsageError(f"{directory}: {'/'.join(map(str, path))} has shape {array.shape}, "
+                             f"config.json implies {shape}")
+        return array
+
     def walk(spec_tree, src_tree, path):
         if isinstance(spec_tree, ParamSpec):
-            array = src_tree()
-            if array.shape != spec_tree.shape:
-                raise UsageError(f"{directory}: {'/'.join(map(str, path))} has shape {array.shape}, "
-                                 f"config.json implies {spec_tree.shape}")
-            yield path, spec_tree, array
+            if isinstance(src_tree, Layers):
+                layer = spec_tree.shape[1:]
+                yield path, spec_tree, Layers(tuple(
+                    functools.partial(checked, read, layer, path + (i,)) for i, read in enumerate(src_tree.reads)))
+            else:
+                yield path, spec_tree, checked(src_tree, spec_tree.shape, path)
             return
         items = spec_tree.items() if isinstance(spec_tree, dict) else enumerate(spec_tree)
         for k, sub in items:

@@ -126,15 +126,6 @@ class PackedExperts:
         return (*lead, 2 * h, n)
 
 
-def stack(parts: list):
-    """A run's layers stacked on a new leading axis: arrays, or `PackedExperts` field by field."""
-    if not isinstance(parts[0], PackedExperts):
-        return np.stack(parts)
-    return PackedExperts(np.stack([p.values for p in parts]), np.stack([p.scales for p in parts]),
-                         None if parts[0].tensor_scale is None else np.stack([p.tensor_scale for p in parts]),
-                         parts[0].fmt)
-
-
 def e2m1_pairs(packed: np.ndarray) -> np.ndarray:
     """uint8 [..., M] (byte b: element 2b low nibble, 2b + 1 high) -> float32 [..., 2M]."""
     codes = np.stack([packed & 0xF, packed >> 4], axis=-1)

@@ -10,7 +10,7 @@ import os
 
 from moejax.config import Config, ConfigError, from_dict, load_file, replace_checked
 from moejax.errors import UsageError
-from moejax.vocab import ATTENTION_MODES, DISPATCH_DTYPES, DTYPES, EXPERT_FORMATS, KERNELS
+from moejax.vocab import ATTENTION_MODES, DISPATCH_DTYPES, EXPERT_FORMATS, KERNELS, RUN_DTYPES
 from sharding import registry
 from sharding.mesh import make_mesh
 
@@ -38,7 +38,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--hf", metavar="DIR", help="a transformers save_pretrained directory")
     src.add_argument("--checkpoint", metavar="CKPT", help="a moejax checkpoint (moejax convert), restored into the placement")
     p.add_argument("--config", metavar="FILE", help="YAML or JSON config (DESIGN.md shape); flags override it")
-    p.add_argument("--dtype", choices=DTYPES)
+    p.add_argument("--dtype", choices=RUN_DTYPES, help="auto: bfloat16 on accelerators, float32 on CPU")
     p.add_argument("--devices", type=int, help="number of devices (virtual CPU devices on a CPU host)")
     p.add_argument("--placement", type=placement_name, choices=registry.names(), help="expert placement")
     p.add_argument("--ep", type=int, help="expert groups, for a placement whose mesh the layout chooses")
@@ -51,6 +51,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-format", choices=EXPERT_FORMATS, help="experts in --dtype (unquantized) or 4-bit")
     p.add_argument("--kernel", choices=KERNELS, help="grouped-GEMM backend (auto: by platform)")
     p.add_argument("--prefill-chunk", type=int, help="most prompt positions per prefill call (default: 1024 on CPU, 512 elsewhere)")
+    p.add_argument("--routing", metavar="MODE", help="picks forced on the router: natural (default), even[:SEED], "
+                   "round_robin, replay:TRACE (a `moejax record` trace)")
     p.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--num-processes", type=int, default=1, help="multi-host: processes in the run (jax.distributed)")
@@ -68,7 +70,8 @@ def config_from_args(args) -> Config:
         dispatch_dtype=args.dispatch_dtype, prefetch_depth=args.prefetch_depth,
         two_batch_overlap=args.two_batch_overlap,
     ).items() if v is not None}
-    engine = {k: v for k, v in dict(dtype=args.dtype, prefill_chunk=args.prefill_chunk).items() if v is not None}
+    engine = {k: v for k, v in dict(dtype=args.dtype, prefill_chunk=args.prefill_chunk,
+                                    routing=getattr(args, "routing", None)).items() if v is not None}
     config = dataclasses.replace(
         config,
         layout=replace_checked(config.layout, layout, "layout."),
@@ -77,6 +80,12 @@ def config_from_args(args) -> Config:
         kernel=args.kernel or config.kernel,
     )
     return config.validate()
+
+
+def natural_routing_only(config: Config, what: str) -> None:
+    """Paths whose jitted steps take no forced picks refuse a routing override rather than ignore it."""
+    if config.engine.routing != "natural":
+        raise UsageError(f"{what} does not take --routing (only natural routing there); drop --routing")
 
 
 def init_processes(args) -> None:
@@ -115,15 +124,19 @@ def build_engine(config: Config, hf_dir: str | None, seed: int, checkpoint: str 
     """An engine of `config`'s placement on the machine's first devices, or on `devices`;
     `params`: already placed as this placement lays them out (else loaded and placed)."""
     # Deferred: orbax, safetensors and the model code load only for the verbs that run a model.
+    from moejax.analysis.trace import load_trace
     from moejax.engine.engine import Engine
+    from moejax.engine.routing import Routing
     from moejax.loading import load_params, with_hf_model
 
     config = with_hf_model(config, hf_dir, checkpoint).validate()
+    routing = Routing.parse(config.engine.routing, load_trace)
+    routing.check(config.model)  # before loading weights: a mismatched trace fails fast
     ensure_devices(config.layout.devices)
-    placement = registry.make_placement(config, devices)
+    placement = registry.make_placement(config, devices=devices)
     if params is None:
         params = load_params(config, placement, hf_dir=hf_dir, checkpoint=checkpoint, seed=seed)
-    return Engine(config, params, placement)
+    return Engine(config, params, placement, routing)
 
 
 # ----------------------------------------------------------------------------- prefill / decode on their own placements
@@ -176,9 +189,11 @@ def cmd_generate(args) -> int:
     tokenizer = text.load_tokenizer(args)
     prompts, extra = text.encode_prompts(args.prompt_ids or [[1]], tokenizer, args.chat), {}
     stop_ids = text.model_stop_ids(args, tokenizer)
+    config = config_from_args(args)
+    if args.speculative:
+        natural_routing_only(config, "--speculative mtp")
     compile_clock.start()
     t0 = compile_clock.now()
-    config = config_from_args(args)
     if args.prefill_placement or args.decode_placement:
         from moejax.engine.disaggregated import Disaggregated
 

@@ -133,7 +133,7 @@ def cmd_compare(args) -> int:
         print(json.dumps({"agree": agree, "devices": devices, "placements": rows, **({"pairs": pairs} if args.pd else {})}))
         return 0
     print(f"{len(prompts)} requests, {args.max_new_tokens} new tokens, {devices} devices, "
-          f"{config.model.family} ({config.engine.dtype}, experts {config.weights.expert_format})")
+          f"{config.model.family} ({config.engine.run_dtype}, experts {config.weights.expert_format})")
     head = f"{'placement':<20}{'ep x tp':>8}{'attn':>5}{'same':>6}{'prefill ms':>12}{'decode ms':>11}" \
            f"{'sent B/dev/layer':>18}{'copies':>8}{'read B/dev/step':>17}{'params B/dev':>14}"
     print(head)

@@ -17,8 +17,8 @@ from typing import Any
 
 import yaml
 
-from moejax.vocab import (ATTENTION_MODES, DISPATCH_DTYPES, DTYPES, EXPERT_ACTIVATIONS, EXPERT_FORMATS, FAMILIES, KERNELS,
-                          ROUTER_SCORINGS, SPLIT_MODES)
+from moejax.vocab import (ATTENTION_MODES, DISPATCH_DTYPES, EXPERT_ACTIVATIONS, EXPERT_FORMATS, FAMILIES, KERNELS,
+                          ROUTER_SCORINGS, ROUTING_MODES, RUN_DTYPES, SPLIT_MODES)
 
 
 class ConfigError(ValueError):
@@ -196,15 +196,30 @@ class WeightsConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    dtype: str = "float32"
+    dtype: str = "auto"  # RUN_DTYPES: activations, weights and KV cache (see `run_dtype`)
     prefill_chunk: int = 0  # most prompt positions per prefill call; 0 = the platform's default
     max_seq_len: int = 0  # 0 = sized from the prompts and max_new_tokens
+    routing: str = "natural"  # ROUTING_MODES; "even:SEED" seeds even's draws, "replay:TRACE" names the trace
 
     def validate(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"engine.dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.dtype not in RUN_DTYPES:
+            raise ConfigError(f"engine.dtype {self.dtype!r} is not one of {', '.join(RUN_DTYPES)}")
+        mode, _, arg = self.routing.partition(":")
+        arg_ok = {"replay": bool(arg), "even": not arg or arg.isdigit()}.get(mode, not arg)
+        if mode not in ROUTING_MODES or not arg_ok:
+            raise ConfigError(f"engine.routing {self.routing!r} is not one of natural, even[:SEED], round_robin, "
+                              "replay:TRACE")
         if self.prefill_chunk < 0:
             raise ConfigError(f"engine.prefill_chunk must be positive (or 0: the platform's default), got {self.prefill_chunk}")
+
+    @property
+    def run_dtype(self) -> str:
+        """The dtype a run computes in: `dtype`, with "auto" resolved for the default backend."""
+        if self.dtype != "auto":
+            return self.dtype
+        import jax  # here, so that reading a config does not load jax
+
+        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,7 @@ onto a placement."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,11 +12,11 @@ import jax.numpy as jnp
 from checkpoints.hf import expert_format, has_mtp, load_hf, read_hf_config
 from checkpoints.manifest import read_manifest
 from checkpoints.orbax_io import restore_params
-from checkpoints.placing import place_tensor
+from checkpoints.placing import Layers, place_tensor
 from moejax.config import Config
 from moejax.errors import UsageError
 from moejax.model.mtp import mtp_specs
-from moejax.model.params import ParamSpec, init_params, param_specs
+from moejax.model.params import ParamSpec, init_param, param_keys, param_specs
 
 
 def with_hf_model(config: Config, hf_dir: str | None, checkpoint: str | None = None) -> Config:
@@ -36,32 +37,42 @@ def with_hf_model(config: Config, hf_dir: str | None, checkpoint: str | None = N
                                weights=dataclasses.replace(config.weights, expert_format=manifest.expert_format))
 
 
+def random_params(config: Config, placement, seed: int, specs: dict) -> dict:
+    """Random parameters (`init_param`) placed as a checkpoint's would be: drawn on the host's
+    CPU device one layer at a time, so no device holds more than its own share."""
+    c, dtype = config.model, jnp.dtype(config.engine.run_dtype)
+    key = jax.device_put(jax.random.key(seed), jax.local_devices(backend="cpu")[0])
+
+    def place(spec: ParamSpec, k):
+        if spec.axes[:1] == ("layers",):
+            source = Layers(tuple(functools.partial(init_param, spec, k, c, dtype, i) for i in range(spec.shape[0])))
+        else:
+            source = init_param(spec, k, c, dtype)
+        return place_tensor(placement, spec, source, dtype)
+
+    return jax.tree.map(place, specs, param_keys(specs, key), is_leaf=lambda x: isinstance(x, ParamSpec))
+
+
 def load_params(config: Config, placement, *, hf_dir: str | None = None, checkpoint: str | None = None,
                 seed: int = 0) -> dict:
     """Parameters placed by `placement`: read from `hf_dir`, restored from `checkpoint` (each
     array straight into its sharding), or random from `seed`."""
-    dtype = jnp.dtype(config.engine.dtype)
     if hf_dir is not None:
-        return load_hf(hf_dir, config.model, dtype, placement)
+        return load_hf(hf_dir, config.model, jnp.dtype(config.engine.run_dtype), placement)
     if checkpoint is not None:
         return restore_params(checkpoint, config, placement)
-    specs = jax.tree.leaves(param_specs(config.model), is_leaf=lambda x: isinstance(x, ParamSpec))
-    flat, treedef = jax.tree_util.tree_flatten_with_path(init_params(config.model, jax.random.key(seed), dtype))
-    return jax.tree.unflatten(treedef, [place_tensor(placement, spec, x, dtype) for (_, x), spec in zip(flat, specs)])
+    return random_params(config, placement, seed, param_specs(config.model))
 
 
 def load_mtp(config: Config, placement, *, hf_dir: str | None = None, checkpoint: str | None = None,
              init: str | None = None, seed: int = 0) -> dict:
     """The MTP module's parameters, placed: read from a transformers-layout directory that
     carries them; random when `init == "random"` or the model itself is random (a preset)."""
-    c, dtype = config.model, jnp.dtype(config.engine.dtype)
+    c, dtype = config.model, jnp.dtype(config.engine.run_dtype)
     if hf_dir is not None and has_mtp(hf_dir, c):
         return load_hf(hf_dir, c, dtype, placement, mtp=True)
     source = hf_dir or checkpoint
     if source is not None and init != "random":
         raise UsageError(f"--speculative mtp: {source} has no MTP weights (model.layers.{c.num_layers}.eh_proj and the "
                          "rest of that layer; transformers drops them); pass --mtp-init random for a random draft module")
-    specs = mtp_specs(c)
-    params = init_params(c, jax.random.key(seed + 1), dtype, specs=specs)
-    return jax.tree.map(lambda spec, a: place_tensor(placement, spec, a, dtype), specs, params,
-                        is_leaf=lambda x: isinstance(x, ParamSpec))
+    return random_params(config, placement, seed + 1, mtp_specs(c))

@@ -38,6 +38,9 @@ from moejax.vocab import ATTENTION_MODES, DTYPES, EXPERT_FORMATS
 from sharding import make_placement, names, placement_class, rules, with_placement
 
 GB = 1e9
+EXPORT_PLATFORMS = ("tpu", "cuda")
+# Custom-call targets of Pallas kernels: Mosaic TPU, Triton and Mosaic GPU (Blackwell).
+KERNEL_CALLS = ("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu", "mosaic_gpu_v2")
 
 
 def _sharded(a, placement, axes: tuple):
@@ -53,7 +56,7 @@ def abstract_params(config: Config, placement) -> dict:
         shape = list(spec.shape)
         if is_expert_stack(spec):
             shape[expert_axis(spec)] = placement.num_experts
-        array = jax.ShapeDtypeStruct(tuple(shape), param_dtype(spec, config.engine.dtype))
+        array = jax.ShapeDtypeStruct(tuple(shape), param_dtype(spec, config.engine.run_dtype))
         if is_expert_matrix(spec):
             array = jax.eval_shape(functools.partial(pallas_kernels.run_weights, expert_format=config.weights.expert_format,
                                                      k_slices=placement.k_slices(spec), kernel=config.kernel), array)
@@ -63,7 +66,7 @@ def abstract_params(config: Config, placement) -> dict:
 
 def abstract_cache(config: Config, placement, batch: int, context: int) -> list[dict]:
     axes = {k: a for k, (_, a) in cache_specs(config.model, 1, 1).items()}
-    cache = jax.eval_shape(functools.partial(init_cache, config.model, batch, context, jnp.dtype(config.engine.dtype)))
+    cache = jax.eval_shape(functools.partial(init_cache, config.model, batch, context, jnp.dtype(config.engine.run_dtype)))
     return [{k: _sharded(v, placement, ("layers",) + axes[k]) for k, v in run.items()} for run in cache]
 
 
@@ -78,20 +81,49 @@ def _compiled(fn, *args):
     return compiled, time.perf_counter() - t0
 
 
-def plan_placement(config: Config, batch: int, context: int, prefill_chunk: int, hbm_gb: float) -> dict:
-    """One placement's per-device bytes and compile time (`config.layout` names it)."""
-    placement = make_placement(config)
-    c = config.model
-    bind = dict(c=c, placement=placement)
-    params = abstract_params(config, placement)
+def _rows(placement, b: int):
+    return jax.ShapeDtypeStruct((b,), jnp.int32, sharding=placement.sharding(("batch",), (b,)))
+
+
+def decode_program(config: Config, batch: int, context: int, platform: str | None = None):
+    """(placement, the decode step bound to it, its abstract arguments) for `platform`."""
+    placement = make_placement(config, platform)
     multiple = placement.batch_multiple()
     if batch % multiple:
         raise UsageError(f"--batch {batch} must be a multiple of {multiple} (requests split over the devices)")
-    cache = abstract_cache(config, placement, batch, context)
-    rows = lambda b: jax.ShapeDtypeStruct((b,), jnp.int32, sharding=placement.sharding(("batch",), (b,)))
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    decode, decode_s = _compiled(functools.partial(decode_step, sampling=Sampling(), record=False, **bind),
-                                 params, cache, rows(batch), rows(batch), key)
+    step = functools.partial(decode_step, sampling=Sampling(), record=False, c=config.model, placement=placement)
+    args = (abstract_params(config, placement), abstract_cache(config, placement, batch, context),
+            _rows(placement, batch), _rows(placement, batch), jax.eval_shape(lambda: jax.random.key(0)))
+    return placement, step, args
+
+
+def export_decode(config: Config, batch: int, context: int, platform: str) -> dict:
+    """Whether the decode step lowers for `platform` (its own kernels and collectives), without
+    the hardware: `jax.export` with the same abstract, sharded arguments."""
+    t0 = time.perf_counter()
+    try:
+        placement, step, args = decode_program(config, batch, context, platform)
+        # The Pallas kernels' and ragged_all_to_all's custom calls carry no serialization
+        # guarantee: fine, as the exported program is looked at here, not kept.
+        checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in (*KERNEL_CALLS, "ragged_all_to_all")]
+        text = jax.export.export(jax.jit(step, donate_argnums=1), platforms=[platform],
+                                 disabled_checks=checks)(*args).mlir_module()
+    except Exception as e:  # the answer is whether it lowers; the reason is the report
+        return {"platform": platform, "lowered": False, "error": str(e).strip().splitlines()[0][:300]}
+    return {"platform": platform, "lowered": True, "kernel": placement.kernel,
+            "pallas_kernel": any(f"custom_call @{t}(" in text for t in KERNEL_CALLS),
+            "ragged_all_to_all": "custom_call @ragged_all_to_all(" in text, "export_s": round(time.perf_counter() - t0, 1)}
+
+
+def plan_placement(config: Config, batch: int, context: int, prefill_chunk: int, hbm_gb: float,
+                   export: tuple[str, ...] = ()) -> dict:
+    """One placement's per-device bytes and compile time (`config.layout` names it), and whether
+    its decode step lowers for each platform of `export`."""
+    placement, step, (params, cache, *rest) = decode_program(config, batch, context)
+    bind = dict(c=config.model, placement=placement)
+    multiple = placement.batch_multiple()
+    rows = functools.partial(_rows, placement)
+    decode, decode_s = _compiled(step, params, cache, *rest)
     # A prefill chunk: prefill_chunk tokens, one request per device under DP attention.
     per_row = -(-prefill_chunk // multiple)
     chunk_cache = abstract_cache(config, placement, multiple, context)
@@ -103,12 +135,18 @@ def plan_placement(config: Config, batch: int, context: int, prefill_chunk: int,
     temp = max(decode.memory_analysis().temp_size_in_bytes, pre.memory_analysis().temp_size_in_bytes)
     total = param_bytes + kv_bytes + temp
     experts = [leaf for run in params["layers"] if "moe" in run for leaf in jax.tree.leaves(run["moe"]["experts"])]
+    act_bytes = jnp.dtype(config.engine.run_dtype).itemsize
+    buffers = {phase: sum(placement.exchange_buffer_bytes(rows, config.model.hidden_size, act_bytes).values())
+               for phase, rows in (("decode", batch), ("prefill", multiple * per_row))}
     return {
         "name": placement.name, "ep": placement.ep, "tp": placement.tp,
         "param_bytes_per_device": param_bytes, "expert_bytes_per_device": bytes_per_device(experts),
         "kv_cache_bytes_per_device": kv_bytes, "temp_bytes_per_device": int(temp),
+        # The exchange's own buffers of one MoE layer (part of temp): sized for the worst case.
+        "exchange_buffer_bytes_per_device": buffers,
         "total_bytes_per_device": int(total), "fits": bool(total <= hbm_gb * GB),
         "compile_s": round(decode_s + prefill_s, 1),
+        **({"export": [export_decode(config, batch, context, platform) for platform in export]} if export else {}),
     }
 
 
@@ -121,8 +159,12 @@ def cmd_plan(args) -> int:
     # all: with --two-batch-overlap, the placements whose rows travel
     chosen = [n for n in names() if not (args.two_batch_overlap and placement_class(n).rows_stay_home)] \
         if args.placement == "all" else [args.placement]
+    export = tuple(p for p in (args.export or "").split(",") if p)
+    unknown = [p for p in export if p not in EXPORT_PLATFORMS]
+    if unknown:
+        raise UsageError(f"--export {unknown[0]}: not one of {', '.join(EXPORT_PLATFORMS)}")
     rows = [plan_placement(with_placement(config, name, args.devices), args.batch, args.context, args.prefill_chunk,
-                           args.hbm_gb) for name in chosen]
+                           args.hbm_gb, export) for name in chosen]
     if args.json:
         print(json.dumps({"model": args.preset, "devices": args.devices, "batch": args.batch, "context": args.context,
                           "prefill_chunk": args.prefill_chunk, "hbm_gb": args.hbm_gb, "placements": rows}))
@@ -137,6 +179,16 @@ def cmd_plan(args) -> int:
               f"{gb('expert_bytes_per_device'):>9}{gb('kv_cache_bytes_per_device'):>10}{gb('temp_bytes_per_device'):>8}"
               f"{gb('total_bytes_per_device'):>8}{'yes' if r['fits'] else 'no':>6}{r['compile_s']:>11.1f}")
     print("temp: the compiled programs' temporaries on XLA:CPU (another compiler's buffers than a GPU's or TPU's)")
+    for r in rows:
+        buffers = r["exchange_buffer_bytes_per_device"]
+        if any(buffers.values()):
+            print(f"{r['name']}: exchange buffers per MoE layer, worst case (every row picks one device): "
+                  f"decode {buffers['decode'] / GB:.2f} GB, prefill chunk {buffers['prefill'] / GB:.2f} GB")
+        for e in r.get("export", []):
+            how = (f"lowers (kernel {e['kernel']}{' as a Pallas call' if e['pallas_kernel'] else ''}"
+                   f"{', ragged_all_to_all' if e['ragged_all_to_all'] else ''}, {e['export_s']:.1f} s)"
+                   if e["lowered"] else f"does not lower: {e['error']}")
+            print(f"export {r['name']} decode step for {e['platform']}: {how}")
     return 0
 
 
@@ -153,6 +205,8 @@ def register(sub) -> None:
     p.add_argument("--context", type=int, default=8192, help="KV cache positions per request")
     p.add_argument("--prefill-chunk", type=int, default=4096, help="tokens of one prefill chunk over all devices")
     p.add_argument("--hbm-gb", type=float, default=288.0, help="memory per device (B300: 288)")
+    p.add_argument("--export", metavar="PLATFORMS",
+                   help=f"also lower the decode step for these platforms (comma-separated: {', '.join(EXPORT_PLATFORMS)})")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 

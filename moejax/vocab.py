@@ -10,6 +10,9 @@ This module imports nothing, so the CLI can build its parser without loading jax
 
 FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "glm_moe_dsa", "gpt_oss")
 DTYPES = ("float32", "bfloat16")
+# A run's dtype: "auto" is bfloat16 on accelerators (their native format, half the bytes of
+# weights and KV cache) and float32 on XLA:CPU, the reference platform whose goldens are float32.
+RUN_DTYPES = ("auto", *DTYPES)
 ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax")  # topk_softmax: softmax over the k best logits
 EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")  # silu(gate) * up | gpt-oss's clamped (up + 1) * swish
 # "unquantized": the experts stay in the run dtype (engine.dtype); the others are 4-bit formats.
@@ -24,3 +27,6 @@ KERNELS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "blackwell", "interpret", 
 ATTENTION_MODES = ("dp", "tp")  # data-parallel (requests split over devices) | tensor-parallel (heads)
 SPLIT_MODES = ("tp", "replicated")  # dense layers and the shared expert: sliced or copied
 DISPATCH_DTYPES = ("bf16", "nvfp4")  # how rows travel, where a placement sends rows to their experts
+# Routing overrides (`--routing`): the router's own picks, k distinct experts drawn uniformly per
+# row, experts dealt in turn, or the picks of a recorded trace (`replay:TRACE`).
+ROUTING_MODES = ("natural", "even", "round_robin", "replay")

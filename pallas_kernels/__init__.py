@@ -10,7 +10,7 @@ from pallas_kernels.formats import (
     quantize_rows,
     values_nbytes,
 )
-from pallas_kernels.registry import BACKENDS, for_kernel, grouped_gemm, run_weights, unavailable
+from pallas_kernels.registry import BACKENDS, for_kernel, grouped_gemm, resolve, run_weights, unavailable
 
 __all__ = [
     "BACKENDS",
@@ -24,6 +24,7 @@ __all__ = [
     "quantize",
     "quantize_experts",
     "quantize_rows",
+    "resolve",
     "run_weights",
     "values_nbytes",
 ]

@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas.ops.tpu.megablox.gmm import make_group_metadata
 
-from pallas_kernels import formats, tiling
+from pallas_kernels import formats, metadata, tiling
 
 TM = TN = TK = 128  # one 128-lane TMEM tile of rows; TK holds 4 * block-scale groups
 
@@ -205,7 +205,7 @@ def gmm_blackwell(lhs, rhs, group_sizes, group_offset, out_dtype, *, steps: int 
     )
     call = plgpu.kernel(
         functools.partial(_kernel, k_iters=k // TK, steps=steps, block=block),
-        out_type=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
+        out_type=metadata.varying_struct((m_pad, n), out_dtype, lhs, rhs, group_sizes, group_offset),
         grid=(group_ids.shape[0], n // TN),
         grid_names=("t", "n"),
         num_threads=2,

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels import decode, formats, tiling
+from pallas_kernels import decode, formats, metadata, tiling
 
 
 def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, tscale, *refs, quantized, fmt,
@@ -84,7 +83,7 @@ def gmm_pallas_gpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
         cdtype=tiling.compute_dtype(lhs.dtype, rhs))
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((lhs_p.shape[0], n), out_dtype),
+        out_shape=metadata.varying_struct((lhs_p.shape[0], n), out_dtype, lhs, rhs, group_sizes, group_offset),
         grid=(group_ids.shape[0], n // tn),
         compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,

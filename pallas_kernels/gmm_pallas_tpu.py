@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import decode, formats, tiling
+from pallas_kernels import decode, formats, metadata, tiling
 
 
 def _kernel(group_ids, m_tile_ids, offsets, offset, tscale, *refs, quantized, fmt, block, tm,
@@ -95,7 +94,7 @@ def gmm_pallas_tpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
         cdtype=tiling.compute_dtype(lhs.dtype, rhs))
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((lhs_p.shape[0], n), out_dtype),
+        out_shape=metadata.varying_struct((lhs_p.shape[0], n), out_dtype, lhs, rhs, group_sizes, group_offset),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             in_specs=in_specs,

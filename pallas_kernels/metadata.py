@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import ManualAxisType
 
 
 def local_groups(group_sizes: jax.Array, group_offset, g_local: int, m: int):
@@ -27,10 +28,21 @@ def local_groups(group_sizes: jax.Array, group_offset, g_local: int, m: int):
     return starts, sizes, active.astype(jnp.int32), jnp.sum(sizes > 0).astype(jnp.int32)
 
 
+def _varying_axes(like) -> set:
+    """The manual mesh axes any array of `like` varies over (none outside `shard_map`)."""
+    return set().union(*(jax.typeof(a).manual_axis_type.varying for a in jax.tree.leaves(like)))
+
+
+def varying_struct(shape: tuple[int, ...], dtype, *like) -> jax.ShapeDtypeStruct:
+    """A kernel's output type, varying over the manual mesh axes its inputs `like` vary over:
+    inside `shard_map` (check_vma on) a `pallas_call` must declare how its output varies."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=ManualAxisType(varying=frozenset(_varying_axes(like))))
+
+
 def varying_zeros(shape: tuple[int, ...], dtype, *like) -> jax.Array:
     """Zeros that vary over the manual mesh axes any of `like` varies over. Inside `shard_map`
     (check_vma on) a loop carry must keep its type: an output accumulated from a device's own
     rows and weights varies per device, so its zero start must be declared varying too."""
-    axes = set().union(*(jax.typeof(a).manual_axis_type.varying for a in jax.tree.leaves(like)))
+    axes = _varying_axes(like)
     zeros = jnp.zeros(shape, dtype)
     return lax.pcast(zeros, tuple(sorted(axes)), to="varying") if axes else zeros

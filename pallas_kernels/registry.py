@@ -26,7 +26,12 @@ _IMPLS = {
 }
 BACKENDS = KERNELS
 assert set(BACKENDS) == {"auto", *_IMPLS}, "moejax.vocab.KERNELS and the kernel implementations differ"
-_AUTO = {"cpu": "xla", "tpu": "pallas_tpu", "gpu": "pallas_gpu"}
+_AUTO = {"cpu": "xla", "tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
+
+
+def resolve(name: str, platform: str) -> str:
+    """The backend kernel `name` stands for on `platform` ("auto": by platform)."""
+    return _AUTO.get(platform, "xla") if name == "auto" else name
 
 
 def unavailable(name: str, platform: str, expert_format: str) -> str | None:
@@ -94,5 +99,5 @@ def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto"
         raise ValueError("a 4-bit rhs must be quantized along K (axis=-2)")
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     if backend == "auto":
-        backend = _AUTO.get(jax.default_backend(), "xla")
+        backend = resolve(backend, jax.default_backend())
     return _backend_fn(backend)(lhs, rhs, group_sizes, group_offset, out_dtype)

@@ -38,8 +38,8 @@ def make_mesh(shape: tuple[int, int], devices: list | None = None) -> Mesh:
 class MeshPlacement(Placement, abc.ABC):
     """A placement over an ("ep", "tp") mesh; subclasses give `mesh_shape` and `exchange`."""
 
-    def __init__(self, config: Config, mesh: Mesh | None = None):
-        super().__init__(config)
+    def __init__(self, config: Config, mesh: Mesh | None = None, platform: str | None = None):
+        super().__init__(config, platform)
         layout = config.layout
         self.ep, self.tp = self.mesh_shape(layout)
         rules.check_model(config.model, self.ep, self.tp, config.weights.expert_format)

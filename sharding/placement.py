@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+import pallas_kernels
 from moejax.config import Config
 from moejax.model.params import ParamSpec, expert_axis, is_expert_stack
 from sharding import accounting, rules
@@ -32,9 +33,12 @@ class Placement:
     # Whether the exchange runs as two micro-batches (`sharding/overlap.py`); one device has none.
     two_batch_overlap = False
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, platform: str | None = None):
         self.config = config
-        self.kernel = config.kernel
+        # The platform the programs are built for: this machine's, or another one a program is
+        # exported to (`moejax plan --export`); it picks the kernel "auto" stands for.
+        self.platform = platform or jax.default_backend()
+        self.kernel = pallas_kernels.resolve(config.kernel, self.platform)
         self.num_experts = config.model.num_experts  # including padding experts, if any
 
     @property
@@ -99,6 +103,11 @@ class Placement:
 
     def bytes_sent_per_device(self, ids: np.ndarray, hidden: int, act_bytes: int, experts: dict | None = None):
         return np.zeros(self.devices)
+
+    def exchange_buffer_bytes(self, rows: int, hidden: int, act_bytes: int) -> dict[str, int]:
+        """Bytes of the buffers one device allocates for its exchange in one MoE layer of a pass
+        of `rows` rows (all devices'), by buffer; none for an exchange of plain collectives."""
+        return {}
 
     def copies_per_row(self, ids: np.ndarray) -> float:
         """Mean number of other devices a row is sent to (the article's 'copies')."""

@@ -141,10 +141,10 @@ class RaggedA2A(MeshPlacement):
 
     name = "ragged_a2a"
 
-    def __init__(self, config, mesh=None, use_ragged: bool | None = None):
-        super().__init__(config, mesh)
+    def __init__(self, config, mesh=None, platform=None, use_ragged: bool | None = None):
+        super().__init__(config, mesh, platform)
         # XLA:CPU has no ragged-all-to-all; elsewhere only the used slots travel.
-        self.use_ragged = jax.default_backend() != "cpu" if use_ragged is None else use_ragged
+        self.use_ragged = self.platform != "cpu" if use_ragged is None else use_ragged
         if not self.use_ragged:
             self.sent_source = "exchange plan (this backend sends whole buffers)"
 
@@ -164,6 +164,11 @@ class RaggedA2A(MeshPlacement):
         if self.config.layout.dispatch_dtype == "nvfp4":
             return hidden // 2 + hidden // 16 + 4  # e2m1 values, e4m3 block scales, f32 row scale
         return hidden * act_bytes
+
+    def exchange_buffer_bytes(self, rows, hidden, act_bytes):
+        k = self.config.model.num_experts_per_tok
+        return exchange_buffers(-(-rows // self.devices), self.devices, k, self.num_experts // self.ep, hidden,
+                                act_bytes, self.dispatch_row_bytes(hidden, act_bytes))
 
     def sent_rows(self, ids: np.ndarray) -> np.ndarray:
         """sent[s, d]: rows device s dispatches to another device d (the exchange's own plan)."""

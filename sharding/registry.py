@@ -52,20 +52,22 @@ def with_placement(config: Config, name: str, devices: int, ep: int = 0, tp: int
     return dataclasses.replace(config, layout=layout).validate()
 
 
-def check_kernel(config: Config) -> None:
-    """The kernel can run here with these experts; one clear line otherwise."""
-    reason = pallas_kernels.unavailable(config.kernel, jax.default_backend(), config.weights.expert_format)
+def check_kernel(config: Config, platform: str | None = None) -> None:
+    """The kernel can run on `platform` (this machine's by default) with these experts; one
+    clear line otherwise."""
+    reason = pallas_kernels.unavailable(config.kernel, platform or jax.default_backend(), config.weights.expert_format)
     if reason:
         raise ConfigError(f"kernel {config.kernel}: {reason}")
 
 
-def make_placement(config: Config, devices: list | None = None) -> Placement:
-    """The placement of `config.layout` (the single-device reference on one device), on the
-    machine's first `layout.devices` devices or on `devices` (a mesh even of one)."""
+def make_placement(config: Config, platform: str | None = None, devices: list | None = None) -> Placement:
+    """The placement of `config.layout` (the single-device reference on one device), building
+    programs for `platform` (default: this machine's), on the machine's first `layout.devices`
+    devices or on `devices` (a mesh even of one)."""
     cls = placement_class(config.layout.placement)
-    check_kernel(config)
+    check_kernel(config, platform)
     if devices is not None:
-        return cls(config, make_mesh(cls.mesh_shape(config.layout), devices))
+        return cls(config, make_mesh(cls.mesh_shape(config.layout), devices), platform=platform)
     if config.layout.devices == 1:
-        return Placement(config)
-    return cls(config)
+        return Placement(config, platform)
+    return cls(config, platform=platform)

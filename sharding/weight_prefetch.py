@@ -27,8 +27,8 @@ class WeightPrefetch(MeshPlacement):
     name = "weight_prefetch"
     rows_stay_home = True
 
-    def __init__(self, config, mesh=None):
-        super().__init__(config, mesh)
+    def __init__(self, config, mesh=None, platform=None):
+        super().__init__(config, mesh, platform)
         self.prefetch_depth = config.layout.prefetch_depth
 
     @classmethod

@@ -48,6 +48,8 @@ BAD_INPUT = {
                                                       "--decode-devices", "6"], "--devices 12 asked for"),
     "MTP drafts with prefill and decode apart": ([*GEN, "--decode-placement", "hybrid", "--speculative", "mtp"],
                                                  "--speculative mtp runs under one placement"),
+    "a platform plan cannot export to": (["plan", "--preset", "tiny", "--export", "tpu,gpu"],
+                                         "--export gpu: not one of tpu, cuda"),
     "negative token id": ([*GEN, "--prompt-ids", "1,-3"], "token id -3 outside the vocabulary"),
     "token id out of range when scoring": (["score", "--preset", "tiny", "--prompt-ids", "512"], "token id 512"),
     "empty prompt": ([*GEN, "--prompt-ids", ""], "--prompt-ids is empty"),

@@ -32,7 +32,7 @@ CYCLE = [(names()[i], names()[(i + 1) % len(names())]) for i in range(len(names(
 def engine(name: str, first: int, count: int) -> Engine:
     """Placement `name` on devices first .. first + count - 1 (one device: the reference)."""
     config = Config(model=preset("tiny"), layout=LayoutConfig(placement=name, devices=count)).validate()
-    placement = make_placement(config, jax.devices()[first:first + count] if count > 1 else None)
+    placement = make_placement(config, devices=jax.devices()[first:first + count] if count > 1 else None)
     return Engine(config, load_params(config, placement, seed=1), placement)
 
 
@@ -74,8 +74,9 @@ def test_hand_over_moves_only_the_positions_the_prefill_wrote():
     prefill, decode = engine(CYCLE[0][0], 0, 4), engine(CYCLE[0][1], 4, 4)
     filled = jax.tree.map(lambda a: np.arange(a.size, dtype=np.float32).reshape(a.shape) % 7 + 1,
                           init_cache(preset("tiny"), 4, 64, np.float32))
-    state = Prefilled(PROMPTS, prefill.placement.place_cache([{k: v.copy() for k, v in run.items()} for run in filled]),
-                      jnp.zeros(4, jnp.int32), None, np.ones(4, np.int32), 64, 16, None, [], 0.0)
+    cache = prefill.placement.place_cache([{k: v.copy() for k, v in run.items()} for run in filled])
+    state = Prefilled(PROMPTS, cache, tok=jnp.zeros(4, jnp.int32), logits=None, lens=np.ones(4, np.int32), max_len=64,
+                      written=16, key=None, dealer=None, picks=[], prefill_ms=0.0)
     moved_state, moved, _ = Disaggregated(prefill, decode).hand_over(state)
     assert moved == cache_nbytes(4, 16)
     for run, got in zip(filled, moved_state.cache):

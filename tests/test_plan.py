@@ -3,6 +3,7 @@ closed form (`calc`) and against the bytes a live run really allocates."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -11,11 +12,12 @@ import pytest
 from moejax.analysis import calc
 from moejax.cli import main
 from moejax.compare import param_bytes_per_device
-from moejax.config import Config, LayoutConfig, WeightsConfig, preset
+from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import Engine
 from moejax.loading import load_params
-from moejax.plan import plan_placement
+from moejax.plan import EXPORT_PLATFORMS, export_decode, plan_placement
 from sharding import make_placement
+from sharding.ragged_a2a import exchange_buffers
 
 
 def test_plan_of_glm_reports_calcs_expert_bytes_per_device(capsys):
@@ -28,6 +30,10 @@ def test_plan_of_glm_reports_calcs_expert_bytes_per_device(capsys):
     assert row["total_bytes_per_device"] == (row["param_bytes_per_device"] + row["kv_cache_bytes_per_device"]
                                              + row["temp_bytes_per_device"])
     assert row["fits"] == (row["total_bytes_per_device"] <= 288e9)
+    c = preset("glm-5.3")  # ragged_a2a's worst-case buffers for 64 decode rows: 8 per device, bf16 rows
+    d = c.hidden_size
+    want = exchange_buffers(64 // 8, 8, c.num_experts_per_tok, c.num_experts // 8, d, 2, d * 2)
+    assert row["exchange_buffer_bytes_per_device"]["decode"] == sum(want.values())
 
 
 @pytest.mark.parametrize("placement,fmt", [("hybrid", "nvfp4"), ("expert_sharded", "unquantized")])
@@ -42,3 +48,28 @@ def test_plan_bytes_are_those_a_live_run_allocates(placement, fmt):
     assert planned["kv_cache_bytes_per_device"] == max(
         sum(s.data.nbytes for leaf in jax.tree.leaves(cache) for s in leaf.addressable_shards if s.device == d)
         for d in jax.devices()[:8])
+
+
+# A small model whose 4-bit expert matrices fill the TPU kernel's tiles (a K tile of 512).
+TILEABLE = dataclasses.replace(preset("tiny-qwen3-moe"), hidden_size=512, moe_intermediate_size=512)
+
+
+@pytest.mark.parametrize("platform", EXPORT_PLATFORMS)
+@pytest.mark.parametrize("placement", ["expert_sharded", "ragged_a2a"])
+def test_decode_step_lowers_for_accelerators_with_their_kernels(placement, platform):
+    config = Config(model=TILEABLE, layout=LayoutConfig(placement=placement, devices=8), weights=WeightsConfig("nvfp4"),
+                    engine=EngineConfig(dtype="bfloat16")).validate()
+    report = export_decode(config, batch=16, context=64, platform=platform)
+    assert report["lowered"], report
+    assert report["pallas_kernel"]
+    assert report["kernel"] == {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}[platform]
+    assert report["ragged_all_to_all"] == (placement == "ragged_a2a")  # XLA:CPU's own step has none
+
+
+def test_a_program_that_does_not_lower_is_reported_with_its_reason():
+    """The tiny preset's 4-bit experts are smaller than a TPU tile: the export says so instead of failing."""
+    config = Config(model=preset("tiny"), layout=LayoutConfig(placement="expert_sharded", devices=8),
+                    weights=WeightsConfig("nvfp4")).validate()
+    report = export_decode(config, batch=16, context=64, platform="tpu")
+    assert not report["lowered"]
+    assert "divisible by 8 and 128" in report["error"]

@@ -7,7 +7,7 @@ import io
 import numpy as np
 import pytest
 
-from moejax.analysis.record import valid_rows
+from moejax.engine.routing import valid_rows
 from moejax.analysis.trace import load_trace
 from moejax.cli import main
 

@@ -105,3 +105,37 @@ def test_advise_rejects_a_trace_of_another_model(tmp_path, capsys):
                layers=[1], num_experts=6, model="x")
     assert main(["advise", str(tmp_path / "t.npz"), "--preset", "tiny", "--costs", str(tmp_path / "c.json")]) == 2
     assert "6 experts" in capsys.readouterr().err
+
+
+LAYER = {"layer": 1, "slowest_ms": 2.0, "devices": [
+    {"device": 0, "attention_ms": 9.0, "dispatch_ms": 1.0, "experts_ms": 2.0, "combine_ms": 1.0},
+    {"device": 1, "attention_ms": 1.0, "dispatch_ms": 3.0, "experts_ms": 0.5, "combine_ms": 1.0}]}
+TRACED = {"placement": "expert_sharded", "ep": 8, "tp": 1, "devices": 8, "routing": "replay:t.npz", "steps": 3,
+          "step_ms": 12.5, "imbalance_ms": 1.25, "layers": [LAYER, LAYER]}
+
+
+def advise_with_step_trace(tmp_path, traced: dict) -> list[str]:
+    """advise's argv on a 3-step trace of every pick on device 0, with `traced` as the step trace."""
+    tiny = dataclasses.replace(Config(), model=preset("tiny"))
+    costs.save(hand_table(16, costs.geometry_key(tiny)), tmp_path / "costs.json")
+    save_trace(tmp_path / "t.npz", ids=np.tile(np.arange(K), (3, 1, ROWS, 1)), valid=np.ones((3, ROWS), bool),
+               kind=["decode"] * 3, layers=[1], num_experts=16, model="tiny")
+    (tmp_path / "st.json").write_text(json.dumps(traced))
+    return ["advise", str(tmp_path / "t.npz"), "--preset", "tiny", "--devices", "8", "--costs",
+            str(tmp_path / "costs.json"), "--step-trace", str(tmp_path / "st.json")]
+
+
+def test_advise_puts_a_traced_step_beside_the_simulated_one(tmp_path, capsys):
+    assert main(advise_with_step_trace(tmp_path, TRACED) + ["--json"]) == 0
+    rows = {p["placement"]: p for p in json.loads(capsys.readouterr().out)["placements"]}
+    assert rows["expert_sharded"]["measured"] == {"step_ms": 12.5, "moe_ms": 9.0, "expert_ms": 4.0,
+                                                  "imbalance_ms": 1.25, "steps": 3, "routing": "replay:t.npz"}
+    assert [name for name, p in rows.items() if "measured" in p] == ["expert_sharded"]
+    simulated = rows["expert_sharded"]["contiguous"]  # every pick on device 0: the slowest minus the mean device
+    assert simulated["imbalance_ms"] == pytest.approx(simulated["expert_ms"] - simulated["mean_device_expert_ms"])
+    assert simulated["imbalance_ms"] > 0
+
+
+def test_advise_rejects_a_step_trace_of_another_mesh(tmp_path, capsys):
+    assert main(advise_with_step_trace(tmp_path, {**TRACED, "devices": 4})) == 2
+    assert "matches no placement" in capsys.readouterr().err

@@ -28,7 +28,7 @@ def choices(verb: str, flag: str) -> tuple:
 
 @pytest.mark.parametrize("flag,expected", [
     ("--placement", names()), ("--kernel", vocab.KERNELS), ("--expert-format", vocab.EXPERT_FORMATS),
-    ("--dtype", vocab.DTYPES), ("--attention", vocab.ATTENTION_MODES), ("--dispatch-dtype", vocab.DISPATCH_DTYPES),
+    ("--dtype", vocab.RUN_DTYPES), ("--attention", vocab.ATTENTION_MODES), ("--dispatch-dtype", vocab.DISPATCH_DTYPES),
 ])
 def test_cli_choices_are_the_vocabulary(flag, expected):
     assert choices("generate", flag) == tuple(expected)
@@ -39,7 +39,7 @@ def test_kernel_registry_implements_every_kernel_name():
 
 
 @pytest.mark.parametrize("section,key,values", [
-    ("engine", "dtype", vocab.DTYPES), ("weights", "expert_format", vocab.EXPERT_FORMATS),
+    ("engine", "dtype", vocab.RUN_DTYPES), ("weights", "expert_format", vocab.EXPERT_FORMATS),
     ("layout", "attention", vocab.ATTENTION_MODES), ("layout", "dense", vocab.SPLIT_MODES),
     ("layout", "shared_expert", vocab.SPLIT_MODES), ("layout", "dispatch_dtype", vocab.DISPATCH_DTYPES),
 ])

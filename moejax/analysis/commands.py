@@ -184,12 +184,41 @@ def run_analyze(args) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- trace
+
+def run_trace(args) -> int:
+    from moejax.analysis import plots, step_trace
+    from moejax.commands import build_engine, config_from_args
+    from moejax.compare import DEFAULT_PROMPTS
+
+    steps = positive("--steps", args.steps)
+    engine = build_engine(config_from_args(args), args.hf, args.seed, args.checkpoint)
+    prompts = args.prompt_ids or DEFAULT_PROMPTS
+    engine.check_prompts(prompts)
+    doc = step_trace.trace_engine(engine, prompts, steps, args.prefill)
+    if args.plot:
+        try:
+            doc["plot"] = str(plots.step_trace_heatmap(doc, args.plot))
+        except OSError as e:
+            raise UsageError(f"cannot write {args.plot}: {e.strerror}") from None
+    if args.json:
+        emit_json(doc)
+        return 0
+    print(f"{doc['placement']} ({doc['ep']} x {doc['tp']}), {doc['requests']} requests, routing {doc['routing']}")
+    print(step_trace.table(doc))
+    if args.prefill:
+        print("\nprefill:\n" + step_trace.table(doc["prefill"]).replace("decode step", "prefill call"))
+    if args.plot:
+        print(f"wrote {doc['plot']}")
+    return 0
+
+
 # ----------------------------------------------------------------------------- advise
 
 def advise_text(report: dict) -> str:
     lines = [f"{report['steps']} decode steps of {report['rows_per_step']:.0f} rows, {report['layers']} MoE layers, "
              f"{report['devices']} devices; costs of {report['costs']}",
-             "placement        ep x tp  step ms   MoE ms  experts ms  exchange ms  busiest/mean routes  "
+             "placement        ep x tp  step ms   MoE ms  experts ms  imbalance ms  exchange ms  busiest/mean routes  "
              "EPLB test (contiguous test) MoE ms"]
     for r in report["placements"]:
         s = r["contiguous"]
@@ -197,20 +226,32 @@ def advise_text(report: dict) -> str:
         eplb_ms = (f"{r['eplb_test']['moe_ms']:.2f} ({r['contiguous_test']['moe_ms']:.2f})" if "eplb_test" in r
                    else "-")
         lines.append(f"{r['placement']:<16} {r['ep']:>3} x {r['tp']:<2} {step}  {s['moe_ms']:7.2f}"
-                     f"  {s['expert_ms']:10.2f}"
+                     f"  {s['expert_ms']:10.2f}  {s['imbalance_ms']:12.2f}"
                      f"  {s['exchange_ms']:11.2f}  {s['busiest_device_routes']:8.1f} / {s['mean_device_routes']:<8.1f}"
                      f"  {eplb_ms}")
     lines.append(f"fastest: {report['ranking'][0]}")
+    measured = [r for r in report["placements"] if "measured" in r]
+    if measured:
+        lines.append("simulated / traced (moejax trace), ms per decode step")
+        lines.append(f"{'placement':<16} {'step':^15}" + "".join(f"  {h:^13}" for h in ("MoE", "experts", "imbalance"))
+                     + "  traced routing")
+        for r in measured:
+            s, m = r["contiguous"], r["measured"]
+            step = f"{s['step_ms']:.2f}" if s["step_ms"] is not None else "-"
+            lines.append(f"{r['placement']:<16} {step:>6} / {m['step_ms']:<6.2f}"
+                         + "".join(f"  {s[k]:>5.2f} / {m[k]:<5.2f}" for k in ("moe_ms", "expert_ms", "imbalance_ms"))
+                         + f"  {m['routing']}")
     return "\n".join(lines)
 
 
 def run_advise(args) -> int:
-    from moejax.analysis import costs, simulate
-    from moejax.commands import config_from_args, ensure_devices
+    from moejax.analysis import costs, simulate, step_trace
+    from moejax.commands import config_from_args, ensure_devices, natural_routing_only
     from moejax.loading import with_hf_model
 
     n = positive("--devices", args.devices or 8)
     config = with_hf_model(config_from_args(args), args.hf)
+    natural_routing_only(config, "advise (it simulates the trace's own picks)")
     trace = load_trace(args.trace)
     if trace.num_experts != config.model.num_experts:
         raise UsageError(f"the trace has {trace.num_experts} experts but the model has {config.model.num_experts}; "
@@ -219,12 +260,12 @@ def run_advise(args) -> int:
         raise UsageError(f"{n} devices do not divide {trace.num_experts} experts")
     digest = hashlib.sha1(costs.geometry_key(config).encode()).hexdigest()[:12]
     path = Path(args.costs) if args.costs else COSTS_DIR / f"{digest}.json"
+    ensure_devices(n)  # the exchange is measured on an n-device mesh; before costs.load asks jax for its backend
     table = costs.load(path, config)
-    ensure_devices(n)  # the exchange is measured on an n-device mesh
     costs.ensure(table, config, trace, n)
     costs.save(table, path)
     try:
-        report = simulate.advise(trace, n, table)
+        report = simulate.with_measured(simulate.advise(trace, n, table), [step_trace.load(p) for p in args.step_trace])
     except ValueError as e:
         raise UsageError(str(e)) from None
     report["costs"] = str(path)
@@ -275,9 +316,22 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_analyze)
 
+    p = subparsers.add_parser("trace", help="per device and MoE layer: attention, dispatch, expert and combine time "
+                                            "of decode steps, from the profiler (seed 2's table)")
+    add_model_args(p)  # the model, layout, --routing, --json
+    p.add_argument("--prompt-ids", type=prompt_ids, action="append",
+                   help="1,2,3 (repeat: one request each; default compare's eight requests)")
+    p.add_argument("--steps", type=int, default=8, help="decode steps traced (default 8)")
+    p.add_argument("--prefill", action="store_true", help="also report the prefill call(s) before them")
+    p.add_argument("--plot", metavar="PNG", help="write the devices x layers heat map of expert time")
+    p.set_defaults(func=run_trace)
+
     p = subparsers.add_parser("advise", help="rank placements for a trace's workload by simulated decode step time")
     p.add_argument("trace", help="trace .npz written by `moejax record`")
     add_model_args(p)  # the model (its geometry, dtype, expert format, kernel) and --devices, --json
+    p.add_argument("--step-trace", metavar="JSON", action="append", default=[],
+                   help="a `moejax trace --json` report of the same workload (repeatable): its measured step and "
+                        "imbalance beside the simulated ones")
     p.add_argument("--costs", metavar="FILE",
                    help="cost table JSON (default: measured on this machine, cached under ~/.cache/moejax/costs)")
     p.set_defaults(func=run_advise)

@@ -57,7 +57,7 @@ class CostTable:
 def geometry_key(config: Config) -> str:
     c = config.model
     return (f"{c.family} D{c.hidden_size} F{c.moe_intermediate_size} E{c.num_experts} k{c.num_experts_per_tok} "
-            f"L{len(c.moe_layers)} {config.engine.dtype} {config.weights.expert_format} {config.kernel}")
+            f"L{len(c.moe_layers)} {config.engine.run_dtype} {config.weights.expert_format} {config.kernel}")
 
 
 def load(path: Path, config: Config) -> CostTable:
@@ -143,7 +143,7 @@ def measure_compute(config: Config, rows: int, width: int, held: int, seed: int 
     import pallas_kernels
     from sharding.experts import moe_local
 
-    c, dtype = config.model, jnp.dtype(config.engine.dtype)
+    c, dtype = config.model, jnp.dtype(config.engine.run_dtype)
     rng = np.random.default_rng(seed)
     fmt = config.weights.expert_format
     shapes = {"gate": (held, c.hidden_size, width), "up": (held, c.hidden_size, width),
@@ -180,7 +180,7 @@ def layer_timer(config: Config, layout: Layout, ids: np.ndarray, seed: int = 0):
     placement = make_placement(cfg)
     params = load_params(cfg, placement, seed=seed)
     experts = layer_params(params, cfg.model.moe_layers[0], cfg.model)["moe"]["experts"]
-    dtype = jnp.dtype(cfg.engine.dtype)
+    dtype = jnp.dtype(cfg.engine.run_dtype)
     rows, k = ids.shape
     put = lambda a: jax.device_put(a, placement.sharding(("batch", None), a.shape))
     x = put(jnp.asarray(np.random.default_rng(seed).normal(size=(rows, cfg.model.hidden_size)), dtype))

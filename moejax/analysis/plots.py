@@ -71,3 +71,23 @@ def write_plots(report: dict, directory: str | Path) -> list[Path]:
             draw(kind, path)
             written.append(path)
     return written
+
+
+def step_trace_heatmap(doc: dict, path: str | Path) -> Path:
+    """Seed 2's picture of a `moejax trace` report: expert time per device (rows) and MoE layer
+    (columns), each layer's slowest device outlined."""
+    layers = doc["layers"]
+    grid = np.array([[d["experts_ms"] for d in entry["devices"]] for entry in layers]).T  # [devices, layers]
+    fig, ax = plt.subplots(figsize=(max(6.5, 1.5 + 0.5 * len(layers)), max(3.5, 1.3 + 0.35 * grid.shape[0])))
+    image = ax.imshow(grid, aspect="auto", cmap="viridis", origin="upper")
+    for i, entry in enumerate(layers):
+        ax.add_patch(plt.Rectangle((i - 0.5, entry["slowest_device"] - 0.5), 1, 1, fill=False, color="red", lw=2))
+    ax.set(xticks=range(len(layers)), xticklabels=[e["layer"] for e in layers], yticks=range(grid.shape[0]),
+           xlabel="MoE layer", ylabel="device",
+           title=f"{doc['placement']}: expert time per device (ms)\nstep {doc['step_ms']:.2f} ms; "
+                 f"sum of slowest - mean {doc['imbalance_ms']:.2f} ms")
+    fig.colorbar(image, ax=ax, label="ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)

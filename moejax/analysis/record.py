@@ -10,16 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-
-def valid_rows(prompt_lens: list[int], batch: int, chunk: int, start: int | None) -> np.ndarray:
-    """bool[R]: which rows of one forward pass are real tokens. A prefill chunk at `start` has
-    R = batch * chunk rows in (request, position) order; a decode step (start None) has R = batch."""
-    lens = np.zeros(batch, np.int64)
-    lens[: len(prompt_lens)] = prompt_lens  # padding requests: no real token
-    if start is None:
-        return lens > 0
-    positions = start + np.arange(chunk)
-    return (positions[None, :] < lens[:, None]).reshape(-1)
+from moejax.engine.routing import valid_rows
 
 
 def model_trace(engine, prompts: list[list[int]], steps: int, model: str) -> dict:

@@ -120,6 +120,8 @@ def simulate(trace: Trace, layout: Layout, phy2log: np.ndarray, costs) -> dict:
         "moe_ms": float(moe.mean() / 1e3),
         "expert_ms": float(phase.sum(axis=1).mean() / 1e3),
         "mean_device_expert_ms": float(mean_device.mean() / 1e3),
+        # Seed 2's imbalance term: slowest device's expert time minus the mean device's, summed over layers.
+        "imbalance_ms": float((phase.sum(axis=1) - mean_device).mean() / 1e3),
         "exchange_ms": float((exchange * phase.shape[1]).mean() / 1e3),
         "busiest_device_routes": float(work.routes.max(axis=-1).mean()),
         "mean_device_routes": float(work.routes.mean()),
@@ -151,3 +153,26 @@ def advise(trace: Trace, n: int, costs) -> dict:
     return {"devices": n, "steps": decode.num_steps, "fit_steps": fit, "test_steps": test.num_steps,
             "rows_per_step": float(decode.valid.sum(axis=1).mean()), "layers": num_layers,
             "ranking": [r["placement"] for r in rows], "placements": rows}
+
+
+def with_measured(report: dict, step_traces: list[dict]) -> dict:
+    """`advise`'s report with, per placement that a `moejax trace --json` report measured on the same
+    devices and mesh, its measured step, MoE time (dispatch + experts + combine of the slowest device
+    per layer), expert phase (slowest device per layer) and imbalance term ("measured"), beside the
+    simulated ones."""
+    entries = {r["placement"]: r for r in report["placements"]}
+    for doc in step_traces:
+        entry = entries.get(doc["placement"])
+        if entry is None or doc["devices"] != report["devices"] or (doc["ep"], doc["tp"]) != (entry["ep"], entry["tp"]):
+            raise ValueError(f"a step trace of {doc['placement']} {doc['ep']} x {doc['tp']} on {doc['devices']} devices "
+                             f"matches no placement advise simulates on {report['devices']} devices")
+        layers = doc["layers"]
+        entry["measured"] = {
+            "step_ms": doc["step_ms"],
+            # The simulator's MoE time and expert phase are slowest-device figures per layer, summed.
+            "moe_ms": sum(max(d["dispatch_ms"] + d["experts_ms"] + d["combine_ms"] for d in layer["devices"])
+                          for layer in layers),
+            "expert_ms": sum(layer["slowest_ms"] for layer in layers),
+            "imbalance_ms": doc["imbalance_ms"], "steps": doc["steps"], "routing": doc["routing"],
+        }
+    return report

@@ -18,26 +18,31 @@ import numpy as np
 from moejax.config import Config, ModelConfig
 from moejax.engine import compile_clock
 from moejax.engine.kv_cache import init_cache
+from moejax.engine.routing import Routing, valid_rows
 from moejax.engine.sampling import Sampling, sample
 from moejax.errors import UsageError
 from moejax.model.transformer import forward, lm_head
 
 
-def prefill(params, cache, tokens, start, last, *, c: ModelConfig, placement, all_logits: bool, record: bool):
+def prefill(params, cache, tokens, start, last, forced=None, *, c: ModelConfig, placement, all_logits: bool,
+            record: bool):
     """One prefill chunk. tokens: [B, C] at positions start..start+C-1; last: [B] each request's
-    last prompt position. Returns (logits: [B, C, V] if all_logits else [B, V] at `last` when it
-    falls in this chunk, cache, picks or None)."""
+    last prompt position; forced: int32 [MoE layers, B*C, k] picks of a routing override, or None.
+    Returns (logits: [B, C, V] if all_logits else [B, V] at `last` when it falls in this chunk,
+    cache, picks or None)."""
     b, chunk = tokens.shape
     positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
-    h, cache, picks = forward(params, cache, tokens, positions, c, placement)
+    h, cache, picks = forward(params, cache, tokens, positions, c, placement, forced)
     if not all_logits:
         h = h[jnp.arange(b), jnp.clip(last - start, 0, chunk - 1)]
     return lm_head(params, h, c), cache, picks if record else None
 
 
-def decode_step(params, cache, tokens, positions, key, *, c: ModelConfig, placement, sampling: Sampling, record: bool):
-    """One decode step. tokens, positions: [B] -> (next tokens [B], logits [B, V], cache, picks)."""
-    h, cache, picks = forward(params, cache, tokens[:, None], positions[:, None], c, placement)
+def decode_step(params, cache, tokens, positions, key, forced=None, *, c: ModelConfig, placement, sampling: Sampling,
+                record: bool):
+    """One decode step. tokens, positions: [B] -> (next tokens [B], logits [B, V], cache, picks);
+    forced: int32 [MoE layers, B, k] picks of a routing override, or None (two compiled variants)."""
+    h, cache, picks = forward(params, cache, tokens[:, None], positions[:, None], c, placement, forced)
     logits = lm_head(params, h[:, 0], c)
     return sample(logits, key, sampling), logits, cache, picks if record else None
 
@@ -49,6 +54,12 @@ def to_host(x: jax.Array) -> np.ndarray:
 
         x = multihost_utils.process_allgather(x, tiled=True)
     return np.asarray(x)
+
+
+def forced(dealer, kind: str, valid: np.ndarray) -> jax.Array | None:
+    """A routing override's picks for one forward pass whose real rows are `valid`, as the jitted
+    step's input (None without an override: the router's own)."""
+    return None if dealer is None else jnp.asarray(dealer.picks(kind, valid))
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -92,19 +103,23 @@ class Prefilled:
     max_len: int
     written: int  # cache positions [0, written) the prefill wrote (the padded prompts' width); the rest are zeros
     key: jax.Array  # sampling key (folded with the step)
+    dealer: object  # the routing override's state (`Routing.start`), which decoding continues
     picks: list
     prefill_ms: float
 
 
 class Engine:
-    """Binds a model, its (placed) parameters and a placement to jitted prefill/decode."""
+    """Binds a model, its (placed) parameters and a placement to jitted prefill/decode, under a
+    routing override (`engine.routing`; default the router's own picks)."""
 
-    def __init__(self, config: Config, params: dict, placement):
+    def __init__(self, config: Config, params: dict, placement, routing: Routing = Routing()):
         self.config = config
         self.c = config.model
         self.params = params
         self.placement = placement
-        self.dtype = jnp.dtype(config.engine.dtype)
+        routing.check(self.c)
+        self.routing = routing
+        self.dtype = jnp.dtype(config.engine.run_dtype)
         compile_clock.start()
         self.max_chunk = config.engine.prefill_chunk or default_prefill_chunk()
         bind = dict(c=self.c, placement=placement)
@@ -142,14 +157,16 @@ class Engine:
             lens[i] = len(p)
         return tokens, lens
 
-    def _run_prefill(self, cache, tokens: np.ndarray, lens: np.ndarray, all_logits: bool, record: bool):
+    def _run_prefill(self, cache, tokens: np.ndarray, lens: np.ndarray, all_logits: bool, record: bool, dealer,
+                     prompt_lens: list[int]):
         chunk = min(self.max_chunk, tokens.shape[1])  # _padded's width: one bucket, or whole max chunks
         last = jnp.asarray(lens - 1)
         outs, picks = [], []
         for start in range(0, tokens.shape[1], chunk):
+            valid = valid_rows(prompt_lens, tokens.shape[0], chunk, start)
             logits, cache, p = self._prefill(
                 self.params, cache, jnp.asarray(tokens[:, start : start + chunk]), jnp.int32(start), last,
-                all_logits=all_logits, record=record,
+                forced(dealer, "prefill", valid), all_logits=all_logits, record=record,
             )
             outs.append(logits)
             picks.append(p)
@@ -165,7 +182,8 @@ class Engine:
         self.check_prompts(prompts)
         tokens, lens = self._padded(prompts)
         cache = self.new_cache(tokens.shape[0], bucket(tokens.shape[1], 16))
-        logits, _, _ = self._run_prefill(cache, tokens, lens, all_logits=True, record=False)
+        logits, _, _ = self._run_prefill(cache, tokens, lens, all_logits=True, record=False,
+                                         dealer=self.routing.start(self.c), prompt_lens=[len(p) for p in prompts])
         logits = to_host(logits)
         return [logits[i, : len(p)] for i, p in enumerate(prompts)]
 
@@ -194,12 +212,14 @@ class Engine:
         if longest >= max_len:
             raise UsageError(f"prompt of {longest} tokens does not fit the KV cache of {max_len} positions")
         cache = self.new_cache(tokens.shape[0], max_len)
+        dealer, prompt_lens = self.routing.start(self.c), [len(p) for p in prompts]
         t0 = compile_clock.now()
-        logits, cache, picks = self._run_prefill(cache, tokens, lens, all_logits=False, record=record)
+        logits, cache, picks = self._run_prefill(cache, tokens, lens, all_logits=False, record=record, dealer=dealer,
+                                                 prompt_lens=prompt_lens)
         key = jax.random.key(seed)
         tok = sample(logits, jax.random.fold_in(key, 0), sampling).block_until_ready()
         t1 = compile_clock.now()
-        return Prefilled(prompts, cache, tok, logits, lens, max_len, tokens.shape[1], key, picks,
+        return Prefilled(prompts, cache, tok, logits, lens, max_len, tokens.shape[1], key, dealer, picks,
                          prefill_ms=1e3 * (t1 - t0 - compile_clock.compile_seconds(t0, t1)))
 
     def decode(self, state: Prefilled, max_new_tokens: int, sampling: Sampling = Sampling(), record: bool = False,
@@ -207,13 +227,15 @@ class Engine:
         """Decode from `state` (this engine's prefill, or another's handed over) to max_new_tokens."""
         cache, tok, logits, picks, prompts, max_len = (state.cache, state.tok, state.logits, state.picks,
                                                        state.prompts, state.max_len)
+        prompt_lens = [len(p) for p in prompts]
         t1 = compile_clock.now()
         positions = jnp.asarray(state.lens)
         out, step_logits = [tok], [logits] if return_logits else []  # kept only when asked: B x V per step
         for step in range(1, max_new_tokens):
             tok, logits, cache, p = self._decode(
-                self.params, cache, tok, positions, jax.random.fold_in(state.key, step), sampling=sampling,
-                record=record
+                self.params, cache, tok, positions, jax.random.fold_in(state.key, step),
+                forced(state.dealer, "decode", valid_rows(prompt_lens, len(state.lens), 1, None)),
+                sampling=sampling, record=record,
             )
             positions = positions + 1
             out.append(tok)

@@ -200,19 +200,29 @@ def abstract_params(c: ModelConfig, dtype=jnp.float32) -> dict:
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, param_dtype(s, dtype)), param_specs(c), is_leaf=_is_spec)
 
 
-def init_params(c: ModelConfig, key: jax.Array, dtype=jnp.float32, specs: dict | None = None) -> dict:
-    """Random parameters as transformers initialises them: normal(0, initializer_range), norms at 1.
-    `specs`: another spec tree to initialise (default: the model's)."""
-    specs = param_specs(c) if specs is None else specs
+def init_param(spec: ParamSpec, key: jax.Array, c: ModelConfig, dtype=jnp.float32, layer: int | None = None):
+    """One parameter as transformers initialises it: normal(0, initializer_range), norms at 1.
+    A run's stacked parameter is drawn layer by layer, each layer from its own key, so that
+    `layer` alone (a loader placing one layer at a time) is the same as that layer of the whole."""
+    dt = param_dtype(spec, dtype)
+    if spec.axes[:1] == ("layers",) and layer is None:
+        return jnp.stack([init_param(spec, key, c, dtype, i) for i in range(spec.shape[0])])
+    shape = spec.shape if layer is None else spec.shape[1:]
+    if spec.init == "ones":
+        return jnp.ones(shape, dt)
+    if spec.init == "zeros":
+        return jnp.zeros(shape, dt)
+    k = key if layer is None else jax.random.fold_in(key, layer)
+    return (c.initializer_range * jax.random.normal(k, shape, jnp.float32)).astype(dt)
+
+
+def param_keys(specs: dict, key: jax.Array) -> dict:
+    """One random key per parameter of `specs`."""
     leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
-    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(treedef, list(jax.random.split(key, len(leaves))))
 
-    def make(spec: ParamSpec, k):
-        dt = param_dtype(spec, dtype)
-        if spec.init == "ones":
-            return jnp.ones(spec.shape, dt)
-        if spec.init == "zeros":
-            return jnp.zeros(spec.shape, dt)
-        return (c.initializer_range * jax.random.normal(k, spec.shape, jnp.float32)).astype(dt)
 
-    return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(leaves, keys)])
+def init_params(c: ModelConfig, key: jax.Array, dtype=jnp.float32, specs: dict | None = None) -> dict:
+    """Random parameters (`init_param`). `specs`: another spec tree to initialise (default: the model's)."""
+    specs = param_specs(c) if specs is None else specs
+    return jax.tree.map(lambda s, k: init_param(s, k, c, dtype), specs, param_keys(specs, key), is_leaf=_is_spec)

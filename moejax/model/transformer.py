@@ -22,17 +22,19 @@ ROWS = ("batch", "seq", "embed")
 
 
 def decoder_layer(lp: dict, experts, x: jax.Array, positions, cos_sin, cache: dict, selected, c: ModelConfig, placement,
-                  window=0):
+                  window=0, forced=None):
     """One layer (attention + dense MLP or MoE) on x: [B, T, D] -> (x, cache, selected, picks or None).
     `experts`: the MoE layer's expert weights as the placement computes with them; `selected`:
-    the DSA selection of the layer before; `window`: its sliding window (0: full attention)."""
+    the DSA selection of the layer before; `window`: its sliding window (0: full attention);
+    `forced`: int32 [B*T, k] picks replacing the router's (None: the router's own)."""
     h = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
-    a, cache, selected = attention(lp["attn"], h, positions, cos_sin, cache, c, placement, selected, window)
+    with jax.named_scope("attention"):  # for `moejax trace`
+        a, cache, selected = attention(lp["attn"], h, positions, cos_sin, cache, c, placement, selected, window)
     x = placement.constrain(x + a, ROWS)
     h = rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
     ids = None
     if "moe" in lp:
-        m, ids = moe_block(lp["moe"], experts, h, c, placement)
+        m, ids = moe_block(lp["moe"], experts, h, c, placement, forced)
     else:
         m = swiglu(h, lp["mlp"])
     return placement.constrain(x + m, ROWS), cache, selected, ids
@@ -44,9 +46,10 @@ def _layer(stack, i):
 
 
 def run_layers(run: Run, run_params: dict, run_cache: dict, x, selected, positions, cos_sin, c: ModelConfig,
-               placement):
+               placement, forced=None):
     """One run of identical layers under `lax.scan`: x: [B, T, D] -> (x, run_cache, selected,
-    picks: int32 [layers, B*T, k] of a MoE run, else None)."""
+    picks: int32 [layers, B*T, k] of a MoE run, else None). `forced`: a MoE run's int32
+    [layers, B*T, k] picks replacing the router's, or None."""
     count = run.count
     # Sliding-window and full-attention layers share their parameters' shape: the window is
     # a per-layer input of the scan.
@@ -60,7 +63,7 @@ def run_layers(run: Run, run_params: dict, run_cache: dict, x, selected, positio
         # The run's cache rides in the carry and each layer updates its own slice in place (as
         # scanned inputs and outputs, XLA would keep two more copies of the whole cache).
         x, selected, ahead, run_cache = carry
-        lp, i, window = xs
+        lp, i, window, layer_forced = xs
         layer_cache = _layer(run_cache, i)
         if not moe:
             experts = None
@@ -68,21 +71,25 @@ def run_layers(run: Run, run_params: dict, run_cache: dict, x, selected, positio
             experts, ahead = ahead[0], ahead[1:] + (gather(i + depth),)
         else:
             experts = placement.gather_experts(lp["moe"]["experts"])
-        x, layer_cache, selected, ids = decoder_layer(lp, experts, x, positions, cos_sin, layer_cache, selected, c,
-                                                      placement, window)
+        # `moejax trace` tells the MoE layers' ops from the dense layers' by this scope.
+        with jax.named_scope("moe_layers" if moe else "dense_layers"):
+            x, layer_cache, selected, ids = decoder_layer(lp, experts, x, positions, cos_sin, layer_cache, selected, c,
+                                                          placement, window, layer_forced)
         run_cache = jax.tree.map(lambda whole, new: jax.lax.dynamic_update_index_in_dim(whole, new, i, 0), run_cache,
                                  layer_cache)
         return (x, selected, ahead, run_cache), ids
 
     (x, selected, _, run_cache), picks = jax.lax.scan(
-        body, (x, selected, ahead, run_cache), (run_params, jnp.arange(count, dtype=jnp.int32), windows))
+        body, (x, selected, ahead, run_cache), (run_params, jnp.arange(count, dtype=jnp.int32), windows, forced))
     return x, run_cache, selected, picks
 
 
-def forward(params: dict, cache: list, tokens: jax.Array, positions: jax.Array, c: ModelConfig, placement):
+def forward(params: dict, cache: list, tokens: jax.Array, positions: jax.Array, c: ModelConfig, placement,
+            forced=None):
     """tokens, positions: [B, T] -> (hidden: [B, T, D] after the final norm, cache, picks).
 
     picks: one int32 [B*T, k] array per MoE layer (the router's choices, for recording).
+    forced: int32 [MoE layers, B*T, k] picks replacing the router's (a routing override), or None.
     """
     x = placement.constrain(params["embed"][tokens], ROWS)
     cos_sin = rope_cos_sin(c, positions)
@@ -91,8 +98,11 @@ def forward(params: dict, cache: list, tokens: jax.Array, positions: jax.Array, 
     selected = jnp.ones((b, t, jax.tree.leaves(cache)[0].shape[2]), bool) if c.is_dsa else None
     new_cache, picks = [], []
     for run, run_params, run_cache in zip(layer_runs(c), params["layers"], cache):
+        run_forced = None
+        if forced is not None and "moe" in run_params:  # this MoE run's slice of the MoE layers
+            run_forced, forced = forced[: run.count], forced[run.count:]
         x, run_cache, selected, run_picks = run_layers(run, run_params, run_cache, x, selected, positions, cos_sin, c,
-                                                       placement)
+                                                       placement, run_forced)
         new_cache.append(run_cache)
         if run_picks is not None:
             picks.extend(run_picks)

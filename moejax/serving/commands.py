@@ -25,14 +25,17 @@ def build_scheduler(args, progress: bool = True):
     """(scheduler, tokenizer, end-of-sequence ids), compiled and ready."""
     from tqdm import tqdm
 
-    from moejax.commands import build_engine, config_from_args
+    from moejax.commands import build_engine, config_from_args, natural_routing_only
     from moejax.serving.scheduler import Scheduler
     from moejax.serving.tokenizer import Tokenizer, eos_ids
 
     tokenizer = Tokenizer.for_run(args.tokenizer, args.hf)
     eos = tokenizer.eos_ids if tokenizer else (eos_ids(args.hf) or ()) if args.hf else ()
     with tqdm(total=2, desc="load + compile", disable=None if progress else True, file=sys.stderr) as bar:
-        engine = build_engine(config_from_args(args), args.hf, args.seed, args.checkpoint)
+        config = config_from_args(args)
+        if args.speculative == "mtp":
+            natural_routing_only(config, "--speculative mtp")
+        engine = build_engine(config, args.hf, args.seed, args.checkpoint)
         bar.update()
         kw = dict(slots=args.slots, max_len=args.max_seq_len, prefill_rows=args.prefill_rows,
                   token_budget=args.max_batched_tokens, max_queue=args.max_queue)

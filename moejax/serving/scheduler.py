@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.engine.engine import to_host
+from moejax.engine.engine import forced, to_host
 from moejax.errors import UsageError
 from moejax.model.transformer import forward, lm_head
 from moejax.serving.stopping import Stopper
@@ -125,26 +125,28 @@ def put_rows(cache: list[dict], slots: jax.Array, rows: list[dict], axis: int = 
     return [{k: v.at[at].set(r[k], mode="drop") for k, v in layer.items()} for layer, r in zip(cache, rows)]
 
 
-def decode_slots(params, cache, slots, tokens, positions, temperature, top_p, top_k, seeds, *, c, placement,
-                 greedy_only):
+def decode_slots(params, cache, slots, tokens, positions, temperature, top_p, top_k, seeds, forced=None, *, c,
+                 placement, greedy_only):
     """One decode step over the first W slots (`slots` = 0..W-1):
-    tokens, positions: [W] -> (next tokens [W], cache, picks)."""
+    tokens, positions: [W] -> (next tokens [W], cache, picks); forced: a routing override's
+    int32 [MoE layers, W, k] picks, or None."""
     every = slots.shape[0] == cache[0][next(iter(cache[0]))].shape[RUN_BATCH_AXIS]  # all slots: no gather needed
     h, rows, picks = forward(params, cache if every else take_rows(cache, slots), tokens[:, None], positions[:, None],
-                             c, placement)
+                             c, placement, forced)
     logits = lm_head(params, h[:, 0], c)
     token = sample_rows(logits, temperature, top_p, top_k, seeds, positions + 1, greedy_only=greedy_only)
     return token, rows if every else put_rows(cache, slots, rows), picks
 
 
-def prefill_slots(params, cache, slots, tokens, start, last, temperature, top_p, top_k, seeds, *, c, placement,
-                  greedy_only):
+def prefill_slots(params, cache, slots, tokens, start, last, temperature, top_p, top_k, seeds, forced=None, *, c,
+                  placement, greedy_only):
     """One prefill chunk of P requests into their slots: slots, start, last: [P], tokens: [P, C].
     A padding row names slot S (out of range): it reads zeros and its writes are dropped.
+    forced: a routing override's int32 [MoE layers, P*C, k] picks, or None.
     Returns (the token after `last` per row [P], meaningful where `last` is in this chunk; cache; picks)."""
     p, chunk = tokens.shape
     positions = start[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
-    h, rows, picks = forward(params, take_rows(cache, slots), tokens, positions, c, placement)
+    h, rows, picks = forward(params, take_rows(cache, slots), tokens, positions, c, placement, forced)
     h = h[jnp.arange(p), jnp.clip(last - start, 0, chunk - 1)]
     token = sample_rows(lm_head(params, h, c), temperature, top_p, top_k, seeds, last + 1, greedy_only=greedy_only)
     return token, put_rows(cache, slots, rows), picks
@@ -184,6 +186,7 @@ class Scheduler:
         self.prefilling: collections.deque[int] = collections.deque()  # slots in admission order
         self.cache = engine.new_cache(slots, self.max_len)
         self.pick_observers: list[Callable[[str, np.ndarray, np.ndarray], None]] = []  # (kind, ids [L,R,k], valid [R])
+        self.dealer = engine.routing.start(c)  # a routing override's picks, call by call (None: the router's)
         self._cv = threading.Condition()
         self._draining = False
         bind = dict(c=c, placement=engine.placement)
@@ -306,7 +309,8 @@ class Scheduler:
             tokens[s], positions[s] = self.slots[s].token, self.slots[s].pos
         sampling = self._sampling([self.slots[s].request if s in decoding else None for s in range(width)], width)
         out, self.cache, picks = self._decode(self.engine.params, self.cache, np.arange(width, dtype=np.int32), tokens,
-                                             positions, **sampling)
+                                             positions, forced=forced(self.dealer, "decode", positions < self.max_len),
+                                             **sampling)
         out = to_host(out)
         self._observe("decode", picks, positions < self.max_len)
         now = time.perf_counter()
@@ -328,7 +332,8 @@ class Scheduler:
             tokens[i, : len(piece)] = piece
             valid[i, : len(piece)] = True
         sampling = self._sampling([self.slots[s].request for s in rows], p)
-        out, self.cache, picks = self._prefill(self.engine.params, self.cache, slots, tokens, start, last, **sampling)
+        out, self.cache, picks = self._prefill(self.engine.params, self.cache, slots, tokens, start, last,
+                                               forced=forced(self.dealer, "prefill", valid.reshape(-1)), **sampling)
         out = to_host(out)
         self._observe("prefill", picks, valid.reshape(-1))
         now = time.perf_counter()
@@ -383,10 +388,13 @@ class Scheduler:
                 sampling = self._sampling([], w)
                 sampling["greedy_only"] = greedy
                 _, self.cache, _ = self._decode(self.engine.params, self.cache, np.arange(w, dtype=np.int32), np.zeros(w, np.int32),
-                                                np.full(w, self.max_len, np.int32), **sampling)
+                                                np.full(w, self.max_len, np.int32),
+                                                forced=forced(self.dealer, "decode", np.zeros(w, bool)), **sampling)
             sampling = self._sampling([], p)
             sampling["greedy_only"] = greedy
             out, self.cache, _ = self._prefill(self.engine.params, self.cache, np.full(p, n, np.int32),
                                                np.zeros((p, self.chunk), np.int32), np.zeros(p, np.int32),
-                                               np.zeros(p, np.int32), **sampling)
+                                               np.zeros(p, np.int32),
+                                               forced=forced(self.dealer, "prefill", np.zeros(p * self.chunk, bool)),
+                                               **sampling)
             out.block_until_ready()

@@ -1,12 +1,15 @@
-"""Peak memory of `moejax convert` on a model many times larger than its largest tensor.
+"""Peak host memory of loading a model onto 8 devices, and of `moejax convert`, against the
+model's size.
 
-    PYTHONPATH=. python benchmarks/convert_memory.py [--layers 8] [--dir /tmp/moejax-convert-memory]
+    PYTHONPATH=. python benchmarks/load_memory.py [--layers 8] [--dir /tmp/moejax-load-memory]
 
 Writes a Qwen3-MoE-shaped transformers directory (random float32, one shard per layer, 32
-experts per layer stored one tensor each, as transformers does), converts it with
-`python -m moejax convert`, and prints the converter's peak RSS beside the model's size, its
-largest tensor and the peak RSS of converting the 3-layer golden model (the fixed cost of
-Python, jax and orbax). About 2 GB of disk for the default 8 layers.
+experts per layer stored one tensor each, as transformers does). Then, each in its own process:
+loads it onto 8 virtual CPU devices under two placements, with bf16 and NVFP4 experts (the
+loaded parameters live in the process here, so the figure that matters is the peak above
+baseline + the bytes placed), and converts it with `python -m moejax convert`. The baseline is
+the same work on the 3-layer golden model (the fixed cost of Python, jax and orbax). About 2 GB
+of disk for the default 8 layers.
 """
 
 from __future__ import annotations
@@ -67,34 +70,60 @@ def write_model(directory: Path, layers: int) -> None:
     (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
-def peak_rss_mb(argv: list[str]) -> float:
-    """Peak RSS of one child process (its own rusage, not the max over all children)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL)
+# Loads a directory onto 8 devices and prints the bytes placed (every device's shards).
+LOAD = """
+import json, sys
+import jax
+from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig
+from moejax.loading import load_params, with_hf_model
+from sharding import make_placement
+hf, placement, fmt = sys.argv[1:]
+config = with_hf_model(Config(layout=LayoutConfig(devices=8, placement=placement), weights=WeightsConfig(fmt),
+                              engine=EngineConfig(dtype="bfloat16")), hf).validate()
+params = load_params(config, make_placement(config), hf_dir=hf)
+print(sum(s.data.nbytes for a in jax.tree.leaves(params) for s in a.addressable_shards))
+"""
+LOADS = [("expert_sharded", "unquantized"), ("tensor_sliced", "unquantized"), ("expert_sharded", "nvfp4")]
+
+
+def peak_rss_mb(argv: list[str]) -> tuple[float, str]:
+    """Peak RSS of one child process (its own rusage, not the max over all children), and its stdout."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
+    out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         sys.exit(f"{' '.join(argv)} failed")
-    return usage.ru_maxrss / 1024
+    return usage.ru_maxrss / 1024, out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--dir", type=Path, default=Path("/tmp/moejax-convert-memory"))
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/moejax-load-memory"))
     args = parser.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     hf = args.dir / "hf"
     write_model(hf, args.layers)
     model_mb = sum(p.stat().st_size for p in hf.glob("*.safetensors")) / 2**20
-    largest_mb = max(V * D, E * D * F) * 4 / 2**20  # embeddings / lm_head vs one stacked expert matrix
+    layer_mb = 3 * E * D * F * 4 / 2**20  # one layer's expert stacks, as read
+    golden = str(ROOT / "tests/golden/qwen3_moe")
+    print(f"model {model_mb:,.0f} MB (float32) in {args.layers} layers; one layer's experts {layer_mb:,.0f} MB; "
+          f"one run's stacked expert matrix {args.layers * E * D * F * 4 / 2**20:,.0f} MB\n")
+    print("| job | peak RSS MB | baseline MB | placed MB | above baseline + placed, MB |")
+    print("|---|---|---|---|---|")
+    for placement, fmt in LOADS:
+        load = [sys.executable, "-c", LOAD]
+        baseline, _ = peak_rss_mb([*load, golden, placement, "unquantized"])
+        peak, placed = peak_rss_mb([*load, str(hf), placement, fmt])
+        placed_mb = int(placed) / 2**20
+        print(f"| load {placement} {fmt} | {peak:,.0f} | {baseline:,.0f} | {placed_mb:,.0f} | "
+              f"{peak - baseline - placed_mb:,.0f} |")
     convert = [sys.executable, "-m", "moejax", "convert", "--json", "--out"]
-    baseline = peak_rss_mb([*convert, str(args.dir / "golden"), "--hf", str(ROOT / "tests/golden/deepseek_v3")])
-    peak = peak_rss_mb([*convert, str(args.dir / "ckpt"), "--hf", str(hf)])
-    print(f"model {model_mb:,.0f} MB in {args.layers} layers, largest tensor {largest_mb:,.0f} MB")
-    print(f"convert peak RSS {peak:,.0f} MB; baseline (3-layer golden model) {baseline:,.0f} MB; "
-          f"above baseline {peak - baseline:,.0f} MB = {(peak - baseline) / largest_mb:.1f} x the largest tensor, "
-          f"{(peak - baseline) / model_mb:.2f} x the model")
-
+    baseline, _ = peak_rss_mb([*convert, str(args.dir / "golden"), "--hf", golden])
+    peak, _ = peak_rss_mb([*convert, str(args.dir / "ckpt"), "--hf", str(hf)])
+    print(f"| convert (float32) | {peak:,.0f} | {baseline:,.0f} | 0 | {peak - baseline:,.0f} |")
 
 if __name__ == "__main__":
     main()
