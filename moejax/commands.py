@@ -12,6 +12,7 @@ from moejax.config import Config, ConfigError, from_dict, load_file, replace_che
 from moejax.errors import UsageError
 from moejax.vocab import ATTENTION_MODES, DISPATCH_DTYPES, EXPERT_FORMATS, KERNELS, RUN_DTYPES
 from sharding import registry
+from sharding.mesh import make_mesh
 
 
 def prompt_ids(text: str) -> list[int]:
@@ -45,6 +46,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=ATTENTION_MODES)
     p.add_argument("--dispatch-dtype", choices=DISPATCH_DTYPES, help="rows as they travel to their experts")
     p.add_argument("--prefetch-depth", type=int, help="layers ahead that expert weights are gathered")
+    p.add_argument("--two-batch-overlap", action="store_true", default=None,
+                   help="placements that move rows: two micro-batches, one's exchange issued while the other computes")
     p.add_argument("--expert-format", choices=EXPERT_FORMATS, help="experts in --dtype (unquantized) or 4-bit")
     p.add_argument("--kernel", choices=KERNELS, help="grouped-GEMM backend (auto: by platform)")
     p.add_argument("--prefill-chunk", type=int, help="most prompt positions per prefill call (default: 1024 on CPU, 512 elsewhere)")
@@ -65,6 +68,7 @@ def config_from_args(args) -> Config:
     layout = {k: v for k, v in dict(
         placement=args.placement, devices=args.devices, ep=args.ep, tp=args.tp, attention=args.attention,
         dispatch_dtype=args.dispatch_dtype, prefetch_depth=args.prefetch_depth,
+        two_batch_overlap=args.two_batch_overlap,
     ).items() if v is not None}
     engine = {k: v for k, v in dict(dtype=args.dtype, prefill_chunk=args.prefill_chunk,
                                     routing=getattr(args, "routing", None)).items() if v is not None}
@@ -115,7 +119,10 @@ def ensure_devices(n: int) -> None:
         raise UsageError(f"--devices {n} asked for, but this machine has {have} {jax.default_backend()} devices")
 
 
-def build_engine(config: Config, hf_dir: str | None, seed: int, checkpoint: str | None = None):
+def build_engine(config: Config, hf_dir: str | None, seed: int, checkpoint: str | None = None,
+                 devices: list | None = None, params: dict | None = None):
+    """An engine of `config`'s placement on the machine's first devices, or on `devices`;
+    `params`: already placed as this placement lays them out (else loaded and placed)."""
     # Deferred: orbax, safetensors and the model code load only for the verbs that run a model.
     from moejax.analysis.trace import load_trace
     from moejax.engine.engine import Engine
@@ -126,9 +133,46 @@ def build_engine(config: Config, hf_dir: str | None, seed: int, checkpoint: str 
     routing = Routing.parse(config.engine.routing, load_trace)
     routing.check(config.model)  # before loading weights: a mismatched trace fails fast
     ensure_devices(config.layout.devices)
-    placement = registry.make_placement(config)
-    return Engine(config, load_params(config, placement, hf_dir=hf_dir, checkpoint=checkpoint, seed=seed), placement,
-                  routing)
+    placement = registry.make_placement(config, devices=devices)
+    if params is None:
+        params = load_params(config, placement, hf_dir=hf_dir, checkpoint=checkpoint, seed=seed)
+    return Engine(config, params, placement, routing)
+
+
+# ----------------------------------------------------------------------------- prefill / decode on their own placements
+
+def add_pd_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill-placement", type=placement_name, choices=registry.names(),
+                   help="prefill under this placement (default --placement), decode under --decode-placement")
+    p.add_argument("--decode-placement", type=placement_name, choices=registry.names(),
+                   help="decode under this placement (default --placement); the KV cache is handed over")
+    p.add_argument("--prefill-devices", type=int, default=0,
+                   help="devices of the prefill mesh (the first ones; with --decode-devices; default: the --devices, shared)")
+    p.add_argument("--decode-devices", type=int, default=0, help="devices of the decode mesh (the next ones)")
+
+
+def pd_devices(args, shared: int) -> tuple[list, list]:
+    """(prefill devices, decode devices) of the PD flags: split, or both the first `shared`."""
+    from moejax.engine.disaggregated import split_devices
+
+    p, d = args.prefill_devices, args.decode_devices
+    if bool(p) != bool(d) or p < 0 or d < 0:
+        raise UsageError(f"--prefill-devices and --decode-devices go together, both at least 1; got {p} and {d}")
+    if getattr(args, "num_processes", 1) > 1:
+        raise UsageError("prefill and decode on their own placements run in one process (--num-processes 1)")
+    ensure_devices(p + d or shared)
+    return split_devices(p, d, shared)
+
+
+def pd_engine(config: Config, devices: list, name: str, args, others=()):
+    """An engine of placement `name` on `devices`. Parameters are placed once per mesh: an
+    engine of `others` on a mesh of the same devices and shape lays them out alike, and lends
+    its own (two placements of one (ep, tp) shape differ only in their exchange)."""
+    config = registry.with_placement(config, name, len(devices))
+    mesh = make_mesh(registry.placement_class(name).mesh_shape(config.layout), devices)
+    alike = [e for e in others if e.placement.mesh == mesh]
+    return build_engine(config, args.hf, args.seed, args.checkpoint, devices=devices,
+                        params=alike[0].params if alike else None)
 
 
 def cmd_generate(args) -> int:
@@ -150,7 +194,18 @@ def cmd_generate(args) -> int:
         natural_routing_only(config, "--speculative mtp")
     compile_clock.start()
     t0 = compile_clock.now()
-    engine = build_engine(config, args.hf, args.seed, args.checkpoint)
+    if args.prefill_placement or args.decode_placement:
+        from moejax.engine.disaggregated import Disaggregated
+
+        if args.speculative:
+            raise UsageError("--speculative mtp runs under one placement; drop --prefill-placement/--decode-placement")
+        own = config.layout.placement or registry.DEFAULT
+        prefill_devices, decode_devices = pd_devices(args, config.layout.devices)
+        prefill_engine = pd_engine(config, prefill_devices, args.prefill_placement or own, args)
+        engine = Disaggregated(prefill_engine, pd_engine(config, decode_devices, args.decode_placement or own, args,
+                                                         others=[prefill_engine]))
+    else:
+        engine = build_engine(config, args.hf, args.seed, args.checkpoint)
     t1 = compile_clock.now()
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if (args.top_k or args.top_p < 1.0) and sampling.greedy:
@@ -176,6 +231,8 @@ def cmd_generate(args) -> int:
                   "compile_s": round(compile_clock.compile_seconds(t0), 3),
                   "prefill_ms": round(gen.prefill_ms, 2),
                   "decode_step_ms": round(gen.step_ms if args.speculative else gen.decode_step_ms, 2)}
+        if args.prefill_placement or args.decode_placement:
+            timing.update(handover_ms=round(gen.handover_ms, 3), handover_bytes=gen.handover_bytes)
         print(json.dumps({"tokens": [d.tokens for d in done], "finish_reasons": [d.finish_reason for d in done], **extra,
                           "timing": timing}))
     else:
@@ -211,6 +268,7 @@ def register(sub) -> None:
     g.add_argument("--sample-seed", type=int, default=0, help="PRNG seed of sampling")
     g.add_argument("--speculative", choices=("mtp",), help="speculative decoding with the model's MTP draft module")
     g.add_argument("--mtp-init", choices=("random",), help="a random MTP module when the checkpoint carries none")
+    add_pd_args(g)
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("score", help="logits of one prefill")

@@ -157,6 +157,9 @@ class LayoutConfig:
     shared_expert: str = "tp"  # SPLIT_MODES
     dispatch_dtype: str = "bf16"  # DISPATCH_DTYPES: rows as they travel, for placements that send rows
     prefetch_depth: int = 1  # placements that gather weights ahead of use: layers ahead
+    # Placements that move rows: each device's rows of a MoE layer as two micro-batches, one's
+    # exchange issued while the other computes (`sharding/overlap.py`).
+    two_batch_overlap: bool = False
 
     def validate(self) -> None:
         if self.devices < 1:

@@ -35,7 +35,7 @@ from moejax.errors import UsageError
 from moejax.model.attention import cache_specs
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_dtype, param_specs
 from moejax.vocab import ATTENTION_MODES, DTYPES, EXPERT_FORMATS
-from sharding import make_placement, names, rules, with_placement
+from sharding import make_placement, names, placement_class, rules, with_placement
 
 GB = 1e9
 EXPORT_PLATFORMS = ("tpu", "cuda")
@@ -153,9 +153,12 @@ def plan_placement(config: Config, batch: int, context: int, prefill_chunk: int,
 def cmd_plan(args) -> int:
     ensure_devices(args.devices)
     model = preset(args.preset)
-    config = Config(model=model, layout=LayoutConfig(devices=args.devices, attention=args.attention),
+    config = Config(model=model, layout=LayoutConfig(devices=args.devices, attention=args.attention,
+                                                     two_batch_overlap=args.two_batch_overlap),
                     weights=WeightsConfig(args.expert_format), engine=EngineConfig(dtype=args.dtype)).validate()
-    chosen = names() if args.placement == "all" else [args.placement]
+    # all: with --two-batch-overlap, the placements whose rows travel
+    chosen = [n for n in names() if not (args.two_batch_overlap and placement_class(n).rows_stay_home)] \
+        if args.placement == "all" else [args.placement]
     export = tuple(p for p in (args.export or "").split(",") if p)
     unknown = [p for p in export if p not in EXPORT_PLATFORMS]
     if unknown:
@@ -197,6 +200,7 @@ def register(sub) -> None:
     p.add_argument("--expert-format", choices=EXPERT_FORMATS, default="nvfp4")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--attention", choices=ATTENTION_MODES, default="dp")
+    p.add_argument("--two-batch-overlap", action="store_true", help="the placements' exchanges as two micro-batches")
     p.add_argument("--batch", type=int, default=256, help="decode batch (concurrent requests)")
     p.add_argument("--context", type=int, default=8192, help="KV cache positions per request")
     p.add_argument("--prefill-chunk", type=int, default=4096, help="tokens of one prefill chunk over all devices")

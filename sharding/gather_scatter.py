@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from sharding import accounting
+from sharding import accounting, overlap
 from sharding.experts import moe_local
 from sharding.mesh import MeshPlacement
 from sharding.rules import ALL
@@ -20,13 +20,22 @@ class GatherScatter(MeshPlacement):
     """All-gather the rows, run the local experts' picks, reduce-scatter the outputs."""
 
     def exchange(self, x, ids, weights, w):
-        if self.rows_sharded:  # DP attention: each device starts with its own rows; gather them all
-            x, ids, weights = (jax.lax.all_gather(a, ALL, tiled=True) for a in (x, ids, weights))
-        e_local = w["gate"].shape[0]
-        y = moe_local(x, ids, weights, w, num_groups=self.num_experts,
-                      group_offset=jax.lax.axis_index("ep") * e_local, kernel=self.kernel,
-                      first_slice=jax.lax.axis_index("tp") == 0)
-        return jax.lax.psum_scatter(y, ALL, tiled=True) if self.rows_sharded else jax.lax.psum(y, ALL)
+        return overlap.run(self.phases(w), self.two_batch_overlap, x, ids, weights)
+
+    def phases(self, w) -> overlap.Phases:
+        def dispatch(x, ids, weights):  # DP attention: each device starts with its own rows; gather them all
+            return tuple(jax.lax.all_gather(a, ALL, tiled=True) for a in (x, ids, weights)) if self.rows_sharded \
+                else (x, ids, weights)
+
+        def compute(sent):
+            e_local = w["gate"].shape[0]
+            return moe_local(*sent, w, num_groups=self.num_experts, group_offset=jax.lax.axis_index("ep") * e_local,
+                             kernel=self.kernel, first_slice=jax.lax.axis_index("tp") == 0)
+
+        def combine(y):
+            return jax.lax.psum_scatter(y, ALL, tiled=True) if self.rows_sharded else jax.lax.psum(y, ALL)
+
+        return overlap.Phases(dispatch, compute, combine)
 
     def bytes_sent_per_device(self, ids, hidden, act_bytes, experts=None):
         n, (t, k) = self.devices, ids.shape

@@ -24,9 +24,10 @@ EXPERT_AXES = {"gate": ("experts", "embed", "expert_mlp"), "up": ("experts", "em
                "act": ()}  # the experts' activation (no arrays)
 
 
-def make_mesh(shape: tuple[int, int]) -> Mesh:
+def make_mesh(shape: tuple[int, int], devices: list | None = None) -> Mesh:
+    """An ("ep", "tp") mesh over `devices` (default: the machine's first ep * tp devices)."""
     n = shape[0] * shape[1]
-    devices = jax.devices()
+    devices = jax.devices() if devices is None else list(devices)
     if len(devices) < n:
         raise ConfigError(f"the layout needs {n} devices, this machine has {len(devices)}")
     # Auto axes: the placements state shardings as constraints and in shard_map specs and let
@@ -47,6 +48,10 @@ class MeshPlacement(Placement, abc.ABC):
         self.sizes = dict(self.mesh.shape)
         self.num_experts = rules.padded_experts(config.model.num_experts, self.ep)
         self.rows_sharded = layout.attention == "dp"
+        self.two_batch_overlap = layout.two_batch_overlap
+        if self.two_batch_overlap and self.rows_stay_home:
+            raise ConfigError(f"two_batch_overlap splits the rows' exchange; under {self.name} rows stay on their "
+                              "device (its weight gathers already run layers ahead)")
 
     @classmethod
     @abc.abstractmethod
@@ -75,11 +80,19 @@ class MeshPlacement(Placement, abc.ABC):
         host = np.asarray(array)
         return jax.make_array_from_callback(host.shape, self.sharding(axes, host.shape), lambda index: host[index])
 
-    def place_cache(self, cache):
-        """Cache dicts (a run's, with a leading layers axis, or one layer's) onto the devices."""
+    def cache_axes(self, cache) -> list[dict]:
+        """Logical axes of each array of cache dicts (a run's, with a leading layers axis, or one layer's)."""
         axes = {k: a for k, (_, a) in cache_specs(self.config.model, 1, 1).items()}
-        return [{k: self.put(v, ("layers",) * (v.ndim - len(axes[k])) + axes[k]) for k, v in layer.items()}
-                for layer in cache]
+        return [{k: ("layers",) * (v.ndim - len(axes[k])) + axes[k] for k, v in layer.items()} for layer in cache]
+
+    def place_cache(self, cache):
+        """Cache dicts from the host onto the devices."""
+        return [{k: self.put(v, axes[k]) for k, v in layer.items()} for layer, axes in zip(cache, self.cache_axes(cache))]
+
+    def cache_shardings(self, cache) -> list[dict]:
+        """Where this placement keeps each array of cache dicts (for a cache placed elsewhere)."""
+        return [{k: self.sharding(axes[k], v.shape) for k, v in layer.items()}
+                for layer, axes in zip(cache, self.cache_axes(cache))]
 
     def constrain(self, x, axes):
         return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape))
@@ -118,12 +131,13 @@ class MeshPlacement(Placement, abc.ABC):
         return 0.0 if self.rows_sharded else (self.devices - 1) * -(-t // self.devices) * hidden * act_bytes
 
 
-def own_share(inner, x, ids, weights, w):
-    """Rows replicated (TP attention): each device runs `inner` on its 1/N share, then all-gather."""
+def own_share(inner, x, ids, weights):
+    """Rows replicated (TP attention): each device runs `inner(x, ids, weights)` on its 1/N share,
+    then all-gather."""
     n, me = jax.lax.axis_size(rules.ALL), jax.lax.axis_index(rules.ALL)
     t = x.shape[0]
     share = -(-t // n)
     pad = lambda a, v: jnp.pad(a, [(0, share * n - t)] + [(0, 0)] * (a.ndim - 1), constant_values=v)
     take = lambda a: jax.lax.dynamic_slice_in_dim(a, me * share, share)
-    y = inner(take(pad(x, 0)), take(pad(ids, 0)), take(pad(weights, 0.0)), w)
+    y = inner(take(pad(x, 0)), take(pad(ids, 0)), take(pad(weights, 0.0)))
     return jax.lax.all_gather(y, rules.ALL, tiled=True, to="invarying")[:t]

@@ -30,6 +30,8 @@ class Placement:
     rows_stay_home = False
     # Whether the layout's ep / tp choose this placement's mesh (else the placement fixes it).
     mesh_from_layout = False
+    # Whether the exchange runs as two micro-batches (`sharding/overlap.py`); one device has none.
+    two_batch_overlap = False
 
     def __init__(self, config: Config, platform: str | None = None):
         self.config = config

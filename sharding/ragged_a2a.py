@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from sharding import accounting
+from sharding import accounting, overlap
 from sharding.experts import moe_local
 from sharding.mesh import MeshPlacement, own_share
 from sharding.rules import ALL
@@ -83,45 +83,57 @@ def exchange_buffers(t_local: int, n: int, k: int, e_local: int, hidden: int, ac
     }
 
 
-def ragged_a2a(x, ids, weights, w, *, num_experts: int, dispatch_dtype: str, use_ragged: bool, kernel: str):
-    """x: [T, D] this device's rows, ids/weights: [T, k] -> [T, D]."""
-    t, k = ids.shape
-    n = jax.lax.axis_size(ALL)
+def ragged_phases(w, *, num_experts: int, dispatch_dtype: str, use_ragged: bool, kernel: str) -> overlap.Phases:
+    """The exchange of one device's rows x: [T, D], ids/weights: [T, k] as its three phases."""
     e_local = w["gate"].shape[0]
-    me = jax.lax.axis_index(ALL)
-    goes, slot, send_sizes = dispatch_plan(ids, e_local, n)
 
-    # Send buffer [n, T, ...]: block d holds the rows going to d, with only d's picks kept.
-    # Unused slots keep the sentinel expert `num_experts` (nobody's) and so compute nothing.
-    target = jnp.where(goes, slot, t)  # [T, n]; slot t is out of range: dropped by the scatter
-    dev = jnp.broadcast_to(jnp.arange(n), (t, n))
-    row_of_slot = jnp.full((n, t), t, jnp.int32).at[dev, target].set(
-        jnp.broadcast_to(jnp.arange(t)[:, None], (t, n)), mode="drop")  # [n, T]
-    valid = row_of_slot < t
-    safe = jnp.where(valid, row_of_slot, 0)
-    pick_dev = ids[safe] // e_local  # [n, T, k]
-    keep = valid[..., None] & (pick_dev == jnp.arange(n)[:, None, None])
-    # A row carries only the picks of the device it goes to, at most kk = min(k, E_local) of
-    # them: its kept picks first (stable), then cut to kk, so the receiver computes kk picks
-    # per received row and not k.
-    kk = local_picks(k, e_local)
-    first = jnp.argsort(~keep, axis=-1, stable=True)[..., :kk]  # [n, T, kk]
-    take = lambda a: jnp.take_along_axis(a, first, axis=-1)
-    send_ids = jnp.where(take(keep), take(ids[safe]), num_experts)
-    send_w = jnp.where(take(keep), take(weights[safe]), 0.0)
+    def dispatch(x, ids, weights):
+        t, k = ids.shape
+        n = jax.lax.axis_size(ALL)
+        goes, slot, send_sizes = dispatch_plan(ids, e_local, n)
+        # Send buffer [n, T, ...]: block d holds the rows going to d, with only d's picks kept.
+        # Unused slots keep the sentinel expert `num_experts` (nobody's) and so compute nothing.
+        target = jnp.where(goes, slot, t)  # [T, n]; slot t is out of range: dropped by the scatter
+        dev = jnp.broadcast_to(jnp.arange(n), (t, n))
+        row_of_slot = jnp.full((n, t), t, jnp.int32).at[dev, target].set(
+            jnp.broadcast_to(jnp.arange(t)[:, None], (t, n)), mode="drop")  # [n, T]
+        valid = row_of_slot < t
+        safe = jnp.where(valid, row_of_slot, 0)
+        pick_dev = ids[safe] // e_local  # [n, T, k]
+        keep = valid[..., None] & (pick_dev == jnp.arange(n)[:, None, None])
+        # A row carries only the picks of the device it goes to, at most kk = min(k, E_local) of
+        # them: its kept picks first (stable), then cut to kk, so the receiver computes kk picks
+        # per received row and not k.
+        kk = local_picks(k, e_local)
+        first = jnp.argsort(~keep, axis=-1, stable=True)[..., :kk]  # [n, T, kk]
+        take = lambda a: jnp.take_along_axis(a, first, axis=-1)
+        send_ids = jnp.where(take(keep), take(ids[safe]), num_experts)
+        send_w = jnp.where(take(keep), take(weights[safe]), 0.0)
 
-    recv_rows = _exchange_rows(x[safe], send_sizes, dispatch_dtype, use_ragged)
-    recv_ids = _exchange(send_ids, send_sizes, use_ragged)
-    recv_w = _exchange(send_w, send_sizes, use_ragged)
-    if use_ragged:  # slots past the received sizes were never written: zero ids would be picks
-        recv_sizes = jax.lax.all_to_all(send_sizes, ALL, 0, 0, tiled=True)
-        recv_ids = jnp.where(jnp.arange(t)[None, :, None] < recv_sizes[:, None, None], recv_ids, num_experts)
+        recv_rows = _exchange_rows(x[safe], send_sizes, dispatch_dtype, use_ragged)
+        recv_ids = _exchange(send_ids, send_sizes, use_ragged)
+        recv_w = _exchange(send_w, send_sizes, use_ragged)
+        if use_ragged:  # slots past the received sizes were never written: zero ids would be picks
+            recv_sizes = jax.lax.all_to_all(send_sizes, ALL, 0, 0, tiled=True)
+            recv_ids = jnp.where(jnp.arange(t)[None, :, None] < recv_sizes[:, None, None], recv_ids, num_experts)
+        return recv_rows, recv_ids, recv_w, send_sizes, row_of_slot
 
-    y = moe_local(recv_rows.reshape(n * t, -1), recv_ids.reshape(n * t, kk), recv_w.reshape(n * t, kk), w,
-                  num_groups=num_experts + 1, group_offset=me * e_local, kernel=kernel)
-    back = _exchange(y.reshape(n, t, -1), jax.lax.all_to_all(send_sizes, ALL, 0, 0, tiled=True), use_ragged)
-    # Sum each row's results from the devices it went to.
-    return jnp.zeros_like(x).at[row_of_slot.reshape(-1)].add(back.reshape(n * t, -1), mode="drop")
+    def compute(sent):
+        recv_rows, recv_ids, recv_w, send_sizes, row_of_slot = sent  # [n, T, D], [n, T, kk] x 2, [n], [n, T]
+        n, t, kk = recv_ids.shape
+        y = moe_local(recv_rows.reshape(n * t, -1), recv_ids.reshape(n * t, kk), recv_w.reshape(n * t, kk), w,
+                      num_groups=num_experts + 1, group_offset=jax.lax.axis_index(ALL) * e_local, kernel=kernel)
+        return y.reshape(n, t, -1), send_sizes, row_of_slot
+
+    def combine(done):
+        y, send_sizes, row_of_slot = done
+        back = _exchange(y, jax.lax.all_to_all(send_sizes, ALL, 0, 0, tiled=True), use_ragged)
+        # Sum each row's results from the devices it went to (row T: a slot nobody used, dropped).
+        t = row_of_slot.shape[1]
+        return jnp.zeros((t, y.shape[-1]), y.dtype).at[row_of_slot.reshape(-1)].add(back.reshape(-1, y.shape[-1]),
+                                                                                   mode="drop")
+
+    return overlap.Phases(dispatch, compute, combine)
 
 
 class RaggedA2A(MeshPlacement):
@@ -141,10 +153,10 @@ class RaggedA2A(MeshPlacement):
         return cls.fixed_mesh(layout, (layout.devices, 1))
 
     def exchange(self, x, ids, weights, w):
-        inner = functools.partial(ragged_a2a, num_experts=self.num_experts,
-                                  dispatch_dtype=self.config.layout.dispatch_dtype, use_ragged=self.use_ragged,
-                                  kernel=self.kernel)
-        return inner(x, ids, weights, w) if self.rows_sharded else own_share(inner, x, ids, weights, w)
+        phases = ragged_phases(w, num_experts=self.num_experts, dispatch_dtype=self.config.layout.dispatch_dtype,
+                               use_ragged=self.use_ragged, kernel=self.kernel)
+        inner = functools.partial(overlap.run, phases, self.two_batch_overlap)
+        return inner(x, ids, weights) if self.rows_sharded else own_share(inner, x, ids, weights)
 
     # ------------------------------------------------------------------ accounting
     def dispatch_row_bytes(self, hidden: int, act_bytes: int) -> int:

@@ -11,7 +11,7 @@ import pallas_kernels
 from moejax.config import Config, ConfigError
 from sharding.expert_sharded import ExpertSharded
 from sharding.hybrid import Hybrid
-from sharding.mesh import MeshPlacement
+from sharding.mesh import MeshPlacement, make_mesh
 from sharding.placement import Placement
 from sharding.ragged_a2a import RaggedA2A
 from sharding.tensor_sliced import TensorSliced
@@ -60,11 +60,14 @@ def check_kernel(config: Config, platform: str | None = None) -> None:
         raise ConfigError(f"kernel {config.kernel}: {reason}")
 
 
-def make_placement(config: Config, platform: str | None = None) -> Placement:
+def make_placement(config: Config, platform: str | None = None, devices: list | None = None) -> Placement:
     """The placement of `config.layout` (the single-device reference on one device), building
-    programs for `platform` (default: this machine's)."""
+    programs for `platform` (default: this machine's), on the machine's first `layout.devices`
+    devices or on `devices` (a mesh even of one)."""
     cls = placement_class(config.layout.placement)
     check_kernel(config, platform)
+    if devices is not None:
+        return cls(config, make_mesh(cls.mesh_shape(config.layout), devices), platform=platform)
     if config.layout.devices == 1:
         return Placement(config, platform)
     return cls(config, platform=platform)

@@ -40,9 +40,8 @@ class WeightPrefetch(MeshPlacement):
                              out_specs=self.expert_specs(w, gathered=True))(w)
 
     def exchange(self, x, ids, weights, w):
-        inner = lambda x, ids, weights, w: moe_local(x, ids, weights, w, num_groups=self.num_experts,
-                                                     kernel=self.kernel)
-        return inner(x, ids, weights, w) if self.rows_sharded else own_share(inner, x, ids, weights, w)
+        inner = lambda x, ids, weights: moe_local(x, ids, weights, w, num_groups=self.num_experts, kernel=self.kernel)
+        return inner(x, ids, weights) if self.rows_sharded else own_share(inner, x, ids, weights)
 
     def moe(self, x, ids, weights, experts, gathered: bool = True):
         return super().moe(x, ids, weights, experts, gathered=gathered)

@@ -30,3 +30,20 @@ def test_compare_table_ends_saying_the_placements_agree(capsys):
     row = next(line for line in out.splitlines() if line.startswith("hybrid"))
     assert "4 x 2" in row and " yes " in row
     assert out.strip().endswith("all placements agree with the single-device run")
+
+
+def test_compare_two_batch_overlap_adds_an_overlapped_row_with_the_same_bytes(capsys):
+    assert main(["compare", "--placements", "ragged_a2a", "--two-batch-overlap", "--max-new-tokens", "3", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    plain, tbo = report["placements"]
+    assert report["agree"] and (plain["name"], tbo["name"]) == ("ragged_a2a", "ragged_a2a+tbo")
+    assert tbo["bytes_sent_per_device_per_moe_layer"] == plain["bytes_sent_per_device_per_moe_layer"] > 0
+
+
+def test_compare_pd_reports_each_pair_with_its_hand_over(capsys):
+    assert main(["compare", "--placements", "ragged_a2a", "--pd", "--prefill-devices", "4", "--decode-devices", "4",
+                 "--max-new-tokens", "3", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    (pair,) = report["pairs"]
+    assert report["agree"] and pair["prefill"]["devices"] == [0, 1, 2, 3] and pair["decode"]["devices"] == [4, 5, 6, 7]
+    assert pair["handover_bytes"] > 0 and pair["handover_bytes_per_request"] == pair["handover_bytes"] // 8

@@ -188,9 +188,11 @@ def test_ragged_receiver_expands_each_row_to_its_local_picks_only():
     assert buffers["expert_rows"] == slots * 4 * d * 4
 
 
-def test_real_ragged_all_to_all_lowers_for_tpu_and_cuda():
-    """XLA:CPU lacks ragged-all-to-all; the path TPUs and GPUs take must still lower."""
-    config = Config(model=preset("tiny"), layout=layout("ragged_a2a")).validate()
+@pytest.mark.parametrize("tbo", [False, True])
+def test_real_ragged_all_to_all_lowers_for_tpu_and_cuda(tbo):
+    """XLA:CPU lacks ragged-all-to-all; the path TPUs and GPUs take must still lower (with two
+    micro-batches, twice)."""
+    config = Config(model=preset("tiny"), layout=layout("ragged_a2a", two_batch_overlap=tbo)).validate()
     placement = RaggedA2A(config, use_ragged=True)
     experts = layer_params(load_params(config, placement), 1, config.model)["moe"]["experts"]
     t, d, k = 32, config.model.hidden_size, config.model.num_experts_per_tok
@@ -201,7 +203,7 @@ def test_real_ragged_all_to_all_lowers_for_tpu_and_cuda():
     for platform in ("tpu", "cuda"):
         exported = jax.export.export(jax.jit(placement.moe), platforms=[platform], disabled_checks=allow)(*args, experts)
         # dispatch (rows, ids, weights) and combine each travel through one ragged exchange
-        assert exported.mlir_module().count("@ragged_all_to_all(") == 4
+        assert exported.mlir_module().count("@ragged_all_to_all(") == 4 * (1 + tbo)
 
 
 def _instructions(computation: list[str]) -> dict[str, tuple[str, set[str]]]:

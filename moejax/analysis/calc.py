@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from moejax.config import ModelConfig
+from moejax.model.attention import cache_specs
 
 # Keys of every bytes-per-expert dict (the `calc --json` contract).
 EXPERT_BYTE_KEYS = ("bf16", "nvfp4_values", "nvfp4", "mxfp4")
@@ -114,6 +115,13 @@ def even_balance(num_experts: int, k: int, n: int, tokens: int) -> tuple[float, 
     return float(np.mean(picks.mean(axis=-1) / busiest)), float(busiest.mean())
 
 
+def kv_cache_bytes_per_token(cfg: ModelConfig, act_bytes: int = 2) -> int:
+    """KV cache bytes one position of one request takes over every layer: what handing a
+    prefilled request to a decode mesh moves per prompt token (`moejax.engine.disaggregated`)."""
+    return act_bytes * sum(math.prod(shape) for layer in range(cfg.num_layers)
+                           for shape, _ in cache_specs(cfg, 1, 1, layer).values())
+
+
 def calc_report(cfg: ModelConfig, devices: list[int], tokens: int, touched: float | None, expert_format: str) -> dict:
     """The `moejax calc --json` document. `touched`: experts a step touches (None: the even router's
     expectation at `tokens`); expert bytes read per device assume they spread evenly over the devices."""
@@ -135,6 +143,10 @@ def calc_report(cfg: ModelConfig, devices: list[int], tokens: int, touched: floa
             "even_balancedness": balancedness,
             "even_busiest_picks": busiest,
             "expert_bytes_read_per_device": touched_experts * per_expert[expert_format] / n,
+            # Two-batch overlap: each micro-batch of half the step's tokens reads the experts it
+            # touches (an even router's), so a step reads them up to twice.
+            "two_batch_expert_bytes_read_per_device":
+                2 * even_touched_fraction(e, k, -(-tokens // 2)) * e * per_expert[expert_format] / n,
         })
     return {
         "expert_params": expert_params(cfg),
@@ -142,5 +154,6 @@ def calc_report(cfg: ModelConfig, devices: list[int], tokens: int, touched: floa
         "layer_expert_bytes": {f: b * e for f, b in per_expert.items()},
         "model_expert_bytes": {f: b * e * layers for f, b in per_expert.items()},
         "row_bytes": row_bytes(cfg),
+        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg),
         "devices": rows,
     }

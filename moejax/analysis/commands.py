@@ -65,9 +65,11 @@ def calc_table(report: dict, cfg: ModelConfig, tokens: int, expert_format: str) 
     lines += [f"  {f:<12} {eb[f] / MB:8.1f} MB   {lb[f] / GB:10.2f} GB   {mb[f] / GB:18.1f} GB" for f in eb]
     lines += [
         f"row: {rb['bf16']:,} B bf16, {rb['nvfp4']:,} B nvfp4",
+        f"KV cache: {report['kv_cache_bytes_per_token']:,} B bf16 per request and position (a prefill/decode "
+        "hand-over moves it per prompt token)",
         f"at {tokens} tokens per step; expert bytes read as {expert_format}",
         "devices  devices/row  copies sent  replicated  slice width  even touched  even balancedness  "
-        "even busiest picks  expert GB read/device",
+        "even busiest picks  expert GB read/device  two-batch GB read/device",
     ]
     for d in report["devices"]:
         width = d["slice_width"] if d["slice_width"] is not None else "does not divide"
@@ -75,6 +77,7 @@ def calc_table(report: dict, cfg: ModelConfig, tokens: int, expert_format: str) 
             f"{d['n']:7d}  {d['devices_per_row']:11.2f}  {d['copies_sent_per_row']:11.2f}  {d['copies_replicated']:10d}"
             f"  {str(width):>11}  {d['even_touched_fraction']:11.1%}  {d['even_balancedness']:17.2f}"
             f"  {d['even_busiest_picks']:18.1f}  {d['expert_bytes_read_per_device'] / GB:21.3f}"
+            f"  {d['two_batch_expert_bytes_read_per_device'] / GB:24.3f}"
         )
     return "\n".join(lines)
 

@@ -87,6 +87,25 @@ class Generation:
     # Wall times less the time spent compiling (see compile_clock), so a first run reports run time.
     prefill_ms: float = 0.0  # the whole prefill (all chunks) and the first token
     decode_step_ms: float = 0.0  # mean of one decode step
+    # Prefill and decode on their own engines (`disaggregated.py`): the KV cache's hand-over.
+    handover_bytes: int = 0  # cache bytes that changed device
+    handover_ms: float = 0.0
+
+
+@dataclasses.dataclass
+class Prefilled:
+    """A batch after its prefill and first token: what decoding continues from."""
+    prompts: list[list[int]]
+    cache: list[dict]  # per run of layers, arrays [layers, B, ...] of max_len positions
+    tok: jax.Array  # [B] the first new tokens
+    logits: jax.Array  # [B, V] the logits they were chosen from
+    lens: np.ndarray  # [B] prompt lengths: each request's next position
+    max_len: int
+    written: int  # cache positions [0, written) the prefill wrote (the padded prompts' width); the rest are zeros
+    key: jax.Array  # sampling key (folded with the step)
+    dealer: object  # the routing override's state (`Routing.start`), which decoding continues
+    picks: list
+    prefill_ms: float
 
 
 class Engine:
@@ -126,9 +145,9 @@ class Engine:
         (at least 16), so short prompts are not padded to a whole large chunk, up to max_chunk."""
         return min(self.max_chunk, bucket(max(map(len, prompts)), 16))
 
-    def _padded(self, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    def _padded(self, prompts: list[list[int]], multiple: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         chunk = self.chunk_for(prompts)
-        multiple = self.placement.batch_multiple()
+        multiple = multiple or self.placement.batch_multiple()
         batch = -(-bucket(len(prompts)) // multiple) * multiple
         width = -(-max(map(len, prompts)) // chunk) * chunk
         tokens = np.zeros((batch, width), np.int32)
@@ -172,6 +191,13 @@ class Engine:
         self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(), seed: int = 0,
         record: bool = False, return_logits: bool = False,
     ) -> Generation:
+        return self.decode(self.start(prompts, max_new_tokens, sampling, seed, record), max_new_tokens, sampling,
+                           record, return_logits)
+
+    def start(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(), seed: int = 0,
+              record: bool = False, batch_multiple: int | None = None) -> Prefilled:
+        """Prefill a batch and sample its first tokens. `batch_multiple`: pad the batch to a
+        multiple of this (default: this placement's), for a cache that another engine decodes."""
         self.check_prompts(prompts)
         if max_new_tokens < 1:
             raise UsageError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -181,7 +207,7 @@ class Engine:
                 f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the model's context "
                 f"of {self.c.max_position_embeddings}"
             )
-        tokens, lens = self._padded(prompts)
+        tokens, lens = self._padded(prompts, batch_multiple)
         max_len = self.config.engine.max_seq_len or bucket(max(tokens.shape[1], longest + max_new_tokens), 16)
         if longest >= max_len:
             raise UsageError(f"prompt of {longest} tokens does not fit the KV cache of {max_len} positions")
@@ -193,12 +219,22 @@ class Engine:
         key = jax.random.key(seed)
         tok = sample(logits, jax.random.fold_in(key, 0), sampling).block_until_ready()
         t1 = compile_clock.now()
-        positions = jnp.asarray(lens)
+        return Prefilled(prompts, cache, tok, logits, lens, max_len, tokens.shape[1], key, dealer, picks,
+                         prefill_ms=1e3 * (t1 - t0 - compile_clock.compile_seconds(t0, t1)))
+
+    def decode(self, state: Prefilled, max_new_tokens: int, sampling: Sampling = Sampling(), record: bool = False,
+               return_logits: bool = False) -> Generation:
+        """Decode from `state` (this engine's prefill, or another's handed over) to max_new_tokens."""
+        cache, tok, logits, picks, prompts, max_len = (state.cache, state.tok, state.logits, state.picks,
+                                                       state.prompts, state.max_len)
+        prompt_lens = [len(p) for p in prompts]
+        t1 = compile_clock.now()
+        positions = jnp.asarray(state.lens)
         out, step_logits = [tok], [logits] if return_logits else []  # kept only when asked: B x V per step
         for step in range(1, max_new_tokens):
             tok, logits, cache, p = self._decode(
-                self.params, cache, tok, positions, jax.random.fold_in(key, step),
-                forced(dealer, "decode", valid_rows(prompt_lens, tokens.shape[0], 1, None)),
+                self.params, cache, tok, positions, jax.random.fold_in(state.key, step),
+                forced(state.dealer, "decode", valid_rows(prompt_lens, len(state.lens), 1, None)),
                 sampling=sampling, record=record,
             )
             positions = positions + 1
@@ -216,6 +252,6 @@ class Engine:
             finish_reasons=["length"] * len(prompts),
             picks=[[to_host(x) for x in p] for p in picks] if record else None,
             logits=np.stack([to_host(x)[: len(prompts)] for x in step_logits]) if return_logits else None,
-            prefill_ms=1e3 * (t1 - t0 - compile_clock.compile_seconds(t0, t1)),
+            prefill_ms=state.prefill_ms,
             decode_step_ms=1e3 * (t2 - t1 - compile_clock.compile_seconds(t1, t2)) / max(1, max_new_tokens - 1),
         )
