@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from moejax.config import Config, ConfigError, LayoutConfig
 from moejax.model.attention import cache_specs
 from sharding import rules
-from sharding.placement import Placement
+from sharding.placement import Placement, layer_slice
 
 EXPERT_AXES = {"gate": ("experts", "embed", "expert_mlp"), "up": ("experts", "embed", "expert_mlp"),
                "down": ("experts", "expert_mlp", "embed"),
@@ -88,6 +88,10 @@ class MeshPlacement(Placement, abc.ABC):
         return self.devices if self.rows_sharded else 1
 
     # ------------------------------------------------------------------ the MoE exchange
+    def layer_experts(self, stack, i):
+        # shard_map takes the layer as arrays: sliced out of the stack (a copy on XLA:CPU).
+        return self.gather_experts(layer_slice(stack, i))
+
     def expert_specs(self, w: dict, gathered: bool = False) -> dict:
         """Per-leaf PartitionSpecs of one layer's experts (4-bit leaves keep their rank);
         `gathered`: every device holds every expert."""
