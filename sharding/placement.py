@@ -92,9 +92,9 @@ class Placement:
     prefetch_depth = 0
 
     def layer_experts(self, stack: dict, i) -> dict:
-        """MoE layer i's experts, out of its run's stack [L, E, ...], as `moe` takes them. Here
-        the matrices stay in the stack (`LayerOf`): the XLA grouped GEMM reads each touched
-        expert straight from it, where a sliced layer would be a copy of all its experts."""
+        """MoE layer i's experts, out of its run's stack [L, E, ...], as `moe` takes them. The
+        matrices stay in the stack (`LayerOf`): the XLA grouped GEMM reads each touched expert
+        straight from it, where a sliced layer would be a copy of all its experts (XLA:CPU)."""
         return {name: LayerOf(a, i) if name in GEMM_WEIGHTS else layer_slice(a, i) for name, a in stack.items()}
 
     def gather_experts(self, w: dict) -> dict:
