@@ -10,8 +10,8 @@ this machine's measured read bandwidth.
 
 Both sides run as a user gets them: moejax at its default settings (prefill chunk, buckets,
 XLA flags), transformers in its fastest standard configuration: every expert implementation
-it offers on the CPU is timed once, and each measure then uses its fastest one. The settings
-of both sides are printed above the table.
+it offers on the CPU runs in every round, and each measure keeps its fastest one over all
+implementations and rounds. The settings of both sides are printed above the table.
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ MEASURES = ("prefill", *(f"decode b{b}" for b in BATCHES))
 HF_EXPERTS = ("eager", "grouped_mm", "batched_mm")  # transformers' CPU expert implementations
 
 
-def hf_runner(model, prompt_len: int, steps: int, experts=("grouped_mm",) * len(MEASURES)):
-    """A function timing one round: [prefill seconds for one prompt of prompt_len, then seconds
-    per decode step at each of BATCHES], each measure with its expert implementation from
-    `experts`. Its first call warms up."""
+def hf_runner(model, prompt_len: int, steps: int, experts: str):
+    """A function timing one round with transformers' expert implementation `experts`: [prefill
+    seconds for one prompt of prompt_len, then seconds per decode step at each of BATCHES]. Its
+    first call warms up."""
     import torch
 
     rng = np.random.default_rng(0)
@@ -71,25 +71,13 @@ def hf_runner(model, prompt_len: int, steps: int, experts=("grouped_mm",) * len(
         model(long)
         return time.perf_counter() - t
 
-    jobs = [prefill] + [lambda short=short: decode(short) for short in shorts]
-
     @torch.no_grad()
     def run() -> list[float]:
-        times = []
-        for job, impl in zip(jobs, experts):
-            model.set_experts_implementation(impl)
-            times.append(job())
-        return times
+        model.set_experts_implementation(experts)
+        return [prefill()] + [decode(short) for short in shorts]
 
     run()
     return run
-
-
-def fastest_hf_experts(model, prompt_len: int, steps: int) -> tuple[str, ...]:
-    """Per measure, the expert implementation transformers runs it fastest with (one timed
-    round each after a warm-up)."""
-    times = {impl: hf_runner(model, prompt_len, steps, (impl,) * len(MEASURES))() for impl in HF_EXPERTS}
-    return tuple(min(HF_EXPERTS, key=lambda impl: times[impl][i]) for i in range(len(MEASURES)))
 
 
 def moejax_runner(directory: str, prompt_len: int, steps: int):
@@ -122,7 +110,7 @@ def step_bytes(batch: int) -> float:
     return 4 * (layers * (attn + d * experts + touched * 3 * d * f) + 2 * d * vocab)
 
 
-def print_settings(experts: tuple[str, ...]) -> None:
+def print_settings(experts: list[str]) -> None:
     import jax
     import torch
     import transformers
@@ -131,8 +119,8 @@ def print_settings(experts: tuple[str, ...]) -> None:
 
     print(f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end (other processes add noise)")
     print(f"transformers {transformers.__version__}, torch {torch.__version__}: {torch.get_num_threads()} threads, "
-          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, expert implementation per measure: "
-          + ", ".join(f"{m} {e}" for m, e in zip(MEASURES, experts)))
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, fastest expert implementation per measure "
+          f"(of {', '.join(HF_EXPERTS)}): " + ", ".join(f"{m} {e}" for m, e in zip(MEASURES, experts)))
     print(f"moejax on jax {jax.__version__} ({jax.default_backend()}), defaults: prefill chunk "
           f"{default_prefill_chunk()}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '') or 'none'}")
 
@@ -149,18 +137,20 @@ def main():
     with tempfile.TemporaryDirectory() as directory:
         model = hf_model(directory)
         bw = read_bandwidth()
-        experts = fastest_hf_experts(model, args.prompt_len, args.decode_steps)
-        runners = [hf_runner(model, args.prompt_len, args.decode_steps, experts),
-                   moejax_runner(directory, args.prompt_len, args.decode_steps)]
-        # The host is shared and noisy: alternate the two and keep each one's best round, so
-        # that a slow spell does not land on one side only. The pause lets the other library's
-        # idle worker threads stop spinning (OpenMP's and XLA's both spin a while).
-        best = [[float("inf")] * (1 + len(BATCHES)) for _ in runners]
+        sides = {impl: hf_runner(model, args.prompt_len, args.decode_steps, impl) for impl in HF_EXPERTS}
+        sides["moejax"] = moejax_runner(directory, args.prompt_len, args.decode_steps)
+        # The host is shared and noisy: alternate the sides (each of transformers' expert
+        # implementations is one) and keep each one's best round, so that a slow spell does not
+        # land on one side only. The pause lets the other library's idle worker threads stop
+        # spinning (OpenMP's and XLA's both spin a while).
+        best = {name: [float("inf")] * len(MEASURES) for name in sides}
         for _ in range(args.rounds):
-            for i, run in enumerate(runners):
+            for name, run in sides.items():
                 time.sleep(1.0)
-                best[i] = list(map(min, best[i], run()))
-    (hf_pre, *hf_steps), (mj_pre, *mj_steps) = best
+                best[name] = list(map(min, best[name], run()))
+    experts = [min(HF_EXPERTS, key=lambda impl: best[impl][i]) for i in range(len(MEASURES))]
+    (hf_pre, *hf_steps) = [best[impl][i] for i, impl in enumerate(experts)]
+    (mj_pre, *mj_steps) = best["moejax"]
     print_settings(experts)
     print(f"read bandwidth {bw / 1e9:.1f} GB/s; prompt {args.prompt_len} tokens; {args.decode_steps} decode steps; "
           f"best of {args.rounds} alternating rounds")

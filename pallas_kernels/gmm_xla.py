@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import decode, formats
+from pallas_kernels import decode, formats, layered
 from pallas_kernels.metadata import local_groups, varying_zeros
 
 
@@ -38,13 +38,13 @@ def _to_f32(a: jax.Array) -> jax.Array:
 
 
 def _group_matmul(rhs, g: jax.Array):
-    """Loads group g of rhs once; returns apply(x [rows, K] f32) -> [rows, N] f32.
+    """Loads group g of rhs (possibly a `layered.LayerOf`) once; returns apply(x [rows, K] f32) -> [rows, N] f32.
 
     A 4-bit rhs is decoded for this group only, as the two K-halves its bytes hold, so the
     product is x[:, :K/2] @ lo + x[:, K/2:] @ hi with no interleave. Math is f32: XLA:CPU's
     bf16 dots are several times slower than its f32 ones, and the reference stays exact.
     """
-    w = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, g, 0, keepdims=False), rhs)
+    w = layered.group(rhs, g)
     if not isinstance(w, formats.QuantizedArray):
         w = _to_f32(w)  # [K, N]
         return lambda x: jnp.dot(x, w)
@@ -56,7 +56,8 @@ def _group_matmul(rhs, g: jax.Array):
 
 
 def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = None):
-    """lhs [M, K], rhs [G_local, K, N] (array or QuantizedArray), group_sizes [G] -> [M, N]."""
+    """lhs [M, K], rhs [G_local, K, N] (array or QuantizedArray, or a LayerOf either),
+    group_sizes [G] -> [M, N]."""
     m, n = lhs.shape[0], rhs.shape[2]
     g_local = rhs.shape[0]
     tm = tm or _pick_tm(m, group_sizes.shape[0])

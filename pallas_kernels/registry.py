@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.vocab import KERNELS
-from pallas_kernels import formats
+from pallas_kernels import formats, layered
 from pallas_kernels.gmm_blackwell import gmm_blackwell, prepare_weights
 from pallas_kernels.gmm_pallas_gpu import gmm_pallas_gpu
 from pallas_kernels.gmm_pallas_tpu import gmm_pallas_tpu
@@ -85,7 +85,8 @@ def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto"
     """out[r] = lhs[r] @ rhs[g(r) - group_offset] for rows r of local groups, else 0.
 
     lhs: [M, K], rows sorted by group. rhs: [G_local, K, N] array, or a QuantizedArray from
-    `quantize(w, fmt, axis=-2)`. group_sizes: [G] int32 rows per group over all G groups,
+    `quantize(w, fmt, axis=-2)`, or either as one layer of a stack (`layered.LayerOf`).
+    group_sizes: [G] int32 rows per group over all G groups,
     sum <= M. group_offset: scalar (may be traced): rhs[j] is global group group_offset + j.
     Rows of groups outside [group_offset, group_offset + G_local) and rows past
     sum(group_sizes) come out zero; groups without rows are never read.
@@ -95,9 +96,12 @@ def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto"
     chex.assert_type(group_sizes, jnp.int32)
     if len(rhs.shape) != 3 or rhs.shape[1] != lhs.shape[1]:
         raise ValueError(f"rhs must be [G, K={lhs.shape[1]}, N], got {rhs.shape}")
-    if isinstance(rhs, formats.QuantizedArray) and rhs.axis != -2:
+    stack = rhs.stack if isinstance(rhs, layered.LayerOf) else rhs
+    if isinstance(stack, formats.QuantizedArray) and stack.axis != -2:
         raise ValueError("a 4-bit rhs must be quantized along K (axis=-2)")
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     if backend == "auto":
         backend = resolve(backend, jax.default_backend())
+    if backend != "xla":  # only the XLA loop reads groups out of a layer stack
+        rhs = layered.unwrap(rhs)
     return _backend_fn(backend)(lhs, rhs, group_sizes, group_offset, out_dtype)

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from moejax.config import Config, ConfigError, LayoutConfig
 from moejax.model.attention import cache_specs
+from pallas_kernels.layered import LayerOf
 from sharding import rules
 from sharding.placement import Placement
 
@@ -104,8 +105,10 @@ class MeshPlacement(Placement, abc.ABC):
     def expert_specs(self, w: dict, gathered: bool = False) -> dict:
         """Per-leaf PartitionSpecs of one layer's experts (4-bit leaves keep their rank);
         `gathered`: every device holds every expert."""
-        def leaf_specs(name, tree):
-            axes = EXPERT_AXES[name] if not gathered else (None,) + EXPERT_AXES[name][1:]
+        def leaf_specs(name, tree, axes=None):
+            axes = axes or (EXPERT_AXES[name] if not gathered else (None,) + EXPERT_AXES[name][1:])
+            if isinstance(tree, LayerOf):  # a layer left in its run's stack (replicated index)
+                return LayerOf(leaf_specs(name, tree.stack, ("layers", *axes)), P())
             return jax.tree.map(lambda a: self.spec(rules.leaf_axes(axes, a.ndim), a.shape), tree)
         return {name: leaf_specs(name, tree) for name, tree in w.items()}
 

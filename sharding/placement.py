@@ -11,12 +11,22 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jax import lax
 
 import pallas_kernels
 from moejax.config import Config
 from moejax.model.params import ParamSpec, expert_axis, is_expert_stack
+from pallas_kernels.layered import LayerOf
 from sharding import accounting, rules
 from sharding.experts import moe_local
+
+
+GEMM_WEIGHTS = ("gate", "up", "down")  # the expert matrices `expert_ffn` multiplies by
+
+
+def layer_slice(stack, i):
+    """Layer i of a stacked tree [L, ...] -> [...]."""
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), stack)
 
 
 class Placement:
@@ -86,6 +96,12 @@ class Placement:
     # MoE layers ahead that a placement moving weights to the rows gathers them (the decoder's
     # layer scan carries that many gathered layers); 0 gathers each layer's weights at its use.
     prefetch_depth = 0
+
+    def layer_experts(self, stack: dict, i) -> dict:
+        """MoE layer i's experts, out of its run's stack [L, E, ...], as `moe` takes them. The
+        matrices stay in the stack (`LayerOf`): the XLA grouped GEMM reads each touched expert
+        straight from it, where a sliced layer would be a copy of all its experts (XLA:CPU)."""
+        return {name: LayerOf(a, i) if name in GEMM_WEIGHTS else layer_slice(a, i) for name, a in stack.items()}
 
     def gather_experts(self, w: dict) -> dict:
         """The experts a device computes one MoE layer with, from those at rest on it: the same

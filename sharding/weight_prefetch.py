@@ -12,6 +12,7 @@ import numpy as np
 from sharding import accounting
 from sharding.experts import moe_local
 from sharding.mesh import MeshPlacement, own_share
+from sharding.placement import layer_slice
 
 
 def gather_experts(w: dict) -> dict:
@@ -34,6 +35,10 @@ class WeightPrefetch(MeshPlacement):
     @classmethod
     def mesh_shape(cls, layout):
         return cls.fixed_mesh(layout, (layout.devices, 1))
+
+    def layer_experts(self, stack, i):
+        # The all-gather takes the layer as arrays: sliced out of the stack.
+        return self.gather_experts(layer_slice(stack, i))
 
     def gather_experts(self, w):
         return jax.shard_map(gather_experts, mesh=self.mesh, in_specs=(self.expert_specs(w),),

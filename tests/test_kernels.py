@@ -16,6 +16,7 @@ import pallas_kernels as pk
 from pallas_kernels import gmm_blackwell
 from pallas_kernels.gmm_pallas_gpu import gmm_pallas_gpu
 from pallas_kernels.gmm_pallas_tpu import gmm_pallas_tpu
+from pallas_kernels.layered import LayerOf
 
 
 def make_case(seed: int, scenario: str, dtype, m=45, k=128, n=256, groups=6, local=None):
@@ -101,6 +102,20 @@ def test_xla_never_converts_all_groups(fmt):
         jax.ShapeDtypeStruct((6,), jnp.int32)).compile().as_text()
     entry = hlo[hlo.index("ENTRY"):]
     assert not re.search(r"= \w+\[6,(128|64),80\]\S* (fusion|convert)", entry)
+
+
+@pytest.mark.parametrize("fmt", ["dense", "nvfp4"])
+def test_xla_reads_groups_of_a_layer_stack(fmt):
+    """One layer of a stack [L, G, K, N] (LayerOf): the layer's result, and compiled, no
+    [G, K, N] copy of the layer (XLA:CPU copies a sliced layer whole before the group loop)."""
+    lhs, rhs, sizes, _ = make_case(7, "ragged", jnp.float32, m=24, n=80, groups=6)
+    stack = jnp.stack([rhs * 2, rhs])  # [2, G, K, N]
+    w, w_f32 = weights(stack, fmt, jnp.float32)
+    f = jax.jit(lambda l, w, s, i: pk.grouped_gemm(l, LayerOf(w, i), s, backend="xla"))
+    np.testing.assert_allclose(f(lhs, w, sizes, jnp.int32(1)), reference(lhs, w_f32[1], sizes, 0),
+                               rtol=1e-5, atol=1e-5)
+    hlo = f.lower(lhs, w, sizes, jnp.int32(1)).compile().as_text()
+    assert not re.search(r"= \w+\[6,(128|64),80\]", hlo)
 
 
 def test_xla_decode_and_prefill_chunking():

@@ -70,7 +70,7 @@ def run_layers(run: Run, run_params: dict, run_cache: dict, x, selected, positio
         elif depth:  # computed with weights gathered `depth` iterations ago; the next gather goes out now
             experts, ahead = ahead[0], ahead[1:] + (gather(i + depth),)
         else:
-            experts = placement.gather_experts(lp["moe"]["experts"])
+            experts = placement.layer_experts(run_params["moe"]["experts"], i)
         # `moejax trace` tells the MoE layers' ops from the dense layers' by this scope.
         with jax.named_scope("moe_layers" if moe else "dense_layers"):
             x, layer_cache, selected, ids = decoder_layer(lp, experts, x, positions, cos_sin, layer_cache, selected, c,
