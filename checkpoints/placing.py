@@ -99,10 +99,7 @@ def _set_layer(whole, layer, i):
 
 def _empty_stack(layer, count: int):
     """Zeros for `count` layers shaped and sharded like `layer` (a tree), made on their devices."""
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct((count, *a.shape), a.dtype), layer)
-    shardings = jax.tree.map(lambda a: _stacked_sharding(a, count), layer)
-    return jax.jit(lambda: jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes),
-                   out_shardings=shardings)()
+    return jax.tree.map(lambda a: jax.numpy.zeros((count, *a.shape), a.dtype, device=_stacked_sharding(a, count)), layer)
 
 
 def layer_forms(spec: ParamSpec, source, form: Callable):
