@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Callable, Sequence
 
 import jax
@@ -66,7 +67,7 @@ def host_form(spec: ParamSpec, array, dtype, expert_format: str, k_slices: int =
     repacked) on a CPU device, `HOST_CHUNK_BYTES` of experts at a time; the result is the same
     as one call on the whole stack, since each expert is quantized on its own."""
     if not (is_expert_matrix(spec) and (isinstance(array, PackedExperts) or expert_format in QUANTIZED_FORMATS)):
-        return np.asarray(array).astype(param_dtype(spec, dtype))
+        return np.asarray(array).astype(param_dtype(spec, dtype), copy=False)
     ax = expert_axis(spec)
     e, (k, n) = array.shape[ax], array.shape[-2:]
     per_chunk = max(1, HOST_CHUNK_BYTES // (4 * k * n * int(np.prod(array.shape[:ax], dtype=np.int64))))
@@ -107,7 +108,7 @@ def layer_forms(spec: ParamSpec, source, form: Callable):
     parameter, reading one layer at a time. `source`: `Layers`, or the whole stacked array."""
     layer_spec = _unstacked(spec)
     reads: Sequence = source.reads if isinstance(source, Layers) else [
-        functools.partial(lambda i: source[i], i) for i in range(spec.shape[0])]
+        functools.partial(operator.getitem, source, i) for i in range(spec.shape[0])]
     for i, read in enumerate(reads):
         yield i, len(reads), form(layer_spec, read())
 
