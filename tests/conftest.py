@@ -13,3 +13,20 @@ os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0 --xla_llvm_disab
 # run, so that nothing carries over between runs.
 os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="moejax-test-xla-")
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
+
+import gc  # noqa: E402
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop each test module's compiled programs when it ends. Every live XLA:CPU executable
+    holds ~10 memory mappings of JIT code, and the whole suite compiles thousands of programs:
+    kept alive by jit caches they reach the kernel's 65,530 mappings per process, and XLA:CPU
+    then fails to map code and segfaults (the crash in the full run of stop 5). Later modules
+    that need a program again find it in the run's persistent compile cache."""
+    yield
+    jax.clear_caches()
+    gc.collect()
