@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from moejax.engine import compile_clock
 from moejax.engine.engine import Engine, Generation, Prefilled, to_host
@@ -70,17 +71,39 @@ def _paired(source: list, target: np.ndarray) -> np.ndarray:
     return np.array([pools[t.process_index].pop(0) for t in target.flat]).reshape(target.shape)
 
 
+@functools.cache
+def _permute(both: Mesh, spec: P):
+    """Side 0's shards of a [2, ...] array to side 1's devices, one collective permute."""
+    return jax.jit(jax.shard_map(lambda a: jax.lax.ppermute(a, "side", [(0, 1)]), mesh=both, in_specs=spec,
+                                 out_specs=spec))
+
+
+def _across_processes(x: jax.Array, target: NamedSharding, source: list) -> jax.Array:
+    """x onto `target`, the two device sets disjoint and spanning several processes. JAX's
+    device_put refuses that (jax 0.10.2 `_device_put_sharding_impl`: a reshard between two device
+    sets of several processes only where each runtime supports cross-host copies, not XLA:CPU),
+    so one program over both sets moves it: x laid out as `target` on its own devices, each
+    beside a target device of its process (a reshard within the source devices, nothing when the
+    layouts agree), then stacked with zeros on the target devices as a [2, ...] array over a
+    ("side", ...) mesh of both, and side 0's shards permuted to side 1."""
+    paired = Mesh(_paired(source, target.mesh.devices), target.mesh.axis_names, axis_types=target.mesh.axis_types)
+    x = jax.device_put(x, NamedSharding(paired, target.spec))
+    both = Mesh(np.stack([paired.devices, target.mesh.devices]), ("side", *target.mesh.axis_names))
+    spec = P("side", *target.spec)
+    here = [d for d in target.mesh.devices.flat if d.process_index == jax.process_index()]
+    zeros = [jax.device_put(np.zeros((1, *target.shard_shape(x.shape)), x.dtype), d) for d in here]
+    stacked = jax.make_array_from_single_device_arrays(
+        (2, *x.shape), NamedSharding(both, spec), [s.data[None] for s in x.addressable_shards] + zeros)
+    moved = _permute(both, spec)(stacked)
+    return jax.make_array_from_single_device_arrays(
+        x.shape, target, [s.data[0] for s in moved.addressable_shards if s.device in set(here)])
+
+
 def onto(x: jax.Array, target: NamedSharding, source: list) -> jax.Array:
-    """x, on the `source` devices, laid out as `target` (a sharding on other devices). Across
-    processes JAX copies an array to other devices only shard for shard: equal shardings, each
-    source device in its target's process (`_is_supported_cross_host_transfer` in jax's
-    dispatch.py); it refuses any other reshard between two device sets. So with as many devices on
-    both sides, x is first laid out as `target` on its own devices (a reshard within the source
-    mesh, nothing when the layouts agree), then copied shard for shard."""
-    if len(source) == target.num_devices:
-        mesh = Mesh(_paired(source, target.mesh.devices), target.mesh.axis_names, axis_types=target.mesh.axis_types)
-        x = jax.device_put(x, NamedSharding(mesh, target.spec))
-    return jax.device_put(x, target)
+    """x, on the `source` devices, laid out as `target` (a sharding of the same or other devices)."""
+    if jax.process_count() == 1 or set(source) == target.device_set:
+        return jax.device_put(x, target)  # moves only the shards whose device changes
+    return _across_processes(x, target, source)
 
 
 def _via_host(x: jax.Array, axes: tuple | None, placement) -> jax.Array:
