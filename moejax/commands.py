@@ -178,6 +178,15 @@ def pd_engine(config: Config, devices: list, name: str, args, others=()):
                         params=alike[0].params if alike else None)
 
 
+def pd_engines(config: Config, args) -> tuple:
+    """(prefill engine, decode engine) of the PD flags: --prefill/--decode-placement (default
+    --placement) on their devices."""
+    own = config.layout.placement or registry.DEFAULT
+    prefill_devices, decode_devices = pd_devices(args, config.layout.devices)
+    prefill = pd_engine(config, prefill_devices, args.prefill_placement or own, args)
+    return prefill, pd_engine(config, decode_devices, args.decode_placement or own, args, others=[prefill])
+
+
 def mtp_engine(engine, args, others=()):
     """`engine` with the model's MTP draft module (`--speculative mtp`), placed as its parameters;
     an engine of `others` with the same parameters lends its module."""
@@ -213,10 +222,7 @@ def cmd_generate(args) -> int:
     if args.prefill_placement or args.decode_placement:
         from moejax.engine.disaggregated import Disaggregated
 
-        own = config.layout.placement or registry.DEFAULT
-        prefill_devices, decode_devices = pd_devices(args, config.layout.devices)
-        prefill_engine = pd_engine(config, prefill_devices, args.prefill_placement or own, args)
-        decode_engine = pd_engine(config, decode_devices, args.decode_placement or own, args, others=[prefill_engine])
+        prefill_engine, decode_engine = pd_engines(config, args)
         if args.speculative:
             prefill_engine = mtp_engine(prefill_engine, args)
             decode_engine = mtp_engine(decode_engine, args, others=[prefill_engine])

@@ -50,6 +50,8 @@ BAD_INPUT = {
                                                            "--decode-devices", "2", "--num-processes", "2",
                                                            "--coordinator", "127.0.0.1:1"],
                                                           "must be equal and divide by 2"),
+    "serving MTP drafts with prefill and decode apart": (["bench", "--preset", "tiny", "--speculative", "mtp",
+                                                          "--decode-placement", "hybrid"], "decodes under one placement"),
     "a platform plan cannot export to": (["plan", "--preset", "tiny", "--export", "tpu,gpu"],
                                          "--export gpu: not one of tpu, cuda"),
     "negative token id": ([*GEN, "--prompt-ids", "1,-3"], "token id -3 outside the vocabulary"),

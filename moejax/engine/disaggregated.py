@@ -106,6 +106,14 @@ def onto(x: jax.Array, target: NamedSharding, source: list) -> jax.Array:
     return _across_processes(x, target, source)
 
 
+def move_cache(runs: list[dict], placement, source: list) -> tuple[list[dict], int]:
+    """Cache runs (arrays on the `source` devices) laid out as `placement` keeps a cache of
+    their shape -> (runs there, bytes that changed device)."""
+    targets = placement.cache_shardings(runs)
+    moved = sum(bytes_moved(a, run_t[k]) for run, run_t in zip(runs, targets) for k, a in run.items())
+    return [{k: onto(v, run_t[k], source) for k, v in run.items()} for run, run_t in zip(runs, targets)], moved
+
+
 def _via_host(x: jax.Array, axes: tuple | None, placement) -> jax.Array:
     """A small array (tokens, positions; axes None: a PRNG key) through the host onto `placement`."""
     if axes is None:
@@ -128,14 +136,13 @@ class Disaggregated:
     def _move_cache(self, runs: list[dict], written: int, max_len: int) -> tuple[list[dict], int]:
         """Cache runs' first `written` positions onto the decode placement, zero-padded there to
         max_len -> (runs there, bytes that changed device)."""
-        decode, source = self.decode.placement, list(self.prefill.placement.mesh.devices.flat)
+        decode = self.decode.placement
         axes = decode.cache_axes(runs)
         head = [{k: _positions(v, axes_k[k], written) for k, v in run.items()}  # [layers, B, written, ...]
                 for run, axes_k in zip(runs, axes)]
-        targets = decode.cache_shardings(head)
-        moved = sum(bytes_moved(a, run_t[k]) for run, run_t in zip(head, targets) for k, a in run.items())
-        return [{k: _zero_tail(onto(v, run_t[k], source), axes_k[k], max_len, full_t[k]) for k, v in run.items()}
-                for run, run_t, axes_k, full_t in zip(head, targets, axes, decode.cache_shardings(runs))], moved
+        head, moved = move_cache(head, decode, list(self.prefill.placement.mesh.devices.flat))
+        return [{k: _zero_tail(v, axes_k[k], max_len, full_t[k]) for k, v in run.items()}
+                for run, axes_k, full_t in zip(head, axes, decode.cache_shardings(runs))], moved
 
     def hand_over(self, state: Prefilled | SpecPrefilled) -> tuple[Prefilled | SpecPrefilled, int, float]:
         """The prefilled batch onto the decode engine's devices -> (state there, cache bytes
