@@ -125,6 +125,32 @@ def put_rows(cache: list[dict], slots: jax.Array, rows: list[dict], axis: int = 
     return [{k: v.at[at].set(r[k], mode="drop") for k, v in layer.items()} for layer, r in zip(cache, rows)]
 
 
+def _positions_index(ndim: int, seq: int, slots: jax.Array, positions: jax.Array) -> tuple:
+    """Index of a run's cache array [layers, B, ..., S at axis seq, ...] at the positions [P, C]
+    of `slots` [P]."""
+    index = [slice(None)] * ndim
+    index[RUN_BATCH_AXIS], index[seq] = slots[:, None], positions
+    return tuple(index)
+
+
+def take_positions(cache: list[dict], slots: jax.Array, positions: jax.Array, seq_axes: list[dict]) -> list[dict]:
+    """The entries at `positions` [P, C] of `slots` [P] (out of range: zeros), each array laid out
+    as the cache with P rows of C positions. (Index arrays apart put their axes first: moved back.)"""
+    def take(v, seq):
+        piece = v.at[_positions_index(v.ndim, seq, slots, positions)].get(mode="fill", fill_value=0)
+        return piece if seq == RUN_BATCH_AXIS + 1 else jnp.moveaxis(piece, (0, 1), (RUN_BATCH_AXIS, seq))
+    return [{k: take(v, axes[k]) for k, v in layer.items()} for layer, axes in zip(cache, seq_axes)]
+
+
+def put_positions(cache: list[dict], slots: jax.Array, positions: jax.Array, pieces: list[dict],
+                  seq_axes: list[dict]) -> list[dict]:
+    """cache with `take_positions`' pieces written back at `positions` of `slots` (out of range: dropped)."""
+    def put(v, piece, seq):
+        piece = piece if seq == RUN_BATCH_AXIS + 1 else jnp.moveaxis(piece, (RUN_BATCH_AXIS, seq), (0, 1))
+        return v.at[_positions_index(v.ndim, seq, slots, positions)].set(piece, mode="drop")
+    return [{k: put(v, piece[k], axes[k]) for k, v in layer.items()} for layer, piece, axes in zip(cache, pieces, seq_axes)]
+
+
 def decode_slots(params, cache, slots, tokens, positions, temperature, top_p, top_k, seeds, forced=None, *, c,
                  placement, greedy_only):
     """One decode step over the first W slots (`slots` = 0..W-1):
@@ -201,7 +227,10 @@ class Scheduler:
         self._decode = jax.jit(functools.partial(decode_slots, **bind), donate_argnums=1, static_argnames="greedy_only")
         self._prefill = jax.jit(functools.partial(prefill_slots, c=c, placement=self.prefill_engine.placement),
                                 donate_argnums=1, static_argnames="greedy_only")
-        self._take, self._put = jax.jit(take_rows), jax.jit(put_rows, donate_argnums=0)
+        if self.apart:
+            seq_axes = [{k: a.index("cache_seq") for k, a in axes.items()} for axes in engine.placement.cache_axes(self.cache)]
+            self._take = jax.jit(functools.partial(take_positions, seq_axes=seq_axes))
+            self._put = jax.jit(functools.partial(put_positions, seq_axes=seq_axes), donate_argnums=0)
 
     # ------------------------------------------------------------------ requests in
     def check(self, request: Request) -> None:
@@ -347,9 +376,9 @@ class Scheduler:
                                                       **sampling)
         out = to_host(out)
         self._observe("prefill", picks, valid.reshape(-1))
+        if self.apart:
+            self.handover_bytes += self._hand_over(slots, start)
         finished = self._advance_prefill(rows, c)
-        if self.apart and finished:
-            self.handover_bytes += self._hand_over([s for _, s in finished])
         now = time.perf_counter()
         for i, s in finished:
             self.slots[s].pos = self.slots[s].done
@@ -367,17 +396,17 @@ class Scheduler:
         else:
             self.cache = cache
 
-    def _hand_over(self, slots: list[int]) -> int:
-        """Prefill apart: the cache rows of `slots` (their prompts whole) from the prefill cache into
-        the decode cache, as one [layers, prefill_rows, max_len, ...] batch of rows (padding rows
-        name slot S: zeros read, writes dropped) -> bytes that changed device."""
+    def _hand_over(self, slots: np.ndarray, start: np.ndarray) -> int:
+        """Prefill apart: the cache positions a prefill call just wrote (chunk positions from
+        `start` [P] of `slots` [P]; padding rows name slot S: zeros read, writes dropped) from the
+        prefill cache into the decode cache, streamed call by call (a fixed shape: nothing
+        compiles per prompt length) -> bytes that changed device."""
         from moejax.engine.disaggregated import move_cache
 
-        ids = np.full(self.prefill_rows, self.num_slots, np.int32)
-        ids[: len(slots)] = slots
-        rows, moved = move_cache(self._take(self.prefill_cache, ids), self.engine.placement,
-                                 list(self.prefill_engine.placement.mesh.devices.flat))
-        self.cache = self._put(self.cache, ids, rows)
+        positions = start[:, None] + np.arange(self.chunk, dtype=np.int32)  # [P, C]; past max_len: dropped
+        pieces, moved = move_cache(self._take(self.prefill_cache, slots, positions), self.engine.placement,
+                                   list(self.prefill_engine.placement.mesh.devices.flat))
+        self.cache = self._put(self.cache, slots, positions, pieces)
         return moved
 
     def _advance_prefill(self, rows: list[int], c: int) -> list[tuple[int, int]]:
@@ -438,5 +467,5 @@ class Scheduler:
                                                                     np.zeros(p * self.chunk, bool)),
                                                       **sampling)
             out.block_until_ready()
-        if self.apart:
-            self._hand_over([])  # compiles the rows' move (padding rows only: nothing written)
+        if self.apart:  # compiles the positions' move (padding rows only: nothing written)
+            self._hand_over(np.full(p, n, np.int32), np.zeros(p, np.int32))
