@@ -123,6 +123,17 @@ def test_full_cache_ends_the_request_by_length(scheduler):
     assert len(r.tokens) == scheduler.max_len - len(prompt) + 1 and r.finish_reason == "length"
 
 
+def test_metrics_report_the_hand_over_bytes(apart):
+    from prometheus_client import generate_latest
+
+    from moejax.serving.metrics import Metrics
+
+    metrics = Metrics(apart)
+    apart.run_all([request(PROMPTS[1], 2)])
+    assert f"moejax_handover_bytes {float(apart.handover_bytes)}" in generate_latest(metrics.registry).decode()
+    assert apart.handover_bytes > 0
+
+
 @pytest.fixture(params=["scheduler", "apart"])
 def warm(request):
     """Each warmed-up scheduler: one engine, and prefill apart from decode."""
