@@ -80,9 +80,11 @@ def _permute(both: Mesh, spec: P):
 
 def _across_processes(x: jax.Array, target: NamedSharding, source: list) -> jax.Array:
     """x onto `target`, the two device sets disjoint and spanning several processes. JAX's
-    device_put refuses that (jax 0.10.2 `_device_put_sharding_impl`: a reshard between two device
-    sets of several processes only where each runtime supports cross-host copies, not XLA:CPU),
-    so one program over both sets moves it: x laid out as `target` on its own devices, each
+    device_put refuses that: jax 0.10.2's `_device_put_sharding_impl` copies between two device
+    sets of several processes only when both shardings are equal and the sets lie in different
+    processes, by the runtime's cross-host transfers (none on XLA:CPU; elsewhere a DCN socket
+    server, `jax_cross_host_transfer_socket_address`); here every process holds devices of both.
+    So one program over both sets moves it: x laid out as `target` on its own devices, each
     beside a target device of its process (a reshard within the source devices, nothing when the
     layouts agree), then stacked with zeros on the target devices as a [2, ...] array over a
     ("side", ...) mesh of both, and side 0's shards permuted to side 1."""
