@@ -189,8 +189,8 @@ class Scheduler:
     def __init__(self, engine, slots: int = 16, max_len: int = 0, prefill_rows: int = 1, token_budget: int = 0,
                  max_queue: int = 1024, prefill_engine=None):
         """`prefill_engine`: prefill chunks run there instead (another placement and mesh, a
-        cache of every slot of its own), and a request's cache row goes over to `engine`'s cache
-        once its prompt is whole (prefill and decode apart, `engine/disaggregated.py`)."""
+        cache of every slot of its own), and the positions each call wrote go over to `engine`'s
+        cache right after it (prefill and decode apart, `engine/disaggregated.py`)."""
         self.engine = engine
         self.prefill_engine = prefill_engine or engine
         self.apart = self.prefill_engine is not engine
