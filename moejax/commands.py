@@ -99,6 +99,11 @@ def init_processes(args) -> None:
     devices = args.devices or 8
     if devices % n:
         raise UsageError(f"--devices {devices} cannot be split over {n} processes")
+    p, d = getattr(args, "prefill_devices", 0), getattr(args, "decode_devices", 0)
+    if (p or d) and (p != d or p % n):
+        # The hand-over copies shard for shard, each process's prefill devices to its own decode devices.
+        raise UsageError(f"over {n} processes, --prefill-devices and --decode-devices must be equal and divide by {n}; "
+                         f"got {p} and {d}")
     flags = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices // n}".strip()
     import jax
@@ -158,8 +163,6 @@ def pd_devices(args, shared: int) -> tuple[list, list]:
     p, d = args.prefill_devices, args.decode_devices
     if bool(p) != bool(d) or p < 0 or d < 0:
         raise UsageError(f"--prefill-devices and --decode-devices go together, both at least 1; got {p} and {d}")
-    if getattr(args, "num_processes", 1) > 1:
-        raise UsageError("prefill and decode on their own placements run in one process (--num-processes 1)")
     ensure_devices(p + d or shared)
     return split_devices(p, d, shared)
 
@@ -173,6 +176,28 @@ def pd_engine(config: Config, devices: list, name: str, args, others=()):
     alike = [e for e in others if e.placement.mesh == mesh]
     return build_engine(config, args.hf, args.seed, args.checkpoint, devices=devices,
                         params=alike[0].params if alike else None)
+
+
+def pd_engines(config: Config, args) -> tuple:
+    """(prefill engine, decode engine) of the PD flags: --prefill/--decode-placement (default
+    --placement) on their devices."""
+    own = config.layout.placement or registry.DEFAULT
+    prefill_devices, decode_devices = pd_devices(args, config.layout.devices)
+    prefill = pd_engine(config, prefill_devices, args.prefill_placement or own, args)
+    return prefill, pd_engine(config, decode_devices, args.decode_placement or own, args, others=[prefill])
+
+
+def mtp_engine(engine, args, others=()):
+    """`engine` with the model's MTP draft module (`--speculative mtp`), placed as its parameters;
+    an engine of `others` with the same parameters lends its module."""
+    from moejax.engine.speculative import SpeculativeEngine
+    from moejax.loading import load_mtp
+
+    alike = [o for o in others if o.engine.params is engine.params]
+    mtp = alike[0].mtp if alike else load_mtp(engine.config, engine.placement, hf_dir=args.hf,
+                                                checkpoint=getattr(args, "checkpoint", None), init=args.mtp_init,
+                                                seed=args.seed)
+    return SpeculativeEngine(engine, mtp)
 
 
 def cmd_generate(args) -> int:
@@ -197,29 +222,22 @@ def cmd_generate(args) -> int:
     if args.prefill_placement or args.decode_placement:
         from moejax.engine.disaggregated import Disaggregated
 
+        prefill_engine, decode_engine = pd_engines(config, args)
         if args.speculative:
-            raise UsageError("--speculative mtp runs under one placement; drop --prefill-placement/--decode-placement")
-        own = config.layout.placement or registry.DEFAULT
-        prefill_devices, decode_devices = pd_devices(args, config.layout.devices)
-        prefill_engine = pd_engine(config, prefill_devices, args.prefill_placement or own, args)
-        engine = Disaggregated(prefill_engine, pd_engine(config, decode_devices, args.decode_placement or own, args,
-                                                         others=[prefill_engine]))
+            prefill_engine = mtp_engine(prefill_engine, args)
+            decode_engine = mtp_engine(decode_engine, args, others=[prefill_engine])
+        engine = Disaggregated(prefill_engine, decode_engine)
     else:
         engine = build_engine(config, args.hf, args.seed, args.checkpoint)
+        if args.speculative:
+            engine = mtp_engine(engine, args)
     t1 = compile_clock.now()
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if (args.top_k or args.top_p < 1.0) and sampling.greedy:
         sampling = dataclasses.replace(sampling, temperature=1.0)
-    if args.speculative == "mtp":
-        from moejax.engine.speculative import SpeculativeEngine
-        from moejax.loading import load_mtp
-
-        mtp = load_mtp(engine.config, engine.placement, hf_dir=args.hf, checkpoint=getattr(args, "checkpoint", None),
-                       init=args.mtp_init, seed=args.seed)
-        gen = SpeculativeEngine(engine, mtp).generate(prompts, args.max_new_tokens, sampling, seed=args.sample_seed)
+    gen = engine.generate(prompts, args.max_new_tokens, sampling, seed=args.sample_seed)
+    if args.speculative:
         extra = {"acceptance_rate": gen.acceptance_rate}
-    else:
-        gen = engine.generate(prompts, args.max_new_tokens, sampling, seed=args.sample_seed)
     # A static batch runs every request to max_new_tokens; the stop rules then cut each one.
     done = [text.stopped(t, tokenizer, stop_ids, args.stop) for t in gen.tokens]
     if tokenizer is not None:

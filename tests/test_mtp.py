@@ -16,7 +16,9 @@ from scipy import stats
 
 from moejax.cli import main
 from moejax.config import Config, EngineConfig, LayoutConfig, preset
+from moejax.engine.disaggregated import Disaggregated
 from moejax.engine.engine import Engine
+from moejax.engine.kv_cache import init_cache
 from moejax.engine.sampling import Sampling, sampling_logits
 from moejax.engine.speculative import SpeculativeEngine, verify
 from moejax.loading import load_mtp, load_params
@@ -31,10 +33,11 @@ HOST_TRANSFER = re.compile(r"callback|outfeed|infeed|\bsend(-done)?\b|\brecv(-do
 
 
 @functools.cache
-def _mirror(layout: LayoutConfig) -> SpeculativeEngine:
-    """One-layer GLM-5 target with a draft that mirrors its layer: most drafts are accepted."""
+def _mirror(layout: LayoutConfig, first: int = 0) -> SpeculativeEngine:
+    """One-layer GLM-5 target with a draft that mirrors its layer: most drafts are accepted.
+    On devices first .. first + layout.devices - 1."""
     config = Config(model=ONE_LAYER, layout=layout).validate()
-    placement = make_placement(config)
+    placement = make_placement(config, devices=jax.devices()[first:first + layout.devices] if layout.devices > 1 else None)
     params, mtp = mirrored_draft(load_params(config, placement), config.model)
     return SpeculativeEngine(Engine(config, params, placement), mtp)
 
@@ -69,6 +72,36 @@ def test_greedy_equals_plain_greedy_under_placements(layout):
     gen = spec.generate(PROMPTS, 16)
     assert gen.tokens == spec.engine.generate(PROMPTS, 16).tokens
     assert gen.acceptance_rate > 0.5
+
+
+RAGGED_DP = LayoutConfig(placement="ragged_a2a", devices=8, attention="dp")
+# Prefill and decode apart: (layout, first device) of each side; the shared pair's two layouts
+# of 8 devices are those of the placements test above (their programs compile once).
+PD = {"split": ((dataclasses.replace(RAGGED_DP, devices=4), 0),
+                (LayoutConfig(placement="weight_prefetch", devices=4, attention="dp"), 4)),
+      "shared": ((RAGGED_DP, 0), (LayoutConfig(placement="weight_prefetch", devices=8, attention="tp"), 0))}
+
+
+@functools.cache
+def _apart(pair: str):
+    (prefill, first), (decode, decode_first) = PD[pair]
+    return Disaggregated(_mirror(prefill, first), _mirror(decode, decode_first)).generate(PROMPTS, 16)
+
+
+@pytest.mark.parametrize("pair", PD)
+def test_prefill_and_decode_apart_give_the_single_placement_tokens_and_drafts(pair):
+    alone = _mirror(RAGGED_DP).generate(PROMPTS, 16)
+    assert _apart(pair).tokens == alone.tokens == _mirror(RAGGED_DP).engine.generate(PROMPTS, 16).tokens
+    # The drafts read the MTP cache handed over: a cache of zeros there would reject most of them.
+    assert (_apart(pair).acceptance_rate, _apart(pair).steps) == (alone.acceptance_rate, alone.steps)
+    assert alone.acceptance_rate > 0.5
+
+
+def test_hand_over_between_disjoint_meshes_moves_the_target_and_mtp_caches():
+    """4 requests (2, padded for DP on 4 devices), prompts padded to 64 positions, a 64-position
+    cache: every byte of both caches changes device."""
+    caches = [*init_cache(ONE_LAYER, 4, 64, np.float32), init_mtp_cache(ONE_LAYER, 4, 64, np.float32)]
+    assert _apart("split").handover_bytes == sum(a.nbytes for a in jax.tree.leaves(caches))
 
 
 @pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=4)])

@@ -1,5 +1,6 @@
 """The same run split over two processes with jax.distributed (each with 4 of the 8 virtual
-CPU devices, collectives through gloo) gives the tokens of one process with all 8."""
+CPU devices, collectives through gloo) gives the tokens of one process with all 8: under one
+placement, and with prefill and decode apart."""
 
 from __future__ import annotations
 
@@ -23,16 +24,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("placement", ["ragged_a2a", "tensor_sliced"])
-def test_two_processes_give_the_tokens_of_one(placement, capsys):
-    assert main(ARGS + ["--placement", placement]) == 0
+RUNS = {
+    "ragged_a2a": ["--placement", "ragged_a2a"],
+    "tensor_sliced": ["--placement", "tensor_sliced"],
+    # Prefill and decode apart: each mesh takes 2 devices of each process; the hand-over is one
+    # program over both meshes (jax's device_put refuses a reshard between them).
+    "prefill_apart_from_decode": ["--prefill-placement", "ragged_a2a", "--decode-placement", "weight_prefetch",
+                                  "--prefill-devices", "4", "--decode-devices", "4"],
+}
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_two_processes_give_the_tokens_of_one(run, capsys):
+    assert main(ARGS + RUNS[run]) == 0
     expected = json.loads(capsys.readouterr().out)["tokens"]
     coordinator = f"127.0.0.1:{free_port()}"
     # Each process makes its own 4 devices; the suite's other XLA flags (cheap compiles) stay.
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     env = dict(os.environ, XLA_FLAGS=" ".join(flags))
     procs = [
-        subprocess.Popen([sys.executable, "-m", "moejax", *ARGS, "--placement", placement, "--num-processes", "2",
+        subprocess.Popen([sys.executable, "-m", "moejax", *ARGS, *RUNS[run], "--num-processes", "2",
                           "--process-id", str(i), "--coordinator", coordinator],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         for i in range(2)

@@ -3,10 +3,12 @@ should, free their slots, and nothing compiles after warm-up."""
 
 from __future__ import annotations
 
+import jax
 import pytest
 
 from moejax.config import Config, EngineConfig, LayoutConfig
 from moejax.engine.engine import Engine
+from moejax.engine.kv_cache import init_cache
 from moejax.loading import load_params, with_hf_model
 from moejax.serving.scheduler import Request, Scheduler
 from moejax.serving.stopping import Stopper
@@ -18,9 +20,11 @@ PROMPTS = [[5, 17, 45, 2, 88, 61, 9, 30, 12], [7, 3], [40] * 13, [9, 8, 7, 6, 5]
 LENGTHS = [6, 9, 3, 12, 5]
 
 
-def build_engine(directory, prefill_chunk: int, layout: LayoutConfig = LayoutConfig()) -> Engine:
+def build_engine(directory, prefill_chunk: int, layout: LayoutConfig = LayoutConfig(), first: int = 0) -> Engine:
+    """On devices first .. first + layout.devices - 1."""
     config = with_hf_model(Config(engine=EngineConfig(prefill_chunk=prefill_chunk), layout=layout), str(directory))
-    placement = make_placement(config.validate())
+    placement = make_placement(config.validate(),
+                               devices=jax.devices()[first:first + layout.devices] if layout.devices > 1 else None)
     return Engine(config, load_params(config, placement, hf_dir=str(directory)), placement)
 
 
@@ -70,6 +74,28 @@ def test_every_placement_batches_continuously_to_the_single_device_tokens(engine
     assert [r.tokens for r in done] == [engine.generate([p], n).tokens[0] for p, n in zip(PROMPTS, LENGTHS)]
 
 
+@pytest.fixture(scope="module")
+def apart(model_dir):
+    """Prefill chunks under ragged_a2a on devices 0-3, decode under weight_prefetch on 4-7."""
+    s = Scheduler(build_engine(model_dir, 8, LayoutConfig(placement="weight_prefetch", devices=4), first=4), slots=4,
+                  max_len=64, prefill_engine=build_engine(model_dir, 8, LayoutConfig(placement="ragged_a2a", devices=4)))
+    s.warm_up()
+    return s
+
+
+def test_prefill_and_decode_apart_batch_continuously_to_the_single_device_tokens(engine, apart):
+    done = apart.run_all([request(p, n) for p, n in zip(PROMPTS, LENGTHS)])
+    assert [r.tokens for r in done] == [engine.generate([p], n).tokens[0] for p, n in zip(PROMPTS, LENGTHS)]
+
+
+def test_prefill_apart_hands_over_the_positions_each_prefill_call_wrote(engine, apart):
+    """A 9-token prompt in chunks of 8: two calls of 8 positions change device. A one-row call is
+    not split over the 4 DP decode devices: each gets it whole."""
+    before = apart.handover_bytes
+    apart.run_all([request(PROMPTS[0], 6)])
+    assert apart.handover_bytes - before == 4 * sum(a.nbytes for a in jax.tree.leaves(init_cache(engine.c, 1, 16, engine.dtype)))
+
+
 def test_sampled_request_among_others_equals_it_alone(scheduler):
     kw = dict(temperature=1.0, top_p=0.9, seed=7)
     mixed = scheduler.run_all([request(PROMPTS[0], 8, **kw)] + [request(p, 5) for p in PROMPTS[1:]])[0]
@@ -97,10 +123,28 @@ def test_full_cache_ends_the_request_by_length(scheduler):
     assert len(r.tokens) == scheduler.max_len - len(prompt) + 1 and r.finish_reason == "length"
 
 
-def test_no_compile_after_warm_up(scheduler):
-    sizes = scheduler._decode._cache_size(), scheduler._prefill._cache_size()
-    scheduler.run_all([request(PROMPTS[1], 4, temperature=0.5, top_k=5), request(list(range(3, 40)), 3)])
-    assert (scheduler._decode._cache_size(), scheduler._prefill._cache_size()) == sizes
+def test_metrics_report_the_hand_over_bytes(apart):
+    from prometheus_client import generate_latest
+
+    from moejax.serving.metrics import Metrics
+
+    metrics = Metrics(apart)
+    apart.run_all([request(PROMPTS[1], 2)])
+    assert f"moejax_handover_bytes {float(apart.handover_bytes)}" in generate_latest(metrics.registry).decode()
+    assert apart.handover_bytes > 0
+
+
+@pytest.fixture(params=["scheduler", "apart"])
+def warm(request):
+    """Each warmed-up scheduler: one engine, and prefill apart from decode."""
+    return request.getfixturevalue(request.param)
+
+
+def test_no_compile_after_warm_up(warm):
+    programs = [warm._decode, warm._prefill] + ([warm._take, warm._put] if warm.apart else [])
+    sizes = [f._cache_size() for f in programs]
+    warm.run_all([request(PROMPTS[1], 4, temperature=0.5, top_k=5), request(list(range(3, 40)), 3)])
+    assert [f._cache_size() for f in programs] == sizes
 
 
 def test_bench_drives_an_in_process_scheduler(engine):

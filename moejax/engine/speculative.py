@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.engine import compile_clock
-from moejax.engine.engine import Engine, bucket
+from moejax.engine.engine import Engine, bucket, to_host
 from moejax.engine.sampling import Sampling, sample, sampling_logits
 from moejax.errors import UsageError
 from moejax.model.mtp import init_mtp_cache, mtp_forward
@@ -31,6 +31,11 @@ from moejax.model.transformer import forward, lm_head
 
 
 STOP_CHECK = 4  # steps between the host's reads of the emitted-token counts
+
+
+def run_ms(t0: float, t1: float) -> float:
+    """Wall milliseconds between two `compile_clock.now()` less the time spent compiling."""
+    return 1e3 * (t1 - t0 - compile_clock.compile_seconds(t0, t1))
 
 
 class SpecState(NamedTuple):
@@ -114,6 +119,22 @@ class SpecGeneration:
     steps: int  # speculative steps run (after the prefill)
     prefill_ms: float  # wall times less compiling, as Generation's
     step_ms: float  # mean of one speculative step
+    # Prefill and decode on their own engines (`disaggregated.py`): the caches' hand-over.
+    handover_bytes: int = 0
+    handover_ms: float = 0.0
+
+
+@dataclasses.dataclass
+class SpecPrefilled:
+    """A batch after its speculative prefill: what speculative decoding continues from."""
+    prompts: list[list[int]]
+    state: SpecState
+    cache: list[dict]  # the target's, per run of layers, max_len positions
+    mtp_cache: dict  # the MTP layer's
+    first: np.ndarray  # [B] the first new tokens, on the host
+    max_len: int
+    written: int  # target cache positions [0, written) the prefill wrote; the MTP's run one further (positions + 1)
+    prefill_ms: float
 
 
 class SpeculativeEngine:
@@ -121,12 +142,18 @@ class SpeculativeEngine:
 
     def __init__(self, engine: Engine, mtp: dict):
         self.engine, self.mtp = engine, mtp
+        self.placement = engine.placement
         bind = dict(c=engine.c, placement=engine.placement)
         self._prefill = jax.jit(functools.partial(spec_prefill, **bind), donate_argnums=(2, 3), static_argnames="sampling")
         self._step = jax.jit(functools.partial(spec_step, **bind), donate_argnums=(2, 3), static_argnames="sampling")
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
                  seed: int = 0) -> SpecGeneration:
+        return self.decode(self.start(prompts, max_new_tokens, sampling, seed), max_new_tokens, sampling)
+
+    def start(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(), seed: int = 0,
+              batch_multiple: int | None = None) -> SpecPrefilled:
+        """Prefill target and MTP, with the first tokens and drafts. `batch_multiple`: as `Engine.start`'s."""
         e = self.engine
         e.check_prompts(prompts)
         if max_new_tokens < 1:
@@ -135,7 +162,7 @@ class SpeculativeEngine:
         if longest + max_new_tokens > e.c.max_position_embeddings:
             raise UsageError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the model's context "
                              f"of {e.c.max_position_embeddings}")
-        tokens, lens = e._padded(prompts)
+        tokens, lens = e._padded(prompts, batch_multiple)
         # One slot beyond the last token for the final step's draft row.
         max_len = e.config.engine.max_seq_len or bucket(max(tokens.shape[1], longest + max_new_tokens + 1), 16)
         if longest >= max_len:
@@ -143,35 +170,40 @@ class SpeculativeEngine:
         batch = tokens.shape[0]
         cache = e.new_cache(batch, max_len)
         mtp_cache = e.placement.place_cache([init_mtp_cache(e.c, batch, max_len, e.dtype)])[0]
-        budget = np.array([min(max_new_tokens, max_len - len(p) + 1) for p in prompts])
-
         t0 = compile_clock.now()
         state, cache, mtp_cache = self._prefill(
             e.params, self.mtp, cache, mtp_cache, jnp.asarray(tokens), jnp.asarray(lens - 1), jax.random.key(seed),
             sampling=sampling,
         )
-        first = np.asarray(state.token)  # waits for the prefill (its timing)
+        first = to_host(state.token)  # waits for the prefill (its timing)
+        t1 = compile_clock.now()
+        return SpecPrefilled(prompts, state, cache, mtp_cache, first, max_len, tokens.shape[1], run_ms(t0, t1))
+
+    def decode(self, prefilled: SpecPrefilled, max_new_tokens: int, sampling: Sampling = Sampling()) -> SpecGeneration:
+        """Speculative steps from `prefilled` (this engine's prefill, or another's handed over)."""
+        prompts, state, cache, mtp_cache = prefilled.prompts, prefilled.state, prefilled.cache, prefilled.mtp_cache
+        budget = np.array([min(max_new_tokens, prefilled.max_len - len(p) + 1) for p in prompts])
         t1 = compile_clock.now()
         emitted, accepted, before = [], [], state.count
         for step in range(max_new_tokens - 1):
-            state, cache, mtp_cache, out, acc = self._step(e.params, self.mtp, cache, mtp_cache, state, sampling=sampling)
+            state, cache, mtp_cache, out, acc = self._step(self.engine.params, self.mtp, cache, mtp_cache, state,
+                                                           sampling=sampling)
             emitted.append(out)
             accepted.append(acc)
             # Stop when every request has its tokens. The counts read are those from before the
             # step just dispatched, so the device never idles waiting for the host; read every
             # STOP_CHECK steps only, to keep transfers off most step boundaries.
-            if step % STOP_CHECK == STOP_CHECK - 1 and np.asarray(before)[: len(prompts)].min() >= budget.max():
+            if step % STOP_CHECK == STOP_CHECK - 1 and to_host(before)[: len(prompts)].min() >= budget.max():
                 break
             before = state.count
         jax.block_until_ready(state.token)
         t2 = compile_clock.now()
-        run_ms = lambda a, b: 1e3 * (b - a - compile_clock.compile_seconds(a, b))  # wall less compiling
-        return self._collect(prompts, budget, first, emitted, accepted, run_ms(t0, t1), run_ms(t1, t2))
+        return self._collect(prompts, budget, prefilled.first, emitted, accepted, prefilled.prefill_ms, run_ms(t1, t2))
 
     @staticmethod
     def _collect(prompts, budget, first, emitted, accepted, prefill_ms, decode_ms) -> SpecGeneration:
-        emitted = np.asarray(jnp.stack(emitted)) if emitted else np.zeros((0, len(first), 2), np.int32)
-        accepted = np.asarray(jnp.stack(accepted)) if accepted else np.zeros((0, len(first)), bool)
+        emitted = to_host(jnp.stack(emitted)) if emitted else np.zeros((0, len(first), 2), np.int32)
+        accepted = to_host(jnp.stack(accepted)) if accepted else np.zeros((0, len(first)), bool)
         tokens, drafts_accepted, active_steps = [], 0, 0
         for i in range(len(prompts)):
             out = [int(first[i])]

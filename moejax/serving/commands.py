@@ -25,7 +25,7 @@ def build_scheduler(args, progress: bool = True):
     """(scheduler, tokenizer, end-of-sequence ids), compiled and ready."""
     from tqdm import tqdm
 
-    from moejax.commands import build_engine, config_from_args, natural_routing_only
+    from moejax.commands import build_engine, config_from_args, natural_routing_only, pd_engines
     from moejax.serving.scheduler import Scheduler
     from moejax.serving.tokenizer import Tokenizer, eos_ids
 
@@ -33,12 +33,19 @@ def build_scheduler(args, progress: bool = True):
     eos = tokenizer.eos_ids if tokenizer else (eos_ids(args.hf) or ()) if args.hf else ()
     with tqdm(total=2, desc="load + compile", disable=None if progress else True, file=sys.stderr) as bar:
         config = config_from_args(args)
+        apart = args.prefill_placement or args.decode_placement
         if args.speculative == "mtp":
             natural_routing_only(config, "--speculative mtp")
-        engine = build_engine(config, args.hf, args.seed, args.checkpoint)
-        bar.update()
+            if apart:
+                raise UsageError("serving with --speculative mtp decodes under one placement; drop "
+                                 "--prefill-placement/--decode-placement")
         kw = dict(slots=args.slots, max_len=args.max_seq_len, prefill_rows=args.prefill_rows,
                   token_budget=args.max_batched_tokens, max_queue=args.max_queue)
+        if apart:
+            kw["prefill_engine"], engine = pd_engines(config, args)
+        else:
+            engine = build_engine(config, args.hf, args.seed, args.checkpoint)
+        bar.update()
         if args.speculative == "mtp":
             from moejax.loading import load_mtp
             from moejax.serving.speculative import SpecScheduler
@@ -96,7 +103,7 @@ def cmd_bench(args) -> int:
 
 
 def register(sub) -> None:
-    from moejax.commands import add_model_args
+    from moejax.commands import add_model_args, add_pd_args
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching and Prometheus metrics")
     add_model_args(s)
@@ -108,6 +115,7 @@ def register(sub) -> None:
     s.add_argument("--served-model-name", help="the model name clients send (default: the model source)")
     s.add_argument("--record", metavar="FILE", help="write the router picks of all traffic as a trace at exit")
     s.add_argument("--expert-window", type=int, default=100, help="forward passes in /metrics' expert load")
+    add_pd_args(s)
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="load generator: throughput and TTFT/TPOT/ITL/latency percentiles")
@@ -122,4 +130,5 @@ def register(sub) -> None:
     b.add_argument("--bench-seed", type=int, default=0, help="seed of the prompts and arrival times")
     add_model_args(b)
     add_scheduler_args(b)
+    add_pd_args(b)
     b.set_defaults(func=cmd_bench)

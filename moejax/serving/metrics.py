@@ -69,6 +69,9 @@ class Metrics:
         if hasattr(scheduler, "drafts"):  # MTP
             Gauge("moejax_mtp_acceptance_rate", "accepted MTP drafts / drafts checked", registry=r).set_function(
                 lambda: scheduler.accepted / max(1, scheduler.drafts))
+        if scheduler.apart:  # prefill and decode on their own devices
+            Gauge("moejax_handover_bytes", "KV cache bytes moved from the prefill to the decode devices",
+                  registry=r).set_function(lambda: scheduler.handover_bytes)
         c = scheduler.engine.c
         self.experts = ExpertWindow(list(c.moe_layers), c.num_experts, window)
         r.register(self.experts)

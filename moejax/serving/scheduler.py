@@ -125,6 +125,32 @@ def put_rows(cache: list[dict], slots: jax.Array, rows: list[dict], axis: int = 
     return [{k: v.at[at].set(r[k], mode="drop") for k, v in layer.items()} for layer, r in zip(cache, rows)]
 
 
+def _positions_index(ndim: int, seq: int, slots: jax.Array, positions: jax.Array) -> tuple:
+    """Index of a run's cache array [layers, B, ..., S at axis seq, ...] at the positions [P, C]
+    of `slots` [P]."""
+    index = [slice(None)] * ndim
+    index[RUN_BATCH_AXIS], index[seq] = slots[:, None], positions
+    return tuple(index)
+
+
+def take_positions(cache: list[dict], slots: jax.Array, positions: jax.Array, seq_axes: list[dict]) -> list[dict]:
+    """The entries at `positions` [P, C] of `slots` [P] (out of range: zeros), each array laid out
+    as the cache with P rows of C positions. (Index arrays apart put their axes first: moved back.)"""
+    def take(v, seq):
+        piece = v.at[_positions_index(v.ndim, seq, slots, positions)].get(mode="fill", fill_value=0)
+        return piece if seq == RUN_BATCH_AXIS + 1 else jnp.moveaxis(piece, (0, 1), (RUN_BATCH_AXIS, seq))
+    return [{k: take(v, axes[k]) for k, v in layer.items()} for layer, axes in zip(cache, seq_axes)]
+
+
+def put_positions(cache: list[dict], slots: jax.Array, positions: jax.Array, pieces: list[dict],
+                  seq_axes: list[dict]) -> list[dict]:
+    """cache with `take_positions`' pieces written back at `positions` of `slots` (out of range: dropped)."""
+    def put(v, piece, seq):
+        piece = piece if seq == RUN_BATCH_AXIS + 1 else jnp.moveaxis(piece, (RUN_BATCH_AXIS, seq), (0, 1))
+        return v.at[_positions_index(v.ndim, seq, slots, positions)].set(piece, mode="drop")
+    return [{k: put(v, piece[k], axes[k]) for k, v in layer.items()} for layer, piece, axes in zip(cache, pieces, seq_axes)]
+
+
 def decode_slots(params, cache, slots, tokens, positions, temperature, top_p, top_k, seeds, forced=None, *, c,
                  placement, greedy_only):
     """One decode step over the first W slots (`slots` = 0..W-1):
@@ -161,8 +187,13 @@ class Scheduler:
     """Owns the KV cache and the slots; `step` is called from one engine thread, `submit` from any."""
 
     def __init__(self, engine, slots: int = 16, max_len: int = 0, prefill_rows: int = 1, token_budget: int = 0,
-                 max_queue: int = 1024):
+                 max_queue: int = 1024, prefill_engine=None):
+        """`prefill_engine`: prefill chunks run there instead (another placement and mesh, a
+        cache of every slot of its own), and the positions each call wrote go over to `engine`'s
+        cache right after it (prefill and decode apart, `engine/disaggregated.py`)."""
         self.engine = engine
+        self.prefill_engine = prefill_engine or engine
+        self.apart = self.prefill_engine is not engine
         c = engine.c
         # Unset, a prefill call takes 64 positions per request: a call runs between two decode
         # steps, so its length is every running request's inter-token latency (the static engine's
@@ -172,9 +203,10 @@ class Scheduler:
         multiple = engine.placement.batch_multiple()
         if slots < 1 or slots % multiple:
             raise UsageError(f"--slots {slots} must be a positive multiple of {multiple} (requests are split over the devices)")
-        if (prefill_rows * self.chunk) % multiple:
-            raise UsageError(f"a prefill call of {prefill_rows} x {self.chunk} rows must split over {multiple} devices; "
-                             f"choose --prefill-chunk a multiple of {multiple}")
+        prefill_multiple = self.prefill_engine.placement.batch_multiple()
+        if (prefill_rows * self.chunk) % prefill_multiple:
+            raise UsageError(f"a prefill call of {prefill_rows} x {self.chunk} rows must split over {prefill_multiple} "
+                             f"devices; choose --prefill-chunk a multiple of {prefill_multiple}")
         if self.max_len > c.max_position_embeddings:
             raise UsageError(f"--max-seq-len {self.max_len} exceeds the model's context of {c.max_position_embeddings}")
         self.num_slots, self.prefill_rows = slots, prefill_rows
@@ -185,13 +217,20 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: collections.deque[int] = collections.deque()  # slots in admission order
         self.cache = engine.new_cache(slots, self.max_len)
+        self.prefill_cache = self.prefill_engine.new_cache(slots, self.max_len) if self.apart else None
+        self.handover_bytes = 0  # prefill apart: cache bytes that changed device
         self.pick_observers: list[Callable[[str, np.ndarray, np.ndarray], None]] = []  # (kind, ids [L,R,k], valid [R])
         self.dealer = engine.routing.start(c)  # a routing override's picks, call by call (None: the router's)
         self._cv = threading.Condition()
         self._draining = False
         bind = dict(c=c, placement=engine.placement)
         self._decode = jax.jit(functools.partial(decode_slots, **bind), donate_argnums=1, static_argnames="greedy_only")
-        self._prefill = jax.jit(functools.partial(prefill_slots, **bind), donate_argnums=1, static_argnames="greedy_only")
+        self._prefill = jax.jit(functools.partial(prefill_slots, c=c, placement=self.prefill_engine.placement),
+                                donate_argnums=1, static_argnames="greedy_only")
+        if self.apart:
+            seq_axes = [{k: a.index("cache_seq") for k, a in axes.items()} for axes in engine.placement.cache_axes(self.cache)]
+            self._take = jax.jit(functools.partial(take_positions, seq_axes=seq_axes))
+            self._put = jax.jit(functools.partial(put_positions, seq_axes=seq_axes), donate_argnums=0)
 
     # ------------------------------------------------------------------ requests in
     def check(self, request: Request) -> None:
@@ -332,14 +371,43 @@ class Scheduler:
             tokens[i, : len(piece)] = piece
             valid[i, : len(piece)] = True
         sampling = self._sampling([self.slots[s].request for s in rows], p)
-        out, self.cache, picks = self._prefill(self.engine.params, self.cache, slots, tokens, start, last,
-                                               forced=forced(self.dealer, "prefill", valid.reshape(-1)), **sampling)
+        out, self.prefill_into, picks = self._prefill(self.prefill_engine.params, self.prefill_into, slots, tokens, start,
+                                                      last, forced=forced(self.dealer, "prefill", valid.reshape(-1)),
+                                                      **sampling)
         out = to_host(out)
         self._observe("prefill", picks, valid.reshape(-1))
+        if self.apart:
+            self.handover_bytes += self._hand_over(slots, start)
+        finished = self._advance_prefill(rows, c)
         now = time.perf_counter()
-        for i, s in self._advance_prefill(rows, c):
+        for i, s in finished:
             self.slots[s].pos = self.slots[s].done
             self._emit(s, int(out[i]), now)
+
+    @property
+    def prefill_into(self) -> list[dict]:
+        """The cache prefill chunks write: the decode cache, or with prefill apart its own."""
+        return self.prefill_cache if self.apart else self.cache
+
+    @prefill_into.setter
+    def prefill_into(self, cache: list[dict]) -> None:
+        if self.apart:
+            self.prefill_cache = cache
+        else:
+            self.cache = cache
+
+    def _hand_over(self, slots: np.ndarray, start: np.ndarray) -> int:
+        """Prefill apart: the cache positions a prefill call just wrote (chunk positions from
+        `start` [P] of `slots` [P]; padding rows name slot S: zeros read, writes dropped) from the
+        prefill cache into the decode cache, streamed call by call (a fixed shape: nothing
+        compiles per prompt length) -> bytes that changed device."""
+        from moejax.engine.disaggregated import move_cache
+
+        positions = start[:, None] + np.arange(self.chunk, dtype=np.int32)  # [P, C]; past max_len: dropped
+        pieces, moved = move_cache(self._take(self.prefill_cache, slots, positions), self.engine.placement,
+                                   list(self.prefill_engine.placement.mesh.devices.flat))
+        self.cache = self._put(self.cache, slots, positions, pieces)
+        return moved
 
     def _advance_prefill(self, rows: list[int], c: int) -> list[tuple[int, int]]:
         """After a prefill call of `c` positions for the slots `rows`: (row, slot) of those whose
@@ -392,9 +460,12 @@ class Scheduler:
                                                 forced=forced(self.dealer, "decode", np.zeros(w, bool)), **sampling)
             sampling = self._sampling([], p)
             sampling["greedy_only"] = greedy
-            out, self.cache, _ = self._prefill(self.engine.params, self.cache, np.full(p, n, np.int32),
-                                               np.zeros((p, self.chunk), np.int32), np.zeros(p, np.int32),
-                                               np.zeros(p, np.int32),
-                                               forced=forced(self.dealer, "prefill", np.zeros(p * self.chunk, bool)),
-                                               **sampling)
+            out, self.prefill_into, _ = self._prefill(self.prefill_engine.params, self.prefill_into,
+                                                      np.full(p, n, np.int32), np.zeros((p, self.chunk), np.int32),
+                                                      np.zeros(p, np.int32), np.zeros(p, np.int32),
+                                                      forced=forced(self.dealer, "prefill",
+                                                                    np.zeros(p * self.chunk, bool)),
+                                                      **sampling)
             out.block_until_ready()
+        if self.apart:  # compiles the positions' move (padding rows only: nothing written)
+            self._hand_over(np.full(p, n, np.int32), np.zeros(p, np.int32))
