@@ -1,6 +1,6 @@
 """The same run split over two processes with jax.distributed (each with 4 of the 8 virtual
 CPU devices, collectives through gloo) gives the tokens of one process with all 8: under one
-placement, and with prefill and decode apart."""
+placement, with two-batch overlap, and with prefill and decode apart."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ def free_port() -> int:
 RUNS = {
     "ragged_a2a": ["--placement", "ragged_a2a"],
     "tensor_sliced": ["--placement", "tensor_sliced"],
+    # Two micro-batches per device: each ragged exchange runs as two, across the processes too.
+    "ragged_a2a_two_batch_overlap": ["--placement", "ragged_a2a", "--two-batch-overlap"],
     # Prefill and decode apart: each mesh takes 2 devices of each process; the hand-over is one
     # program over both meshes (jax's device_put refuses a reshard between them).
     "prefill_apart_from_decode": ["--prefill-placement", "ragged_a2a", "--decode-placement", "weight_prefetch",
