@@ -33,7 +33,12 @@ class LayerOf:
 
     def whole(self):
         """The layer as its own [G, K, N] (a copy on XLA:CPU)."""
-        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, self.index, 0, keepdims=False), self.stack)
+        return layer_slice(self.stack, self.index)
+
+
+def layer_slice(stack, i):
+    """Layer i (may be traced) of a stacked tree [L, ...] -> [...]."""
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), stack)
 
 
 def group(rhs, g: jax.Array):

@@ -11,22 +11,16 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax import lax
 
 import pallas_kernels
 from moejax.config import Config
 from moejax.model.params import ParamSpec, expert_axis, is_expert_stack
-from pallas_kernels.layered import LayerOf
+from pallas_kernels.layered import LayerOf, layer_slice
 from sharding import accounting, rules
 from sharding.experts import moe_local
 
 
 GEMM_WEIGHTS = ("gate", "up", "down")  # the expert matrices `expert_ffn` multiplies by
-
-
-def layer_slice(stack, i):
-    """Layer i of a stacked tree [L, ...] -> [...]."""
-    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), stack)
 
 
 class Placement:

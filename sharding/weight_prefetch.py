@@ -12,7 +12,7 @@ import numpy as np
 from sharding import accounting
 from sharding.experts import moe_local
 from sharding.mesh import MeshPlacement, own_share
-from sharding.placement import layer_slice
+from pallas_kernels.layered import layer_slice
 
 
 def gather_experts(w: dict) -> dict:

@@ -17,6 +17,7 @@ from moejax.model.attention import attention
 from moejax.model.layers import rms_norm, rope_cos_sin, swiglu
 from moejax.model.moe import moe_block
 from moejax.model.params import Run, layer_runs
+from pallas_kernels.layered import layer_slice
 
 ROWS = ("batch", "seq", "embed")
 
@@ -40,11 +41,6 @@ def decoder_layer(lp: dict, experts, x: jax.Array, positions, cos_sin, cache: di
     return placement.constrain(x + m, ROWS), cache, selected, ids
 
 
-def _layer(stack, i):
-    """Layer i (traced) of a run's stacked tree."""
-    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stack)
-
-
 def run_layers(run: Run, run_params: dict, run_cache: dict, x, selected, positions, cos_sin, c: ModelConfig,
                placement, forced=None):
     """One run of identical layers under `lax.scan`: x: [B, T, D] -> (x, run_cache, selected,
@@ -56,7 +52,7 @@ def run_layers(run: Run, run_params: dict, run_cache: dict, x, selected, positio
     windows = jnp.asarray([c.sliding_window if i in c.sliding_layers else 0 for i in run.layers], jnp.int32)
     moe = "moe" in run_params
     depth = min(placement.prefetch_depth, count) if moe else 0
-    gather = lambda i: placement.gather_experts(_layer(run_params["moe"]["experts"], jnp.minimum(i, count - 1)))
+    gather = lambda i: placement.gather_experts(layer_slice(run_params["moe"]["experts"], jnp.minimum(i, count - 1)))
     ahead = tuple(gather(j) for j in range(depth))  # the first `depth` layers' experts, before the scan
 
     def body(carry, xs):
@@ -64,7 +60,7 @@ def run_layers(run: Run, run_params: dict, run_cache: dict, x, selected, positio
         # scanned inputs and outputs, XLA would keep two more copies of the whole cache).
         x, selected, ahead, run_cache = carry
         lp, i, window, layer_forced = xs
-        layer_cache = _layer(run_cache, i)
+        layer_cache = layer_slice(run_cache, i)
         if not moe:
             experts = None
         elif depth:  # computed with weights gathered `depth` iterations ago; the next gather goes out now
