@@ -47,3 +47,8 @@ def compile_seconds(since: float = 0.0, until: float = float("inf")) -> float:
             total += e - s
             reach = e
     return total
+
+
+def run_ms(t0: float, t1: float) -> float:
+    """Wall milliseconds between two `now()`s, less the time spent compiling in between."""
+    return 1e3 * (t1 - t0 - compile_seconds(t0, t1))

@@ -167,7 +167,7 @@ class Disaggregated:
                                               SPEC_STATE_AXES))
         else:
             changes["tok"] = _via_host(state.tok, ("batch",), self.decode.placement)
-        return dataclasses.replace(state, **changes), moved, 1e3 * (t1 - t0 - compile_clock.compile_seconds(t0, t1))
+        return dataclasses.replace(state, **changes), moved, compile_clock.run_ms(t0, t1)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
                  seed: int = 0) -> Generation | SpecGeneration:

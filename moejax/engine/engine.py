@@ -220,7 +220,7 @@ class Engine:
         tok = sample(logits, jax.random.fold_in(key, 0), sampling).block_until_ready()
         t1 = compile_clock.now()
         return Prefilled(prompts, cache, tok, logits, lens, max_len, tokens.shape[1], key, dealer, picks,
-                         prefill_ms=1e3 * (t1 - t0 - compile_clock.compile_seconds(t0, t1)))
+                         prefill_ms=compile_clock.run_ms(t0, t1))
 
     def decode(self, state: Prefilled, max_new_tokens: int, sampling: Sampling = Sampling(), record: bool = False,
                return_logits: bool = False) -> Generation:
@@ -253,5 +253,5 @@ class Engine:
             picks=[[to_host(x) for x in p] for p in picks] if record else None,
             logits=np.stack([to_host(x)[: len(prompts)] for x in step_logits]) if return_logits else None,
             prefill_ms=state.prefill_ms,
-            decode_step_ms=1e3 * (t2 - t1 - compile_clock.compile_seconds(t1, t2)) / max(1, max_new_tokens - 1),
+            decode_step_ms=compile_clock.run_ms(t1, t2) / max(1, max_new_tokens - 1),
         )

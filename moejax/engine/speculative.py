@@ -33,11 +33,6 @@ from moejax.model.transformer import forward, lm_head
 STOP_CHECK = 4  # steps between the host's reads of the emitted-token counts
 
 
-def run_ms(t0: float, t1: float) -> float:
-    """Wall milliseconds between two `compile_clock.now()` less the time spent compiling."""
-    return 1e3 * (t1 - t0 - compile_clock.compile_seconds(t0, t1))
-
-
 class SpecState(NamedTuple):
     """On the device between steps; [B] unless noted."""
 
@@ -177,7 +172,8 @@ class SpeculativeEngine:
         )
         first = to_host(state.token)  # waits for the prefill (its timing)
         t1 = compile_clock.now()
-        return SpecPrefilled(prompts, state, cache, mtp_cache, first, max_len, tokens.shape[1], run_ms(t0, t1))
+        return SpecPrefilled(prompts, state, cache, mtp_cache, first, max_len, tokens.shape[1],
+                             compile_clock.run_ms(t0, t1))
 
     def decode(self, prefilled: SpecPrefilled, max_new_tokens: int, sampling: Sampling = Sampling()) -> SpecGeneration:
         """Speculative steps from `prefilled` (this engine's prefill, or another's handed over)."""
@@ -198,7 +194,8 @@ class SpeculativeEngine:
             before = state.count
         jax.block_until_ready(state.token)
         t2 = compile_clock.now()
-        return self._collect(prompts, budget, prefilled.first, emitted, accepted, prefilled.prefill_ms, run_ms(t1, t2))
+        return self._collect(prompts, budget, prefilled.first, emitted, accepted, prefilled.prefill_ms,
+                             compile_clock.run_ms(t1, t2))
 
     @staticmethod
     def _collect(prompts, budget, first, emitted, accepted, prefill_ms, decode_ms) -> SpecGeneration:
