@@ -50,6 +50,13 @@ def group(rhs, g: jax.Array):
     return jax.tree.map(lambda a: _index(a, lead), rhs)
 
 
+def take(rhs, ids: jax.Array) -> jax.Array:
+    """Groups ids [M] of rhs (a [G, K, N] array, or a LayerOf one) -> [M, K, N], as one gather."""
+    if isinstance(rhs, LayerOf):
+        return rhs.stack[rhs.index, ids]
+    return rhs[ids]
+
+
 def _index(a: jax.Array, lead: tuple) -> jax.Array:
     """a[lead] with traced leading indices, as one dynamic slice."""
     start = (*lead, *(0,) * (a.ndim - len(lead)))

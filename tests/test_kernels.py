@@ -59,10 +59,15 @@ def tolerance(dtype):
     return dict(rtol=2e-2, atol=2e-2) if dtype == jnp.bfloat16 else dict(rtol=1e-5, atol=1e-5)
 
 
+# Rows: a prefill's many (the loop over touched groups) and a decode step's few (gathered per row).
+ROWS = [70, 12]
+
+
 @pytest.mark.parametrize("fmt", ["dense", "nvfp4", "mxfp4"])
 @pytest.mark.parametrize("scenario", ["ragged", "one_group", "offset"])
-def test_xla_matches_numpy(fmt, scenario):
-    lhs, rhs, sizes, offset = make_case(0, scenario, jnp.float32, m=70, n=48, groups=8,
+@pytest.mark.parametrize("m", ROWS)
+def test_xla_matches_numpy(fmt, scenario, m):
+    lhs, rhs, sizes, offset = make_case(0, scenario, jnp.float32, m=m, n=48, groups=8,
                                         local=3 if scenario == "offset" else None)
     w, w_f32 = weights(rhs, fmt, jnp.float32)
     out = pk.grouped_gemm(lhs, w, sizes, group_offset=offset, backend="xla")
@@ -82,9 +87,10 @@ def test_xla_bf16_traced_offset_and_out_dtype():
                                atol=1e-5)
 
 
-def test_xla_reads_only_touched_groups():
+@pytest.mark.parametrize("m", ROWS)
+def test_xla_reads_only_touched_groups(m):
     """Weights of empty groups may hold NaN: they must never enter the result."""
-    lhs, rhs, sizes, _ = make_case(2, "ragged", jnp.float32, m=40, n=32, groups=8)
+    lhs, rhs, sizes, _ = make_case(2, "ragged", jnp.float32, m=m, n=32, groups=8)
     poisoned = jnp.where((sizes == 0)[:, None, None], jnp.nan, rhs)
     out = pk.grouped_gemm(lhs, poisoned, sizes, backend="xla")
     np.testing.assert_allclose(out, reference(lhs, rhs, sizes, 0), rtol=1e-5, atol=1e-5)
@@ -105,10 +111,11 @@ def test_xla_never_converts_all_groups(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["dense", "nvfp4"])
-def test_xla_reads_groups_of_a_layer_stack(fmt):
+@pytest.mark.parametrize("m", ROWS)
+def test_xla_reads_groups_of_a_layer_stack(fmt, m):
     """One layer of a stack [L, G, K, N] (LayerOf): the layer's result, and compiled, no
     [G, K, N] copy of the layer (XLA:CPU copies a sliced layer whole before the group loop)."""
-    lhs, rhs, sizes, _ = make_case(7, "ragged", jnp.float32, m=24, n=80, groups=6)
+    lhs, rhs, sizes, _ = make_case(7, "ragged", jnp.float32, m=m, n=80, groups=6)
     stack = jnp.stack([rhs * 2, rhs])  # [2, G, K, N]
     w, w_f32 = weights(stack, fmt, jnp.float32)
     f = jax.jit(lambda l, w, s, i: pk.grouped_gemm(l, LayerOf(w, i), s, backend="xla"))
