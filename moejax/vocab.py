@@ -30,3 +30,7 @@ DISPATCH_DTYPES = ("bf16", "nvfp4")  # how rows travel, where a placement sends 
 # Routing overrides (`--routing`): the router's own picks, k distinct experts drawn uniformly per
 # row, experts dealt in turn, or the picks of a recorded trace (`replay:TRACE`).
 ROUTING_MODES = ("natural", "even", "round_robin", "replay")
+# How a run of identical layers executes (`engine.layer_loop`): one `lax.scan` over its stacked
+# parameters (compile time flat in depth), or unrolled over each layer's own arrays (no per-layer
+# slice copies: XLA:CPU copies every weight a scan step slices). "auto": unroll short runs on XLA:CPU.
+LAYER_LOOPS = ("auto", "scan", "unroll")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hf_reference import FAMILIES, build_hf_model, hf_greedy, hf_logits
-from moejax.config import Config, EngineConfig
+from moejax.config import UNROLLED_LAYERS, Config, EngineConfig
 from moejax.engine.engine import Engine
 from moejax.engine.sampling import Sampling
 from moejax.loading import load_params, with_hf_model
@@ -50,6 +50,22 @@ def test_prefill_logits_match_transformers(hf):
 def test_greedy_tokens_match_transformers(hf):
     model, directory = hf
     assert make_engine(directory).generate([PROMPT], 16).tokens[0] == hf_greedy(model, PROMPT, 16)
+
+
+def test_layer_scan_gives_the_unrolled_layers_logits(hf):
+    """Accelerators scan each run of layers; XLA:CPU unrolls them over per-layer arrays."""
+    _, directory = hf
+    scan, unrolled = (make_engine(directory, layer_loop=loop) for loop in ("scan", "unroll"))
+    assert isinstance(unrolled.params["layers"][0], tuple) and not isinstance(scan.params["layers"][0], tuple)
+    assert_close_relative(scan.score([PROMPT])[0], unrolled.score([PROMPT])[0], rel=1e-6)
+    assert scan.generate([PROMPT], 8).tokens == unrolled.generate([PROMPT], 8).tokens
+
+
+def test_auto_unrolls_short_runs_of_layers_on_the_cpu_only():
+    """Unrolled, compile time grows with depth: a 78-layer run keeps its scan."""
+    auto = EngineConfig()
+    assert auto.unrolls(4) and auto.unrolls(UNROLLED_LAYERS) and not auto.unrolls(78)
+    assert EngineConfig(layer_loop="unroll").unrolls(78) and not EngineConfig(layer_loop="scan").unrolls(4)
 
 
 def test_cached_decode_logits_equal_full_forward(hf):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.config import Config, ConfigError, LayoutConfig, WeightsConfig, preset
+from moejax.config import Config, ConfigError, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import Engine
 from moejax.loading import load_params
 from moejax.model.transformer import layer_params
@@ -252,7 +252,9 @@ def expert_loops_fed_by_gathers(hlo: str, gathered: tuple[str, ...]) -> tuple[in
 @functools.cache
 def prefetch_engine(depth: int) -> Engine:
     model = dataclasses.replace(preset("tiny"), num_layers=4)  # a run of 3 MoE layers
-    config = Config(model=model, layout=layout("weight_prefetch", prefetch_depth=depth)).validate()
+    # The layer scan, as accelerators run it (XLA:CPU unrolls by default).
+    config = Config(model=model, layout=layout("weight_prefetch", prefetch_depth=depth),
+                    engine=EngineConfig(layer_loop="scan")).validate()
     placement = make_placement(config)
     return Engine(config, load_params(config, placement), placement)
 

@@ -21,7 +21,7 @@ from moejax.engine.kv_cache import init_cache
 from moejax.engine.routing import Routing, valid_rows
 from moejax.engine.sampling import Sampling, sample
 from moejax.errors import UsageError
-from moejax.model.transformer import forward, lm_head
+from moejax.model.transformer import forward, lm_head, unstack_layers
 
 
 def prefill(params, cache, tokens, start, last, forced=None, *, c: ModelConfig, placement, all_logits: bool,
@@ -115,7 +115,7 @@ class Engine:
     def __init__(self, config: Config, params: dict, placement, routing: Routing = Routing()):
         self.config = config
         self.c = config.model
-        self.params = params
+        self.params = unstack_layers(params, config.engine.unrolls)
         self.placement = placement
         routing.check(self.c)
         self.routing = routing

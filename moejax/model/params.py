@@ -155,6 +155,9 @@ class Run:
     def layers(self) -> range:
         return range(self.first, self.first + self.count)
 
+    def is_moe(self, c: ModelConfig) -> bool:
+        return self.first not in c.dense_layers
+
 
 def layer_runs(c: ModelConfig) -> tuple[Run, ...]:
     """The decoder's layers as runs of identical layers: a dense prefix, then the MoE layers
