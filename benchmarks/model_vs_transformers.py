@@ -80,16 +80,17 @@ def hf_runner(model, prompt_len: int, steps: int, experts: str):
     return run
 
 
-def moejax_runner(directory: str, prompt_len: int, steps: int):
-    """As hf_runner, for moejax on one CPU device; its first call compiles."""
-    from moejax.config import Config
-    from moejax.engine.engine import Engine
-    from moejax.loading import load_params, with_hf_model
-    from sharding import make_placement
+def moejax_engine(directory: str):
+    """The engine `moejax generate --hf DIR` builds with no other flag: default settings and this
+    host's layout (on a CPU host, one device per core: `commands.host_layout`)."""
+    from moejax.commands import build_engine
+    from moejax.config import Config, LayoutConfig
 
-    config = with_hf_model(Config(), directory).validate()  # default settings, as a user runs it
-    placement = make_placement(config)
-    engine = Engine(config, load_params(config, placement, hf_dir=directory), placement)
+    return build_engine(Config(layout=LayoutConfig(devices=0)), directory, seed=0)
+
+
+def moejax_runner(engine, prompt_len: int, steps: int):
+    """As hf_runner, for a moejax engine; its first call compiles."""
     rng = np.random.default_rng(0)
     long = [rng.integers(0, 32000, prompt_len).tolist()]
     shorts = [[rng.integers(0, 32000, 32).tolist() for _ in range(batch)] for batch in BATCHES]
@@ -110,18 +111,22 @@ def step_bytes(batch: int) -> float:
     return 4 * (layers * (attn + d * experts + touched * 3 * d * f) + 2 * d * vocab)
 
 
-def print_settings(experts: list[str]) -> None:
+def print_settings(experts: list[str], engine) -> None:
     import jax
     import torch
     import transformers
 
     from moejax.engine.engine import default_prefill_chunk
 
+    layout = engine.config.layout
+    loop = "unrolled" if isinstance(engine.params["layers"][-1], tuple) else "scanned"
+
     print(f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end (other processes add noise)")
     print(f"transformers {transformers.__version__}, torch {torch.__version__}: {torch.get_num_threads()} threads, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, fastest expert implementation per measure "
           f"(of {', '.join(HF_EXPERTS)}): " + ", ".join(f"{m} {e}" for m, e in zip(MEASURES, experts)))
-    print(f"moejax on jax {jax.__version__} ({jax.default_backend()}), defaults: prefill chunk "
+    print(f"moejax on jax {jax.__version__} ({jax.default_backend()}), defaults: {layout.placement} on "
+          f"{layout.devices} device(s), attention {layout.attention}, head {layout.head}, layers {loop}, prefill chunk "
           f"{default_prefill_chunk()}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '') or 'none'}")
 
 
@@ -136,9 +141,10 @@ def main():
     torch.set_num_threads(os.cpu_count())
     with tempfile.TemporaryDirectory() as directory:
         model = hf_model(directory)
+        engine = moejax_engine(directory)  # first: it chooses the host's devices before jax starts
         bw = read_bandwidth()
         sides = {impl: hf_runner(model, args.prompt_len, args.decode_steps, impl) for impl in HF_EXPERTS}
-        sides["moejax"] = moejax_runner(directory, args.prompt_len, args.decode_steps)
+        sides["moejax"] = moejax_runner(engine, args.prompt_len, args.decode_steps)
         # The host is shared and noisy: alternate the sides (each of transformers' expert
         # implementations is one) and keep each one's best round, so that a slow spell does not
         # land on one side only. The pause lets the other library's idle worker threads stop
@@ -151,7 +157,7 @@ def main():
     experts = [min(HF_EXPERTS, key=lambda impl: best[impl][i]) for i in range(len(MEASURES))]
     (hf_pre, *hf_steps) = [best[impl][i] for i, impl in enumerate(experts)]
     (mj_pre, *mj_steps) = best["moejax"]
-    print_settings(experts)
+    print_settings(experts, engine)
     print(f"read bandwidth {bw / 1e9:.1f} GB/s; prompt {args.prompt_len} tokens; {args.decode_steps} decode steps; "
           f"best of {args.rounds} alternating rounds")
     print(f"{'measure':<26}{'transformers':>14}{'moejax':>10}{'ratio':>8}{'bound':>9}")

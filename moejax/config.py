@@ -149,12 +149,15 @@ class LayoutConfig:
     # A name from the placement registry (`sharding.registry`, which checks it); "" = its default.
     # Config files may still say `experts:` (the key's earlier name).
     placement: str = ""
+    # 0: "auto", this host's choice, made when the engine is built (`commands.host_layout`). The
+    # runtime verbs ask for it when no flag or file chose a layout.
     devices: int = 1
     ep: int = 0  # placements with an (ep x tp) mesh of their own choosing; 0 = the placement's choice
     tp: int = 0
     attention: str = "dp"  # ATTENTION_MODES
     dense: str = "tp"  # SPLIT_MODES
     shared_expert: str = "tp"  # SPLIT_MODES
+    head: str = "replicated"  # SPLIT_MODES: the vocab axis (embedding and LM head) sliced over every device, or copied
     dispatch_dtype: str = "bf16"  # DISPATCH_DTYPES: rows as they travel, for placements that send rows
     prefetch_depth: int = 1  # placements that gather weights ahead of use: layers ahead
     # Placements that move rows: each device's rows of a MoE layer as two micro-batches, one's
@@ -162,14 +165,15 @@ class LayoutConfig:
     two_batch_overlap: bool = False
 
     def validate(self) -> None:
-        if self.devices < 1:
-            raise ConfigError(f"devices must be at least 1, got {self.devices}")
+        if self.devices < 0:
+            raise ConfigError(f"devices must be at least 1 (or 0: this host's choice), got {self.devices}")
         if self.ep < 0 or self.tp < 0:
             raise ConfigError(f"layout.ep and layout.tp must not be negative, got {self.ep} and {self.tp}")
         for name, value, allowed in (
             ("attention", self.attention, ATTENTION_MODES),
             ("dense", self.dense, SPLIT_MODES),
             ("shared_expert", self.shared_expert, SPLIT_MODES),
+            ("head", self.head, SPLIT_MODES),
             ("dispatch_dtype", self.dispatch_dtype, DISPATCH_DTYPES),
         ):
             if value not in allowed:

@@ -64,6 +64,9 @@ def make_placement(config: Config, platform: str | None = None, devices: list | 
     """The placement of `config.layout` (the single-device reference on one device), building
     programs for `platform` (default: this machine's), on the machine's first `layout.devices`
     devices or on `devices` (a mesh even of one)."""
+    if not config.layout.devices:
+        raise ConfigError("layout.devices 0 (this host's choice) is made by the verbs that run one model "
+                          "(generate, score, serve, bench); name a device count here")
     cls = placement_class(config.layout.placement)
     check_kernel(config, platform)
     if devices is not None:

@@ -30,7 +30,7 @@ def rules(layout: LayoutConfig) -> dict[str, str | tuple | None]:
         "mlp": ALL if layout.dense == "tp" else None,
         "shared_mlp": ALL if layout.shared_expert == "tp" else None,
         "embed": None,
-        "vocab": None,
+        "vocab": ALL if layout.head == "tp" else None,
         "seq": None,
         "cache_seq": None,
         "head_dim": None,

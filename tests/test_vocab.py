@@ -29,6 +29,7 @@ def choices(verb: str, flag: str) -> tuple:
 @pytest.mark.parametrize("flag,expected", [
     ("--placement", names()), ("--kernel", vocab.KERNELS), ("--expert-format", vocab.EXPERT_FORMATS),
     ("--dtype", vocab.RUN_DTYPES), ("--attention", vocab.ATTENTION_MODES), ("--dispatch-dtype", vocab.DISPATCH_DTYPES),
+    ("--head", vocab.SPLIT_MODES),
 ])
 def test_cli_choices_are_the_vocabulary(flag, expected):
     assert choices("generate", flag) == tuple(expected)
@@ -42,6 +43,7 @@ def test_kernel_registry_implements_every_kernel_name():
     ("engine", "dtype", vocab.RUN_DTYPES), ("weights", "expert_format", vocab.EXPERT_FORMATS),
     ("layout", "attention", vocab.ATTENTION_MODES), ("layout", "dense", vocab.SPLIT_MODES),
     ("layout", "shared_expert", vocab.SPLIT_MODES), ("layout", "dispatch_dtype", vocab.DISPATCH_DTYPES),
+    ("layout", "head", vocab.SPLIT_MODES), ("engine", "layer_loop", vocab.LAYER_LOOPS),
 ])
 def test_config_accepts_each_word_of_its_vocabulary_and_nothing_else(section, key, values):
     make = {"engine": lambda v: Config(engine=EngineConfig(**{key: v})),

@@ -32,7 +32,7 @@ def build_scheduler(args, progress: bool = True):
     tokenizer = Tokenizer.for_run(args.tokenizer, args.hf)
     eos = tokenizer.eos_ids if tokenizer else (eos_ids(args.hf) or ()) if args.hf else ()
     with tqdm(total=2, desc="load + compile", disable=None if progress else True, file=sys.stderr) as bar:
-        config = config_from_args(args)
+        config = config_from_args(args, host_default=True)
         apart = args.prefill_placement or args.decode_placement
         if args.speculative == "mtp":
             natural_routing_only(config, "--speculative mtp")
