@@ -138,9 +138,10 @@ def host_layout(config: Config) -> Config:
     tensor-parallel attention, vocab-parallel head). XLA:CPU runs one device's program on one core
     (its expert loop, which bounds decode, never gets a second thread), so a single device leaves
     the other cores idle; sliced evenly, every device reads its share of each weight, the memory
-    traffic a decode step is bound by. The benchmark model's decode step on this 2-core host:
-    22.0 ms on one device, 16.7 ms on two; batch 16 138 -> 74 ms; same tokens. Elsewhere:
-    one device (a mesh of accelerators is a choice: --devices, --placement)."""
+    traffic a decode step is bound by. The benchmark model on this 2-core host, one device ->
+    two: decode batch 16 134-138 -> 72-73 ms, prefill of 512 tokens 594-611 -> 519-534 ms, batch
+    1 even (16-17 ms: the collectives eat the second core's share); same tokens. Elsewhere: one
+    device (a mesh of accelerators is a choice: --devices, --placement)."""
     if config.layout.devices:
         return config
     cores = len(os.sched_getaffinity(0))
