@@ -13,6 +13,7 @@ import pallas_kernels
 from moejax.config import Config, WeightsConfig, preset
 from moejax.engine.engine import Engine
 from moejax.loading import load_params
+from moejax.model.transformer import layer_params
 from sharding import make_placement
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41, 42]]
@@ -57,8 +58,8 @@ def test_4bit_greedy_token_stays_among_the_full_precision_best(fmt):
 
 
 def test_4bit_experts_are_about_a_quarter_of_the_bytes():
-    full = engine_for("unquantized").params["layers"][1]["moe"]["experts"]  # the MoE run's stacks
-    nvfp4 = engine_for("nvfp4").params["layers"][1]["moe"]["experts"]
+    experts = lambda fmt: layer_params(engine_for(fmt).params, 1, preset("tiny"))["moe"]["experts"]  # a MoE layer's
+    full, nvfp4 = experts("unquantized"), experts("nvfp4")
     ratio = sum(pallas_kernels.nbytes(a) for a in jax.tree.leaves(full)) / sum(
         pallas_kernels.nbytes(a) for a in jax.tree.leaves(nvfp4, is_leaf=lambda a: isinstance(a, pallas_kernels.QuantizedArray)))
     assert ratio > 7  # float32 against 4.5 bits per value
