@@ -120,11 +120,17 @@ def init_processes(args) -> None:
     jax.distributed.initialize(args.coordinator, num_processes=n, process_id=args.process_id)
 
 
-def ensure_devices(n: int) -> None:
-    """On a CPU host, make `n` virtual devices; must run before jax first touches a backend."""
+def cpu_devices(n: int) -> None:
+    """Ask XLA:CPU for `n` virtual devices, unless XLA_FLAGS already names a count; takes effect
+    only before jax first touches a backend."""
     flags = os.environ.get("XLA_FLAGS", "")
     if n > 1 and "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def ensure_devices(n: int) -> None:
+    """On a CPU host, make `n` virtual devices; must run before jax first touches a backend."""
+    cpu_devices(n)
     import jax
 
     have = len(jax.devices())
@@ -145,9 +151,7 @@ def host_layout(config: Config) -> Config:
     if config.layout.devices:
         return config
     cores = len(os.sched_getaffinity(0))
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={cores}".strip()
+    cpu_devices(cores)
     import jax
 
     single = dataclasses.replace(config.layout, devices=1)

@@ -78,8 +78,7 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = Non
     group_sizes [G] -> [M, N]."""
     m, n = lhs.shape[0], rhs.shape[2]
     g_local = rhs.shape[0]
-    stored = rhs.stack if isinstance(rhs, layered.LayerOf) else rhs
-    if m <= GATHER_ROWS and not isinstance(stored, formats.QuantizedArray):
+    if m <= GATHER_ROWS and not isinstance(layered.stored(rhs), formats.QuantizedArray):
         return _gathered(lhs, rhs, group_sizes, group_offset).astype(out_dtype)
     tm = tm or _pick_tm(m, group_sizes.shape[0])
     lhs32 = _to_f32(lhs)  # [M, K], once rather than per chunk

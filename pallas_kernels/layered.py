@@ -50,6 +50,11 @@ def group(rhs, g: jax.Array):
     return jax.tree.map(lambda a: _index(a, lead), rhs)
 
 
+def stored(rhs):
+    """The array or QuantizedArray rhs is read from: its stack for a LayerOf, else itself."""
+    return rhs.stack if isinstance(rhs, LayerOf) else rhs
+
+
 def take(rhs, ids: jax.Array) -> jax.Array:
     """Groups ids [M] of rhs (a [G, K, N] array, or a LayerOf one) -> [M, K, N], as one gather."""
     if isinstance(rhs, LayerOf):

@@ -96,7 +96,7 @@ def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto"
     chex.assert_type(group_sizes, jnp.int32)
     if len(rhs.shape) != 3 or rhs.shape[1] != lhs.shape[1]:
         raise ValueError(f"rhs must be [G, K={lhs.shape[1]}, N], got {rhs.shape}")
-    stack = rhs.stack if isinstance(rhs, layered.LayerOf) else rhs
+    stack = layered.stored(rhs)
     if isinstance(stack, formats.QuantizedArray) and stack.axis != -2:
         raise ValueError("a 4-bit rhs must be quantized along K (axis=-2)")
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
