@@ -156,6 +156,17 @@ def test_bench_drives_an_in_process_scheduler(engine):
     assert (s["completed"], s["total_output_tokens"]) == (5, 20) and s["request_throughput"] > 0
 
 
+def test_cache_defaults_to_the_longest_request_it_will_hold(engine):
+    """Every decode step reads each slot's whole cache, so a server that knows its longest
+    request (bench's own) sizes the cache to it, in buckets of 16; one that does not takes the
+    model's context, at most 2048."""
+    prompt, new = PROMPTS[0], 16 - len(PROMPTS[0])  # exactly a bucket: the last token needs no slot
+    sized = Scheduler(engine, slots=2, longest=len(prompt) + new)
+    assert sized.max_len == 16
+    assert sized.run_all([request(prompt, new)])[0].tokens == engine.generate([prompt], new).tokens[0]
+    assert Scheduler(engine, slots=2).max_len == min(engine.c.max_position_embeddings, 2048)
+
+
 def test_cancelled_request_frees_its_slot_at_the_next_step(scheduler):
     r = request(PROMPTS[0], 30)
     r.on_event = lambda token, delta, done: setattr(r, "cancelled", len(r.tokens) >= 3)

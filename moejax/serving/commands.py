@@ -12,7 +12,8 @@ from moejax.errors import UsageError
 def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", metavar="DIR", help="directory with tokenizer.json (default: the --hf directory)")
     p.add_argument("--slots", type=int, default=16, help="decode slots: requests running at once")
-    p.add_argument("--max-seq-len", type=int, default=0, help="KV cache positions per slot (default: model context, at most 2048)")
+    p.add_argument("--max-seq-len", type=int, default=0, help="KV cache positions per slot (default: model context, at most 2048; "
+                   "bench without --url: its requests' length)")
     p.add_argument("--prefill-rows", type=int, default=1, help="requests per prefill call")
     p.add_argument("--max-batched-tokens", type=int, default=0,
                    help="tokens per step, decode + prefill (default: slots + one prefill call)")
@@ -21,8 +22,9 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mtp-init", choices=("random",), help="a random MTP module when the checkpoint carries none")
 
 
-def build_scheduler(args, progress: bool = True):
-    """(scheduler, tokenizer, end-of-sequence ids), compiled and ready."""
+def build_scheduler(args, progress: bool = True, longest: int = 0):
+    """(scheduler, tokenizer, end-of-sequence ids), compiled and ready. `longest`: prompt + new
+    tokens of the longest request it will serve, when known (0: any the model takes)."""
     from tqdm import tqdm
 
     from moejax.commands import build_engine, config_from_args, natural_routing_only, pd_engines
@@ -40,7 +42,7 @@ def build_scheduler(args, progress: bool = True):
                 raise UsageError("serving with --speculative mtp decodes under one placement; drop "
                                  "--prefill-placement/--decode-placement")
         kw = dict(slots=args.slots, max_len=args.max_seq_len, prefill_rows=args.prefill_rows,
-                  token_budget=args.max_batched_tokens, max_queue=args.max_queue)
+                  token_budget=args.max_batched_tokens, max_queue=args.max_queue, longest=longest)
         if apart:
             kw["prefill_engine"], engine = pd_engines(config, args)
         else:
@@ -93,7 +95,8 @@ def cmd_bench(args) -> int:
     if args.url:
         client = bench.HTTPClient(args.url, args.api_key or os.environ.get("MOEJAX_API_KEY"))
     else:
-        client = bench.LocalClient(build_scheduler(args)[0])
+        # Its own server holds only the requests it sends: a cache of their length (--max-seq-len).
+        client = bench.LocalClient(build_scheduler(args, longest=args.input_len + args.output_len)[0])
     summary = bench.run(client, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
                         request_rate=args.request_rate, max_concurrency=args.max_concurrency, seed=args.bench_seed)
     if not args.url:
