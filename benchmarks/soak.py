@@ -55,11 +55,10 @@ def soak(name: str, steps: int, marks: tuple[int, ...]) -> dict[int, float]:
     cache = engine.new_cache(tokens.shape[0], max_len)
     logits, cache, _ = engine._run_prefill(cache, tokens, lens, all_logits=False, record=False)
     key, greedy = jax.random.key(0), Sampling()
-    tok, positions = sample(logits, key, greedy), jnp.asarray(lens)
+    tok, lens = sample(logits, key, greedy), jnp.asarray(lens)
     rss = {}
     for step in range(1, steps + 1):
-        tok, _, cache, _ = engine._decode(engine.params, cache, tok, positions, key, sampling=greedy, record=False)
-        positions = positions + 1
+        tok, _, cache, _ = engine._decode(engine.params, cache, tok, lens, key, step, sampling=greedy, record=False)
         if step in marks:
             tok.block_until_ready()
             rss[step] = rss_mb()

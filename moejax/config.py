@@ -209,6 +209,7 @@ class EngineConfig:
     max_seq_len: int = 0  # 0 = sized from the prompts and max_new_tokens
     routing: str = "natural"  # ROUTING_MODES; "even:SEED" seeds even's draws, "replay:TRACE" names the trace
     layer_loop: str = "auto"  # LAYER_LOOPS (see `unrolls`)
+    decode_block: int = 8  # decode steps per dispatched program (1: a program per step; see Engine.decode)
 
     def validate(self) -> None:
         if self.dtype not in RUN_DTYPES:
@@ -220,6 +221,8 @@ class EngineConfig:
                               "replay:TRACE")
         if self.prefill_chunk < 0:
             raise ConfigError(f"engine.prefill_chunk must be positive (or 0: the platform's default), got {self.prefill_chunk}")
+        if self.decode_block < 1:
+            raise ConfigError(f"engine.decode_block must be at least 1, got {self.decode_block}")
         if self.layer_loop not in LAYER_LOOPS:
             raise ConfigError(f"engine.layer_loop {self.layer_loop!r} is not one of {', '.join(LAYER_LOOPS)}")
 

@@ -48,12 +48,16 @@ def profile_run(engine, prompts: list[list[int]], steps: int) -> tuple[ProfileDa
     """(the profile of `engine.generate(prompts, steps + 1)`: its prefill chunks and `steps` decode
     steps, the compiled text of each step's program by module name, "jit_prefill" and
     "jit_decode_step"). A first run outside the trace compiles and warms everything."""
-    engine.generate(prompts, steps + 1)
-    with _capture(engine, "_prefill") as prefills, _capture(engine, "_decode") as decodes:
-        with tempfile.TemporaryDirectory() as out:
-            with jax.profiler.trace(out):
-                engine.generate(prompts, steps + 1)
-            profile = ProfileData.from_file(str(next(Path(out).rglob("*.xplane.pb"))))
+    block, engine.decode_block = engine.decode_block, 1  # a program per step: each run is one step
+    try:
+        engine.generate(prompts, steps + 1)
+        with _capture(engine, "_prefill") as prefills, _capture(engine, "_decode") as decodes:
+            with tempfile.TemporaryDirectory() as out:
+                with jax.profiler.trace(out):
+                    engine.generate(prompts, steps + 1)
+                profile = ProfileData.from_file(str(next(Path(out).rglob("*.xplane.pb"))))
+    finally:
+        engine.decode_block = block
     texts = {}
     for module, calls in (("jit_prefill", prefills), ("jit_decode_step", decodes)):
         jitted, args, kwargs = calls[-1]  # lowered again from the shapes just run: a compile cache hit

@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from moejax.config import Config, ModelConfig
@@ -43,13 +44,35 @@ def prefill(params, cache, tokens, start, last, forced=None, *, c: ModelConfig, 
     return lm_head(params, h, c), cache, picks if record else None
 
 
-def decode_step(params, cache, tokens, positions, key, forced=None, *, c: ModelConfig, placement, sampling: Sampling,
-                record: bool):
-    """One decode step. tokens, positions: [B] -> (next tokens [B], logits [B, V], cache, picks);
-    forced: int32 [MoE layers, B, k] picks of a routing override, or None (two compiled variants)."""
+def decode_step(params, cache, tokens, lens, key, step, forced=None, *, c: ModelConfig, placement,
+                sampling: Sampling, record: bool):
+    """Decode step `step` (1: the first after the prompt): tokens [B] go to positions lens + step - 1
+    (lens: [B] prompt lengths) -> (next tokens [B], logits [B, V], cache, picks), sampled with
+    fold_in(key, step). forced: int32 [MoE layers, B, k] picks of a routing override, or None
+    (two compiled variants). The position and the key are made here, not by the host between
+    steps: as eager ops they cost ~1.4 ms of a 16.7 ms batch-1 step on two CPU devices."""
+    positions = lens + (step - 1)
     h, cache, picks = forward(params, cache, tokens[:, None], positions[:, None], c, placement, forced)
     logits = lm_head(params, h[:, 0], c)
-    return sample(logits, key, sampling), logits, cache, picks if record else None
+    return sample(logits, jax.random.fold_in(key, step), sampling), logits, cache, picks if record else None
+
+
+def decode_steps(params, cache, tokens, lens, key, first, count, *, block: int, c: ModelConfig, placement,
+                 sampling: Sampling):
+    """Decode steps first .. first + count - 1 (count <= block), each a `decode_step`, in one
+    program -> (their tokens [block, B], rows past count zero; the last tokens [B]; cache).
+    A program per step leaves the devices waiting on the host between steps, and each other
+    in the step's first collective: on two CPU devices, batch 1, 15.2 ms per step against
+    14.1 ms in blocks of 8."""
+    def step(i, carry):
+        tok, cache, out = carry
+        tok, _, cache, _ = decode_step(params, cache, tok, lens, key, first + i, c=c, placement=placement,
+                                       sampling=sampling, record=False)
+        return tok, cache, out.at[i].set(tok)
+
+    out = jnp.zeros((block, tokens.shape[0]), tokens.dtype)
+    tok, cache, out = lax.fori_loop(0, count, step, (tokens, cache, out))
+    return out, tok, cache
 
 
 def to_host(x: jax.Array) -> np.ndarray:
@@ -131,6 +154,9 @@ class Engine:
         self._prefill = jax.jit(functools.partial(prefill, **bind), donate_argnums=1,
                                 static_argnames=("all_logits", "record", "visible"))
         self._decode = jax.jit(functools.partial(decode_step, **bind), donate_argnums=1, static_argnames=("sampling", "record"))
+        self._decode_block = jax.jit(functools.partial(decode_steps, **bind), donate_argnums=1,
+                                     static_argnames=("block", "sampling"))
+        self.decode_block = config.engine.decode_block  # `moejax trace` sets 1: a program per step
 
     # ------------------------------------------------------------------ helpers
     def check_prompts(self, prompts: list[list[int]]) -> None:
@@ -241,22 +267,33 @@ class Engine:
                                                        state.prompts, state.max_len)
         prompt_lens = [len(p) for p in prompts]
         t1 = compile_clock.now()
-        positions = jnp.asarray(state.lens)
-        out, step_logits = [tok], [logits] if return_logits else []  # kept only when asked: B x V per step
-        for step in range(1, max_new_tokens):
+        lens = jnp.asarray(state.lens)
+        out, step_logits = [(tok, 1)], [logits] if return_logits else []  # (tokens [B] or [block, B], steps); logits when asked
+        # Plain generation runs in blocks of steps; recording picks, keeping logits or a routing
+        # override (picks fed per step from the host) go step by step.
+        blocks = self.decode_block > 1 and not (record or return_logits or state.dealer is not None)
+        step = 1
+        while step < max_new_tokens:
+            if blocks:
+                count = min(self.decode_block, max_new_tokens - step)
+                toks, tok, cache = self._decode_block(self.params, cache, tok, lens, state.key, step, count,
+                                                      block=self.decode_block, sampling=sampling)
+                out.append((toks, count))
+                step += count
+                continue
             tok, logits, cache, p = self._decode(
-                self.params, cache, tok, positions, jax.random.fold_in(state.key, step),
+                self.params, cache, tok, lens, state.key, step,
                 forced(state.dealer, "decode", valid_rows(prompt_lens, len(state.lens), 1, None)),
                 sampling=sampling, record=record,
             )
-            positions = positions + 1
-            out.append(tok)
+            out.append((tok, 1))
             if return_logits:
                 step_logits.append(logits)
             picks.append(p)
+            step += 1
         tok.block_until_ready()
         t2 = compile_clock.now()
-        new = np.stack([to_host(t) for t in out], axis=1)
+        new = np.concatenate([np.atleast_2d(to_host(t))[:n] for t, n in out]).T  # [B, max_new_tokens]
         # A request ends when max_new_tokens are out or its cache is full (it may use every slot).
         budget = [min(max_new_tokens, max_len - len(p) + 1) for p in prompts]
         return Generation(
