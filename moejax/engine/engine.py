@@ -272,25 +272,23 @@ class Engine:
         # Plain generation runs in blocks of steps; recording picks, keeping logits or a routing
         # override (picks fed per step from the host) go step by step.
         blocks = self.decode_block > 1 and not (record or return_logits or state.dealer is not None)
-        step = 1
-        while step < max_new_tokens:
-            if blocks:
+        if blocks:
+            for step in range(1, max_new_tokens, self.decode_block):
                 count = min(self.decode_block, max_new_tokens - step)
                 toks, tok, cache = self._decode_block(self.params, cache, tok, lens, state.key, step, count,
                                                       block=self.decode_block, sampling=sampling)
                 out.append((toks, count))
-                step += count
-                continue
-            tok, logits, cache, p = self._decode(
-                self.params, cache, tok, lens, state.key, step,
-                forced(state.dealer, "decode", valid_rows(prompt_lens, len(state.lens), 1, None)),
-                sampling=sampling, record=record,
-            )
-            out.append((tok, 1))
-            if return_logits:
-                step_logits.append(logits)
-            picks.append(p)
-            step += 1
+        else:
+            for step in range(1, max_new_tokens):
+                tok, logits, cache, p = self._decode(
+                    self.params, cache, tok, lens, state.key, step,
+                    forced(state.dealer, "decode", valid_rows(prompt_lens, len(state.lens), 1, None)),
+                    sampling=sampling, record=record,
+                )
+                out.append((tok, 1))
+                if return_logits:
+                    step_logits.append(logits)
+                picks.append(p)
         tok.block_until_ready()
         t2 = compile_clock.now()
         new = np.concatenate([np.atleast_2d(to_host(t))[:n] for t, n in out]).T  # [B, max_new_tokens]
