@@ -8,9 +8,11 @@ logical names to mesh axes) and the target shapes of checkpoint loading.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moejax.config import ModelConfig
 
@@ -211,12 +213,17 @@ def init_param(spec: ParamSpec, key: jax.Array, c: ModelConfig, dtype=jnp.float3
     if spec.axes[:1] == ("layers",) and layer is None:
         return jnp.stack([init_param(spec, key, c, dtype, i) for i in range(spec.shape[0])])
     shape = spec.shape if layer is None else spec.shape[1:]
-    if spec.init == "ones":
-        return jnp.ones(shape, dt)
-    if spec.init == "zeros":
-        return jnp.zeros(shape, dt)
+    if spec.init in ("ones", "zeros"):  # from the host: no program to compile per shape
+        return jnp.asarray(np.full(shape, 1 if spec.init == "ones" else 0, dt))
     k = key if layer is None else jax.random.fold_in(key, layer)
-    return (c.initializer_range * jax.random.normal(k, shape, jnp.float32)).astype(dt)
+    return _normal(k, shape=shape, dtype=dt, scale=c.initializer_range)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "scale"))
+def _normal(key: jax.Array, *, shape: tuple[int, ...], dtype, scale: float) -> jax.Array:
+    """scale * N(0, 1) in dtype, drawn in f32: one program per shape, where the eager draw, scale
+    and cast are three (a preset's start-up compiles, or fetches from the cache, each of them)."""
+    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
 def param_keys(specs: dict, key: jax.Array) -> dict:

@@ -147,5 +147,11 @@ def unstack_layers(params: dict, unrolls) -> dict:
     split = [not isinstance(run, tuple) and unrolls(count(run)) for run in params["layers"]]
     if not any(split):
         return params
-    return {**params, "layers": [tuple(layer_slice(run, i) for i in range(count(run))) if cut else run
-                                 for run, cut in zip(params["layers"], split)]}
+    return {**params, "layers": [_layers_of(run) if cut else run for run, cut in zip(params["layers"], split)]}
+
+
+@jax.jit
+def _layers_of(run):
+    """A run's stacked tree [layers, ...] -> a tuple of per-layer trees, in one program (eager
+    slices would be a program per leaf shape for a start-up to compile or fetch)."""
+    return tuple(layer_slice(run, i) for i in range(jax.tree.leaves(run)[0].shape[0]))
