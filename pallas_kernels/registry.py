@@ -12,16 +12,17 @@ import jax.numpy as jnp
 from moejax.vocab import KERNELS
 from pallas_kernels import formats, layered
 
-# The names are moejax.vocab.KERNELS ("auto" resolves by platform, below): (module of
-# pallas_kernels, function, keyword arguments). A backend's module is imported on first use, so
-# a CPU run never loads Mosaic GPU, Triton or Mosaic TPU (~0.3 s of every command's start-up).
+# The names are moejax.vocab.KERNELS ("auto" resolves by platform, below): the module of
+# pallas_kernels holding the backend (a function of the module's name), and keyword arguments.
+# A backend's module is imported on first use, so a CPU run never loads Mosaic GPU, Triton or
+# Mosaic TPU (~0.3 s of every command's start-up).
 _IMPLS = {
-    "xla": ("gmm_xla", "gmm_xla", {}),
-    "pallas_tpu": ("gmm_pallas_tpu", "gmm_pallas_tpu", {}),
-    "pallas_gpu": ("gmm_pallas_gpu", "gmm_pallas_gpu", {}),
-    "blackwell": ("gmm_blackwell", "gmm_blackwell", {}),  # 4-bit rows x 4-bit weights on sm_100
-    "interpret": ("gmm_pallas_tpu", "gmm_pallas_tpu", {"interpret": True}),
-    "interpret_gpu": ("gmm_pallas_gpu", "gmm_pallas_gpu", {"interpret": True}),
+    "xla": ("gmm_xla", {}),
+    "pallas_tpu": ("gmm_pallas_tpu", {}),
+    "pallas_gpu": ("gmm_pallas_gpu", {}),
+    "blackwell": ("gmm_blackwell", {}),  # 4-bit rows x 4-bit weights on sm_100
+    "interpret": ("gmm_pallas_tpu", {"interpret": True}),
+    "interpret_gpu": ("gmm_pallas_gpu", {"interpret": True}),
 }
 BACKENDS = KERNELS
 assert set(BACKENDS) == {"auto", *_IMPLS}, "moejax.vocab.KERNELS and the kernel implementations differ"
@@ -79,8 +80,8 @@ def _load(module: str, name: str):
 def _backend_fn(name: str):
     if name not in _IMPLS:
         raise ValueError(f"unknown grouped_gemm backend {name!r}; expected one of {BACKENDS}")
-    module, fn, kwargs = _IMPLS[name]
-    return functools.partial(_load(module, fn), **kwargs)
+    module, kwargs = _IMPLS[name]
+    return functools.partial(_load(module, module), **kwargs)
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "preferred_element_type"))
