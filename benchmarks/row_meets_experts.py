@@ -1,8 +1,8 @@
-"""Seed 1's figures beside what `moejax calc` and `moejax analyze` (on the synthetic glm-like trace) give.
+"""Row-Meets-Experts' figures (docs/references.md) beside what `moejax calc` and `moejax analyze` (on the synthetic glm-like trace) give.
 
-    PYTHONPATH=. python benchmarks/analysis_seed1.py [--steps 300] [--seed 0]   # from the repository root
+    PYTHONPATH=. python benchmarks/row_meets_experts.py [--steps 300] [--seed 0]   # from the repository root
 
-Prints one line per figure: what it is, the article's value, ours. About 30 s on one CPU core.
+Prints one line per figure: what it is, Row-Meets-Experts' value, ours. About 30 s on one CPU core.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def main() -> None:
             (f"synthetic: balancedness, EPLB 32 spare slots, {n} devices", eplb_bal, ad[n]["eplb_test"]["balancedness"]),
         ]
     width = max(len(r[0]) for r in rows)
-    print(f"{'figure':<{width}}  {'seed 1':>14}  {'moejax':>14}")
+    print(f"{'figure':<{width}}  {'the article':>14}  {'moejax':>14}")
     for name, article, ours in rows:
         ours = f"{ours:.3f}" if isinstance(ours, float) else str(ours)
         print(f"{name:<{width}}  {str(article):>14}  {ours:>14}")
