@@ -53,7 +53,7 @@ def main() -> None:
             (f"synthetic: balancedness, EPLB 32 spare slots, {n} devices", eplb_bal, ad[n]["eplb_test"]["balancedness"]),
         ]
     width = max(len(r[0]) for r in rows)
-    print(f"{'figure':<{width}}  {'the article':>14}  {'moejax':>14}")
+    print(f"{'figure':<{width}}  {'published':>14}  {'moejax':>14}")
     for name, article, ours in rows:
         ours = f"{ours:.3f}" if isinstance(ours, float) else str(ours)
         print(f"{name:<{width}}  {str(article):>14}  {ours:>14}")
