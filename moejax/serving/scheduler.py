@@ -32,12 +32,11 @@ import time
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from moejax.engine.engine import bucket, forced, to_host
 from moejax.errors import UsageError
-from moejax.model.transformer import forward, lm_head
+from moejax.serving.slot_programs import decode_slots, prefill_slots, put_positions, take_positions
 from moejax.serving.stopping import Stopper
 
 
@@ -81,101 +80,6 @@ class _Slot:
     pos: int = 0  # decode: the position of `token`, fed in the next step
     token: int = 0
     draft: int = 0  # MTP: the draft for pos + 1 (speculative.py)
-
-
-# ----------------------------------------------------------------------------- jitted programs
-
-def sample_rows(logits, temperature, top_p, top_k, seeds, positions, *, greedy_only: bool):
-    """Per-row sampling: logits [B, V] and per-row temperature / top_p / top_k / seed [B] -> [B].
-    A row's key depends only on its seed and position, never on its slot or neighbours."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if greedy_only:
-        return greedy
-    logits = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    desc = jnp.sort(logits, axis=-1)[:, ::-1]
-    kth = jnp.take_along_axis(desc, jnp.maximum(top_k - 1, 0)[:, None], axis=-1)
-    logits = jnp.where((top_k[:, None] > 0) & (logits < kth), -jnp.inf, logits)
-    desc = jnp.sort(logits, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(desc, axis=-1)
-    # Keep the smallest set of tokens whose mass reaches top_p (the best token always stays).
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    cutoff = jnp.min(jnp.where(mass_before < top_p[:, None], desc, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(jax.random.key(0), s), p))(seeds, positions)
-    drawn = jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
-
-
-# The batch axis of a cache array: 1 in a run's stacked [layers, B, ...] cache, 0 in the MTP
-# layer's own [B, ...] cache.
-RUN_BATCH_AXIS = 1
-
-
-def take_rows(cache: list[dict], slots: jax.Array, axis: int = RUN_BATCH_AXIS) -> list[dict]:
-    """The cache rows of `slots` [W] (slot S, out of range: zeros)."""
-    at = (slice(None),) * axis + (slots,)
-    return [{k: v.at[at].get(mode="fill", fill_value=0) for k, v in layer.items()} for layer in cache]
-
-
-def put_rows(cache: list[dict], slots: jax.Array, rows: list[dict], axis: int = RUN_BATCH_AXIS) -> list[dict]:
-    """cache with `rows` written back at `slots` (slot S: dropped). A gather/scatter at traced slot
-    ids: with static slices XLA folds the read into the write-back and copies the whole cache twice
-    a step instead of updating it in place."""
-    at = (slice(None),) * axis + (slots,)
-    return [{k: v.at[at].set(r[k], mode="drop") for k, v in layer.items()} for layer, r in zip(cache, rows)]
-
-
-def _positions_index(ndim: int, seq: int, slots: jax.Array, positions: jax.Array) -> tuple:
-    """Index of a run's cache array [layers, B, ..., S at axis seq, ...] at the positions [P, C]
-    of `slots` [P]."""
-    index = [slice(None)] * ndim
-    index[RUN_BATCH_AXIS], index[seq] = slots[:, None], positions
-    return tuple(index)
-
-
-def take_positions(cache: list[dict], slots: jax.Array, positions: jax.Array, seq_axes: list[dict]) -> list[dict]:
-    """The entries at `positions` [P, C] of `slots` [P] (out of range: zeros), each array laid out
-    as the cache with P rows of C positions. (Index arrays apart put their axes first: moved back.)"""
-    def take(v, seq):
-        piece = v.at[_positions_index(v.ndim, seq, slots, positions)].get(mode="fill", fill_value=0)
-        return piece if seq == RUN_BATCH_AXIS + 1 else jnp.moveaxis(piece, (0, 1), (RUN_BATCH_AXIS, seq))
-    return [{k: take(v, axes[k]) for k, v in layer.items()} for layer, axes in zip(cache, seq_axes)]
-
-
-def put_positions(cache: list[dict], slots: jax.Array, positions: jax.Array, pieces: list[dict],
-                  seq_axes: list[dict]) -> list[dict]:
-    """cache with `take_positions`' pieces written back at `positions` of `slots` (out of range: dropped)."""
-    def put(v, piece, seq):
-        piece = piece if seq == RUN_BATCH_AXIS + 1 else jnp.moveaxis(piece, (RUN_BATCH_AXIS, seq), (0, 1))
-        return v.at[_positions_index(v.ndim, seq, slots, positions)].set(piece, mode="drop")
-    return [{k: put(v, piece[k], axes[k]) for k, v in layer.items()} for layer, piece, axes in zip(cache, pieces, seq_axes)]
-
-
-def decode_slots(params, cache, slots, tokens, positions, temperature, top_p, top_k, seeds, forced=None, *, c,
-                 placement, greedy_only):
-    """One decode step over the first W slots (`slots` = 0..W-1):
-    tokens, positions: [W] -> (next tokens [W], cache, picks); forced: a routing override's
-    int32 [MoE layers, W, k] picks, or None."""
-    every = slots.shape[0] == cache[0][next(iter(cache[0]))].shape[RUN_BATCH_AXIS]  # all slots: no gather needed
-    h, rows, picks = forward(params, cache if every else take_rows(cache, slots), tokens[:, None], positions[:, None],
-                             c, placement, forced)
-    logits = lm_head(params, h[:, 0], c)
-    token = sample_rows(logits, temperature, top_p, top_k, seeds, positions + 1, greedy_only=greedy_only)
-    return token, rows if every else put_rows(cache, slots, rows), picks
-
-
-def prefill_slots(params, cache, slots, tokens, start, last, temperature, top_p, top_k, seeds, forced=None, *, c,
-                  placement, greedy_only):
-    """One prefill chunk of P requests into their slots: slots, start, last: [P], tokens: [P, C].
-    A padding row names slot S (out of range): it reads zeros and its writes are dropped.
-    forced: a routing override's int32 [MoE layers, P*C, k] picks, or None.
-    Returns (the token after `last` per row [P], meaningful where `last` is in this chunk; cache; picks)."""
-    p, chunk = tokens.shape
-    positions = start[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
-    h, rows, picks = forward(params, take_rows(cache, slots), tokens, positions, c, placement, forced)
-    h = h[jnp.arange(p), jnp.clip(last - start, 0, chunk - 1)]
-    token = sample_rows(lm_head(params, h, c), temperature, top_p, top_k, seeds, last + 1, greedy_only=greedy_only)
-    return token, put_rows(cache, slots, rows), picks
 
 
 # ----------------------------------------------------------------------------- the scheduler

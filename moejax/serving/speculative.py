@@ -23,7 +23,8 @@ from moejax.engine.engine import to_host
 from moejax.errors import UsageError
 from moejax.model.mtp import init_mtp_cache, mtp_forward
 from moejax.model.transformer import forward, lm_head
-from moejax.serving.scheduler import Request, Scheduler, put_rows, take_rows
+from moejax.serving.scheduler import Request, Scheduler
+from moejax.serving.slot_programs import put_rows, take_rows
 
 
 def _greedy(params, h, c):
