@@ -43,7 +43,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/moejax/xla"))
 
-    from moejax.analysis import costs, eplb
+    from moejax.analysis import costs
+    from sharding import eplb
     from moejax.analysis.record import model_trace
     from moejax.analysis.simulate import layouts, simulate
     from moejax.analysis.trace import save_trace

@@ -13,7 +13,8 @@ import json
 import numpy as np
 import pytest
 
-from moejax.analysis import eplb, metrics, synthetic
+from moejax.analysis import metrics, synthetic
+from sharding import eplb
 from moejax.analysis.trace import Trace, load_trace, save_trace
 from moejax.cli import main
 from moejax.errors import UsageError

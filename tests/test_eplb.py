@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from moejax.analysis import eplb
+from sharding import eplb
 
 
 def test_packing_puts_heaviest_item_into_lightest_pack():

@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from moejax.analysis import costs, eplb
+from moejax.analysis import costs
+from sharding import eplb
 from moejax.analysis.simulate import device_work, layouts, phase_us, simulate
 from moejax.analysis.trace import Trace, save_trace
 from moejax.cli import main

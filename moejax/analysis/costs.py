@@ -24,11 +24,11 @@ from pathlib import Path
 import numpy as np
 import scipy.optimize
 
-from moejax.analysis import eplb
 from moejax.analysis.simulate import Layout, device_work, layouts, padded_rows, phase_us, simulate
 from moejax.analysis.trace import Trace
 from moejax.config import Config
 from moejax.errors import UsageError
+from sharding import eplb
 
 REPS = 16  # calls per timed scan
 ROUNDS = 7  # timed runs of each measurement; the best counts

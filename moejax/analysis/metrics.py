@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-from moejax.analysis.eplb import logical_maps
+from sharding.eplb import logical_maps
 from moejax.analysis.trace import Trace
 
 

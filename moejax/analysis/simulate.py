@@ -22,11 +22,11 @@ import math
 
 import numpy as np
 
-from moejax.analysis import eplb, metrics
+from moejax.analysis import metrics
 from moejax.analysis.analyze import FIT_FRACTION
 from moejax.analysis.trace import Trace
 from moejax.config import LayoutConfig
-from sharding import registry
+from sharding import eplb, registry
 
 
 @dataclasses.dataclass(frozen=True)
