@@ -51,6 +51,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--two-batch-overlap", action="store_true", default=None,
                    help="placements that move rows: two micro-batches, one's exchange issued while the other computes")
     p.add_argument("--expert-format", choices=EXPERT_FORMATS, help="experts in --dtype (unquantized) or 4-bit")
+    p.add_argument("--redundant-experts", type=int, metavar="R",
+                   help="spare expert slots per MoE layer for replicas of hot experts (a multiple of ep)")
+    p.add_argument("--eplb", metavar="TRACE", help="place the experts by EPLB on a `moejax record` trace at load")
     p.add_argument("--kernel", choices=KERNELS, help="grouped-GEMM backend (auto: by platform)")
     p.add_argument("--prefill-chunk", type=int, help="most prompt positions per prefill call (default: 1024 on CPU, 512 elsewhere)")
     p.add_argument("--routing", metavar="MODE", help="picks forced on the router: natural (default), even[:SEED], "
@@ -73,7 +76,9 @@ def config_from_args(args, host_default: bool = False) -> Config:
     layout = {k: v for k, v in dict(
         placement=args.placement, devices=args.devices, ep=args.ep, tp=args.tp, attention=args.attention,
         head=args.head, dispatch_dtype=args.dispatch_dtype, prefetch_depth=args.prefetch_depth,
-        two_batch_overlap=args.two_batch_overlap,
+        two_batch_overlap=args.two_batch_overlap, redundant_experts=args.redundant_experts, eplb=args.eplb,
+        eplb_online=getattr(args, "eplb_online", None), eplb_window=getattr(args, "eplb_window", None),
+        eplb_interval=getattr(args, "eplb_interval", None),
     ).items() if v is not None}
     apart = getattr(args, "prefill_placement", None) or getattr(args, "decode_placement", None)
     if host_default and not layout and config.layout == LayoutConfig() and args.num_processes == 1 and not apart:
@@ -169,12 +174,14 @@ def host_layout(config: Config) -> Config:
 
 
 def build_engine(config: Config, hf_dir: str | None, seed: int, checkpoint: str | None = None,
-                 devices: list | None = None, params: dict | None = None):
+                 devices: list | None = None, params: dict | None = None, phy2log=None):
     """An engine of `config`'s placement on the machine's first devices, or on `devices`;
-    `params`: already placed as this placement lays them out (else loaded and placed)."""
+    `params`: already placed as this placement lays them out, experts in slots `phy2log` where
+    the layout places them (else loaded and placed)."""
     # Deferred: orbax, safetensors and the model code load only for the verbs that run a model.
     from moejax.analysis.trace import load_trace
     from moejax.engine.engine import Engine
+    from moejax.engine.expert_placement import place_experts
     from moejax.engine.routing import Routing
     from moejax.loading import load_params, with_hf_model
 
@@ -185,7 +192,8 @@ def build_engine(config: Config, hf_dir: str | None, seed: int, checkpoint: str 
     placement = registry.make_placement(config, devices=devices)
     if params is None:
         params = load_params(config, placement, hf_dir=hf_dir, checkpoint=checkpoint, seed=seed)
-    return Engine(config, params, placement, routing)
+        params, phy2log = place_experts(params, placement, load_trace)
+    return Engine(config, params, placement, routing, phy2log)
 
 
 # ----------------------------------------------------------------------------- prefill / decode on their own placements
@@ -219,7 +227,7 @@ def pd_engine(config: Config, devices: list, name: str, args, others=()):
     mesh = make_mesh(registry.placement_class(name).mesh_shape(config.layout), devices)
     alike = [e for e in others if e.placement.mesh == mesh]
     return build_engine(config, args.hf, args.seed, args.checkpoint, devices=devices,
-                        params=alike[0].params if alike else None)
+                        params=alike[0].params if alike else None, phy2log=alike[0].phy2log if alike else None)
 
 
 def pd_engines(config: Config, args) -> tuple:

@@ -163,8 +163,22 @@ class LayoutConfig:
     # Placements that move rows: each device's rows of a MoE layer as two micro-batches, one's
     # exchange issued while the other computes (`sharding/overlap.py`).
     two_batch_overlap: bool = False
+    # Expert placement ("How a Row Meets Its Experts"; `sharding/slots.py`): spare slots per MoE
+    # layer for replicas of hot experts (a multiple of ep), a `moejax record` trace to place the
+    # experts by at load (""), and rebalancing from live picks every `eplb_interval` decode steps
+    # over the last `eplb_window`.
+    redundant_experts: int = 0
+    eplb: str = ""
+    eplb_online: bool = False
+    eplb_window: int = 64
+    eplb_interval: int = 32
 
     def validate(self) -> None:
+        if self.redundant_experts < 0:
+            raise ConfigError(f"layout.redundant_experts must not be negative, got {self.redundant_experts}")
+        if self.eplb_window < 1 or self.eplb_interval < 1:
+            raise ConfigError(f"layout.eplb_window and layout.eplb_interval must be at least 1, got {self.eplb_window} "
+                              f"and {self.eplb_interval}")
         if self.devices < 0:
             raise ConfigError(f"devices must be at least 1 (or 0: this host's choice), got {self.devices}")
         if self.ep < 0 or self.tp < 0:

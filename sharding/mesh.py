@@ -47,7 +47,10 @@ class MeshPlacement(Placement, abc.ABC):
         self.mesh = mesh or make_mesh((self.ep, self.tp))
         self.table = rules.rules(layout)
         self.sizes = dict(self.mesh.shape)
-        self.num_experts = rules.padded_experts(config.model.num_experts, self.ep)
+        if layout.redundant_experts % self.ep:
+            raise ConfigError(f"layout.redundant_experts {layout.redundant_experts} must be a multiple of ep "
+                              f"({self.ep}): each device holds as many slots")
+        self.set_slots(rules.padded_experts(config.model.num_experts, self.ep))
         self.rows_sharded = layout.attention == "dp"
         self.two_batch_overlap = layout.two_batch_overlap
         if self.two_batch_overlap and self.rows_stay_home:

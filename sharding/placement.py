@@ -16,7 +16,7 @@ import pallas_kernels
 from moejax.config import Config
 from moejax.model.params import ParamSpec, expert_axis, is_expert_stack
 from pallas_kernels.layered import LayerOf, layer_slice
-from sharding import accounting, rules
+from sharding import accounting, rules, slots
 from sharding.experts import moe_local
 
 
@@ -43,7 +43,13 @@ class Placement:
         # exported to (`moejax plan --export`); it picks the kernel "auto" stands for.
         self.platform = platform or jax.default_backend()
         self.kernel = pallas_kernels.resolve(config.kernel, self.platform)
-        self.num_experts = config.model.num_experts  # including padding experts, if any
+        self.set_slots(config.model.num_experts)
+
+    def set_slots(self, num_logical: int) -> None:
+        """Logical experts (padding included) and the physical slots holding them: one each, plus
+        `layout.redundant_experts` spare slots for replicas (`sharding/slots.py`)."""
+        self.num_logical = num_logical
+        self.num_experts = num_logical + self.config.layout.redundant_experts  # slots: what the exchange indexes
 
     @property
     def devices(self) -> int:
@@ -64,13 +70,14 @@ class Placement:
 
     def place(self, spec: ParamSpec, value) -> jax.Array:
         """One parameter (an array, or a 4-bit tree of arrays) onto its devices; expert stacks
-        padded with empty experts up to `num_experts` (never picked)."""
+        padded with empty experts up to `num_logical` (never picked), in checkpoint order
+        (`sharding/moves.py` moves them into a placement's slots)."""
         def put_leaf(a):
             if is_expert_stack(spec):
                 ax = expert_axis(spec)
-                if a.shape[ax] < self.num_experts:
+                if a.shape[ax] < self.num_logical:
                     pad = [(0, 0)] * a.ndim
-                    pad[ax] = (0, self.num_experts - a.shape[ax])
+                    pad[ax] = (0, self.num_logical - a.shape[ax])
                     a = np.pad(np.asarray(a), pad)
             return self.put(a, rules.leaf_axes(spec.axes, a.ndim))
         return jax.tree.map(put_leaf, value)
@@ -102,8 +109,13 @@ class Placement:
         ones for placements that keep weights in place, every expert for one that moves them."""
         return w
 
+    def pick_slots(self, ids: jax.Array, table: dict) -> jax.Array:
+        """Logical picks ids: [T, k] -> the physical slots they run on, by one layer's slot
+        `table`: spread over each expert's replicas."""
+        return slots.pick_slots(ids, table)
+
     def moe(self, x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict) -> jax.Array:
-        """x: [T, D], ids/weights: [T, k] -> [T, D]: the routed experts' weighted sum per row."""
+        """x: [T, D], ids (physical slots)/weights: [T, k] -> [T, D]: the routed experts' weighted sum per row."""
         return moe_local(x, ids, weights, experts, kernel=self.kernel)
 
     # ------------------------------------------------------------------ accounting

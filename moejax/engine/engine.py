@@ -140,8 +140,9 @@ class Engine:
     """Binds a model, its (placed) parameters and a placement to jitted prefill/decode, under a
     routing override (`engine.routing`; default the router's own picks)."""
 
-    def __init__(self, config: Config, params: dict, placement, routing: Routing = Routing()):
+    def __init__(self, config: Config, params: dict, placement, routing: Routing = Routing(), phy2log=None):
         self.config = config
+        self.phy2log = phy2log  # int[MoE layers, slots]: the experts' placement (None: checkpoint order)
         self.c = config.model
         self.params = unstack_layers(params, config.engine.unrolls)
         self.placement = placement

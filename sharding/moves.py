@@ -1,0 +1,128 @@
+"""Experts into a new placement: every leaf of each MoE layer's expert tree (bf16 matrices, 4-bit
+values, block and tensor scales, biases: whatever carries the leading expert axis) moves slot to
+slot in one jitted program, device to device over "ep", bit for bit.
+
+Each device gathers one layer's slots at a time and keeps the ones its new slots name, so a
+device holds at most one layer's experts beyond its own share while the move runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from moejax.model.params import layer_runs
+from sharding import slots
+
+
+def sources(old: np.ndarray, new: np.ndarray, devices: int) -> np.ndarray:
+    """int32 [L, P_new]: the old slot each new slot copies (old int[L, S], new int[L, P_new]
+    phy2log), one on the new slot's own device when it has one (nothing travels then)."""
+    num_layers, num_old = old.shape
+    old_device = np.arange(num_old) // (num_old // devices)
+    new_device = np.arange(new.shape[1]) // (new.shape[1] // devices)
+    src = np.empty(new.shape, np.int32)
+    for l in range(num_layers):
+        holds = old[l][None, :] == new[l][:, None]  # [P_new, S]
+        if not holds.any(1).all():
+            raise ValueError("the new placement names an expert the old one does not hold")
+        here = holds & (old_device[None, :] == new_device[:, None])
+        src[l] = np.where(here.any(1), here.argmax(1), holds.argmax(1))
+    return src
+
+
+def moved_slots(src: np.ndarray, num_old: int, num_new: int, devices: int) -> int:
+    """Slots whose expert came from another device."""
+    return int((src // (num_old // devices) != np.arange(num_new) // (num_new // devices)).sum())
+
+
+def _spec(a: jax.Array, axis: int) -> P:
+    """The leaf's own sharding with its expert `axis` split over "ep" (a shard_map spec)."""
+    spec = list(a.sharding.spec) if isinstance(a.sharding, NamedSharding) else []
+    spec += [None] * (a.ndim - len(spec))
+    spec[axis] = "ep"
+    return P(*spec)
+
+
+@functools.cache
+def _mover(mesh, stacked: bool, treedef, leaf_specs: tuple):
+    """The jitted move of experts of tree `treedef` whose leaves lie as `leaf_specs` (one per
+    mesh, tree and layout: a rebalance reuses it). experts: a run's stack (leaves [L, S, ...]) or
+    a tuple of layers' trees ([S, ...]); src: int32 [L, P_new] -> the same with P_new slots,
+    slot p of layer l a copy of old slot src[l, p]."""
+
+    def local(tree, src):  # per device: its [.., S / n, ..] share -> its [.., P_new / n, ..] share
+        if mesh is None:
+            mine, gather = src, lambda a: a
+        else:
+            per = src.shape[1] // jax.lax.axis_size("ep")
+            mine = jax.lax.dynamic_slice_in_dim(src, jax.lax.axis_index("ep") * per, per, axis=1)
+            gather = lambda a: jax.lax.all_gather(a, "ep", axis=0, tiled=True)
+        take = lambda a, l: jnp.take(gather(a), mine[l], axis=0)
+        if stacked:
+            return jax.tree.map(lambda a: jnp.stack([take(a[l], l) for l in range(a.shape[0])]), tree)
+        return tuple(jax.tree.map(lambda a: take(a, l), layer) for l, layer in enumerate(tree))
+
+    if mesh is None:
+        return jax.jit(local)
+    specs = jax.tree.unflatten(treedef, leaf_specs)
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=specs))
+
+
+def move(placement, experts, src: np.ndarray):
+    """A run's experts (stacked, or a tuple of layers) moved to the slots `src` names (`sources`)."""
+    stacked = not isinstance(experts, tuple)
+    leaves, treedef = jax.tree.flatten(experts)
+    mesh = getattr(placement, "mesh", None)
+    specs = tuple(_spec(a, 1 if stacked else 0) for a in leaves) if mesh is not None else ()
+    return _mover(mesh, stacked, treedef, specs)(experts, jnp.asarray(src, jnp.int32))
+
+
+def expert_bytes(experts) -> int:
+    """Bytes of one slot of one layer (every leaf)."""
+    leaves = jax.tree.leaves(experts)
+    first = leaves[0]
+    layers = len(experts) if isinstance(experts, tuple) else first.shape[0]
+    num_slots = first.shape[0] if isinstance(experts, tuple) else first.shape[1]
+    return sum(a.nbytes for a in leaves) // (layers * num_slots)
+
+
+def put_tables(placement, phy2log: np.ndarray, num_experts: int) -> dict:
+    """The slot tables of `phy2log` on the devices, copied to each (inputs of the programs)."""
+    return {k: placement.put(v, ("layers",) + (None,) * (v.ndim - 1))
+            for k, v in slots.tables(phy2log, num_experts).items()}
+
+
+def moe_runs(params: dict, c) -> list[int]:
+    """Indices into params["layers"] of the MoE runs, in layer order."""
+    return [r for r, run in enumerate(layer_runs(c)) if run.is_moe(c)]
+
+
+def arrange(placement, params: dict, old: np.ndarray, new: np.ndarray) -> tuple[dict, int]:
+    """`params` with every MoE run's experts moved from phy2log `old` int[L, S] to `new`
+    int[L, P] (L: all MoE layers, in order) and the tables of `new` beside them -> (params,
+    bytes that changed device)."""
+    c, devices, moved = placement.config.model, placement.ep, 0
+    layers, at = list(params["layers"]), 0
+    for r in moe_runs(params, c):
+        run = layers[r]
+        stacked = not isinstance(run, tuple)
+        count = jax.tree.leaves(run)[0].shape[0] if stacked else len(run)
+        o, n = old[at: at + count], new[at: at + count]
+        src = sources(o, n, devices)
+        experts = run["moe"]["experts"] if stacked else tuple(layer["moe"]["experts"] for layer in run)
+        moved += moved_slots(src, o.shape[1], n.shape[1], devices) * expert_bytes(experts)
+        experts = move(placement, experts, src)
+        table = put_tables(placement, n, placement.num_logical)
+        if stacked:
+            layers[r] = {**run, "moe": {**run["moe"], "experts": experts, "slots": table}}
+        else:
+            layers[r] = tuple({**layer, "moe": {**layer["moe"], "experts": e, "slots": jax.tree.map(lambda a: a[i], table)}}
+                              for i, (layer, e) in enumerate(zip(run, experts)))
+        at += count
+    return {**params, "layers": layers}, moved
