@@ -109,10 +109,13 @@ class Placement:
         ones for placements that keep weights in place, every expert for one that moves them."""
         return w
 
+    # Whether a pick of a replicated expert takes a replica on its row's own device first (rows
+    # that travel to their experts); else picks spread over the replicas.
+    home_replicas = False
+
     def pick_slots(self, ids: jax.Array, table: dict) -> jax.Array:
-        """Logical picks ids: [T, k] -> the physical slots they run on, by one layer's slot
-        `table`: spread over each expert's replicas."""
-        return slots.pick_slots(ids, table)
+        """Logical picks ids: [T, k] -> the physical slots they run on, by one layer's slot `table`."""
+        return slots.pick_slots(ids, table, self.ep, home=self.home_replicas)
 
     def moe(self, x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict) -> jax.Array:
         """x: [T, D], ids (physical slots)/weights: [T, k] -> [T, D]: the routed experts' weighted sum per row."""

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from sharding import accounting, overlap, slots
+from sharding import accounting, overlap
 from sharding.experts import moe_local
 from sharding.mesh import MeshPlacement, own_share
 from sharding.rules import ALL
@@ -140,6 +140,7 @@ class RaggedA2A(MeshPlacement):
     """Whole experts, E/N per device (an N x 1 mesh); rows travel to the devices of their picks."""
 
     name = "ragged_a2a"
+    home_replicas = True  # a replica on the row's own device saves the row its trip
 
     def __init__(self, config, mesh=None, platform=None, use_ragged: bool | None = None):
         super().__init__(config, mesh, platform)
@@ -151,10 +152,6 @@ class RaggedA2A(MeshPlacement):
     @classmethod
     def mesh_shape(cls, layout):
         return cls.fixed_mesh(layout, (layout.devices, 1))
-
-    def pick_slots(self, ids, table):
-        # A replica on the row's own device saves the row a trip; else spread.
-        return slots.pick_slots(ids, table, self.devices, home=True)
 
     def exchange(self, x, ids, weights, w):
         phases = ragged_phases(w, num_experts=self.num_experts, dispatch_dtype=self.config.layout.dispatch_dtype,

@@ -71,13 +71,46 @@ def pick_slots(ids: jax.Array, table: dict, devices: int = 1, home: bool = False
     return jnp.where(local.any(-1), first_local, spread)
 
 
-def device_counts(slots: np.ndarray, num_slots: int, devices: int) -> np.ndarray:
-    """slots int[..., T, k] -> int[..., N]: rows each device's experts compute (a row with two
-    picks on one device counts once)."""
-    device = np.asarray(slots) // (num_slots // devices)
-    visits = np.zeros((*device.shape[:-1], devices), bool)
-    np.put_along_axis(visits, device, True, axis=-1)
-    return visits.sum(-2)
+def host_pick_slots(ids: np.ndarray, table: dict, devices: int = 1, home: bool = False) -> np.ndarray:
+    """`pick_slots` in numpy, for counting on the host without compiling a program per shape."""
+    log2phy, logcnt = np.asarray(table["log2phy"]), np.asarray(table["logcnt"])
+    flat = np.asarray(ids).reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    ordered = flat[order]
+    position = np.arange(flat.size)
+    first = np.ones(flat.size, bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    rank = np.empty_like(position)
+    rank[order] = position - np.maximum.accumulate(np.where(first, position, 0))
+    spread = log2phy[flat, rank % logcnt[flat]].reshape(ids.shape)
+    if not home:
+        return spread
+    t = ids.shape[0]
+    per_device = (log2phy.shape[1] + log2phy.shape[0] - 1) // devices
+    row_device = np.arange(t) // -(-t // devices)
+    candidates = log2phy[ids]  # [T, k, X]
+    local = (candidates // per_device == row_device[:, None, None]) & (np.arange(candidates.shape[-1]) < logcnt[ids][..., None])
+    first_local = np.take_along_axis(candidates, local.argmax(-1)[..., None], -1)[..., 0]
+    return np.where(local.any(-1), first_local, spread)
+
+
+def device_rows(ids: np.ndarray, valid: np.ndarray, phy2log: np.ndarray | None, num_logical: int, devices: int,
+                home: bool = False) -> np.ndarray:
+    """int[N]: rows each device's experts computed in one forward pass, summed over MoE layers:
+    ids int[L, R, k] logical picks, valid bool[R], the experts placed by phy2log int[L, P] (None:
+    checkpoint order, `num_logical` slots). A row with two picks on one device counts once; the
+    picks go to replicas as the run sends them (`home`: the row's own device first)."""
+    total = np.zeros(devices, np.int64)
+    table = None if phy2log is None else tables(phy2log, num_logical)
+    num_slots = num_logical if phy2log is None else phy2log.shape[1]
+    for l in range(ids.shape[0]):
+        where = ids[l] if table is None else host_pick_slots(
+            ids[l], {k: v[l] for k, v in table.items()}, devices, home)
+        device = where[valid] // (num_slots // devices)  # [valid rows, k]
+        visits = np.zeros((device.shape[0], devices), bool)
+        np.put_along_axis(visits, device, True, axis=-1)
+        total += visits.sum(0)
+    return total
 
 
 def balancedness(per_device: np.ndarray) -> float:

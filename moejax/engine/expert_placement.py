@@ -61,18 +61,9 @@ def place_experts(params: dict, placement, load_trace) -> tuple[dict, np.ndarray
     return params, phy2log
 
 
-def device_rows(picks: list, phy2log: np.ndarray, placement) -> np.ndarray:
-    """int[N]: rows each ep device's experts computed over the forward passes `picks` (each a
-    list over MoE layers of logical picks [rows, k]), under `phy2log` (None: checkpoint order)."""
-    import jax.numpy as jnp
-
-    n = placement.ep
-    num_slots = placement.num_experts if phy2log is not None else placement.num_logical
-    total = np.zeros(n, np.int64)
-    table = None if phy2log is None else slots.tables(phy2log, placement.num_logical)
-    for step in picks:
-        for l, ids in enumerate(step):
-            where = ids if table is None else np.asarray(placement.pick_slots(
-                jnp.asarray(ids), {k: jnp.asarray(v[l]) for k, v in table.items()}))
-            total += slots.device_counts(where, num_slots, n)
-    return total
+def trace_device_rows(trace, phy2log: np.ndarray | None, placement) -> np.ndarray:
+    """int[N]: rows each ep device's experts computed over every pass of `trace`, summed over
+    MoE layers, with the experts placed by `phy2log` (None: checkpoint order)."""
+    return sum((slots.device_rows(trace.ids[s], trace.valid[s], phy2log, placement.num_logical, placement.ep,
+                                  placement.home_replicas) for s in range(trace.num_steps)),
+               np.zeros(placement.ep, np.int64))

@@ -1,0 +1,68 @@
+"""Expert placement at run time on a skewed model: the router's correction bias favours two
+experts of device 0, so under expert_sharded on 8 devices that device computes most rows; a
+placement from a recorded trace, with spare slots for replicas, spreads them."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax.analysis.record import model_trace
+from moejax.analysis.trace import load_trace, save_trace
+from moejax.config import Config, LayoutConfig, preset
+from moejax.engine.engine import Engine
+from moejax.engine.expert_placement import place_experts, trace_device_rows
+from moejax.loading import load_params
+from sharding import make_placement, slots
+
+PROMPTS = [[i, i + 1, i + 2] for i in range(3, 60, 7)]  # 9 requests
+STEPS = 12
+HOT = (0, 1)  # experts 0 and 1: both on device 0 in the checkpoint order (2 experts per device)
+
+
+def skew(params: dict, c) -> dict:
+    """The router's correction bias raised for the HOT experts of every MoE layer."""
+    def run(r, run_params):
+        if "moe" not in run_params:
+            return run_params
+        bias = run_params["moe"]["router_bias"].at[..., jnp.asarray(HOT)].add(1.0)
+        return {**run_params, "moe": {**run_params["moe"], "router_bias": bias}}
+    return {**params, "layers": [run(r, p) for r, p in enumerate(params["layers"])]}
+
+
+def skewed_engine(**layout) -> Engine:
+    config = Config(model=preset("tiny"), layout=LayoutConfig(devices=8, placement="expert_sharded", **layout)).validate()
+    placement = make_placement(config)
+    params = skew(load_params(config, placement, seed=3), config.model)
+    params, phy2log = place_experts(params, placement, load_trace)
+    return Engine(config, params, placement, phy2log=phy2log)
+
+
+def record(engine, path):
+    return save_trace(path, **model_trace(engine, PROMPTS, STEPS, "skewed tiny"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint_order(tmp_path_factory):
+    """(engine in the checkpoint order, its trace's path, the trace)."""
+    engine, path = skewed_engine(), tmp_path_factory.mktemp("eplb") / "picks.npz"
+    return engine, path, record(engine, path)
+
+
+def balancedness(engine, trace) -> float:
+    return slots.balancedness(trace_device_rows(trace, engine.phy2log, engine.placement))
+
+
+def test_skewed_model_loads_one_device(checkpoint_order):
+    engine, _, trace = checkpoint_order
+    rows = trace_device_rows(trace, None, engine.placement)
+    assert rows.argmax() == 0 and slots.balancedness(rows) < 0.4
+
+
+def test_static_placement_from_a_trace_balances_device_rows(checkpoint_order, tmp_path):
+    engine, path, trace = checkpoint_order
+    placed = skewed_engine(redundant_experts=8, eplb=str(path))
+    after = record(placed, tmp_path / "after.npz")
+    assert balancedness(placed, after) >= 0.6
+    assert after.ids.tolist() == trace.ids.tolist()  # the same picks at every step: the same tokens
