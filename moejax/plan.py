@@ -29,6 +29,7 @@ import pallas_kernels
 from moejax.commands import ensure_devices
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import decode_step, prefill
+from moejax.engine.expert_placement import wants_slots
 from moejax.engine.kv_cache import init_cache
 from moejax.engine.sampling import Sampling
 from moejax.errors import UsageError
@@ -36,6 +37,7 @@ from moejax.model.attention import cache_specs
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_dtype, param_specs
 from moejax.vocab import ATTENTION_MODES, DTYPES, EXPERT_FORMATS
 from sharding import make_placement, names, placement_class, rules, with_placement
+from sharding.tensor_sliced import TensorSliced
 
 GB = 1e9
 EXPORT_PLATFORMS = ("tpu", "cuda")
@@ -51,7 +53,7 @@ def _sharded(a, placement, axes: tuple):
 
 def abstract_params(config: Config, placement) -> dict:
     """Every parameter as the run holds it (4-bit experts as their QuantizedArray leaves, expert
-    stacks padded to the placement's count), abstract and sharded."""
+    stacks padded to the placement's count of slots, spare slots included), abstract and sharded."""
     def one(spec: ParamSpec):
         shape = list(spec.shape)
         if is_expert_stack(spec):
@@ -61,7 +63,15 @@ def abstract_params(config: Config, placement) -> dict:
             array = jax.eval_shape(functools.partial(pallas_kernels.run_weights, expert_format=config.weights.expert_format,
                                                      k_slices=placement.k_slices(spec), kernel=config.kernel), array)
         return jax.tree.map(lambda a: _sharded(a, placement, spec.axes), array)
-    return jax.tree.map(one, param_specs(config.model), is_leaf=lambda x: isinstance(x, ParamSpec))
+    params = jax.tree.map(one, param_specs(config.model), is_leaf=lambda x: isinstance(x, ParamSpec))
+    if wants_slots(config.layout):  # experts in placement slots: the slot tables ride beside them
+        for run in params["layers"]:
+            if "moe" in run:
+                count, spare = jax.tree.leaves(run)[0].shape[0], config.layout.redundant_experts
+                table = {"log2phy": (count, placement.num_logical, spare + 1), "logcnt": (count, placement.num_logical)}
+                run["moe"]["slots"] = {k: _sharded(jax.ShapeDtypeStruct(s, jnp.int32), placement, ("layers",) + (None,) * (len(s) - 1))
+                                       for k, s in table.items()}
+    return params
 
 
 def abstract_cache(config: Config, placement, batch: int, context: int) -> list[dict]:
@@ -154,12 +164,16 @@ def plan_placement(config: Config, batch: int, context: int, prefill_chunk: int,
 def cmd_plan(args) -> int:
     ensure_devices(args.devices)
     model = preset(args.preset)
+    if args.redundant_experts < 0:
+        raise UsageError(f"--redundant-experts must not be negative, got {args.redundant_experts}")
     config = Config(model=model, layout=LayoutConfig(devices=args.devices, attention=args.attention,
-                                                     two_batch_overlap=args.two_batch_overlap),
+                                                     two_batch_overlap=args.two_batch_overlap,
+                                                     redundant_experts=args.redundant_experts),
                     weights=WeightsConfig(args.expert_format), engine=EngineConfig(dtype=args.dtype)).validate()
     # all: with --two-batch-overlap, the placements whose rows travel
-    chosen = [n for n in names() if not (args.two_batch_overlap and placement_class(n).rows_stay_home)] \
-        if args.placement == "all" else [args.placement]
+    # and with spare slots, the placements that hold whole experts on some devices
+    chosen = [n for n in names() if not (args.two_batch_overlap and placement_class(n).rows_stay_home)
+              and not (args.redundant_experts and n == TensorSliced.name)] if args.placement == "all" else [args.placement]
     export = tuple(p for p in (args.export or "").split(",") if p)
     unknown = [p for p in export if p not in EXPORT_PLATFORMS]
     if unknown:
@@ -202,6 +216,8 @@ def register(sub) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--attention", choices=ATTENTION_MODES, default="dp")
     p.add_argument("--two-batch-overlap", action="store_true", help="the placements' exchanges as two micro-batches")
+    p.add_argument("--redundant-experts", type=int, default=0, metavar="R",
+                   help="spare expert slots per MoE layer for replicas (a multiple of ep); their bytes are counted")
     p.add_argument("--batch", type=int, default=256, help="decode batch (concurrent requests)")
     p.add_argument("--context", type=int, default=8192, help="KV cache positions per request")
     p.add_argument("--prefill-chunk", type=int, default=4096, help="tokens of one prefill chunk over all devices")

@@ -92,10 +92,13 @@ def expert_bytes(experts) -> int:
     return sum(a.nbytes for a in leaves) // (layers * num_slots)
 
 
-def put_tables(placement, phy2log: np.ndarray, num_experts: int) -> dict:
-    """The slot tables of `phy2log` on the devices, copied to each (inputs of the programs)."""
-    return {k: placement.put(v, ("layers",) + (None,) * (v.ndim - 1))
-            for k, v in slots.tables(phy2log, num_experts).items()}
+def put_tables(placement, phy2log: np.ndarray, num_experts: int, stacked: bool = True):
+    """The slot tables of `phy2log` int[L, P] on the devices, copied to each (inputs of the
+    programs): one tree of [L, ...] arrays, or (not `stacked`) a tuple of one per layer. From
+    the host, so a rebalance compiles nothing."""
+    host = slots.tables(phy2log, num_experts)
+    put = lambda tree: {k: placement.put(v, ("layers",) * (v.ndim - 2) + (None, None)) for k, v in tree.items()}
+    return put(host) if stacked else tuple(put({k: v[l] for k, v in host.items()}) for l in range(len(phy2log)))
 
 
 def moe_runs(params: dict, c) -> list[int]:
@@ -118,11 +121,11 @@ def arrange(placement, params: dict, old: np.ndarray, new: np.ndarray) -> tuple[
         experts = run["moe"]["experts"] if stacked else tuple(layer["moe"]["experts"] for layer in run)
         moved += moved_slots(src, o.shape[1], n.shape[1], devices) * expert_bytes(experts)
         experts = move(placement, experts, src)
-        table = put_tables(placement, n, placement.num_logical)
+        table = put_tables(placement, n, placement.num_logical, stacked)
         if stacked:
             layers[r] = {**run, "moe": {**run["moe"], "experts": experts, "slots": table}}
         else:
-            layers[r] = tuple({**layer, "moe": {**layer["moe"], "experts": e, "slots": jax.tree.map(lambda a: a[i], table)}}
-                              for i, (layer, e) in enumerate(zip(run, experts)))
+            layers[r] = tuple({**layer, "moe": {**layer["moe"], "experts": e, "slots": s}}
+                              for layer, e, s in zip(run, experts, table))
         at += count
     return {**params, "layers": layers}, moved

@@ -4,6 +4,8 @@ placement from a recorded trace, with spare slots for replicas, spreads them."""
 
 from __future__ import annotations
 
+import io
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,9 +13,14 @@ import pytest
 from moejax.analysis.record import model_trace
 from moejax.analysis.trace import load_trace, save_trace
 from moejax.config import Config, LayoutConfig, preset
+from moejax.engine import compile_clock
 from moejax.engine.engine import Engine
 from moejax.engine.expert_placement import place_experts, trace_device_rows
 from moejax.loading import load_params
+from moejax.serving.metrics import DeviceRows
+from moejax.serving.online_eplb import OnlineEPLB
+from moejax.serving.scheduler import Request, Scheduler
+from moejax.serving.stopping import Stopper
 from sharding import make_placement, slots
 
 PROMPTS = [[i, i + 1, i + 2] for i in range(3, 60, 7)]  # 9 requests
@@ -66,3 +73,44 @@ def test_static_placement_from_a_trace_balances_device_rows(checkpoint_order, tm
     after = record(placed, tmp_path / "after.npz")
     assert balancedness(placed, after) >= 0.6
     assert after.ids.tolist() == trace.ids.tolist()  # the same picks at every step: the same tokens
+
+
+def requests(n: int = 24):
+    return [Request([3 + 5 * i % 90, 7 + i, 11], 8 + i % 5, Stopper(None)) for i in range(n)]
+
+
+def serve(engine, online: bool = False):
+    """(finished requests, the device rows of the last passes, the rebalancer or None, seconds
+    compiled after warm-up) of `requests()` through a scheduler of 8 slots."""
+    scheduler = Scheduler(engine, slots=8, max_len=32)
+    rebalancer = OnlineEPLB(scheduler, window=16, interval=4, log=io.StringIO()) if online else None
+    rows = DeviceRows(engine, window=16)
+    scheduler.pick_observers.append(rows.observe)
+    if rebalancer:
+        rebalancer.warm_up()
+    scheduler.warm_up()
+    compile_clock.start()
+    t0 = compile_clock.now()
+    done = scheduler.run_all(requests())
+    return done, rows.recent(), rebalancer, compile_clock.compile_seconds(t0)
+
+
+@pytest.fixture(scope="module")
+def online():
+    return serve(skewed_engine(), False), serve(skewed_engine(redundant_experts=8, eplb_online=True), True)
+
+
+def test_online_rebalancing_keeps_every_requests_tokens(online):
+    (plain, _, _, _), (done, _, rebalancer, _) = online
+    assert len(rebalancer.rebalances) >= 3
+    assert [r.tokens for r in done] == [r.tokens for r in plain] and all(r.finish_reason for r in done)
+
+
+def test_online_rebalancing_balances_device_rows_without_a_trace(online):
+    (_, plain_rows, _, _), (_, rows, _, _) = online
+    assert slots.balancedness(plain_rows) < 0.4 and slots.balancedness(rows) >= 0.6
+
+
+def test_nothing_compiles_after_warm_up_across_rebalances(online):
+    (_, _, rebalancer, compiled) = online[1]
+    assert rebalancer.rebalances and compiled == 0

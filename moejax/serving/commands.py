@@ -20,6 +20,10 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond which new ones get 429")
     p.add_argument("--speculative", choices=("mtp",), help="decode with the model's MTP draft module (greedy requests)")
     p.add_argument("--mtp-init", choices=("random",), help="a random MTP module when the checkpoint carries none")
+    p.add_argument("--eplb-online", action="store_true", default=None,
+                   help="rebalance the experts' placement from live traffic, moving them between decode steps")
+    p.add_argument("--eplb-window", type=int, help="forward passes of live picks a rebalance looks at (default 64)")
+    p.add_argument("--eplb-interval", type=int, help="steps between rebalances (default 32)")
 
 
 def build_scheduler(args, progress: bool = True, longest: int = 0):
@@ -57,6 +61,15 @@ def build_scheduler(args, progress: bool = True, longest: int = 0):
             scheduler = SpecScheduler(engine, mtp, **kw)
         else:
             scheduler = Scheduler(engine, **kw)
+        layout = engine.config.layout
+        if layout.eplb_online:
+            if apart or args.speculative:
+                raise UsageError("--eplb-online rebalances one engine's experts; drop --speculative, "
+                                 "--prefill-placement and --decode-placement")
+            from moejax.serving.online_eplb import OnlineEPLB
+
+            scheduler.rebalancer = OnlineEPLB(scheduler, layout.eplb_window, layout.eplb_interval)
+            scheduler.rebalancer.warm_up()
         scheduler.warm_up()
         bar.update()
     return scheduler, tokenizer, eos
@@ -95,12 +108,20 @@ def cmd_bench(args) -> int:
     if args.url:
         client = bench.HTTPClient(args.url, args.api_key or os.environ.get("MOEJAX_API_KEY"))
     else:
+        from moejax.serving.metrics import DeviceRows
+
         # Its own server holds only the requests it sends: a cache of their length (--max-seq-len).
-        client = bench.LocalClient(build_scheduler(args, longest=args.input_len + args.output_len)[0])
+        scheduler = build_scheduler(args, longest=args.input_len + args.output_len)[0]
+        rows = DeviceRows(scheduler.engine)
+        scheduler.pick_observers.append(rows.observe)
+        client = bench.LocalClient(scheduler)
     summary = bench.run(client, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
                         request_rate=args.request_rate, max_concurrency=args.max_concurrency, seed=args.bench_seed)
     if not args.url:
         client.close()
+        summary["device_rows"] = rows.total.tolist()  # rows each device's experts computed, all MoE layers
+        if scheduler.rebalancer is not None:
+            summary["eplb"] = scheduler.rebalancer.summary()
     print(json.dumps(summary) if args.json else bench.table(summary))
     return 0 if summary["failed"] == 0 else 1
 

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from moejax.analysis.trace import save_trace
+from sharding import slots
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -48,6 +49,38 @@ class ExpertWindow:
         yield family
 
 
+class DeviceRows:
+    """Rows each expert device computed (summed over MoE layers), in total and over the last
+    `window` forward passes, as the run routes them: into the engine's current expert placement."""
+
+    def __init__(self, engine, window: int = 100):
+        self.engine = engine
+        self.total = np.zeros(engine.placement.ep, np.int64)
+        self.steps: collections.deque[np.ndarray] = collections.deque(maxlen=window)
+        self.lock = threading.Lock()
+
+    def observe(self, kind: str, ids: np.ndarray, valid: np.ndarray) -> None:
+        p = self.engine.placement
+        rows = slots.device_rows(ids, valid, self.engine.phy2log, p.num_logical, p.ep, p.home_replicas)
+        with self.lock:
+            self.total += rows
+            self.steps.append(rows)
+
+    def recent(self) -> np.ndarray:
+        with self.lock:
+            return sum(self.steps, np.zeros_like(self.total))
+
+    def collect(self):
+        rows = GaugeMetricFamily("moejax_device_rows", "rows each device's experts computed over the recent window "
+                                 "of forward passes, summed over MoE layers", labels=["device"])
+        recent = self.recent()
+        for d, n in enumerate(recent):
+            rows.add_metric([str(d)], float(n))
+        yield rows
+        yield GaugeMetricFamily("moejax_device_balancedness", "mean over max of moejax_device_rows (1: even)",
+                                value=slots.balancedness(recent))
+
+
 class Metrics:
     def __init__(self, scheduler, window: int = 100):
         self.registry = r = CollectorRegistry()
@@ -76,6 +109,11 @@ class Metrics:
         self.experts = ExpertWindow(list(c.moe_layers), c.num_experts, window)
         r.register(self.experts)
         scheduler.pick_observers.append(self.experts.observe)
+        self.devices = DeviceRows(scheduler.engine, window)
+        r.register(self.devices)
+        scheduler.pick_observers.append(self.devices.observe)
+        if scheduler.rebalancer is not None:
+            r.register(scheduler.rebalancer)
 
     def request_done(self, request) -> None:
         times = request.token_times

@@ -129,6 +129,8 @@ class Scheduler:
         self.prefill_cache = self.prefill_engine.new_cache(slots, self.max_len) if self.apart else None
         self.handover_bytes = 0  # prefill apart: cache bytes that changed device
         self.pick_observers: list[Callable[[str, np.ndarray, np.ndarray], None]] = []  # (kind, ids [L,R,k], valid [R])
+        self.between_steps: list[Callable[[], None]] = []  # run on the engine thread before each step (expert moves)
+        self.rebalancer = None  # online expert placement (`serving/online_eplb.py`), when one runs
         self.dealer = engine.routing.start(c)  # a routing override's picks, call by call (None: the router's)
         self._cv = threading.Condition()
         self._draining = False
@@ -203,6 +205,8 @@ class Scheduler:
         return requests
 
     def step(self) -> None:
+        for hook in self.between_steps:
+            hook()
         self._admit()
         decoding = [s for s, slot in enumerate(self.slots) if slot is not None and s not in self.prefilling]
         if decoding:
