@@ -140,3 +140,23 @@ def test_advise_puts_a_traced_step_beside_the_simulated_one(tmp_path, capsys):
 def test_advise_rejects_a_step_trace_of_another_mesh(tmp_path, capsys):
     assert main(advise_with_step_trace(tmp_path, {**TRACED, "devices": 4})) == 2
     assert "matches no placement" in capsys.readouterr().err
+
+
+def test_advise_simulates_the_placement_an_eplb_trace_gives(tmp_path, capsys):
+    """--eplb: experts placed by EPLB on a trace's picks, with spare slots, beside the contiguous
+    order; on a trace of every pick on device 0 the placed experts are the faster."""
+    argv = advise_with_step_trace(tmp_path, TRACED)[:-2]
+    table = costs.load(tmp_path / "costs.json", dataclasses.replace(Config(), model=preset("tiny")))
+    for key in (f"{ROWS},256,3", f"{ROWS},128,6"):  # 24 slots over 8 and over 4 ep groups
+        table.compute_fit[key] = [5.0, 4.0, 16.0]
+    costs.save(table, tmp_path / "costs.json")
+    assert main(argv + ["--eplb", str(tmp_path / "t.npz"), "--redundant-experts", "8", "--json"]) == 0
+    report = {p["placement"]: p for p in json.loads(capsys.readouterr().out)["placements"]}
+    assert {name for name, p in report.items() if "eplb_placed" in p} == {"expert_sharded", "hybrid", "ragged_a2a"}
+    sharded = report["expert_sharded"]
+    assert sharded["eplb_placed"]["moe_ms"] < sharded["contiguous"]["moe_ms"]
+
+
+def test_advise_refuses_spare_slots_without_a_placement_trace(tmp_path, capsys):
+    assert main(advise_with_step_trace(tmp_path, TRACED)[:-2] + ["--redundant-experts", "8"]) == 2
+    assert "goes with --eplb" in capsys.readouterr().err

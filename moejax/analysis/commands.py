@@ -229,6 +229,10 @@ def advise_text(report: dict) -> str:
                      f"  {s['expert_ms']:10.2f}  {s['imbalance_ms']:12.2f}"
                      f"  {s['exchange_ms']:11.2f}  {s['busiest_device_routes']:8.1f} / {s['mean_device_routes']:<8.1f}"
                      f"  {eplb_ms}")
+    for r in report["placements"]:
+        if "eplb_placed" in r:
+            lines.append(f"{r['placement']}: experts placed by --eplb, MoE {r['eplb_placed']['moe_ms']:.2f} ms per decode "
+                         f"step (contiguous {r['contiguous']['moe_ms']:.2f})")
     lines.append(f"fastest: {report['ranking'][0]}")
     measured = [r for r in report["placements"] if "measured" in r]
     if measured:
@@ -245,7 +249,7 @@ def advise_text(report: dict) -> str:
 
 
 def run_advise(args) -> int:
-    from moejax.analysis import costs, simulate, step_trace
+    from moejax.analysis import costs, metrics, simulate, step_trace
     from moejax.commands import config_from_args, ensure_devices, natural_routing_only
     from moejax.loading import with_hf_model
 
@@ -253,6 +257,14 @@ def run_advise(args) -> int:
     config = with_hf_model(config_from_args(args), args.hf)
     natural_routing_only(config, "advise (it simulates the trace's own picks)")
     trace = load_trace(args.trace)
+    placed, spare = None, config.layout.redundant_experts
+    if config.layout.eplb:
+        placed = metrics.expert_counts(load_trace(config.layout.eplb)).sum(axis=0).astype(float)
+        if placed.shape != (trace.ids.shape[1], trace.num_experts):
+            raise UsageError(f"--eplb: its trace has {placed.shape[0]} MoE layers of {placed.shape[1]} experts, "
+                             f"{args.trace} {trace.ids.shape[1]} of {trace.num_experts}")
+    elif spare:
+        raise UsageError("advise: --redundant-experts goes with --eplb TRACE (the placement to simulate)")
     if trace.num_experts != config.model.num_experts:
         raise UsageError(f"the trace has {trace.num_experts} experts but the model has {config.model.num_experts}; "
                          "pass the trace's model with --preset or --hf")
@@ -263,9 +275,12 @@ def run_advise(args) -> int:
     ensure_devices(n)  # the exchange is measured on an n-device mesh; before costs.load asks jax for its backend
     table = costs.load(path, config)
     costs.ensure(table, config, trace, n)
+    if placed is not None:
+        costs.ensure_slots(table, config, trace, n, spare)
     costs.save(table, path)
     try:
-        report = simulate.with_measured(simulate.advise(trace, n, table), [step_trace.load(p) for p in args.step_trace])
+        report = simulate.with_measured(simulate.advise(trace, n, table, placed, spare),
+                                        [step_trace.load(p) for p in args.step_trace])
     except ValueError as e:
         raise UsageError(str(e)) from None
     report["costs"] = str(path)

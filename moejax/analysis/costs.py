@@ -232,6 +232,25 @@ def ensure(table: CostTable, config: Config, trace: Trace, n: int, seed: int = 0
     return table
 
 
+def ensure_slots(table: CostTable, config: Config, trace: Trace, n: int, spare_slots: int, seed: int = 0) -> CostTable:
+    """The compute entries `ensure` leaves out for experts placed with `spare_slots` replicas: the
+    placements that hold (E + spare) / ep slots per device."""
+    c = config.model
+    decode = trace.select(trace.kind == "decode")
+    rng = np.random.default_rng(seed)
+    order = np.concatenate([np.arange(c.num_experts), np.arange(spare_slots) % c.num_experts])[None]
+    for layout in layouts(n):
+        if layout.ep == 1 or layout.rows_stay_home or (c.num_experts + spare_slots) % layout.ep:
+            continue
+        for rows in map(int, np.unique(padded_rows(decode, n))):
+            ids = np.stack([rng.choice(c.num_experts, c.num_experts_per_tok, replace=False) for _ in range(rows)])
+            work = device_work(one_step(ids.astype(np.int32), c.num_experts), layout, order, table.intermediate)
+            key = f"{int(work.rows[0])},{work.width},{work.held}"
+            if key not in table.compute_fit:
+                table.compute_fit[key] = measure_compute(config, int(work.rows[0]), work.width, work.held, seed)
+    return table
+
+
 def fit_non_moe(table: CostTable, measured_step_ms: float, trace: Trace, layout: Layout) -> float:
     """Sets the non-MoE term of `layout.devices` devices from one measured decode step time of
     `layout` on `trace`'s picks: measured minus the simulated MoE part. Returns it in microseconds."""

@@ -128,10 +128,12 @@ def simulate(trace: Trace, layout: Layout, phy2log: np.ndarray, costs) -> dict:
     }
 
 
-def advise(trace: Trace, n: int, costs) -> dict:
+def advise(trace: Trace, n: int, costs, placed: np.ndarray | None = None, spare_slots: int = 0) -> dict:
     """Every placement on n devices ranked by simulated MoE time per decode step, with contiguous
     expert order on all decode steps, and contiguous against EPLB (fitted on the first 60% of the
-    steps, no spare slots: each device keeps E/ep experts) on the rest."""
+    steps, no spare slots: each device keeps E/ep experts) on the rest. `placed`: picks per
+    expert float[L, E] of another trace (`--eplb`): also every decode step with the experts placed
+    by EPLB on them with `spare_slots` replicas, as a run with that --eplb places them."""
     decode = trace.select((trace.kind == "decode") & (trace.valid.sum(axis=1) > 0))
     if not decode.num_steps:
         raise ValueError("the trace has no decode steps")
@@ -148,6 +150,9 @@ def advise(trace: Trace, n: int, costs) -> dict:
             fitted, _, _ = eplb.rebalance_experts(weight, e, 1, 1, layout.ep)
             entry["contiguous_test"] = simulate(test, layout, order, costs)
             entry["eplb_test"] = simulate(test, layout, fitted, costs)
+        if placed is not None and layout.ep > 1 and not layout.rows_stay_home and (e + spare_slots) % layout.ep == 0:
+            phy2log, _, _ = eplb.rebalance_experts(placed, e + spare_slots, 1, 1, layout.ep)
+            entry["eplb_placed"] = simulate(decode, layout, phy2log, costs)
         rows.append(entry)
     rows.sort(key=lambda r: r["contiguous"]["moe_ms"])
     return {"devices": n, "steps": decode.num_steps, "fit_steps": fit, "test_steps": test.num_steps,
