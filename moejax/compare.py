@@ -16,6 +16,7 @@ import numpy as np
 
 from moejax.commands import (add_model_args, add_pd_args, build_engine, config_from_args, ensure_devices, pd_devices,
                              pd_engine, prompt_ids)
+from moejax.engine.expert_placement import wants_slots
 from moejax.errors import UsageError
 from moejax.model.transformer import layer_params
 from sharding import registry
@@ -110,7 +111,9 @@ def cmd_compare(args) -> int:
     devices = args.devices or 8
     ensure_devices(devices)
     config = config_from_args(args)
-    names = args.placements.split(",") if args.placements else list(registry.names())
+    # With the experts placed (--eplb, --redundant-experts), the placements it applies to.
+    names = args.placements.split(",") if args.placements else [
+        n for n in registry.names() if not (wants_slots(config.layout) and registry.placement_class(n).holds_every_expert)]
     unknown = [n for n in names if n not in registry.names()]
     if unknown:
         raise UsageError(f"unknown placement {unknown[0]!r}; choose from {', '.join(registry.names())}")

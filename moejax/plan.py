@@ -37,7 +37,6 @@ from moejax.model.attention import cache_specs
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_dtype, param_specs
 from moejax.vocab import ATTENTION_MODES, DTYPES, EXPERT_FORMATS
 from sharding import make_placement, names, placement_class, rules, with_placement
-from sharding.tensor_sliced import TensorSliced
 
 GB = 1e9
 EXPORT_PLATFORMS = ("tpu", "cuda")
@@ -173,7 +172,8 @@ def cmd_plan(args) -> int:
     # all: with --two-batch-overlap, the placements whose rows travel
     # and with spare slots, the placements that hold whole experts on some devices
     chosen = [n for n in names() if not (args.two_batch_overlap and placement_class(n).rows_stay_home)
-              and not (args.redundant_experts and n == TensorSliced.name)] if args.placement == "all" else [args.placement]
+              and not (args.redundant_experts and placement_class(n).holds_every_expert)] \
+        if args.placement == "all" else [args.placement]
     export = tuple(p for p in (args.export or "").split(",") if p)
     unknown = [p for p in export if p not in EXPORT_PLATFORMS]
     if unknown:

@@ -109,6 +109,8 @@ class Placement:
         ones for placements that keep weights in place, every expert for one that moves them."""
         return w
 
+    # Whether every device holds (a slice of) every expert: then expert placement does not apply.
+    holds_every_expert = False
     # Whether a pick of a replicated expert takes a replica on its row's own device first (rows
     # that travel to their experts); else picks spread over the replicas.
     home_replicas = False

@@ -6,6 +6,7 @@ from sharding.gather_scatter import GatherScatter
 
 class TensorSliced(GatherScatter):
     name = "tensor_sliced"
+    holds_every_expert = True
 
     def __init__(self, config, mesh=None, platform=None):
         layout = config.layout

@@ -15,7 +15,7 @@ from moejax.compare import param_bytes_per_device
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import Engine
 from moejax.loading import load_params
-from moejax.plan import EXPORT_PLATFORMS, export_decode, plan_placement
+from moejax.plan import EXPORT_PLATFORMS, abstract_params, bytes_per_device, export_decode, plan_placement
 from sharding import make_placement
 from sharding.ragged_a2a import exchange_buffers
 
@@ -73,3 +73,15 @@ def test_a_program_that_does_not_lower_is_reported_with_its_reason():
     report = export_decode(config, batch=16, context=64, platform="tpu")
     assert not report["lowered"]
     assert "divisible by 8 and 128" in report["error"]
+
+
+def test_spare_slots_grow_expert_bytes_per_device_by_their_share():
+    """`plan --redundant-experts 32` of GLM-5.3 (256 experts): each device holds 288 / 256 of the
+    expert bytes, the slot tables beside them."""
+    def expert_bytes(spare: int) -> int:
+        config = Config(model=preset("glm-5.3"), layout=LayoutConfig(devices=8, placement="expert_sharded",
+                                                                      redundant_experts=spare),
+                        weights=WeightsConfig("nvfp4"), engine=EngineConfig(dtype="bfloat16")).validate()
+        params = abstract_params(config, make_placement(config))
+        return bytes_per_device([run["moe"]["experts"] for run in params["layers"] if "moe" in run])
+    assert expert_bytes(32) * 256 == expert_bytes(0) * 288
