@@ -68,7 +68,8 @@ def abstract_params(config: Config, placement) -> dict:
             if "moe" in run:
                 count, spare = jax.tree.leaves(run)[0].shape[0], config.layout.redundant_experts
                 table = {"log2phy": (count, placement.num_logical, spare + 1), "logcnt": (count, placement.num_logical)}
-                run["moe"]["slots"] = {k: _sharded(jax.ShapeDtypeStruct(s, jnp.int32), placement, ("layers",) + (None,) * (len(s) - 1))
+                axes = lambda s: ("layers",) + (None,) * (len(s) - 1)
+                run["moe"]["slots"] = {k: _sharded(jax.ShapeDtypeStruct(s, jnp.int32), placement, axes(s))
                                        for k, s in table.items()}
     return params
 

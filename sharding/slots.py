@@ -89,7 +89,8 @@ def host_pick_slots(ids: np.ndarray, table: dict, devices: int = 1, home: bool =
     per_device = (log2phy.shape[1] + log2phy.shape[0] - 1) // devices
     row_device = np.arange(t) // -(-t // devices)
     candidates = log2phy[ids]  # [T, k, X]
-    local = (candidates // per_device == row_device[:, None, None]) & (np.arange(candidates.shape[-1]) < logcnt[ids][..., None])
+    replica = np.arange(candidates.shape[-1]) < logcnt[ids][..., None]
+    local = (candidates // per_device == row_device[:, None, None]) & replica
     first_local = np.take_along_axis(candidates, local.argmax(-1)[..., None], -1)[..., 0]
     return np.where(local.any(-1), first_local, spread)
 

@@ -136,3 +136,14 @@ def test_a_row_prefers_a_replica_on_its_own_device():
     table = {k: jnp.asarray(v[0]) for k, v in slots.tables(np.array([[0, 1, 2, 3, 0, 4]]), 5).items()}
     ids = jnp.asarray([[0, 1], [0, 2], [0, 3], [0, 4]])  # rows 0-1 on device 0, rows 2-3 on device 1
     assert slots.pick_slots(ids, table, devices=2, home=True)[:, 0].tolist() == [0, 0, 4, 4]
+
+
+@pytest.mark.parametrize("home", [False, True])
+def test_host_count_routes_picks_as_the_run_does(home):
+    """The host's replica choice (device rows, /metrics) is the jitted one's."""
+    rng = np.random.default_rng(0)
+    phy2log = random_phy2log(1, 16, 24, seed=1)
+    table = slots.tables(phy2log, 16)
+    ids = np.stack([rng.choice(16, 4, replace=False) for _ in range(32)])
+    want = slots.pick_slots(jnp.asarray(ids), {k: jnp.asarray(v[0]) for k, v in table.items()}, 8, home)
+    np.testing.assert_array_equal(slots.host_pick_slots(ids, {k: v[0] for k, v in table.items()}, 8, home), want)
