@@ -5,19 +5,24 @@ placement from a recorded trace, with spare slots for replicas, spreads them."""
 from __future__ import annotations
 
 import io
+import json
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
 from moejax.analysis.record import model_trace
 from moejax.analysis.trace import load_trace, save_trace
+from moejax.cli import main
 from moejax.config import Config, LayoutConfig, preset
 from moejax.engine import compile_clock
 from moejax.engine.engine import Engine
 from moejax.engine.expert_placement import place_experts, trace_device_rows
 from moejax.loading import load_params
-from moejax.serving.metrics import DeviceRows
+from moejax.serving.metrics import Metrics
 from moejax.serving.online_eplb import OnlineEPLB
 from moejax.serving.scheduler import Request, Scheduler
 from moejax.serving.stopping import Stopper
@@ -80,19 +85,18 @@ def requests(n: int = 24):
 
 
 def serve(engine, online: bool = False):
-    """(finished requests, the device rows of the last passes, the rebalancer or None, seconds
-    compiled after warm-up) of `requests()` through a scheduler of 8 slots."""
+    """(finished requests, its /metrics, the rebalancer or None, seconds compiled after warm-up)
+    of `requests()` through a scheduler of 8 slots."""
     scheduler = Scheduler(engine, slots=8, max_len=32)
     rebalancer = OnlineEPLB(scheduler, window=16, interval=4, log=io.StringIO()) if online else None
-    rows = DeviceRows(engine, window=16)
-    scheduler.pick_observers.append(rows.observe)
+    metrics = Metrics(scheduler, window=16)
     if rebalancer:
         rebalancer.warm_up()
     scheduler.warm_up()
     compile_clock.start()
     t0 = compile_clock.now()
     done = scheduler.run_all(requests())
-    return done, rows.recent(), rebalancer, compile_clock.compile_seconds(t0)
+    return done, metrics, rebalancer, compile_clock.compile_seconds(t0)
 
 
 @pytest.fixture(scope="module")
@@ -107,10 +111,39 @@ def test_online_rebalancing_keeps_every_requests_tokens(online):
 
 
 def test_online_rebalancing_balances_device_rows_without_a_trace(online):
-    (_, plain_rows, _, _), (_, rows, _, _) = online
-    assert slots.balancedness(plain_rows) < 0.4 and slots.balancedness(rows) >= 0.6
+    (_, plain, _, _), (_, metrics, _, _) = online
+    assert slots.balancedness(plain.devices.recent()) < 0.4 and slots.balancedness(metrics.devices.recent()) >= 0.6
 
 
 def test_nothing_compiles_after_warm_up_across_rebalances(online):
     (_, _, rebalancer, compiled) = online[1]
     assert rebalancer.rebalances and compiled == 0
+
+
+def test_metrics_show_rows_per_device_balancedness_and_rebalances(online):
+    (_, metrics, rebalancer, _) = online[1]
+    samples = {(s.name, tuple(s.labels.items())): s.value
+               for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+               for s in family.samples}
+    rows = metrics.devices.recent()
+    assert [samples["moejax_device_rows", (("device", str(d)),)] for d in range(8)] == rows.tolist()
+    assert samples["moejax_device_balancedness", ()] == pytest.approx(slots.balancedness(rows))
+    assert samples["moejax_eplb_rebalances", ()] == len(rebalancer.rebalances)
+    assert samples["moejax_eplb_last_bytes_moved", ()] == rebalancer.rebalances[-1].bytes_moved
+
+
+def test_bench_json_reports_device_rows_and_rebalances(capsys):
+    assert main(["bench", "--preset", "tiny", "--devices", "8", "--placement", "expert_sharded", "--redundant-experts",
+                 "8", "--eplb-online", "--eplb-interval", "4", "--eplb-window", "8", "--num-prompts", "8",
+                 "--input-len", "4", "--output-len", "12", "--slots", "8", "--json"]) == 0
+    out = capsys.readouterr()
+    summary = json.loads(out.out)
+    assert len(summary["device_rows"]) == 8 and sum(summary["device_rows"]) > 0
+    assert summary["eplb"]["rebalances"] == out.err.count("eplb: rebalance")
+    assert summary["eplb"]["rebalances"] >= 1 and summary["eplb"]["balancedness_after"] > summary["eplb"]["balancedness_before"]
+
+
+def test_tensor_sliced_refuses_online_placement(capsys):
+    assert main(["generate", "--preset", "tiny", "--devices", "8", "--placement", "tensor_sliced", "--eplb",
+                 "missing.npz"]) == 2
+    assert "does not apply" in capsys.readouterr().err

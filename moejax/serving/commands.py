@@ -68,8 +68,7 @@ def build_scheduler(args, progress: bool = True, longest: int = 0):
                                  "--prefill-placement and --decode-placement")
             from moejax.serving.online_eplb import OnlineEPLB
 
-            scheduler.rebalancer = OnlineEPLB(scheduler, layout.eplb_window, layout.eplb_interval)
-            scheduler.rebalancer.warm_up()
+            OnlineEPLB(scheduler, layout.eplb_window, layout.eplb_interval).warm_up()
         scheduler.warm_up()
         bar.update()
     return scheduler, tokenizer, eos

@@ -34,13 +34,15 @@ class Rebalance:
 class OnlineEPLB:
     """Rebalances `scheduler.engine`'s experts from its live picks; `rebalances` is the log."""
 
-    def __init__(self, scheduler, window: int, interval: int, log=sys.stderr):
+    def __init__(self, scheduler, window: int, interval: int, log=None):
+        """`log`: where each rebalance's line goes (default: stderr at the time)."""
         self.scheduler, self.engine, self.interval, self.log = scheduler, scheduler.engine, interval, log
         self.passes: collections.deque[tuple[np.ndarray, np.ndarray]] = collections.deque(maxlen=window)
         self.steps = 0
         self.rebalances: list[Rebalance] = []
         scheduler.pick_observers.append(self.observe)
         scheduler.between_steps.append(self.maybe_rebalance)
+        scheduler.rebalancer = self
 
     def observe(self, kind: str, ids: np.ndarray, valid: np.ndarray) -> None:
         if valid.any():
@@ -79,7 +81,7 @@ class OnlineEPLB:
         ms = compile_clock.run_ms(t0, compile_clock.now())
         self.rebalances.append(Rebalance(self.steps, moved, ms, before, after))
         print(f"eplb: rebalance {len(self.rebalances)} at step {self.steps}: {moved / 1e6:.2f} MB moved in {ms:.1f} ms, "
-              f"balancedness {before:.2f} -> {after:.2f}", file=self.log, flush=True)
+              f"balancedness {before:.2f} -> {after:.2f}", file=self.log or sys.stderr, flush=True)
 
     def _move(self, new: np.ndarray) -> int:
         """The engine's experts into placement `new`; bytes that changed device."""
