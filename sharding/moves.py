@@ -101,7 +101,7 @@ def put_tables(placement, phy2log: np.ndarray, num_experts: int, stacked: bool =
     return put(host) if stacked else tuple(put({k: v[l] for k, v in host.items()}) for l in range(len(phy2log)))
 
 
-def moe_runs(params: dict, c) -> list[int]:
+def moe_runs(c) -> list[int]:
     """Indices into params["layers"] of the MoE runs, in layer order."""
     return [r for r, run in enumerate(layer_runs(c)) if run.is_moe(c)]
 
@@ -112,7 +112,7 @@ def arrange(placement, params: dict, old: np.ndarray, new: np.ndarray) -> tuple[
     bytes that changed device)."""
     c, devices, moved = placement.config.model, placement.ep, 0
     layers, at = list(params["layers"]), 0
-    for r in moe_runs(params, c):
+    for r in moe_runs(c):
         run = layers[r]
         stacked = not isinstance(run, tuple)
         count = jax.tree.leaves(run)[0].shape[0] if stacked else len(run)

@@ -36,7 +36,7 @@ class OnlineEPLB:
 
     def __init__(self, scheduler, window: int, interval: int, log=None):
         """`log`: where each rebalance's line goes (default: stderr at the time)."""
-        self.scheduler, self.engine, self.interval, self.log = scheduler, scheduler.engine, interval, log
+        self.engine, self.interval, self.log = scheduler.engine, interval, log
         self.passes: collections.deque[tuple[np.ndarray, np.ndarray]] = collections.deque(maxlen=window)
         self.steps = 0
         self.rebalances: list[Rebalance] = []
