@@ -7,11 +7,12 @@ import hashlib
 import json
 from pathlib import Path
 
+from checkpoints.hf_config import from_hf_config
 from moejax.analysis import analyze as analysis
 from moejax.analysis import calc, synthetic
 from moejax.analysis.trace import load_trace, save_trace
 from moejax.commands import add_model_args, prompt_ids
-from moejax.config import ConfigError, ModelConfig, from_hf_config, preset
+from moejax.config import ConfigError, ModelConfig, preset
 from moejax.errors import UsageError
 from moejax.vocab import STORAGE_FORMATS
 
