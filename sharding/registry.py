@@ -10,6 +10,7 @@ import jax
 import pallas_kernels
 from moejax.config import Config, ConfigError
 from sharding.expert_sharded import ExpertSharded
+from sharding import rules
 from sharding.hybrid import Hybrid
 from sharding.mesh import MeshPlacement, make_mesh
 from sharding.placement import Placement
@@ -69,6 +70,7 @@ def make_placement(config: Config, platform: str | None = None, devices: list | 
                           "(generate, score, serve, bench); name a device count here")
     cls = placement_class(config.layout.placement)
     check_kernel(config, platform)
+    rules.check_expert_widths(config.model, config.weights.expert_format)
     if devices is not None:
         return cls(config, make_mesh(cls.mesh_shape(config.layout), devices), platform=platform)
     if config.layout.devices == 1:
