@@ -155,7 +155,8 @@ ROPE_REFUSED = {  # rope mapping -> what the line says
     "two types": ({"type": "yarn", "rope_type": "linear", "factor": 2.0}, "names two rope types"),
     "unknown yarn key": ({"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64, "alpha": 1},
                          "key 'alpha' is not one rope type 'yarn' reads"),
-    "theta given twice, differently": ({"type": "yarn", "factor": 2.0, "rope_theta": 5.0}, "rope_theta is 10000"),
+    "theta given twice, differently": ({"type": "yarn", "factor": 2.0, "rope_theta": 5.0},
+                                       "rope_theta is 1e+06 at the top level but 5 in"),
     "per layer type": ({"full_attention": {"rope_type": "default"}}, "per-layer-type rope settings"),
 }
 REFUSED = {  # family, change to the release config -> what the line says

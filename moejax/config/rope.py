@@ -71,10 +71,11 @@ def _number(value, key: str, where: str) -> float:
     return float(value)
 
 
-def _one(inside, outside, key: str, where: str):
-    """A setting given inside the rope mapping, at the top level, or both alike."""
-    if inside is not None and outside is not None and float(inside) != float(outside):
-        raise ConfigError(f"{key} is {outside!r} at the top level but {inside!r} in {where}; give it once")
+def _one(inside, outside, key: str, where: str) -> float | None:
+    """A number given inside the rope mapping, at the top level, or both alike (None: neither)."""
+    inside, outside = (None if v is None else _number(v, key, where) for v in (inside, outside))
+    if inside is not None and outside is not None and inside != outside:
+        raise ConfigError(f"{key} is {outside:g} at the top level but {inside:g} in {where}; give it once")
     return inside if inside is not None else outside
 
 
@@ -99,8 +100,8 @@ def read_rope(params: dict | None, theta=None, partial=None, max_position_embedd
         raise ConfigError(f"{where} rope type {kind!r} is not computed by moejax (it computes {', '.join(ROPE_TYPES)})")
     theta = _one(rest.pop("rope_theta", None), theta, "rope_theta", where)
     partial = _one(rest.pop("partial_rotary_factor", None), partial, "partial_rotary_factor", where)
-    theta = default_theta if theta is None else _number(theta, "rope_theta", where)
-    partial = default_partial if partial is None else _number(partial, "partial_rotary_factor", where)
+    theta = default_theta if theta is None else theta
+    partial = default_partial if partial is None else partial
     allowed = YARN_KEYS if kind == "yarn" else ()
     unread = [k for k in rest if k not in allowed]
     if unread:

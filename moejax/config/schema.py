@@ -108,7 +108,8 @@ class ModelConfig:
     def validate(self) -> None:
         if self.family not in FAMILIES:
             raise ConfigError(f"model.family {self.family!r} is not one of {', '.join(FAMILIES)}")
-        self.rope  # an unreadable rope mapping ends here, in one line
+        read_rope(self.rope_scaling, self.rope_theta, self.partial_rotary_factor, self.max_position_embeddings,
+                  "model.rope_scaling")  # an unreadable rope mapping ends here, in one line
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if not 0 < self.num_experts_per_tok <= self.num_experts:
