@@ -327,7 +327,9 @@ def register(sub) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--sample-seed", type=int, default=0, help="PRNG seed of sampling")
+    g.add_argument("--sample-seed", type=int, default=0,
+                   help="seed of sampling: prompt i samples with seed S + i, what `serve` samples for a request "
+                        "with that \"seed\"")
     g.add_argument("--speculative", choices=("mtp",), help="speculative decoding with the model's MTP draft module")
     g.add_argument("--mtp-init", choices=("random",), help="a random MTP module when the checkpoint carries none")
     add_pd_args(g)

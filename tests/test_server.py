@@ -131,6 +131,27 @@ def stream(server, body: dict, chat: bool) -> list[dict]:
     return [json.loads(e) for e in events[:-1]]
 
 
+SAMPLED = {"temperature": 0.9, "top_p": 0.9, "top_k": 50}
+
+
+def test_sampled_request_is_the_same_through_generate_serve_alone_and_amid_seven_others(server, model_dir, capsys):
+    """`generate --sample-seed 11` with two prompts: prompt i samples as a request of seed 11 + i."""
+    from moejax.cli import main
+
+    prompts = ["hello there", "a second prompt"]
+    args = ["generate", "--hf", str(model_dir), "--max-new-tokens", "12", "--json", "--sample-seed", "11",
+            "--temperature", "0.9", "--top-p", "0.9", "--top-k", "50"]
+    assert main(args + [x for p in prompts for x in ("--prompt", p)]) == 0
+    generated = json.loads(capsys.readouterr().out)["tokens"]
+    bodies = [{"prompt": p, "max_tokens": 12, "seed": 11 + i, **SAMPLED} for i, p in enumerate(prompts)]
+    alone = [server.complete(b)["choices"][0]["token_ids"] for b in bodies]
+    others = [{"prompt": f"other {i}", "max_tokens": 12, "seed": 100 + i, **SAMPLED} for i in range(7)]
+    amid = concurrently(server, [bodies[0]] + others)[0]["choices"][0]["token_ids"]
+    assert generated == alone and amid == alone[0]
+    seeded = concurrently(server, [{**bodies[0], "seed": s} for s in range(4)])
+    assert len({tuple(o["choices"][0]["token_ids"]) for o in seeded}) > 1  # it did sample
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_streamed_chunks_concatenate_to_the_whole_answer(server, chat):
     body = {"max_tokens": 12, "temperature": 0, "stop": ["zz"],

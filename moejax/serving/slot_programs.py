@@ -5,31 +5,10 @@ positions they and the prefill hand-over use. Pure functions, jitted by `schedul
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
+from moejax.engine.sampling import sample_rows
 from moejax.model.transformer import forward, lm_head
-
-
-def sample_rows(logits, temperature, top_p, top_k, seeds, positions, *, greedy_only: bool):
-    """Per-row sampling: logits [B, V] and per-row temperature / top_p / top_k / seed [B] -> [B].
-    A row's key depends only on its seed and position, never on its slot or neighbours."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if greedy_only:
-        return greedy
-    logits = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    desc = jnp.sort(logits, axis=-1)[:, ::-1]
-    kth = jnp.take_along_axis(desc, jnp.maximum(top_k - 1, 0)[:, None], axis=-1)
-    logits = jnp.where((top_k[:, None] > 0) & (logits < kth), -jnp.inf, logits)
-    desc = jnp.sort(logits, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(desc, axis=-1)
-    # Keep the smallest set of tokens whose mass reaches top_p (the best token always stays).
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    cutoff = jnp.min(jnp.where(mass_before < top_p[:, None], desc, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(jax.random.key(0), s), p))(seeds, positions)
-    drawn = jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
 
 
 # The batch axis of a cache array: 1 in a run's stacked [layers, B, ...] cache, 0 in the MTP
