@@ -208,7 +208,8 @@ def test_bad_chat_logprobs_get_400(server, body, message):
 # ----------------------------------------------------------------------------- clients run unchanged
 
 def test_openai_client_completions_and_chat_logprobs(server, hf):
-    openai = pytest.importorskip("openai")
+    import openai
+
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused")
     model = client.models.list().data[0].id
     c = client.completions.create(model=model, prompt="hello", max_tokens=4, temperature=0, logprobs=2).choices[0]
@@ -239,7 +240,6 @@ TASKS = {
 
 
 def test_lm_eval_loglikelihood_and_generation_equal_transformers(server, hf, model_dir, tmp_path, monkeypatch):
-    pytest.importorskip("lm_eval")
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
