@@ -88,6 +88,18 @@ def test_echo_logprobs_are_the_models_log_softmax(server, hf):
     assert out["choices"][0]["text"] == hf[1].decode(ids) + hf[1].decode(out["choices"][0]["token_ids"])
 
 
+def test_score_gives_the_servers_echo_logprobs(server, model_dir, capsys):
+    from moejax.cli import main
+
+    assert main(["score", "--hf", str(model_dir), "--prompt", "hello world", "--top-logprobs", "2", "--json"]) == 0
+    (scored,) = json.loads(capsys.readouterr().out)["logprobs"]
+    served = complete(server, {"prompt": "hello world", "echo": True, "logprobs": 2, "max_tokens": 0})["choices"][0]
+    assert scored["token_logprobs"][0] is None
+    np.testing.assert_allclose(scored["token_logprobs"][1:], served["logprobs"]["token_logprobs"][1:], atol=1e-5)
+    best = [sorted(top.values(), reverse=True)[:2] for top in served["logprobs"]["top_logprobs"][1:]]
+    np.testing.assert_allclose([[v for _, v in top] for top in scored["top_logprobs"][1:]], best, atol=1e-5)
+
+
 def test_echo_with_max_tokens_0_gives_the_prompt_alone(server, hf):
     ids = encode(hf, "abc")
     choice = complete(server, {"prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 0})["choices"][0]

@@ -267,16 +267,17 @@ class Scheduler:
             r = self.slots[s].request
             self.slots[s].pos = self.slots[s].done
             if r.samples:
-                self._fork_samples(s, logits[i], now)
+                self._fork_samples(s, to_host(logits)[i], now)
             if r.max_tokens == 0:
                 self._emit(s, None, now)
             else:
                 r.record(lp, i)
                 self._emit(s, int(out[i]), now)
 
-    def _fork_samples(self, source: int, logits: jax.Array, now: float) -> None:
+    def _fork_samples(self, source: int, logits: np.ndarray, now: float) -> None:
         """The other samples of slot `source`'s prompt, now prefilled: its cache row copied into
-        theirs, each one's first token drawn from its last logits [V] with its own seed."""
+        theirs, each one's first token drawn from its last logits [V] (through the host: with
+        prefill apart they are on the other mesh) with its own seed."""
         forks = [s for s, slot in enumerate(self.slots) if slot is not None and slot.leader == source]
         slots = np.full(self.num_slots, self.num_slots, np.int32)  # padding: out of range
         slots[: len(forks)] = forks
@@ -384,8 +385,8 @@ class Scheduler:
                     greedy_only=greedy, extras=extras, prompt_logprobs=echo)
                 out.block_until_ready()
         sampling, _ = sampling_rows([], n, extras=True)
-        out, _, self.cache = self._fork_program(self.cache, np.int32(0), np.full(n, n, np.int32), logits[0], sampling,
-                                                np.zeros(n, np.int32))
+        out, _, self.cache = self._fork_program(self.cache, np.int32(0), np.full(n, n, np.int32), to_host(logits)[0],
+                                                sampling, np.zeros(n, np.int32))
         out.block_until_ready()
         if self.apart:  # compiles the positions' move (padding rows only: nothing written)
             self._hand_over(np.full(p, n, np.int32), np.zeros(p, np.int32))
