@@ -54,11 +54,11 @@ def soak(name: str, steps: int, marks: tuple[int, ...]) -> dict[int, float]:
     tokens, lens = engine._padded([PROMPT])
     cache = engine.new_cache(tokens.shape[0], max_len)
     logits, cache, _ = engine._run_prefill(cache, tokens, lens, all_logits=False, record=False)
-    key, greedy = jax.random.key(0), Sampling()
-    tok, lens = sample(logits, key, greedy), jnp.asarray(lens)
+    seeds, greedy = jnp.zeros_like(lens), Sampling()
+    tok, lens = sample(logits, greedy, seeds, lens), jnp.asarray(lens)
     rss = {}
     for step in range(1, steps + 1):
-        tok, _, cache, _ = engine._decode(engine.params, cache, tok, lens, key, step, sampling=greedy, record=False)
+        tok, _, cache, _ = engine._decode(engine.params, cache, tok, lens, seeds, step, sampling=greedy, record=False)
         if step in marks:
             tok.block_until_ready()
             rss[step] = rss_mb()

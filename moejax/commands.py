@@ -304,13 +304,21 @@ def cmd_generate(args) -> int:
 
 
 def cmd_score(args) -> int:
+    from moejax.engine.logprobs import prompt_logprobs
+    from moejax.serving.text import encode_prompts
+    from moejax.serving.tokenizer import Tokenizer
+
+    prompts = encode_prompts(args.prompt_ids or [[1]], Tokenizer.for_run(args.tokenizer, args.hf), chat=False)
     engine = build_engine(config_from_args(args, host_default=True), args.hf, args.seed, args.checkpoint)
-    logits = engine.score(args.prompt_ids or [[1]])
+    logits = engine.score(prompts)
+    scored = [prompt_logprobs(x, p, args.top_logprobs) for x, p in zip(logits, prompts)]
     if args.json:
-        print(json.dumps({"logits": [x.tolist() for x in logits]}))
+        print(json.dumps({"logits": [x.tolist() for x in logits], "logprobs": scored}))
     else:
-        for i, x in enumerate(logits):
-            print(f"request {i}: {x.shape[0]} positions, argmax {x.argmax(-1).tolist()}")
+        for i, (x, lp) in enumerate(zip(logits, scored)):
+            total = sum(v for v in lp["token_logprobs"] if v is not None)
+            print(f"request {i}: {x.shape[0]} positions, argmax {x.argmax(-1).tolist()}, "
+                  f"log-likelihood {total:.4f}, token logprobs {lp['token_logprobs']}")
     return 0
 
 
@@ -327,13 +335,20 @@ def register(sub) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--sample-seed", type=int, default=0, help="PRNG seed of sampling")
+    g.add_argument("--sample-seed", type=int, default=0,
+                   help="seed of sampling: prompt i samples with seed S + i, what `serve` samples for a request "
+                        "with that \"seed\"")
     g.add_argument("--speculative", choices=("mtp",), help="speculative decoding with the model's MTP draft module")
     g.add_argument("--mtp-init", choices=("random",), help="a random MTP module when the checkpoint carries none")
     add_pd_args(g)
     g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("score", help="logits of one prefill")
+    s = sub.add_parser("score", help="logits and per-token logprobs of one prefill")
     add_model_args(s)
     s.add_argument("--prompt-ids", type=prompt_ids, action="append", help="1,2,3 (repeat: one request each)")
+    s.add_argument("--prompt", dest="prompt_ids", action="append", metavar="TEXT",
+                   help="prompt text (repeatable; in order with --prompt-ids)")
+    s.add_argument("--tokenizer", metavar="DIR", help="directory with tokenizer.json (default: the --hf directory)")
+    s.add_argument("--top-logprobs", type=int, default=0, choices=range(0, 21), metavar="N",
+                   help="the N best alternatives of every position (0..20), as the server's logprobs")
     s.set_defaults(func=cmd_score)

@@ -93,7 +93,7 @@ def decode_program(config: Config, batch: int, context: int, platform: str | Non
         raise UsageError(f"--batch {batch} must be a multiple of {multiple} (requests split over the devices)")
     step = functools.partial(decode_step, sampling=Sampling(), record=False, c=config.model, placement=placement)
     args = (abstract_params(config, placement), abstract_cache(config, placement, batch, context),
-            _rows(placement, batch), _rows(placement, batch), jax.eval_shape(lambda: jax.random.key(0)),
+            _rows(placement, batch), _rows(placement, batch), _rows(placement, batch),
             jax.ShapeDtypeStruct((), jnp.int32))
     return placement, step, args
 

@@ -270,7 +270,7 @@ def test_weight_prefetch_expert_loops_compute_with_weights_gathered_iterations_e
     engine = prefetch_engine(depth)
     c = engine.c
     # 64 requests: 8 rows per device, more picks than the grouped GEMM gathers row by row (it loops)
-    args = (engine.params, engine.new_cache(64, 32), jnp.zeros(64, jnp.int32), jnp.zeros(64, jnp.int32), jax.random.key(0), 1)
+    args = (engine.params, engine.new_cache(64, 32), jnp.zeros(64, jnp.int32), jnp.zeros(64, jnp.int32), jnp.zeros(64, jnp.int32), 1)
     hlo = engine._decode.lower(*args, sampling=Sampling(), record=False).compile().as_text()
     e, d, f = c.num_experts, c.hidden_size, c.moe_intermediate_size
     loops, fed = expert_loops_fed_by_gathers(hlo, (f"f32[{e},{d},{f}]", f"f32[{e},{f},{d}]"))
