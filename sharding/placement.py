@@ -12,9 +12,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-import pallas_kernels
 from moejax.config import Config
 from moejax.model.params import ParamSpec, expert_axis, is_expert_stack
+from moejax.platform import backend, kernel
 from pallas_kernels.layered import LayerOf, layer_slice
 from sharding import accounting, rules
 from sharding.experts import moe_local
@@ -41,8 +41,8 @@ class Placement:
         self.config = config
         # The platform the programs are built for: this machine's, or another one a program is
         # exported to (`moejax plan --export`); it picks the kernel "auto" stands for.
-        self.platform = platform or jax.default_backend()
-        self.kernel = pallas_kernels.resolve(config.kernel, self.platform)
+        self.platform = backend(platform)
+        self.kernel = kernel(config.kernel, self.platform)
         self.num_experts = config.model.num_experts  # including padding experts, if any
 
     @property

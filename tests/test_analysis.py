@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from moejax.analysis import eplb, metrics, synthetic
-from moejax.analysis.trace import Trace, load_trace, save_trace
 from moejax.cli import main
 from moejax.errors import UsageError
+from moejax.trace import Trace, load_trace, save_trace
 
 
 @pytest.fixture(scope="module")

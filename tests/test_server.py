@@ -17,8 +17,10 @@ import time
 import numpy as np
 import pytest
 
-from moejax.analysis.trace import load_trace
+from moejax.trace import load_trace
 from text_model import make_text_model
+
+pytestmark = pytest.mark.slow  # starts servers
 
 KEY = "sekret"
 MAX_LEN = 96

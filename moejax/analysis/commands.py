@@ -9,10 +9,10 @@ from pathlib import Path
 
 from moejax.analysis import analyze as analysis
 from moejax.analysis import calc, synthetic
-from moejax.analysis.trace import load_trace, save_trace
-from moejax.commands import add_model_args, prompt_ids
 from moejax.config import ConfigError, ModelConfig, from_hf_config, preset
 from moejax.errors import UsageError
+from moejax.flags import add_model_args, prompt_ids
+from moejax.trace import load_trace, save_trace
 from moejax.vocab import STORAGE_FORMATS
 
 GB, MB = 1e9, 1e6
@@ -111,7 +111,8 @@ def trace_fields(args) -> dict:
             raise UsageError("--synthetic generates its own picks; drop --preset/--hf/--checkpoint")
         return synthetic.generate(synthetic.SPECS[args.synthetic], steps, positive("--rows", args.rows), args.seed)
     from moejax.analysis.record import model_trace
-    from moejax.commands import build_engine, config_from_args
+    from moejax.factory import build_engine
+    from moejax.flags import config_from_args
 
     engine = build_engine(config_from_args(args), args.hf, args.seed, args.checkpoint)
     prompts = args.prompt_ids or [[1]]
@@ -188,8 +189,8 @@ def run_analyze(args) -> int:
 
 def run_trace(args) -> int:
     from moejax.analysis import plots, step_trace
-    from moejax.commands import build_engine, config_from_args
-    from moejax.compare import DEFAULT_PROMPTS
+    from moejax.factory import build_engine
+    from moejax.flags import DEFAULT_PROMPTS, config_from_args
 
     steps = positive("--steps", args.steps)
     engine = build_engine(config_from_args(args), args.hf, args.seed, args.checkpoint)
@@ -246,7 +247,8 @@ def advise_text(report: dict) -> str:
 
 def run_advise(args) -> int:
     from moejax.analysis import costs, simulate, step_trace
-    from moejax.commands import config_from_args, ensure_devices, natural_routing_only
+    from moejax.factory import ensure_devices
+    from moejax.flags import config_from_args, natural_routing_only
     from moejax.loading import with_hf_model
 
     n = positive("--devices", args.devices or 8)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.engine import compile_clock
-from moejax.engine.engine import Engine, bucket, to_host
+from moejax.engine.engine import MIN_POSITIONS, Engine, bucket, to_host
 from moejax.engine.sampling import Sampling, sample, sampling_logits
 from moejax.errors import UsageError
 from moejax.model.mtp import init_mtp_cache, mtp_forward
@@ -159,7 +159,7 @@ class SpeculativeEngine:
                              f"of {e.c.max_position_embeddings}")
         tokens, lens = e._padded(prompts, batch_multiple)
         # One slot beyond the last token for the final step's draft row.
-        max_len = e.config.engine.max_seq_len or bucket(max(tokens.shape[1], longest + max_new_tokens + 1), 16)
+        max_len = e.config.engine.max_seq_len or bucket(max(tokens.shape[1], longest + max_new_tokens + 1), MIN_POSITIONS)
         if longest >= max_len:
             raise UsageError(f"prompt of {longest} tokens does not fit the KV cache of {max_len} positions")
         batch = tokens.shape[0]
