@@ -59,12 +59,12 @@ def run(batch: int, new_tokens: int, prompt_len: int = 40):
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows = [r for b in args.batch for r in run(b, args.new_tokens)]
     if args.json:
         print(json.dumps(rows, indent=1))
