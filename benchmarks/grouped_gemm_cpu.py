@@ -111,7 +111,7 @@ def figure3(args, bandwidth: float) -> None:
 
 
 def figure4(args) -> None:
-    """As the article: each step replayed once per device of an expert-sharded layout (device d
+    """As Row-Meets-Experts' Figure 4: each step replayed once per device of an expert-sharded layout (device d
     holds experts [d * E / D, (d + 1) * E / D) and gets every row that picked one of them), so
     picks and touched experts vary between points independently."""
     rng = np.random.default_rng(1)
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", type=int, nargs="*",
                    default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096])
     p.add_argument("--steps", type=int, default=12, help="Figure 4 decode steps")
-    # 16 tokens x top-8 over 64 experts = 2 picks per expert, the article's 64-request step.
+    # 16 tokens x top-8 over 64 experts = 2 picks per expert, Row-Meets-Experts's 64-request step.
     p.add_argument("--decode-tokens", type=int, default=16, help="Figure 4 tokens per step")
     p.add_argument("--devices", type=int, default=8, help="Figure 4 expert-sharded devices")
     p.add_argument("--read-mb", type=int, default=512, help="size of the bandwidth reading's array")

@@ -39,7 +39,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--preset", help="a named model with random weights (default: tiny)")
     src.add_argument("--hf", metavar="DIR", help="a transformers save_pretrained directory")
     src.add_argument("--checkpoint", metavar="CKPT", help="a moejax checkpoint (moejax convert), restored into the placement")
-    p.add_argument("--config", metavar="FILE", help="YAML or JSON config (DESIGN.md shape); flags override it")
+    p.add_argument("--config", metavar="FILE", help="YAML or JSON config ({model, layout, weights, engine, kernel}); flags override it")
     p.add_argument("--dtype", choices=RUN_DTYPES, help="auto: bfloat16 on accelerators, float32 on CPU")
     p.add_argument("--devices", type=int, help="number of devices (virtual CPU devices on a CPU host)")
     p.add_argument("--placement", type=placement_name, choices=registry.names(), help="expert placement")

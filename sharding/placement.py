@@ -120,7 +120,7 @@ class Placement:
         return {}
 
     def copies_per_row(self, ids: np.ndarray) -> float:
-        """Mean number of other devices a row is sent to (the article's 'copies')."""
+        """Mean number of other devices a row is sent to (Row-Meets-Experts's 'copies')."""
         return float(self.devices - 1)
 
     def expert_bytes_read_per_device(self, ids: np.ndarray, experts: dict) -> np.ndarray:

@@ -26,7 +26,8 @@ def imports(module: str) -> set[str]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            # `from package import module` imports the module; `from module import name`, the module
+            names = [m for m in (f"{node.module}.{a.name}" for a in node.names) if m in MODULES] or [node.module]
         else:
             continue
         for name in names:

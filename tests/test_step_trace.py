@@ -1,4 +1,4 @@
-"""`moejax trace`: per device and MoE layer times read back from the profiler, seed 2's imbalance
+"""`moejax trace`: per device and MoE layer times read back from the profiler, Decode-Anatomy's imbalance
 term, and that term growing when every pick lands on one device's experts."""
 
 import contextlib

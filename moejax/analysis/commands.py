@@ -319,7 +319,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=run_analyze)
 
     p = subparsers.add_parser("trace", help="per device and MoE layer: attention, dispatch, expert and combine time "
-                                            "of decode steps, from the profiler (seed 2's table)")
+                                            "of decode steps, from the profiler (Decode-Anatomy's table)")
     add_model_args(p)  # the model, layout, --routing, --json
     p.add_argument("--prompt-ids", type=prompt_ids, action="append",
                    help="1,2,3 (repeat: one request each; default compare's eight requests)")

@@ -2,7 +2,7 @@
 
 State per request: the next token (at `pos`, emitted, not yet through the target) and the MTP's
 draft for `pos + 1`. A step runs the target on both (two rows per request), accepts or rejects
-the draft on the device, and lets the MTP draft the next token inside the same step (seed 2's
+the draft on the device, and lets the MTP draft the next token inside the same step (Decode-Anatomy's
 device-side rejection and early draft). Rollback of a rejected draft costs nothing: its cache
 slot (target and MTP) holds keys at `pos + 1` that no query at or before `pos + 1` of the next
 step can see through the causal mask before the next step overwrites them.
