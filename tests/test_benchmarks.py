@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from sharding import registry
+
 pytestmark = pytest.mark.slow  # each runs a benchmark end to end
 
 DIR = Path(__file__).parent.parent / "benchmarks"
@@ -25,13 +27,16 @@ SMALLEST = {
                             "--read-mb", "8"],
     "load_memory.py": ["--layers", "1", "--dir", "{tmp}/load", "--smoke"],
     "model_vs_transformers.py": ["--smoke", "--decode-steps", "2", "--prompt-len", "16", "--rounds", "1"],
-    "mtp.py": ["--batch", "1", "--new-tokens", "3"],
+    "mtp.py": ["--smoke", "--batch", "1", "--new-tokens", "3"],
     "row_meets_experts.py": ["--steps", "5"],
-    "simulator_validation.py": ["--steps", "2", "--repeats", "1", "--costs", "{tmp}/costs.json", "--out", "{tmp}/traces"],
-    "soak.py": ["--steps", "2", "--placements", "expert_sharded", "--json"],
+    "simulator_validation.py": ["--devices", "2", "--steps", "2", "--repeats", "1", "--costs", "{tmp}/costs.json",
+                                "--out", "{tmp}/traces"],
+    "soak.py": ["--steps", "2", "--placements", "expert_sharded"],
     "step_parts.py": ["--smoke", "--steps", "2", "--rounds", "1"],
 }
 IN_A_PROCESS = {"gpu_grouped_gemm.py"}
+# Scripts that run every registered placement, run here with the default one only.
+ONE_PLACEMENT = {"simulator_validation.py"}
 
 
 def test_every_benchmark_has_a_smallest_setting():
@@ -42,6 +47,8 @@ def test_every_benchmark_has_a_smallest_setting():
 def test_benchmark_runs_in_its_smallest_setting(name, tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(DIR))  # the scripts import each other, as from their own folder
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored after a script sets it
+    if name in ONE_PLACEMENT:
+        monkeypatch.setattr(registry, "REGISTRY", {registry.DEFAULT: registry.REGISTRY[registry.DEFAULT]})
     spec = importlib.util.spec_from_file_location(f"benchmark_{name[:-3]}", DIR / name)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
