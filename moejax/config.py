@@ -223,7 +223,6 @@ class EngineConfig:
             raise ConfigError(f"engine.layer_loop {self.layer_loop!r} is not one of {', '.join(LAYER_LOOPS)}")
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=lambda: PRESETS["tiny"])

@@ -168,7 +168,7 @@ class Engine:
 
     def chunk_for(self, prompts: list[list[int]]) -> int:
         """Positions per prefill call for these prompts: the longest prompt's power-of-two bucket
-        (at least 16), so short prompts are not padded to a whole large chunk, up to max_chunk."""
+        (at least MIN_POSITIONS), so short prompts are not padded to a whole large chunk, up to max_chunk."""
         return min(self.max_chunk, bucket(max(map(len, prompts)), MIN_POSITIONS))
 
     def _padded(self, prompts: list[list[int]], multiple: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -191,9 +191,8 @@ class Engine:
         cache_len = jax.tree.leaves(cache)[0].shape[-2]  # every entry's positions precede one last axis
         for start in range(0, tokens.shape[1], chunk):
             valid = valid_rows(prompt_lens, tokens.shape[0], chunk, start)
-            # Attention over the positions this chunk can see, not the whole cache (a 512-token
-            # prompt with a 1,024-position cache: 520 -> ~430 ms on the benchmark model). In
-            # buckets, so that the programs stay few.
+            # Attention over the positions this chunk can see, not the whole cache; in buckets,
+            # so that the programs stay few.
             visible = bucket(start + chunk, MIN_POSITIONS)
             logits, cache, p = self._prefill(
                 self.params, cache, jnp.asarray(tokens[:, start : start + chunk]), jnp.int32(start), last,
