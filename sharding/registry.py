@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-
 import pallas_kernels
 from moejax.config import Config, ConfigError
+from moejax.platform import backend
 from sharding.expert_sharded import ExpertSharded
 from sharding import rules
 from sharding.hybrid import Hybrid
@@ -22,12 +21,6 @@ REGISTRY: dict[str, type[MeshPlacement]] = {
     cls.name: cls for cls in (TensorSliced, ExpertSharded, Hybrid, RaggedA2A, WeightPrefetch)
 }
 DEFAULT = ExpertSharded.name  # layout.placement "" (a config that names none)
-
-
-def register(cls: type[MeshPlacement]) -> type[MeshPlacement]:
-    """Adds a placement class under its `name` (a plug-in's own placement; tests use it)."""
-    REGISTRY[cls.name] = cls
-    return cls
 
 
 def names() -> tuple[str, ...]:
@@ -56,7 +49,7 @@ def with_placement(config: Config, name: str, devices: int, ep: int = 0, tp: int
 def check_kernel(config: Config, platform: str | None = None) -> None:
     """The kernel can run on `platform` (this machine's by default) with these experts; one
     clear line otherwise."""
-    reason = pallas_kernels.unavailable(config.kernel, platform or jax.default_backend(), config.weights.expert_format)
+    reason = pallas_kernels.unavailable(config.kernel, backend(platform), config.weights.expert_format)
     if reason:
         raise ConfigError(f"kernel {config.kernel}: {reason}")
 

@@ -13,11 +13,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moejax.commands import pd_engine
 from moejax.config import Config, LayoutConfig, preset
 from moejax.engine.disaggregated import Disaggregated, bytes_moved
 from moejax.engine.engine import Engine, Prefilled
 from moejax.engine.kv_cache import init_cache
+from moejax.factory import pd_engine
 from moejax.loading import load_params
 from sharding import make_placement, names
 

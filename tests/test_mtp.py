@@ -230,6 +230,7 @@ def test_checkpoint_without_mtp_is_a_clear_error_unless_random_init(glm5_dirs, c
     assert out["tokens"] == json.loads(capsys.readouterr().out)["tokens"] and 0 <= out["acceptance_rate"] <= 1
 
 
+@pytest.mark.slow
 def test_cli_reads_mtp_from_the_checkpoint(glm5_dirs, capsys):
     _, with_mtp, _, _ = glm5_dirs
     assert main(["generate", "--hf", str(with_mtp), "--speculative", "mtp", "--max-new-tokens", "6", "--json",

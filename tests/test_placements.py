@@ -134,7 +134,7 @@ def even_router(rows: int, experts: int, k: int, seed: int = 0) -> np.ndarray:
 
 
 def test_glm_shaped_even_routing_sends_4_6_copies_against_7():
-    """Seed 1 section 4.3: 256 experts, top-8, 8 devices: 4.6 copies per row against 7."""
+    """Row-Meets-Experts §4.3: 256 experts, top-8, 8 devices: 4.6 copies per row against 7."""
     ids = even_router(4096, 256, 8)
     assert glm_placement("ragged_a2a").copies_per_row(ids) == pytest.approx(4.6, abs=0.05)
     assert glm_placement("tensor_sliced").copies_per_row(ids) == 7.0

@@ -13,9 +13,11 @@ import time
 import numpy as np
 import pytest
 
-from moejax.analysis.trace import load_trace
+from moejax.trace import load_trace
 from served import KEY, MAX_LEN, Server
 from text_model import make_text_model
+
+pytestmark = pytest.mark.slow  # starts servers
 
 
 @pytest.fixture(scope="module")

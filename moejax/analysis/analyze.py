@@ -12,9 +12,9 @@ import math
 import numpy as np
 
 from moejax.analysis import calc, eplb, metrics
-from moejax.analysis.trace import Trace
 from moejax.config import ModelConfig
 from moejax.errors import UsageError
+from moejax.trace import Trace
 
 FIT_FRACTION = 0.6  # steps EPLB is fitted on; it is scored on the remaining ones
 

@@ -17,7 +17,7 @@ import dataclasses
 import numpy as np
 
 from moejax.analysis.eplb import logical_maps
-from moejax.analysis.trace import Trace
+from moejax.trace import Trace
 
 
 @dataclasses.dataclass(frozen=True)

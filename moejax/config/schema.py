@@ -189,17 +189,13 @@ class WeightsConfig:
             raise ConfigError(f"weights.expert_format {self.expert_format!r} is not one of {', '.join(EXPERT_FORMATS)}")
 
 
-# engine.layer_loop "auto" unrolls runs of at most this many layers on XLA:CPU (`EngineConfig.unrolls`).
-UNROLLED_LAYERS = 16
-
-
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    dtype: str = "auto"  # RUN_DTYPES: activations, weights and KV cache (see `run_dtype`)
+    dtype: str = "auto"  # RUN_DTYPES: activations, weights and KV cache ("auto": moejax.platform.run_dtype)
     prefill_chunk: int = 0  # most prompt positions per prefill call; 0 = the platform's default
     max_seq_len: int = 0  # 0 = sized from the prompts and max_new_tokens
     routing: str = "natural"  # ROUTING_MODES; "even:SEED" seeds even's draws, "replay:TRACE" names the trace
-    layer_loop: str = "auto"  # LAYER_LOOPS (see `unrolls`)
+    layer_loop: str = "auto"  # LAYER_LOOPS ("auto": moejax.platform.unrolls)
     decode_block: int = 8  # decode steps per dispatched program (1: a program per step; see Engine.decode)
 
     def validate(self) -> None:
@@ -216,27 +212,6 @@ class EngineConfig:
             raise ConfigError(f"engine.decode_block must be at least 1, got {self.decode_block}")
         if self.layer_loop not in LAYER_LOOPS:
             raise ConfigError(f"engine.layer_loop {self.layer_loop!r} is not one of {', '.join(LAYER_LOOPS)}")
-
-    def unrolls(self, layers: int) -> bool:
-        """Whether a run of `layers` identical layers executes unrolled over per-layer arrays
-        (else as a scan over their stack). "auto": on XLA:CPU only, for runs of up to
-        UNROLLED_LAYERS. There a scan step's slice of each weight is a copy, read and written
-        once more per layer and step (2.75 ms of a 17.7 ms decode step of the benchmark model on
-        two cores); but compile time grows with unrolled depth (48 layers took 6.6x the scan's)."""
-        if self.layer_loop != "auto":
-            return self.layer_loop == "unroll"
-        import jax
-
-        return jax.default_backend() == "cpu" and layers <= UNROLLED_LAYERS
-
-    @property
-    def run_dtype(self) -> str:
-        """The dtype a run computes in: `dtype`, with "auto" resolved for the default backend."""
-        if self.dtype != "auto":
-            return self.dtype
-        import jax  # here, so that reading a config does not load jax
-
-        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
 @dataclasses.dataclass(frozen=True)

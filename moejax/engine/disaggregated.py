@@ -1,4 +1,4 @@
-"""Prefill and decode on their own placements and meshes (seed 1 section 6.6): one engine
+"""Prefill and decode on their own placements and meshes (Row-Meets-Experts §6.6): one engine
 prefills, its KV cache is handed to the other engine's layout, and that engine decodes.
 
 Each engine holds its own parameters, placed once on its mesh. The meshes may share devices

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
+from moejax import platform
 from moejax.config import Config, ModelConfig
 from moejax.engine import compile_clock
 from moejax.engine.kv_cache import init_cache, leading, put_leading
@@ -49,8 +50,8 @@ def decode_step(params, cache, tokens, lens, seeds, step, forced=None, *, c: Mod
     """Decode step `step` (1: the first after the prompt): tokens [B] go to positions lens + step - 1
     (lens: [B] prompt lengths) -> (next tokens [B], logits [B, V], cache, picks), each row's drawn
     with its seed [B] at its position. forced: int32 [MoE layers, B, k] picks of a routing override,
-    or None (two compiled variants). The positions are made here, not by the host between
-    steps: as eager ops they cost ~1.4 ms of a 16.7 ms batch-1 step on two CPU devices."""
+    or None (two compiled variants). The positions are made here, not by the host between steps:
+    as eager ops they would be programs of their own, dispatched every step."""
     positions = lens + (step - 1)
     h, cache, picks = forward(params, cache, tokens[:, None], positions[:, None], c, placement, forced)
     logits = lm_head(params, h[:, 0], c)
@@ -62,8 +63,7 @@ def decode_steps(params, cache, tokens, lens, seeds, first, count, *, block: int
     """Decode steps first .. first + count - 1 (count <= block), each a `decode_step`, in one
     program -> (their tokens [block, B], rows past count zero; the last tokens [B]; cache).
     A program per step leaves the devices waiting on the host between steps, and each other
-    in the step's first collective: on two CPU devices, batch 1, 15.2 ms per step against
-    14.1 ms in blocks of 8."""
+    in the step's first collective."""
     def step(i, carry):
         tok, cache, out = carry
         tok, _, cache, _ = decode_step(params, cache, tok, lens, seeds, first + i, c=c, placement=placement,
@@ -95,20 +95,14 @@ def seed_rows(seed: int, batch: int) -> np.ndarray:
     return ((seed + np.arange(batch)) & 0x7FFFFFFF).astype(np.int32)
 
 
+# Position counts (prompt widths, cache lengths) round up to powers of two of at least this, so
+# that short prompts and caches share their compiled programs.
+MIN_POSITIONS = 16
+
+
 def bucket(n: int, minimum: int = 1) -> int:
+    """n rounded up to a power of two, at least `minimum`."""
     return max(minimum, 1 << max(0, n - 1).bit_length())
-
-
-# Prompt positions per prefill call by platform (engine.prefill_chunk 0). On XLA:CPU a prompt
-# runs fastest in as few calls as possible: each expert GEMM gets more rows per expert (a
-# 1,024-token prompt of bench-qwen3-moe: 3.8 s in one call against 4.6 s as 16 calls of 64 on
-# a loaded host). The cap bounds the attention scores [B, H, chunk, cache] a call holds.
-PREFILL_CHUNK = {"cpu": 1024}
-PREFILL_CHUNK_OTHER = 512
-
-
-def default_prefill_chunk() -> int:
-    return PREFILL_CHUNK.get(jax.default_backend(), PREFILL_CHUNK_OTHER)
 
 
 @dataclasses.dataclass
@@ -148,13 +142,13 @@ class Engine:
     def __init__(self, config: Config, params: dict, placement, routing: Routing = Routing()):
         self.config = config
         self.c = config.model
-        self.params = unstack_layers(params, config.engine.unrolls)
+        self.params = unstack_layers(params, lambda layers: platform.unrolls(config.engine.layer_loop, layers))
         self.placement = placement
         routing.check(self.c)
         self.routing = routing
-        self.dtype = jnp.dtype(config.engine.run_dtype)
+        self.dtype = jnp.dtype(platform.run_dtype(config.engine.dtype))
         compile_clock.start()
-        self.max_chunk = config.engine.prefill_chunk or default_prefill_chunk()
+        self.max_chunk = platform.prefill_chunk(config.engine.prefill_chunk)
         bind = dict(c=self.c, placement=placement)
         self._prefill = jax.jit(functools.partial(prefill, **bind), donate_argnums=1,
                                 static_argnames=("all_logits", "record", "visible"))
@@ -179,8 +173,8 @@ class Engine:
 
     def chunk_for(self, prompts: list[list[int]]) -> int:
         """Positions per prefill call for these prompts: the longest prompt's power-of-two bucket
-        (at least 16), so short prompts are not padded to a whole large chunk, up to max_chunk."""
-        return min(self.max_chunk, bucket(max(map(len, prompts)), 16))
+        (at least MIN_POSITIONS), so short prompts are not padded to a whole large chunk, up to max_chunk."""
+        return min(self.max_chunk, bucket(max(map(len, prompts)), MIN_POSITIONS))
 
     def _padded(self, prompts: list[list[int]], multiple: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         chunk = self.chunk_for(prompts)
@@ -202,10 +196,9 @@ class Engine:
         cache_len = jax.tree.leaves(cache)[0].shape[-2]  # every entry's positions precede one last axis
         for start in range(0, tokens.shape[1], chunk):
             valid = valid_rows(prompt_lens, tokens.shape[0], chunk, start)
-            # Attention over the positions this chunk can see, not the whole cache (a 512-token
-            # prompt with a 1,024-position cache: 520 -> ~430 ms on the benchmark model). In
-            # buckets, so that the programs stay few.
-            visible = bucket(start + chunk, 16)
+            # Attention over the positions this chunk can see, not the whole cache; in buckets,
+            # so that the programs stay few.
+            visible = bucket(start + chunk, MIN_POSITIONS)
             logits, cache, p = self._prefill(
                 self.params, cache, jnp.asarray(tokens[:, start : start + chunk]), jnp.int32(start), last,
                 forced(dealer, "prefill", valid), all_logits=all_logits, record=record,
@@ -224,7 +217,7 @@ class Engine:
         """Logits [len(prompt), V] of one prefill, per request."""
         self.check_prompts(prompts)
         tokens, lens = self._padded(prompts)
-        cache = self.new_cache(tokens.shape[0], bucket(tokens.shape[1], 16))
+        cache = self.new_cache(tokens.shape[0], bucket(tokens.shape[1], MIN_POSITIONS))
         logits, _, _ = self._run_prefill(cache, tokens, lens, all_logits=True, record=False,
                                          dealer=self.routing.start(self.c), prompt_lens=[len(p) for p in prompts])
         logits = to_host(logits)
@@ -251,7 +244,7 @@ class Engine:
                 f"of {self.c.max_position_embeddings}"
             )
         tokens, lens = self._padded(prompts, batch_multiple)
-        max_len = self.config.engine.max_seq_len or bucket(max(tokens.shape[1], longest + max_new_tokens), 16)
+        max_len = self.config.engine.max_seq_len or bucket(max(tokens.shape[1], longest + max_new_tokens), MIN_POSITIONS)
         if longest >= max_len:
             raise UsageError(f"prompt of {longest} tokens does not fit the KV cache of {max_len} positions")
         cache = self.new_cache(tokens.shape[0], max_len)

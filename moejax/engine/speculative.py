@@ -2,7 +2,7 @@
 
 State per request: the next token (at `pos`, emitted, not yet through the target) and the MTP's
 draft for `pos + 1`. A step runs the target on both (two rows per request), accepts or rejects
-the draft on the device, and lets the MTP draft the next token inside the same step (seed 2's
+the draft on the device, and lets the MTP draft the next token inside the same step (Decode-Anatomy's
 device-side rejection and early draft). Rollback of a rejected draft costs nothing: its cache
 slot (target and MTP) holds keys at `pos + 1` that no query at or before `pos + 1` of the next
 step can see through the causal mask before the next step overwrites them.
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.engine import compile_clock
-from moejax.engine.engine import Engine, bucket, seed_rows, to_host
+from moejax.engine.engine import MIN_POSITIONS, Engine, bucket, seed_rows, to_host
 from moejax.engine.sampling import Sampling, draw, row_keys, sample, sampling_logits
 from moejax.errors import UsageError
 from moejax.model.mtp import init_mtp_cache, mtp_forward
@@ -168,7 +168,7 @@ class SpeculativeEngine:
                              f"of {e.c.max_position_embeddings}")
         tokens, lens = e._padded(prompts, batch_multiple)
         # One slot beyond the last token for the final step's draft row.
-        max_len = e.config.engine.max_seq_len or bucket(max(tokens.shape[1], longest + max_new_tokens + 1), 16)
+        max_len = e.config.engine.max_seq_len or bucket(max(tokens.shape[1], longest + max_new_tokens + 1), MIN_POSITIONS)
         if longest >= max_len:
             raise UsageError(f"prompt of {longest} tokens does not fit the KV cache of {max_len} positions")
         batch = tokens.shape[0]

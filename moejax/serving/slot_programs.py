@@ -5,6 +5,7 @@ positions they and the prefill hand-over use. Pure functions, jitted by `schedul
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from moejax.engine.logprobs import biased, logprobs_of
