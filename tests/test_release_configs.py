@@ -17,7 +17,7 @@ from checkpoints.hf_config import FAMILY_DEFAULTS, from_hf_config
 from hf_quantized import write_fp8
 from hf_reference import hf_greedy
 from moejax.cli import main
-from moejax.config import Config, ConfigError, read_rope
+from moejax.config import Config, ConfigError, ModelConfig, read_rope
 from moejax.engine.engine import Engine
 from moejax.loading import load_params, with_hf_model
 from release_configs import RELEASES, write_release
@@ -80,6 +80,20 @@ def test_release_config_gives_transformers_logits_and_tokens_on_one_device(relea
 def test_release_config_gives_transformers_logits_and_tokens_on_several_devices(releases, family):
     directory, tokens, logits = releases(family)
     assert_matches(generated(directory, *MULTI), tokens, logits)
+
+
+# Values moejax reads that the releases leave at their defaults: a window on every Mixtral
+# layer; Qwen3-MoE's attention biases (q, k, v and o).
+VARIANTS = {"mixtral window": ("mixtral", {"sliding_window": 4}),
+            "qwen3_moe attention_bias": ("qwen3_moe", {"attention_bias": True})}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_read_values_the_releases_leave_at_default_match_transformers(variant, tmp_path):
+    family, change = VARIANTS[variant]
+    model = write_release(family, tmp_path, **change)
+    tokens, logits = hf_greedy(model, PROMPT, NEW, return_logits=True)
+    assert_matches(generated(tmp_path), tokens, logits)
 
 
 @pytest.mark.parametrize("placement", names())
@@ -194,7 +208,7 @@ def test_a_key_moejax_cannot_compute_is_refused_in_one_line(case, tmp_path, caps
 
 def test_a_config_file_rope_moejax_cannot_compute_is_refused():
     with pytest.raises(ConfigError, match="'llama3' is not computed"):
-        Config(model=Config().model.__class__(rope_scaling={"rope_type": "llama3", "factor": 8.0})).validate()
+        Config(model=ModelConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0})).validate()
 
 
 # ----------------------------------------------------------------------------- 4-bit widths
