@@ -64,7 +64,7 @@ def replace_checked(obj: Any, updates: dict, prefix: str) -> Any:
 
 
 def from_dict(data: dict, base: Config | None = None, preset_name: str | None = None) -> Config:
-    """Builds a `Config` from the DESIGN.md shape: {preset, model, layout, weights, engine, kernel}.
+    """Builds a `Config` from a config file's shape: {preset, model, layout, weights, engine, kernel}.
 
     The model starts from `preset_name` (the CLI's --preset, which wins), else the file's own
     `preset`, else `base`'s; the file's `model:` fields then apply on top of it."""

@@ -55,7 +55,7 @@ PRESETS: dict[str, ModelConfig] = {
                       "beta_slow": 1.0, "truncate": False},
         max_position_embeddings=2048,
     ),
-    # Mid-size model of the benchmark (issue 2): Qwen3-MoE geometry scaled down.
+    # Mid-size model of the benchmark (benchmarks/model_vs_transformers.py): Qwen3-MoE geometry scaled down.
     "bench-qwen3-moe": ModelConfig(
         family="qwen3_moe", vocab_size=32000, hidden_size=1024, intermediate_size=2048,
         moe_intermediate_size=256, num_layers=4, num_heads=16, num_kv_heads=4, head_dim=64, qk_norm=True,
