@@ -1,4 +1,4 @@
-"""The article's Figures 3 and 4 on this CPU, at a scaled-down GLM geometry.
+"""Row-Meets-Experts' Figures 3 and 4 (docs/references.md) on this CPU, at a scaled-down GLM geometry.
 
 One MoE layer's routed experts (gate/up [E, H, 2I], down [E, I, H]) run through
 `pallas_kernels.grouped_gemm` (XLA backend) for batches of 1 to 4,096 tokens, each picking
