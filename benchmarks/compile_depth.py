@@ -45,14 +45,14 @@ def run(layers: int, placement: str, devices: int) -> tuple[float, float, float]
         return time.perf_counter() - t0, json.loads(out)["timing"]["compile_s"], usage.ru_maxrss / 1e6
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from sharding import names
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", default="4,16,78")
     p.add_argument("--placements", default="all")
     p.add_argument("--devices", type=int, default=8)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     depths = [int(x) for x in args.layers.split(",")]
     placements = list(names()) if args.placements == "all" else args.placements.split(",")
     print(f"tiny preset width, {args.devices} devices, generate 4 new tokens, cold compile cache")

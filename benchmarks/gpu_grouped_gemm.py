@@ -46,7 +46,7 @@ def median_seconds(fn, *args, reps: int) -> float:
     return float(np.median(times))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--hidden", type=int, default=6144)
@@ -55,7 +55,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 2048, 8192])
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted kernel, CPU")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     backend = "pallas_gpu"
     if args.smoke:
         args.experts, args.hidden, args.inter, args.tokens, args.reps = 8, 256, 128, [1, 16], 2

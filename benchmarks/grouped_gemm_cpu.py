@@ -1,4 +1,4 @@
-"""The article's Figures 3 and 4 on this CPU, at a scaled-down GLM geometry.
+"""Row-Meets-Experts' Figures 3 and 4 (docs/references.md) on this CPU, at a scaled-down GLM geometry.
 
 One MoE layer's routed experts (gate/up [E, H, 2I], down [E, I, H]) run through
 `pallas_kernels.grouped_gemm` (XLA backend) for batches of 1 to 4,096 tokens, each picking
@@ -35,9 +35,9 @@ def timeit(fn, *args, min_time=0.3, max_reps=50) -> float:
     return min(times)
 
 
-def read_bandwidth() -> float:
-    """Bytes per second a jitted sum reads from a 512 MB array (the roofline for decode)."""
-    x = jnp.ones((128 * 1024 * 1024,), jnp.float32)
+def read_bandwidth(mb: int = 512) -> float:
+    """Bytes per second a jitted sum reads from an `mb` MB array (the roofline for decode)."""
+    x = jnp.ones((mb * 1024 * 1024 // 4,), jnp.float32)
     return x.nbytes / timeit(jax.jit(jnp.sum), x, min_time=1.0)
 
 
@@ -111,7 +111,7 @@ def figure3(args, bandwidth: float) -> None:
 
 
 def figure4(args) -> None:
-    """As the article: each step replayed once per device of an expert-sharded layout (device d
+    """As Row-Meets-Experts' Figure 4: each step replayed once per device of an expert-sharded layout (device d
     holds experts [d * E / D, (d + 1) * E / D) and gets every row that picked one of them), so
     picks and touched experts vary between points independently."""
     rng = np.random.default_rng(1)
@@ -149,7 +149,7 @@ def figure4(args) -> None:
           f"(R^2 {r2:.3f})")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--hidden", type=int, default=1024)
@@ -160,17 +160,18 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="*",
                    default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096])
     p.add_argument("--steps", type=int, default=12, help="Figure 4 decode steps")
-    # 16 tokens x top-8 over 64 experts = 2 picks per expert, the article's 64-request step.
+    # 16 tokens x top-8 over 64 experts = 2 picks per expert, Row-Meets-Experts's 64-request step.
     p.add_argument("--decode-tokens", type=int, default=16, help="Figure 4 tokens per step")
     p.add_argument("--devices", type=int, default=8, help="Figure 4 expert-sharded devices")
-    args = p.parse_args()
+    p.add_argument("--read-mb", type=int, default=512, help="size of the bandwidth reading's array")
+    args = p.parse_args(argv)
     # Other processes share this machine: take the best of several bandwidth readings.
-    bandwidth = max(read_bandwidth() for _ in range(3))
+    bandwidth = max(read_bandwidth(args.read_mb) for _ in range(3))
     print(f"{jax.default_backend()} x{jax.device_count()}: measured read bandwidth "
-          f"{bandwidth / 1e9:.1f} GB/s (jitted sum over 512 MB, best of 3)")
+          f"{bandwidth / 1e9:.1f} GB/s (jitted sum over {args.read_mb} MB, best of 3)")
     figure3(args, bandwidth)
     figure4(args)
-    print(f"read bandwidth after the runs: {read_bandwidth() / 1e9:.1f} GB/s")
+    print(f"read bandwidth after the runs: {read_bandwidth(args.read_mb) / 1e9:.1f} GB/s")
 
 if __name__ == "__main__":
     main()

@@ -98,11 +98,12 @@ def peak_rss_mb(argv: list[str]) -> tuple[float, str]:
     return usage.ru_maxrss / 1024, out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/moejax-load-memory"))
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="the first load only (with --layers 1: a quick check)")
+    args = parser.parse_args(argv)
     shutil.rmtree(args.dir, ignore_errors=True)
     hf = args.dir / "hf"
     write_model(hf, args.layers)
@@ -113,7 +114,7 @@ def main() -> None:
           f"one run's stacked expert matrix {args.layers * E * D * F * 4 / 2**20:,.0f} MB\n")
     print("| job | peak RSS MB | baseline MB | placed MB | above baseline + placed, MB |")
     print("|---|---|---|---|---|")
-    for placement, fmt in LOADS:
+    for placement, fmt in LOADS[:1] if args.smoke else LOADS:
         load = [sys.executable, "-c", LOAD]
         baseline, _ = peak_rss_mb([*load, golden, placement, "unquantized"])
         peak, placed = peak_rss_mb([*load, str(hf), placement, fmt])

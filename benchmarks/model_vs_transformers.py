@@ -2,7 +2,7 @@
 
     python benchmarks/model_vs_transformers.py [--decode-steps 32] [--rounds 3]
 
-Geometry (issue 2): hidden 1024, 4 layers, 64 experts top-8, expert intermediate 256, vocab
+Geometry (`GEOMETRY`): hidden 1024, 4 layers, 64 experts top-8, expert intermediate 256, vocab
 32000, float32 on the CPU. Prints prefill tokens/s for a 512-token prompt and decode
 tokens/s at batch 1 and 16, and the ratio moejax / transformers. Decode is also shown against
 the weight-read bound: bytes a step must read (attention, router, touched experts, head) over
@@ -26,15 +26,21 @@ import numpy as np
 from grouped_gemm_cpu import read_bandwidth  # benchmarks/ is the script's own path
 
 
-def hf_model(directory: str):
+GEOMETRY = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256,
+                num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=64,
+                num_experts_per_tok=8)
+# --smoke: the same model family at toy width, to check the script runs.
+SMOKE = dict(GEOMETRY, vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+             num_experts_per_tok=2)
+
+
+def hf_model(directory: str, geometry: dict = GEOMETRY):
     import torch
     import transformers
 
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=32000, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=64, num_experts_per_tok=8,
-        norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=False,
-    )
+    cfg = transformers.Qwen3MoeConfig(**geometry, norm_topk_prob=True, max_position_embeddings=4096,
+                                      tie_word_embeddings=False)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     model.save_pretrained(directory)
@@ -52,9 +58,9 @@ def hf_runner(model, prompt_len: int, steps: int, experts: str):
     first call warms up."""
     import torch
 
-    rng = np.random.default_rng(0)
-    long = torch.tensor(rng.integers(0, 32000, (1, prompt_len)))
-    shorts = [torch.tensor(rng.integers(0, 32000, (batch, 32))) for batch in BATCHES]
+    rng, vocab = np.random.default_rng(0), model.config.vocab_size
+    long = torch.tensor(rng.integers(0, vocab, (1, prompt_len)))
+    shorts = [torch.tensor(rng.integers(0, vocab, (batch, 32))) for batch in BATCHES]
 
     def decode(short) -> float:
         out = model(short, use_cache=True)
@@ -82,8 +88,8 @@ def hf_runner(model, prompt_len: int, steps: int, experts: str):
 
 def moejax_engine(directory: str):
     """The engine `moejax generate --hf DIR` builds with no other flag: default settings and this
-    host's layout (on a CPU host, one device per core: `commands.host_layout`)."""
-    from moejax.commands import build_engine
+    host's layout (on a CPU host, one device per core: `factory.host_layout`)."""
+    from moejax.factory import build_engine
     from moejax.config import Config, LayoutConfig
 
     return build_engine(Config(layout=LayoutConfig(devices=0)), directory, seed=0)
@@ -91,9 +97,9 @@ def moejax_engine(directory: str):
 
 def moejax_runner(engine, prompt_len: int, steps: int):
     """As hf_runner, for a moejax engine; its first call compiles."""
-    rng = np.random.default_rng(0)
-    long = [rng.integers(0, 32000, prompt_len).tolist()]
-    shorts = [[rng.integers(0, 32000, 32).tolist() for _ in range(batch)] for batch in BATCHES]
+    rng, vocab = np.random.default_rng(0), engine.c.vocab_size
+    long = [rng.integers(0, vocab, prompt_len).tolist()]
+    shorts = [[rng.integers(0, vocab, 32).tolist() for _ in range(batch)] for batch in BATCHES]
 
     def run() -> list[float]:
         prefill = engine.generate(long, 1).prefill_ms / 1e3
@@ -103,10 +109,11 @@ def moejax_runner(engine, prompt_len: int, steps: int):
     return run
 
 
-def step_bytes(batch: int) -> float:
+def step_bytes(batch: int, g: dict) -> float:
     """Weights a decode step must read: attention + router + dense head + touched experts."""
-    d, layers, experts, k, f, vocab = 1024, 4, 64, 8, 256, 32000
-    attn = d * (16 * 64 + 2 * 4 * 64) + 16 * 64 * d
+    d, layers, experts, k = g["hidden_size"], g["num_hidden_layers"], g["num_experts"], g["num_experts_per_tok"]
+    f, vocab, heads, kv = g["moe_intermediate_size"], g["vocab_size"], g["num_attention_heads"], g["num_key_value_heads"]
+    attn = d * (heads * g["head_dim"] + 2 * kv * g["head_dim"]) + heads * g["head_dim"] * d
     touched = experts * (1 - (1 - k / experts) ** batch)  # even router
     return 4 * (layers * (attn + d * experts + touched * 3 * d * f) + 2 * d * vocab)
 
@@ -116,7 +123,7 @@ def print_settings(experts: list[str], engine) -> None:
     import torch
     import transformers
 
-    from moejax.engine.engine import default_prefill_chunk
+    from moejax.platform import prefill_chunk
 
     layout = engine.config.layout
     loop = "unrolled" if isinstance(engine.params["layers"][-1], tuple) else "scanned"
@@ -127,22 +134,24 @@ def print_settings(experts: list[str], engine) -> None:
           f"(of {', '.join(HF_EXPERTS)}): " + ", ".join(f"{m} {e}" for m, e in zip(MEASURES, experts)))
     print(f"moejax on jax {jax.__version__} ({jax.default_backend()}), defaults: {layout.placement} on "
           f"{layout.devices} device(s), attention {layout.attention}, head {layout.head}, layers {loop}, prefill chunk "
-          f"{default_prefill_chunk()}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '') or 'none'}")
+          f"{prefill_chunk(0)}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '') or 'none'}")
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; the best of each is kept")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="a toy-width model and a small bandwidth reading")
+    args = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(os.cpu_count())
     with tempfile.TemporaryDirectory() as directory:
-        model = hf_model(directory)
+        geometry = SMOKE if args.smoke else GEOMETRY
+        model = hf_model(directory, geometry)
         engine = moejax_engine(directory)  # first: it chooses the host's devices before jax starts
-        bw = read_bandwidth()
+        bw = read_bandwidth(16 if args.smoke else 512)
         sides = {impl: hf_runner(model, args.prompt_len, args.decode_steps, impl) for impl in HF_EXPERTS}
         sides["moejax"] = moejax_runner(engine, args.prompt_len, args.decode_steps)
         # The host is shared and noisy: alternate the sides (each of transformers' expert
@@ -163,7 +172,7 @@ def main():
     print(f"{'measure':<26}{'transformers':>14}{'moejax':>10}{'ratio':>8}{'bound':>9}")
     print(f"{'prefill tokens/s':<26}{args.prompt_len / hf_pre:>14.0f}{args.prompt_len / mj_pre:>10.0f}{hf_pre / mj_pre:>8.2f}")
     for batch, hf_step, mj_step in zip(BATCHES, hf_steps, mj_steps):
-        bound = batch * bw / step_bytes(batch)
+        bound = batch * bw / step_bytes(batch, geometry)
         print(f"{f'decode tokens/s, batch {batch}':<26}{batch / hf_step:>14.1f}{batch / mj_step:>10.1f}"
               f"{hf_step / mj_step:>8.2f}{bound:>9.0f}")
 

@@ -22,8 +22,9 @@ from moejax.model.mtp import mirrored_draft
 from sharding import make_placement
 
 
-def setups():
-    """(model name, draft name, plain engine, speculative engine) per benchmarked pair."""
+def setups(smoke: bool = False):
+    """(model name, draft name, plain engine, speculative engine) per benchmarked pair (the first
+    only for `smoke`)."""
     one_layer = dataclasses.replace(preset("tiny-glm5"), num_layers=1, dense_layers=(), dsa_shared_layers=())
     for name, model, drafts in (("tiny-glm5 1 layer", one_layer, ("mirror", "random")),
                                 ("tiny-glm5", preset("tiny-glm5"), ("random",))):
@@ -37,12 +38,14 @@ def setups():
                 target, mtp = params, load_mtp(config, placement)
             engine = Engine(config, target, placement)
             yield name, draft, engine, SpeculativeEngine(engine, mtp)
+            if smoke:
+                return
 
 
-def run(batch: int, new_tokens: int, prompt_len: int = 40):
+def run(batch: int, new_tokens: int, prompt_len: int = 40, smoke: bool = False):
     rng = np.random.RandomState(0)
     rows = []
-    for model, draft, engine, spec in setups():
+    for model, draft, engine, spec in setups(smoke):
         prompts = [rng.randint(0, engine.c.vocab_size, prompt_len).tolist() for _ in range(batch)]
         engine.generate(prompts, new_tokens)  # compile
         spec.generate(prompts, new_tokens)
@@ -59,13 +62,14 @@ def run(batch: int, new_tokens: int, prompt_len: int = 40):
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
-    rows = [r for b in args.batch for r in run(b, args.new_tokens)]
+    ap.add_argument("--smoke", action="store_true", help="the first pair only (one-layer target, mirrored draft)")
+    args = ap.parse_args(argv)
+    rows = [r for b in args.batch for r in run(b, args.new_tokens, smoke=args.smoke)]
     if args.json:
         print(json.dumps(rows, indent=1))
         return

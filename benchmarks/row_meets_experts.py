@@ -10,15 +10,15 @@ from __future__ import annotations
 import argparse
 
 from moejax.analysis import analyze, calc, synthetic
-from moejax.analysis.trace import Trace
 from moejax.config import preset
+from moejax.trace import Trace
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     glm = preset("glm-5.3")
     c = calc.calc_report(glm, [8, 16, 32], tokens=64, touched=188, expert_format="nvfp4")

@@ -22,65 +22,67 @@ CALIBRATION_PROMPTS = [[(11 * r + 5 * i) % 89 + 2 for i in range(6 + 2 * r)] for
 REPEATS = 7  # measured steps: the best of this many timed runs each
 
 
-def best_steps_ms(runs: dict, steps: int) -> dict:
+def best_steps_ms(runs: dict, steps: int, repeats: int = REPEATS) -> dict:
     """{name: best decode step ms} of runs {name: (engine, prompts)}, timed round-robin so that the
     shared host's load falls on every run alike (the cost table's timings are best-of too)."""
     from moejax.compare import measure
 
     best = dict.fromkeys(runs, float("inf"))
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         for name, (engine, prompts) in runs.items():
             best[name] = min(best[name], measure(engine, prompts, steps + 1)["decode_step_ms"])
     return best
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--steps", type=int, default=16, help="decode steps measured and simulated")
     parser.add_argument("--costs", default=str(Path.home() / ".cache/moejax/costs-validation.json"))
     parser.add_argument("--out", default="/tmp/moejax-validation", help="directory for the two recorded traces")
-    args = parser.parse_args()
+    parser.add_argument("--devices", type=int, default=DEVICES, help="CPU devices of the mesh")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="timed runs per measured step (the best is kept)")
+    args = parser.parse_args(argv)
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/moejax/xla"))
 
     from moejax.analysis import costs
     from sharding import eplb
     from moejax.analysis.record import model_trace
     from moejax.analysis.simulate import layouts, simulate
-    from moejax.analysis.trace import save_trace
-    from moejax.commands import build_engine, ensure_devices
-    from moejax.compare import DEFAULT_PROMPTS
+    from moejax.trace import save_trace
+    from moejax.factory import build_engine, ensure_devices
+    from moejax.flags import DEFAULT_PROMPTS
     from moejax.config import Config, preset
     from sharding import registry, with_placement
 
-    ensure_devices(DEVICES)
+    ensure_devices(args.devices)
     config = dataclasses.replace(Config(), model=preset(args.preset))
-    engine_of = lambda name: build_engine(with_placement(config, name, DEVICES), None, 0)
+    engine_of = lambda name: build_engine(with_placement(config, name, args.devices), None, 0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    by_name = {layout.name: layout for layout in layouts(DEVICES)}
+    by_name = {layout.name: layout for layout in layouts(args.devices)}
 
-    engines = {layout.name: engine_of(layout.name) for layout in layouts(DEVICES)}
+    engines = {layout.name: engine_of(layout.name) for layout in layouts(args.devices)}
     fit_engine = engines[registry.DEFAULT]
     calibration = save_trace(out / "calibration.npz",
                              **model_trace(fit_engine, CALIBRATION_PROMPTS, args.steps, args.preset))
     trace = save_trace(out / "validation.npz", **model_trace(fit_engine, DEFAULT_PROMPTS, args.steps, args.preset))
     table = costs.load(Path(args.costs), config)
-    costs.ensure(table, config, calibration, DEVICES)
-    costs.ensure(table, config, trace, DEVICES)  # same shapes as calibration: nothing new to measure
+    costs.ensure(table, config, calibration, args.devices)
+    costs.ensure(table, config, trace, args.devices)  # same shapes as calibration: nothing new to measure
     runs = {"fit": (fit_engine, CALIBRATION_PROMPTS), **{name: (e, DEFAULT_PROMPTS) for name, e in engines.items()}}
-    measured = best_steps_ms(runs, args.steps)
+    measured = best_steps_ms(runs, args.steps, args.repeats)
     non_moe = costs.fit_non_moe(table, measured["fit"], calibration, by_name[registry.DEFAULT])
     costs.save(table, Path(args.costs))
 
     decode = trace.select(trace.kind == "decode")
     order = eplb.contiguous(decode.ids.shape[1], decode.num_experts)
-    print(f"{args.preset}, {len(DEFAULT_PROMPTS)} requests, {args.steps} decode steps, {DEVICES} CPU devices "
+    print(f"{args.preset}, {len(DEFAULT_PROMPTS)} requests, {args.steps} decode steps, {args.devices} CPU devices "
           f"({table.concurrency} cores); non-MoE {non_moe / 1e3:.2f} ms/step fitted on {registry.DEFAULT} "
           f"with other prompts")
     print(f"{'placement':<16}{'ep x tp':>8}{'exchange':>10}{'experts':>9}{'simulated':>11}{'measured':>10}{'error':>8}")
     errors = []
-    for layout in layouts(DEVICES):
+    for layout in layouts(args.devices):
         sim = simulate(decode, layout, order, table)
         error = sim["step_ms"] / measured[layout.name] - 1
         errors.append(abs(error))

@@ -25,11 +25,10 @@ import argparse  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from moejax.config import PRESETS, Config, EngineConfig, LayoutConfig  # noqa: E402
-from moejax.engine.engine import Engine, bucket  # noqa: E402
+from moejax.engine.engine import MIN_POSITIONS, Engine, bucket  # noqa: E402
 from moejax.engine.sampling import Sampling, sample  # noqa: E402
 from moejax.loading import load_params  # noqa: E402
 from sharding import make_placement, names  # noqa: E402
@@ -46,31 +45,32 @@ def rss_mb() -> float:
 
 
 def soak(name: str, steps: int, marks: tuple[int, ...]) -> dict[int, float]:
-    max_len = bucket(len(PROMPT) + steps, 16)
+    max_len = bucket(len(PROMPT) + steps, MIN_POSITIONS)
     config = Config(model=PRESETS["tiny"], layout=LAYOUTS[name], engine=EngineConfig(max_seq_len=max_len)).validate()
     placement = make_placement(config)
     engine = Engine(config, load_params(config, placement), placement)
     engine.generate([PROMPT], 2)  # compiles prefill and decode for this cache size
     tokens, lens = engine._padded([PROMPT])
     cache = engine.new_cache(tokens.shape[0], max_len)
-    logits, cache, _ = engine._run_prefill(cache, tokens, lens, all_logits=False, record=False)
-    key, greedy = jax.random.key(0), Sampling()
-    tok, lens = sample(logits, key, greedy), jnp.asarray(lens)
+    logits, cache, _ = engine._run_prefill(cache, tokens, lens, all_logits=False, record=False, dealer=None,
+                                         prompt_lens=[len(PROMPT)])
+    seeds, greedy = jnp.zeros_like(lens), Sampling()
+    tok, lens = sample(logits, greedy, seeds, lens), jnp.asarray(lens)
     rss = {}
     for step in range(1, steps + 1):
-        tok, _, cache, _ = engine._decode(engine.params, cache, tok, lens, key, step, sampling=greedy, record=False)
+        tok, _, cache, _ = engine._decode(engine.params, cache, tok, lens, seeds, step, sampling=greedy, record=False)
         if step in marks:
             tok.block_until_ready()
             rss[step] = rss_mb()
     return rss
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--placements", default=",".join(names()))
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     marks = (min(100, args.steps), args.steps)
     rows = {name: soak(name, args.steps, marks) for name in args.placements.split(",")}
     if args.json:

@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from model_vs_transformers import HF_EXPERTS, hf_model, moejax_engine
+from model_vs_transformers import GEOMETRY, HF_EXPERTS, SMOKE, hf_model, moejax_engine
 
 PARTS = ("attention", "MoE block", "LM head, embedding, sampling", "collectives (incl. waiting)",
          "rest (norms, residual; profiler)")
@@ -54,7 +54,7 @@ def hf_parts(model, batch: int, steps: int, rounds: int) -> tuple[float, dict, s
         hook(PARTS[0], layer.self_attn)
         hook(PARTS[1], layer.mlp)
     hook(PARTS[2], model.lm_head)
-    prompt = torch.tensor(np.random.default_rng(0).integers(0, 32000, (batch, 32)))
+    prompt = torch.tensor(np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, 32)))
     best = (float("inf"), {}, "")
     with torch.no_grad():
         for _ in range(rounds):
@@ -111,7 +111,7 @@ def moejax_parts(engine, batch: int, steps: int) -> tuple[float, float, dict]:
 
     from moejax.engine.sampling import Sampling
 
-    prompts = np.random.default_rng(0).integers(0, 32000, (batch, 32)).tolist()  # transformers' prompts
+    prompts = np.random.default_rng(0).integers(0, engine.c.vocab_size, (batch, 32)).tolist()  # transformers' prompts
     plain = min(engine.generate(prompts, steps + 1).decode_step_ms for _ in range(3)) / 1e3
     state = engine.start(prompts, steps + 1)
     hlo = engine._decode_block.lower(engine.params, state.cache, state.tok, jnp.asarray(state.lens), state.key, 1, steps,
@@ -137,16 +137,17 @@ def moejax_parts(engine, batch: int, steps: int) -> tuple[float, float, dict]:
     return plain, profiled, {**parts, PARTS[4]: parts.get(PARTS[4], 0.0) + profiled - sum(parts.values())}
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="a toy-width model")
+    args = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(os.cpu_count())
     with tempfile.TemporaryDirectory() as directory:
-        model = hf_model(directory)
+        model = hf_model(directory, SMOKE if args.smoke else GEOMETRY)
         engine = moejax_engine(directory)
         layout = engine.config.layout
         print(f"transformers: torch {torch.__version__}, {torch.get_num_threads()} threads; moejax: {layout.placement} "

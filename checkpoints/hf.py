@@ -23,10 +23,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from checkpoints.hf_config import from_hf_config
 from checkpoints.placing import Layers, place_tensor
 from checkpoints.quantization import Tensors, read_scheme
 from checkpoints.safetensors_io import SafetensorsDir
-from moejax.config import ConfigError, ModelConfig, from_hf_config
+from moejax.config import ConfigError, ModelConfig
 from moejax.errors import UsageError
 from moejax.model.mtp import mtp_specs
 from moejax.model.params import ParamSpec, Run, layer_runs, param_specs

@@ -22,6 +22,7 @@ import pallas_kernels
 from checkpoints import packing
 from checkpoints.manifest import (MANIFEST, Manifest, commit, file_sums, new_data_dir, read_manifest, verify_files,
                                   warn_leftovers)
+from moejax import platform
 from moejax.errors import UsageError
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_dtype, param_specs
 
@@ -125,7 +126,7 @@ def write(ckpt: str | Path, manifest: Manifest, params: Iterable[tuple[str, dict
 def save_params(ckpt: str | Path, params: dict, placement) -> Manifest:
     """Saves the parameters of `placement` (any): padding experts are dropped on the way out."""
     config = placement.config
-    manifest = Manifest(config.model, config.engine.run_dtype, config.weights.expert_format)
+    manifest = Manifest(config.model, platform.run_dtype(config.engine.dtype), config.weights.expert_format)
     names, _ = named_specs(manifest)
     leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, pallas_kernels.QuantizedArray))
     e = config.model.num_experts
@@ -210,7 +211,7 @@ def restore_params(ckpt: str | Path, config, placement) -> dict:
         directory = ckpt / manifest.data / f"{i:04d}"
         verify_files(ckpt, manifest, directory.name)
         _check_group(directory, keys, expected)
-        args = {k: _restore_args(specs[k], expected[k], placement, config.engine.run_dtype) for k in keys}
+        args = {k: _restore_args(specs[k], expected[k], placement, platform.run_dtype(config.engine.dtype)) for k in keys}
         try:
             arrays = checkpointer.restore(directory, args=ocp.args.PyTreeRestore(restore_args=args))
         except Exception as e:  # noqa: BLE001 - truncated/corrupted data surfaces as assorted errors

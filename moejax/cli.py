@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_compile_cache()
     args = build_parser().parse_args(argv)
     try:
-        from moejax.commands import init_processes
+        from moejax.factory import init_processes
 
         init_processes(args)
         return int(args.func(args) or 0)

@@ -14,16 +14,13 @@ import json
 import jax
 import numpy as np
 
-from moejax.commands import (add_model_args, add_pd_args, build_engine, config_from_args, ensure_devices, pd_devices,
-                             pd_engine, prompt_ids)
 from moejax.engine.expert_placement import wants_slots
 from moejax.errors import UsageError
+from moejax.factory import build_engine, ensure_devices, pd_devices, pd_engine
+from moejax.flags import DEFAULT_PROMPTS, add_model_args, add_pd_args, config_from_args, prompt_ids
 from moejax.model.transformer import layer_params
+from moejax.platform import run_dtype
 from sharding import registry
-
-# Eight requests of different lengths: one per device under DP attention.
-DEFAULT_PROMPTS = [[(7 * r + 3 * i) % 97 + 1 for i in range(5 + 3 * r)] for r in range(8)]
-
 
 def param_bytes_per_device(params) -> int:
     per = {}
@@ -136,7 +133,7 @@ def cmd_compare(args) -> int:
         print(json.dumps({"agree": agree, "devices": devices, "placements": rows, **({"pairs": pairs} if args.pd else {})}))
         return 0
     print(f"{len(prompts)} requests, {args.max_new_tokens} new tokens, {devices} devices, "
-          f"{config.model.family} ({config.engine.run_dtype}, experts {config.weights.expert_format})")
+          f"{config.model.family} ({run_dtype(config.engine.dtype)}, experts {config.weights.expert_format})")
     head = f"{'placement':<20}{'ep x tp':>8}{'attn':>5}{'same':>6}{'prefill ms':>12}{'decode ms':>11}" \
            f"{'sent B/dev/layer':>18}{'copies':>8}{'read B/dev/step':>17}{'params B/dev':>14}"
     print(head)

@@ -17,6 +17,7 @@ from moejax.config import Config
 from moejax.errors import UsageError
 from moejax.model.mtp import mtp_specs
 from moejax.model.params import ParamSpec, init_param, param_keys, param_specs
+from moejax.platform import run_dtype
 
 
 def with_hf_model(config: Config, hf_dir: str | None, checkpoint: str | None = None) -> Config:
@@ -40,7 +41,7 @@ def with_hf_model(config: Config, hf_dir: str | None, checkpoint: str | None = N
 def random_params(config: Config, placement, seed: int, specs: dict) -> dict:
     """Random parameters (`init_param`) placed as a checkpoint's would be: drawn on the host's
     CPU device one layer at a time, so no device holds more than its own share."""
-    c, dtype = config.model, jnp.dtype(config.engine.run_dtype)
+    c, dtype = config.model, jnp.dtype(run_dtype(config.engine.dtype))
     key = jax.device_put(jax.random.key(seed), jax.local_devices(backend="cpu")[0])
 
     def place(spec: ParamSpec, k):
@@ -58,7 +59,7 @@ def load_params(config: Config, placement, *, hf_dir: str | None = None, checkpo
     """Parameters placed by `placement`: read from `hf_dir`, restored from `checkpoint` (each
     array straight into its sharding), or random from `seed`."""
     if hf_dir is not None:
-        return load_hf(hf_dir, config.model, jnp.dtype(config.engine.run_dtype), placement)
+        return load_hf(hf_dir, config.model, jnp.dtype(run_dtype(config.engine.dtype)), placement)
     if checkpoint is not None:
         return restore_params(checkpoint, config, placement)
     return random_params(config, placement, seed, param_specs(config.model))
@@ -68,7 +69,7 @@ def load_mtp(config: Config, placement, *, hf_dir: str | None = None, checkpoint
              init: str | None = None, seed: int = 0) -> dict:
     """The MTP module's parameters, placed: read from a transformers-layout directory that
     carries them; random when `init == "random"` or the model itself is random (a preset)."""
-    c, dtype = config.model, jnp.dtype(config.engine.run_dtype)
+    c, dtype = config.model, jnp.dtype(run_dtype(config.engine.dtype))
     if hf_dir is not None and has_mtp(hf_dir, c):
         return load_hf(hf_dir, c, dtype, placement, mtp=True)
     source = hf_dir or checkpoint

@@ -26,15 +26,16 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from moejax.commands import ensure_devices
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import decode_step, prefill
 from moejax.engine.expert_placement import wants_slots
 from moejax.engine.kv_cache import init_cache
 from moejax.engine.sampling import Sampling
 from moejax.errors import UsageError
+from moejax.factory import ensure_devices
 from moejax.model.attention import cache_specs
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_dtype, param_specs
+from moejax.platform import run_dtype
 from moejax.vocab import ATTENTION_MODES, DTYPES, EXPERT_FORMATS
 from sharding import make_placement, names, placement_class, rules, with_placement
 
@@ -57,7 +58,7 @@ def abstract_params(config: Config, placement) -> dict:
         shape = list(spec.shape)
         if is_expert_stack(spec):
             shape[expert_axis(spec)] = placement.num_experts
-        array = jax.ShapeDtypeStruct(tuple(shape), param_dtype(spec, config.engine.run_dtype))
+        array = jax.ShapeDtypeStruct(tuple(shape), param_dtype(spec, run_dtype(config.engine.dtype)))
         if is_expert_matrix(spec):
             array = jax.eval_shape(functools.partial(pallas_kernels.run_weights, expert_format=config.weights.expert_format,
                                                      k_slices=placement.k_slices(spec), kernel=config.kernel), array)
@@ -76,7 +77,7 @@ def abstract_params(config: Config, placement) -> dict:
 
 def abstract_cache(config: Config, placement, batch: int, context: int) -> list[dict]:
     axes = {k: a for k, (_, a) in cache_specs(config.model, 1, 1).items()}
-    cache = jax.eval_shape(functools.partial(init_cache, config.model, batch, context, jnp.dtype(config.engine.run_dtype)))
+    cache = jax.eval_shape(functools.partial(init_cache, config.model, batch, context, jnp.dtype(run_dtype(config.engine.dtype))))
     return [{k: _sharded(v, placement, ("layers",) + axes[k]) for k, v in run.items()} for run in cache]
 
 
@@ -103,7 +104,7 @@ def decode_program(config: Config, batch: int, context: int, platform: str | Non
         raise UsageError(f"--batch {batch} must be a multiple of {multiple} (requests split over the devices)")
     step = functools.partial(decode_step, sampling=Sampling(), record=False, c=config.model, placement=placement)
     args = (abstract_params(config, placement), abstract_cache(config, placement, batch, context),
-            _rows(placement, batch), _rows(placement, batch), jax.eval_shape(lambda: jax.random.key(0)),
+            _rows(placement, batch), _rows(placement, batch), _rows(placement, batch),
             jax.ShapeDtypeStruct((), jnp.int32))
     return placement, step, args
 
@@ -146,7 +147,7 @@ def plan_placement(config: Config, batch: int, context: int, prefill_chunk: int,
     temp = max(decode.memory_analysis().temp_size_in_bytes, pre.memory_analysis().temp_size_in_bytes)
     total = param_bytes + kv_bytes + temp
     experts = [leaf for run in params["layers"] if "moe" in run for leaf in jax.tree.leaves(run["moe"]["experts"])]
-    act_bytes = jnp.dtype(config.engine.run_dtype).itemsize
+    act_bytes = jnp.dtype(run_dtype(config.engine.dtype)).itemsize
     buffers = {phase: sum(placement.exchange_buffer_bytes(rows, config.model.hidden_size, act_bytes).values())
                for phase, rows in (("decode", batch), ("prefill", multiple * per_row))}
     return {

@@ -10,10 +10,9 @@ from pallas_kernels.formats import (
     quantize_rows,
     values_nbytes,
 )
-from pallas_kernels.registry import BACKENDS, for_kernel, grouped_gemm, resolve, run_weights, unavailable
+from pallas_kernels.registry import for_kernel, grouped_gemm, run_weights, unavailable
 
 __all__ = [
-    "BACKENDS",
     "FORMATS",
     "QuantizedArray",
     "dequantize",
@@ -24,7 +23,6 @@ __all__ = [
     "quantize",
     "quantize_experts",
     "quantize_rows",
-    "resolve",
     "run_weights",
     "values_nbytes",
 ]

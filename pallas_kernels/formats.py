@@ -164,16 +164,16 @@ def dequantize(q: QuantizedArray, dtype=jnp.float32) -> jax.Array:
 
 
 def values_nbytes(x) -> int:
-    """Bytes of the 4-bit values alone (the article's "18.9 MB per expert")."""
+    """Bytes of the 4-bit values alone (Row-Meets-Experts §1: "18.9 MB per expert")."""
     if isinstance(x, QuantizedArray):
         return int(np.prod(x.values.shape)) * x.values.dtype.itemsize
     return int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
 
 
 def nbytes(x) -> int:
-    """Bytes of values + block scales (the article's "21 MB per expert"); arrays: plain nbytes.
+    """Bytes of values + block scales (Row-Meets-Experts §1: "21 MB per expert"); arrays: plain nbytes.
 
-    NVFP4's f32 tensor scales (one per matrix or row message) are left out, as in the article.
+    NVFP4's f32 tensor scales (one per matrix or row message) are left out, as Row-Meets-Experts leaves them out.
     """
     if isinstance(x, QuantizedArray):
         return values_nbytes(x) + int(np.prod(x.scales.shape)) * x.scales.dtype.itemsize

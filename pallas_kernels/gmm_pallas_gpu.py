@@ -87,5 +87,6 @@ def gmm_pallas_gpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
         grid=(group_ids.shape[0], n // tn),
         compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
+        cost_estimate=tiling.cost_estimate(lhs, rhs, lhs_p.shape[0], out_dtype),
     )(num_tiles.reshape(1), group_ids, m_tile_ids, offsets, offset, tscale, *operands)
     return tiling.zero_foreign_rows(out, offsets, offset[0], g_local, m)

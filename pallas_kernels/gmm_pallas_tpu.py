@@ -105,5 +105,6 @@ def gmm_pallas_tpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=interpret,
+        cost_estimate=tiling.cost_estimate(lhs, rhs, lhs_p.shape[0], out_dtype),
     )(group_ids, m_tile_ids, offsets, offset, tscale, *operands)
     return tiling.zero_foreign_rows(out, offsets, offset[0], g_local, m)

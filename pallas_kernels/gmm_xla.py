@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from moejax.platform import GATHER_ROWS
 from pallas_kernels import decode, formats, layered
 from pallas_kernels.metadata import local_groups, varying_zeros
 
@@ -55,16 +56,10 @@ def _group_matmul(rhs, g: jax.Array):
     return lambda x: (jnp.dot(x[:, :kh], lo) + jnp.dot(x[:, kh:], hi)) * scale
 
 
-# Up to this many rows (a decode step of a few requests), unquantized groups are gathered per row
-# instead (`_gathered`).
-GATHER_ROWS = 16
-
-
 def _gathered(lhs, rhs, group_sizes, group_offset) -> jax.Array:
     """Few rows: each row's group's weights gathered in one op ([M, K, N]) and one batched
-    product. On XLA:CPU a group of the loop costs ~30 us beyond reading its weights, more than a
-    second read of a group two rows share: 8 rows of 8 groups of 1024x256 take 0.56 ms here
-    against 0.81 ms in the loop."""
+    product. On XLA:CPU a group of the loop costs more beyond reading its weights than a second
+    read of a group two rows share."""
     m, g_local = lhs.shape[0], rhs.shape[0]
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
     local = jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right") - group_offset  # [M]

@@ -9,11 +9,12 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from moejax import platform
 from moejax.vocab import KERNELS
 from pallas_kernels import formats, layered
 
-# The names are moejax.vocab.KERNELS ("auto" resolves by platform, below): the module of
-# pallas_kernels holding the backend (a function of the module's name), and keyword arguments.
+# The names are moejax.vocab.KERNELS ("auto": moejax.platform.kernel): the module of pallas_kernels
+# holding the backend (a function of the module's name), and keyword arguments.
 # A backend's module is imported on first use, so a CPU run never loads Mosaic GPU, Triton or
 # Mosaic TPU (~0.3 s of every command's start-up).
 _IMPLS = {
@@ -24,14 +25,8 @@ _IMPLS = {
     "interpret": ("gmm_pallas_tpu", {"interpret": True}),
     "interpret_gpu": ("gmm_pallas_gpu", {"interpret": True}),
 }
-BACKENDS = KERNELS
-assert set(BACKENDS) == {"auto", *_IMPLS}, "moejax.vocab.KERNELS and the kernel implementations differ"
-_AUTO = {"cpu": "xla", "tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
-
-
-def resolve(name: str, platform: str) -> str:
-    """The backend kernel `name` stands for on `platform` ("auto": by platform)."""
-    return _AUTO.get(platform, "xla") if name == "auto" else name
+if set(KERNELS) != {"auto", *_IMPLS}:
+    raise ImportError("moejax.vocab.KERNELS and the kernel implementations differ")
 
 
 def unavailable(name: str, platform: str, expert_format: str) -> str | None:
@@ -79,7 +74,7 @@ def _load(module: str, name: str):
 
 def _backend_fn(name: str):
     if name not in _IMPLS:
-        raise ValueError(f"unknown grouped_gemm backend {name!r}; expected one of {BACKENDS}")
+        raise ValueError(f"unknown grouped_gemm backend {name!r}; expected one of {KERNELS}")
     module, kwargs = _IMPLS[name]
     return functools.partial(_load(module, module), **kwargs)
 
@@ -105,8 +100,7 @@ def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto"
     if isinstance(stack, formats.QuantizedArray) and stack.axis != -2:
         raise ValueError("a 4-bit rhs must be quantized along K (axis=-2)")
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
-    if backend == "auto":
-        backend = resolve(backend, jax.default_backend())
+    backend = platform.kernel(backend)  # "auto" for this machine; a placement passes its target's kernel
     if backend != "xla":  # only the XLA loop reads groups out of a layer stack
         rhs = layered.unwrap(rhs)
     return _backend_fn(backend)(lhs, rhs, group_sizes, group_offset, out_dtype)

@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas.ops.tpu.megablox.gmm import make_group_metadata
 
 from pallas_kernels import formats
+
+
+def cost_estimate(lhs, rhs, out_rows: int, out_dtype) -> pl.CostEstimate:
+    """What a grouped GEMM costs, for XLA to schedule around the call (as megablox tells it):
+    every row of lhs [M, K] times one [K, N] expert; bytes of lhs, of rhs [G, K, N] (at most:
+    experts without rows are not read) and of the [out_rows, N] output."""
+    m, k = lhs.shape
+    n = rhs.shape[2]
+    out_bytes = out_rows * n * jnp.dtype(out_dtype).itemsize
+    return pl.CostEstimate(flops=2 * m * k * n, transcendentals=0,
+                           bytes_accessed=formats.nbytes(lhs) + formats.nbytes(rhs) + out_bytes)
 
 
 def round_up(x: int, to: int) -> int:

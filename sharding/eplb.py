@@ -153,7 +153,7 @@ def rebalance_for_bytes(touch_prob: np.ndarray, num_gpus: int) -> tuple[np.ndarr
     """Decode variant: balance the expert bytes each device reads per step, not its picks.
 
     A decode step's expert time on a device follows the bytes of the distinct experts it touches
-    ("How a Row Meets Its Experts", sections 2 and 5.4), and every touched expert costs the same bytes. A device's expected
+    (Row-Meets-Experts §2 and §5.4), and every touched expert costs the same bytes. A device's expected
     bytes per step are therefore proportional to the sum of its experts' probabilities of being
     touched in a step, and we pack those probabilities. Replicas would only add bytes (each touched
     replica is read in full), so this variant uses exactly E slots.

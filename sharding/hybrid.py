@@ -11,7 +11,7 @@ class Hybrid(GatherScatter):
     @classmethod
     def mesh_shape(cls, layout):
         """ep x tp from the layout; with neither given, pairs of devices (the mix's smallest
-        group, as the article's --ep-size 4 on 8 GPUs) where the devices pair up."""
+        group, as Row-Meets-Experts's --ep-size 4 on 8 GPUs) where the devices pair up."""
         n = layout.devices
         tp = layout.tp or (n // layout.ep if layout.ep else 2 - n % 2)
         ep = layout.ep or n // tp

@@ -1,4 +1,4 @@
-"""Two-batch overlap (seed 1 section 6.5): one device's rows of a MoE layer as two micro-batches,
+"""Two-batch overlap (Row-Meets-Experts §6.5): one device's rows of a MoE layer as two micro-batches,
 ordered so that each micro-batch's exchange is issued while the other one computes.
 
 A placement that moves rows gives its exchange as three phases, run per device inside

@@ -12,9 +12,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-import pallas_kernels
 from moejax.config import Config
 from moejax.model.params import ParamSpec, expert_axis, is_expert_stack
+from moejax.platform import backend, kernel
 from pallas_kernels.layered import LayerOf, layer_slice
 from sharding import accounting, rules, slots
 from sharding.experts import moe_local
@@ -41,8 +41,8 @@ class Placement:
         self.config = config
         # The platform the programs are built for: this machine's, or another one a program is
         # exported to (`moejax plan --export`); it picks the kernel "auto" stands for.
-        self.platform = platform or jax.default_backend()
-        self.kernel = pallas_kernels.resolve(config.kernel, self.platform)
+        self.platform = backend(platform)
+        self.kernel = kernel(config.kernel, self.platform)
         self.set_slots(config.model.num_experts)
 
     def set_slots(self, num_logical: int) -> None:
@@ -137,7 +137,7 @@ class Placement:
         return {}
 
     def copies_per_row(self, ids: np.ndarray) -> float:
-        """Mean number of other devices a row is sent to (the article's 'copies')."""
+        """Mean number of other devices a row is sent to (Row-Meets-Experts's 'copies')."""
         return float(self.devices - 1)
 
     def expert_bytes_read_per_device(self, ids: np.ndarray, experts: dict) -> np.ndarray:

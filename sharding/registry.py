@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-
 import pallas_kernels
 from moejax.config import Config, ConfigError
+from moejax.platform import backend
 from sharding.expert_sharded import ExpertSharded
+from sharding import rules
 from sharding.hybrid import Hybrid
 from sharding.mesh import MeshPlacement, make_mesh
 from sharding.placement import Placement
@@ -21,12 +21,6 @@ REGISTRY: dict[str, type[MeshPlacement]] = {
     cls.name: cls for cls in (TensorSliced, ExpertSharded, Hybrid, RaggedA2A, WeightPrefetch)
 }
 DEFAULT = ExpertSharded.name  # layout.placement "" (a config that names none)
-
-
-def register(cls: type[MeshPlacement]) -> type[MeshPlacement]:
-    """Adds a placement class under its `name` (a plug-in's own placement; tests use it)."""
-    REGISTRY[cls.name] = cls
-    return cls
 
 
 def names() -> tuple[str, ...]:
@@ -55,7 +49,7 @@ def with_placement(config: Config, name: str, devices: int, ep: int = 0, tp: int
 def check_kernel(config: Config, platform: str | None = None) -> None:
     """The kernel can run on `platform` (this machine's by default) with these experts; one
     clear line otherwise."""
-    reason = pallas_kernels.unavailable(config.kernel, platform or jax.default_backend(), config.weights.expert_format)
+    reason = pallas_kernels.unavailable(config.kernel, backend(platform), config.weights.expert_format)
     if reason:
         raise ConfigError(f"kernel {config.kernel}: {reason}")
 
@@ -69,6 +63,7 @@ def make_placement(config: Config, platform: str | None = None, devices: list | 
                           "(generate, score, serve, bench); name a device count here")
     cls = placement_class(config.layout.placement)
     check_kernel(config, platform)
+    rules.check_expert_widths(config.model, config.weights.expert_format)
     if devices is not None:
         return cls(config, make_mesh(cls.mesh_shape(config.layout), devices), platform=platform)
     if config.layout.devices == 1:

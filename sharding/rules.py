@@ -68,12 +68,26 @@ def check_model(c: ModelConfig, ep: int, tp: int, expert_format: str = "unquanti
         raise ConfigError(
             f"expert intermediate size {f} cannot be sliced {tp} ways ({f / tp:g} per device); choose a tp that divides it"
         )
+    check_expert_widths(c, expert_format)
     unit = 2 * FORMATS[expert_format].block if expert_format in FORMATS else 1  # a byte pairs two blocks' values
     if tp > 1 and (f // tp) % unit:
         raise ConfigError(
             f"{expert_format} expert slices of {f // tp} (intermediate size {f} over {tp} devices) must be a "
             f"multiple of {unit}; use fewer tensor-parallel devices or bf16 experts"
         )
+
+
+def check_expert_widths(c: ModelConfig, expert_format: str) -> None:
+    """4-bit experts quantize their input axis (hidden_size for gate and up, moe_intermediate_size
+    for down) in whole packed block pairs; checked before loading, whatever the placement."""
+    if expert_format not in FORMATS:
+        return
+    unit = 2 * FORMATS[expert_format].block
+    for name, width in (("hidden_size", c.hidden_size), ("moe_intermediate_size", c.moe_intermediate_size)):
+        if width % unit:
+            raise ConfigError(f"{expert_format} experts need {name} to be a multiple of {unit} (byte pairs of "
+                              f"{FORMATS[expert_format].block}-value blocks); this model's is {width}: run its experts "
+                              "unquantized (--expert-format unquantized)")
 
 
 def padded_experts(num_experts: int, ep: int) -> int:

@@ -25,7 +25,7 @@ def _release_compiled_programs():
     """Drop each test module's compiled programs when it ends. Every live XLA:CPU executable
     holds ~10 memory mappings of JIT code, and the whole suite compiles thousands of programs:
     kept alive by jit caches they reach the kernel's 65,530 mappings per process, and XLA:CPU
-    then fails to map code and segfaults (the crash in the full run of stop 5). Later modules
+    then fails to map code and segfaults (a full run crashed so before this fixture). Later modules
     that need a program again find it in the run's persistent compile cache."""
     yield
     jax.clear_caches()

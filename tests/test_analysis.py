@@ -1,6 +1,6 @@
-"""Trace format, metrics, and `record --synthetic` + `analyze` against seed 1's GLM-5.3 figures.
+"""Trace format, metrics, and `record --synthetic` + `analyze` against Row-Meets-Experts's GLM-5.3 figures.
 
-Tolerances on the synthetic trace: seed 1 rounds to two digits, and across generator seeds the
+Tolerances on the synthetic trace: Row-Meets-Experts rounds to two digits, and across generator seeds the
 figures move by about 0.01 (which experts land together on a device is luck); the synthetic model
 itself misses some figures by up to 0.02 (see moejax/analysis/synthetic.py). So: 0.02 on
 balancedness, 0.03 on the touched fraction.
@@ -15,9 +15,9 @@ import pytest
 
 from moejax.analysis import metrics, synthetic
 from sharding import eplb
-from moejax.analysis.trace import Trace, load_trace, save_trace
 from moejax.cli import main
 from moejax.errors import UsageError
+from moejax.trace import Trace, load_trace, save_trace
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_synthetic_rows_pick_k_distinct_experts():
     assert all(len(set(row)) == 8 for row in ids.reshape(-1, 8).tolist())
 
 
-# ----------------------------------------------------------------------------- seed 1's figures
+# ----------------------------------------------------------------------------- Row-Meets-Experts's figures
 
 def test_glm_like_touches_about_72_percent_per_step(glm_report):
     touched = glm_report["kinds"]["decode"]["experts_touched"]

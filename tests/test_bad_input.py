@@ -106,6 +106,7 @@ def test_bad_input_ends_in_one_line_and_exit_2_writing_nothing(case, configs, tm
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv", [
     ["generate", "--preset", "nope"],
     ["generate", "--devices", "two"],

@@ -1,4 +1,4 @@
-"""`moejax calc` on the glm-5.3 preset against seed 1's figures, rounded as the article rounds them."""
+"""`moejax calc` on the glm-5.3 preset against Row-Meets-Experts's figures, rounded as it rounds them."""
 
 import json
 

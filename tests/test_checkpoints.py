@@ -18,20 +18,15 @@ import pytest
 from checkpoints import orbax_io
 from checkpoints.manifest import FORMAT_VERSION, MANIFEST, read_manifest
 from checkpoints.orbax_io import restore_params, save_params
+from layouts import placement_layouts
 from moejax.cli import main
-from moejax.config import PRESETS, Config, LayoutConfig, WeightsConfig
+from moejax.config import PRESETS, Config, WeightsConfig
 from moejax.loading import load_params, with_hf_model
 from sharding import make_placement
 
 GOLDEN = Path(__file__).parent / "golden" / "deepseek_v3"
 ROOT = Path(__file__).parent.parent
-LAYOUTS = {
-    "tensor_sliced": LayoutConfig(placement="tensor_sliced", devices=8),
-    "expert_sharded": LayoutConfig(placement="expert_sharded", devices=8),
-    "hybrid": LayoutConfig(placement="hybrid", devices=8, ep=4, tp=2),
-    "ragged_a2a": LayoutConfig(placement="ragged_a2a", devices=8),
-    "weight_prefetch": LayoutConfig(placement="weight_prefetch", devices=8),
-}
+LAYOUTS = placement_layouts()
 # 12 experts do not divide ep=8: expert_sharded, ragged_a2a and weight_prefetch pad to 16,
 # hybrid (ep=4) and tensor_sliced (ep=1) do not pad. 4-bit runs use the preset's 16.
 MODELS = {"unquantized": dataclasses.replace(PRESETS["tiny"], num_experts=12), "nvfp4": PRESETS["tiny"]}
@@ -71,6 +66,7 @@ def converted(tmp_path_factory):
 
 # ----------------------------------------------------------------------------- convert
 
+@pytest.mark.slow
 def test_converted_checkpoint_generates_the_tokens_of_the_transformers_directory(converted, capsys):
     """expected.npz holds transformers' greedy tokens, which generating from the directory
     reproduces (test_model.py); one engine here instead of two keeps the test short."""
@@ -81,6 +77,7 @@ def test_converted_checkpoint_generates_the_tokens_of_the_transformers_directory
     assert rc == 0 and json.loads(out)["tokens"] == [expected["greedy"].tolist()]
 
 
+@pytest.mark.slow
 def test_convert_with_json_prints_one_document_and_no_progress(tmp_path, capsys):
     rc, out, err = cli(["convert", "--hf", GOLDEN, "--out", tmp_path / "ckpt", "--json"], capsys)
     assert rc == 0 and err == ""
@@ -137,6 +134,7 @@ def restored_single_device(ckpt: Path):
     return load_params(config, make_placement(config), checkpoint=str(ckpt))
 
 
+@pytest.mark.slow
 def test_interrupted_save_leaves_the_previous_checkpoint_readable_and_says_so(converted, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     subprocess.run(["cp", "-r", str(converted), str(ckpt)], check=True)
@@ -147,6 +145,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint_readable_and_says_so(co
     assert "interrupted save" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_next_save_removes_what_an_interrupted_save_left(converted, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     subprocess.run(["cp", "-r", str(converted), str(ckpt)], check=True)

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from moejax.cli import main
+
+pytestmark = pytest.mark.slow  # runs `moejax compare` end to end
 
 
 def test_compare_json_reports_the_ragged_exchange_sending_each_row_to_fewer_devices(capsys):

@@ -13,11 +13,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moejax.commands import pd_engine
 from moejax.config import Config, LayoutConfig, preset
 from moejax.engine.disaggregated import Disaggregated, bytes_moved
 from moejax.engine.engine import Engine, Prefilled
 from moejax.engine.kv_cache import init_cache
+from moejax.factory import pd_engine
 from moejax.loading import load_params
 from sharding import make_placement, names
 
@@ -76,7 +76,7 @@ def test_hand_over_moves_only_the_positions_the_prefill_wrote():
                           init_cache(preset("tiny"), 4, 64, np.float32))
     cache = prefill.placement.place_cache([{k: v.copy() for k, v in run.items()} for run in filled])
     state = Prefilled(PROMPTS, cache, tok=jnp.zeros(4, jnp.int32), logits=None, lens=np.ones(4, np.int32), max_len=64,
-                      written=16, key=None, dealer=None, picks=[], prefill_ms=0.0)
+                      written=16, seeds=np.zeros(4, np.int32), dealer=None, picks=[], prefill_ms=0.0)
     moved_state, moved, _ = Disaggregated(prefill, decode).hand_over(state)
     assert moved == cache_nbytes(4, 16)
     for run, got in zip(filled, moved_state.cache):

@@ -59,3 +59,14 @@ def test_nothing_points_outside_the_repository():
     outside = "../" + "shared"  # spelled in two so that this file does not name it
     for path in [*PAGES, *ROOT.glob("*/**/*.py")]:
         assert outside not in path.read_text(), path
+
+
+# "seed 1's", "issue 18", "stop 5", "the article"; not a random seed ("seed 0", "seed 5 + j")
+CITATION = re.compile(r"\bseed [12]\b(?! *[+*-])|\bissue [0-9]+|\bstop [0-9]+\b|\bthe article\b", re.IGNORECASE)
+
+
+def test_code_and_docs_cite_references_by_name():
+    """Sources are cited by their short names in docs/references.md, never by an internal number."""
+    found = [f"{path.relative_to(ROOT)}:{i}" for path in [*PAGES, *ROOT.glob("*/**/*.py")] if path.name != "test_docs.py"
+             for i, line in enumerate(path.read_text().splitlines(), 1) if CITATION.search(line)]
+    assert not found, found

@@ -15,7 +15,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from moejax.analysis.record import model_trace
-from moejax.analysis.trace import load_trace, save_trace
+from moejax.trace import load_trace, save_trace
 from moejax.cli import main
 from moejax.config import Config, LayoutConfig, preset
 from moejax.engine import compile_clock

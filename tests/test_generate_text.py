@@ -10,6 +10,8 @@ from moejax.cli import main
 from moejax.serving.tokenizer import Tokenizer
 from text_model import make_text_model
 
+pytestmark = pytest.mark.slow  # runs `moejax generate` end to end
+
 TEXT = "hello world"
 
 

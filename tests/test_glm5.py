@@ -11,8 +11,9 @@ import dataclasses
 import numpy as np
 import pytest
 
+from checkpoints.hf_config import from_hf_config
 from hf_reference import GLM5, build_hf_model, hf_greedy
-from moejax.config import Config, from_hf_config, preset
+from moejax.config import Config, preset
 from moejax.engine.engine import Engine
 from moejax.loading import load_params, with_hf_model
 from sharding import make_placement

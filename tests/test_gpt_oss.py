@@ -17,6 +17,7 @@ from checkpoints.manifest import read_manifest
 from checkpoints.orbax_io import restore_params
 from hf_quantized import write_mxfp4
 from hf_reference import build_hf_model, hf_greedy, hf_logits
+from layouts import placement_layouts
 from moejax.cli import main
 from moejax.config import Config, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import Engine
@@ -28,13 +29,7 @@ pytest.importorskip("torch")
 
 PROMPT = [3, 17, 45, 2, 88, 61, 9, 30, 12]  # longer than the sliding window of 4
 NEW = 10
-LAYOUTS = {
-    "tensor_sliced": LayoutConfig(placement="tensor_sliced", devices=2),  # MXFP4 K-slices of 64
-    "expert_sharded": LayoutConfig(placement="expert_sharded", devices=8),
-    "hybrid": LayoutConfig(placement="hybrid", devices=8, ep=4, tp=2),
-    "ragged_a2a": LayoutConfig(placement="ragged_a2a", devices=8),
-    "weight_prefetch": LayoutConfig(placement="weight_prefetch", devices=8),
-}
+LAYOUTS = placement_layouts(tensor_sliced=2)  # MXFP4 K-slices of 64 there
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +139,7 @@ def test_mxfp4_greedy_tokens_under_a_k_sliced_placement_match_transformers(relea
     assert generation(directory, LAYOUTS["hybrid"]).tokens[0] == hf_greedy(model, PROMPT, NEW)
 
 
+@pytest.mark.slow
 def test_mxfp4_convert_keeps_the_experts_4bit(released, tmp_path):
     _, directory = released
     assert main(["convert", "--hf", str(directory), "--out", str(tmp_path / "ckpt"), "--json"]) == 0

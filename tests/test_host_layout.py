@@ -10,8 +10,9 @@ import os
 import pytest
 
 from moejax.cli import build_parser, main
-from moejax.commands import config_from_args, host_layout
 from moejax.config import Config, LayoutConfig, WeightsConfig, preset
+from moejax.factory import host_layout
+from moejax.flags import config_from_args
 
 ARGV = ["generate", "--preset", "tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--json"]
 
@@ -52,6 +53,7 @@ def test_a_layout_named_by_a_flag_or_a_file_is_kept(tmp_path):
     assert host_layout(config) == config
 
 
+@pytest.mark.slow
 def test_generate_on_this_hosts_layout_gives_the_single_device_tokens(capsys):
     assert main(ARGV) == 0
     ours = json.loads(capsys.readouterr().out)["tokens"]

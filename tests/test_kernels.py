@@ -176,19 +176,29 @@ EXPORTS = {"tpu": ("pallas_tpu", "tpu_custom_call", ()),
                     (export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton"),))}
 
 
+def exported_gemm(platform: str, fmt: str, m: int = 256, k: int = 2048, n: int = 512) -> str:
+    """The MLIR of one grouped GEMM [m, k] x [8, k, n] exported for `platform` with its kernel."""
+    backend, _, checks = EXPORTS[platform]
+    w = jax.ShapeDtypeStruct((8, k, n), jnp.bfloat16)
+    if fmt != "dense":
+        w = jax.eval_shape(lambda a: pk.quantize(a, fmt), w)
+    f = jax.jit(lambda l, w, s, o: pk.grouped_gemm(l, w, s, group_offset=o, backend=backend))
+    return export.export(f, platforms=[platform], disabled_checks=checks)(
+        jax.ShapeDtypeStruct((m, k), jnp.bfloat16), w,
+        jax.ShapeDtypeStruct((32,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32)).mlir_module()
+
+
 @pytest.mark.parametrize("platform", list(EXPORTS))
 @pytest.mark.parametrize("fmt", ["dense", "nvfp4", "mxfp4"])
 def test_hardware_kernels_export(platform, fmt):
     """The kernels lower for their hardware (Mosaic TPU / Triton) at production-like sizes."""
-    backend, target, checks = EXPORTS[platform]
-    w = jax.ShapeDtypeStruct((8, 2048, 512), jnp.bfloat16)
-    if fmt != "dense":
-        w = jax.eval_shape(lambda a: pk.quantize(a, fmt), w)
-    f = jax.jit(lambda l, w, s, o: pk.grouped_gemm(l, w, s, group_offset=o, backend=backend))
-    exported = export.export(f, platforms=[platform], disabled_checks=checks)(
-        jax.ShapeDtypeStruct((256, 2048), jnp.bfloat16), w,
-        jax.ShapeDtypeStruct((32,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
-    assert target in exported.mlir_module()
+    assert EXPORTS[platform][1] in exported_gemm(platform, fmt)
+
+
+def test_tpu_kernel_tells_xla_its_cost():
+    """The pallas_call carries a cost estimate, as megablox's does, so XLA can schedule around it."""
+    config = exported_gemm("tpu", "dense", m=256, k=2048, n=512).replace("\\22", '"').replace("\\0A", "")
+    assert re.search(rf'"cost_estimate": {{[^}}]*"flops":{2 * 256 * 2048 * 512}\b', config)
 
 
 def test_auto_backend_and_bad_names():

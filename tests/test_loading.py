@@ -61,10 +61,3 @@ def test_a_layer_drawn_alone_is_that_layer_of_the_whole():
     for got, want in zip(jax.tree.leaves(placed), jax.tree.leaves(whole)):
         got = np.asarray(got)
         np.testing.assert_array_equal(got[tuple(slice(0, n) for n in want.shape)], np.asarray(want))
-
-
-def test_auto_dtype_is_float32_on_the_cpu_reference():
-    """The default run dtype: bfloat16 on accelerators, float32 on XLA:CPU (the goldens' dtype)."""
-    assert EngineConfig().dtype == "auto"
-    assert EngineConfig().run_dtype == ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    assert EngineConfig(dtype="bfloat16").run_dtype == "bfloat16"

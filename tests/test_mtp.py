@@ -74,6 +74,20 @@ def test_greedy_equals_plain_greedy_under_placements(layout):
     assert gen.acceptance_rate > 0.5
 
 
+SAMPLED = Sampling(temperature=0.9, top_k=50, top_p=0.9)
+
+
+def test_sampled_request_amid_seven_others_equals_it_alone():
+    """Keys from (seed, position): prompt i of a batch samples as a request of seed S + i alone,
+    whatever its neighbours; the first token is the one plain sampling draws."""
+    spec = _mirror(LayoutConfig())
+    batch = [RNG.randint(0, 512, n).tolist() for n in (7, 30, 12, 19, 3, 25, 9)]
+    alone = spec.generate([PROMPTS[0]], 12, SAMPLED, seed=11).tokens[0]
+    amid = spec.generate(batch[:3] + [PROMPTS[0]] + batch[3:], 12, SAMPLED, seed=8).tokens[3]
+    assert amid == alone and alone[0] == spec.engine.generate([PROMPTS[0]], 1, SAMPLED, seed=11).tokens[0][0]
+    assert spec.generate([PROMPTS[0]], 12, SAMPLED, seed=12).tokens[0] != alone  # it did sample
+
+
 RAGGED_DP = LayoutConfig(placement="ragged_a2a", devices=8, attention="dp")
 # Prefill and decode apart: (layout, first device) of each side; the shared pair's two layouts
 # of 8 devices are those of the placements test above (their programs compile once).
@@ -113,7 +127,7 @@ def test_acceptance_keeps_the_target_distribution(sampling):
     q = jax.numpy.broadcast_to(jax.nn.softmax(2 * jax.random.normal(key_q, (v,))), (n, v))
     k_draft, k_verify = jax.random.split(key_run)
     draft = jax.random.categorical(k_draft, jax.numpy.log(q), axis=-1).astype(jax.numpy.int32)
-    accepted, token = verify(logits, draft, q, k_verify, sampling)
+    accepted, token = verify(logits, draft, q, jax.random.split(k_verify, n), sampling)
     p = np.asarray(jax.nn.softmax(sampling_logits(logits[:1], sampling))[0])
     freq = np.bincount(np.asarray(token), minlength=v) / n
     np.testing.assert_allclose(freq, p, atol=0.006)
@@ -148,7 +162,7 @@ def test_jitted_step_has_no_host_transfer(where, sampling):
     cache = e.new_cache(8, 64)
     mtp_cache = e.placement.place_cache([init_mtp_cache(e.c, 8, 64, e.dtype)])[0]
     state, cache, mtp_cache = spec._prefill(e.params, spec.mtp, cache, mtp_cache, jax.numpy.ones((8, 16), jax.numpy.int32),
-                                            jax.numpy.full((8,), 3), jax.random.key(0), sampling=sampling)
+                                            jax.numpy.full((8,), 3), jax.numpy.arange(8), sampling=sampling)
     hlo = spec._step.lower(e.params, spec.mtp, cache, mtp_cache, state, sampling=sampling).compile().as_text()
     assert not HOST_TRANSFER.findall(hlo)
 
@@ -216,6 +230,7 @@ def test_checkpoint_without_mtp_is_a_clear_error_unless_random_init(glm5_dirs, c
     assert out["tokens"] == json.loads(capsys.readouterr().out)["tokens"] and 0 <= out["acceptance_rate"] <= 1
 
 
+@pytest.mark.slow
 def test_cli_reads_mtp_from_the_checkpoint(glm5_dirs, capsys):
     _, with_mtp, _, _ = glm5_dirs
     assert main(["generate", "--hf", str(with_mtp), "--speculative", "mtp", "--max-new-tokens", "6", "--json",

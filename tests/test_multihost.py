@@ -14,6 +14,8 @@ import pytest
 
 from moejax.cli import main
 
+pytestmark = pytest.mark.slow  # starts moejax processes
+
 ARGS = ["generate", "--preset", "tiny", "--devices", "8", "--prompt-ids", "1,2,3", "--prompt-ids", "4,5",
         "--max-new-tokens", "4", "--json"]
 

@@ -134,7 +134,7 @@ def even_router(rows: int, experts: int, k: int, seed: int = 0) -> np.ndarray:
 
 
 def test_glm_shaped_even_routing_sends_4_6_copies_against_7():
-    """Seed 1 section 4.3: 256 experts, top-8, 8 devices: 4.6 copies per row against 7."""
+    """Row-Meets-Experts §4.3: 256 experts, top-8, 8 devices: 4.6 copies per row against 7."""
     ids = even_router(4096, 256, 8)
     assert glm_placement("ragged_a2a").copies_per_row(ids) == pytest.approx(4.6, abs=0.05)
     assert glm_placement("tensor_sliced").copies_per_row(ids) == 7.0
@@ -270,7 +270,7 @@ def test_weight_prefetch_expert_loops_compute_with_weights_gathered_iterations_e
     engine = prefetch_engine(depth)
     c = engine.c
     # 64 requests: 8 rows per device, more picks than the grouped GEMM gathers row by row (it loops)
-    args = (engine.params, engine.new_cache(64, 32), jnp.zeros(64, jnp.int32), jnp.zeros(64, jnp.int32), jax.random.key(0), 1)
+    args = (engine.params, engine.new_cache(64, 32), jnp.zeros(64, jnp.int32), jnp.zeros(64, jnp.int32), jnp.zeros(64, jnp.int32), 1)
     hlo = engine._decode.lower(*args, sampling=Sampling(), record=False).compile().as_text()
     e, d, f = c.num_experts, c.hidden_size, c.moe_intermediate_size
     loops, fed = expert_loops_fed_by_gathers(hlo, (f"f32[{e},{d},{f}]", f"f32[{e},{f},{d}]"))

@@ -20,6 +20,7 @@ from sharding import make_placement
 from sharding.ragged_a2a import exchange_buffers
 
 
+@pytest.mark.slow
 def test_plan_of_glm_reports_calcs_expert_bytes_per_device(capsys):
     assert main(["plan", "--preset", "glm-5.3", "--devices", "8", "--placement", "ragged_a2a", "--batch", "64",
                  "--context", "4096", "--json"]) == 0

@@ -19,6 +19,7 @@ from checkpoints.manifest import read_manifest
 from checkpoints.orbax_io import restore_params
 from hf_quantized import nvfp4_dequantize, write_fp8, write_nvfp4
 from hf_reference import build_hf_model, hf_config, hf_greedy, hf_logits
+from layouts import placement_layouts
 from moejax.cli import main
 from moejax.config import Config, LayoutConfig, WeightsConfig
 from moejax.engine.engine import Engine
@@ -34,13 +35,7 @@ PROMPT = [3, 17, 45, 2, 88, 61, 9, 30, 12]
 FP8_BLOCK = (16, 24)
 # Every placement; tensor_sliced on 2 devices and hybrid 4 x 2 slice the experts' K (down
 # projections) into halves of 32, whole NVFP4 block pairs.
-LAYOUTS = {
-    "tensor_sliced": LayoutConfig(placement="tensor_sliced", devices=2),
-    "expert_sharded": LayoutConfig(placement="expert_sharded", devices=8),
-    "hybrid": LayoutConfig(placement="hybrid", devices=8, ep=4, tp=2),
-    "ragged_a2a": LayoutConfig(placement="ragged_a2a", devices=8),
-    "weight_prefetch": LayoutConfig(placement="weight_prefetch", devices=8),
-}
+LAYOUTS = placement_layouts(tensor_sliced=2)
 
 
 def cli(argv: list, capsys) -> tuple[int, str, str]:
@@ -107,6 +102,7 @@ def test_fp8_logits_match_transformers_on_the_dequantized_weights(fp8):
     assert_close_relative(engine(directory).score([PROMPT])[0], hf_logits(model, PROMPT))
 
 
+@pytest.mark.slow
 def test_fp8_generate_gives_transformers_greedy_tokens(fp8, capsys):
     model, directory = fp8
     rc, out, _ = cli(["generate", "--hf", directory, "--prompt-ids", ",".join(map(str, PROMPT)),
@@ -133,6 +129,7 @@ def test_fp8_experts_go_straight_to_4bit(fp8):
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_fp8_converts_to_a_checkpoint_of_the_same_weights(fp8, tmp_path, capsys):
     _, directory = fp8
     rc, _, _ = cli(["convert", "--hf", directory, "--out", tmp_path / "ckpt", "--json"], capsys)
@@ -270,6 +267,7 @@ def test_nvfp4_greedy_tokens_under_a_k_sliced_placement_match_transformers(nvfp4
     assert got == hf_greedy(model, PROMPT, 12)
 
 
+@pytest.mark.slow
 def test_nvfp4_convert_keeps_the_experts_4bit(nvfp4, tmp_path, capsys):
     _, directory = nvfp4
     rc, out, _ = cli(["convert", "--hf", directory, "--out", tmp_path / "ckpt", "--json"], capsys)

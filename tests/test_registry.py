@@ -23,6 +23,7 @@ def toy(monkeypatch):
     return Toy.name
 
 
+@pytest.mark.slow
 def test_a_registered_placement_runs_in_generate(toy, capsys):
     assert main(["generate", "--devices", "8", "--placement", toy, "--prompt-ids", "1,2,3", "--max-new-tokens", "3",
                  "--json"]) == 0
@@ -31,6 +32,7 @@ def test_a_registered_placement_runs_in_generate(toy, capsys):
     assert toy_tokens == json.loads(capsys.readouterr().out)["tokens"]
 
 
+@pytest.mark.slow
 def test_a_registered_placement_runs_in_compare(toy, capsys):
     assert main(["compare", "--placements", toy, "--max-new-tokens", "2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

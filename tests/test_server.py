@@ -6,77 +6,18 @@ Servers run as `python -m moejax serve` subprocesses on 127.0.0.1 (module-scoped
 from __future__ import annotations
 
 import concurrent.futures
-import http.client
 import json
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-from moejax.analysis.trace import load_trace
+from moejax.trace import load_trace
+from served import KEY, MAX_LEN, Server
 from text_model import make_text_model
 
-KEY = "sekret"
-MAX_LEN = 96
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model_dir, *flags, api_key: str | None = KEY):
-        self.port, self.api_key = free_port(), api_key
-        cmd = [sys.executable, "-m", "moejax", "serve", "--hf", str(model_dir), "--port", str(self.port),
-               "--prefill-chunk", "8", "--max-seq-len", str(MAX_LEN), *flags]
-        if api_key:
-            cmd += ["--api-key", api_key]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
-            try:
-                if self.request("GET", "/health")[0] == 200:
-                    return
-            except OSError:
-                time.sleep(0.5)
-        self.stop()
-        raise RuntimeError("server did not come up")
-
-    def request(self, method: str, path: str, body=None, key: str | None = "default", timeout: float = 120):
-        """-> (status, raw body bytes)."""
-        key = self.api_key if key == "default" else key
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            headers = {"Authorization": f"Bearer {key}"} if key else {}
-            data = body if isinstance(body, (str, bytes)) or body is None else json.dumps(body)
-            conn.request(method, path, body=data, headers={**headers, "Content-Type": "application/json"})
-            r = conn.getresponse()
-            return r.status, r.read()
-        finally:
-            conn.close()
-
-    def complete(self, body: dict, chat: bool = False) -> dict:
-        status, raw = self.request("POST", "/v1/chat/completions" if chat else "/v1/completions", body)
-        assert status == 200, raw
-        return json.loads(raw)
-
-    def metric(self, name: str) -> float:
-        text = self.request("GET", "/metrics")[1].decode()
-        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
-                   or line.startswith(name + "{"))
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=120)
+pytestmark = pytest.mark.slow  # starts servers
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +70,27 @@ def stream(server, body: dict, chat: bool) -> list[dict]:
     events = [line[len("data: "):] for line in raw.decode().split("\n\n") if line]
     assert events[-1] == "[DONE]"
     return [json.loads(e) for e in events[:-1]]
+
+
+SAMPLED = {"temperature": 0.9, "top_p": 0.9, "top_k": 50}
+
+
+def test_sampled_request_is_the_same_through_generate_serve_alone_and_amid_seven_others(server, model_dir, capsys):
+    """`generate --sample-seed 11` with two prompts: prompt i samples as a request of seed 11 + i."""
+    from moejax.cli import main
+
+    prompts = ["hello there", "a second prompt"]
+    args = ["generate", "--hf", str(model_dir), "--max-new-tokens", "12", "--json", "--sample-seed", "11",
+            "--temperature", "0.9", "--top-p", "0.9", "--top-k", "50"]
+    assert main(args + [x for p in prompts for x in ("--prompt", p)]) == 0
+    generated = json.loads(capsys.readouterr().out)["tokens"]
+    bodies = [{"prompt": p, "max_tokens": 12, "seed": 11 + i, **SAMPLED} for i, p in enumerate(prompts)]
+    alone = [server.complete(b)["choices"][0]["token_ids"] for b in bodies]
+    others = [{"prompt": f"other {i}", "max_tokens": 12, "seed": 100 + i, **SAMPLED} for i in range(7)]
+    amid = concurrently(server, [bodies[0]] + others)[0]["choices"][0]["token_ids"]
+    assert generated == alone and amid == alone[0]
+    seeded = concurrently(server, [{**bodies[0], "seed": s} for s in range(4)])
+    assert len({tuple(o["choices"][0]["token_ids"]) for o in seeded}) > 1  # it did sample
 
 
 @pytest.mark.parametrize("chat", [False, True])

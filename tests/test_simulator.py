@@ -10,9 +10,9 @@ import pytest
 from moejax.analysis import costs
 from sharding import eplb
 from moejax.analysis.simulate import device_work, layouts, phase_us, simulate
-from moejax.analysis.trace import Trace, save_trace
 from moejax.cli import main
 from moejax.config import Config, preset
+from moejax.trace import Trace, save_trace
 
 N, E, K, ROWS = 8, 32, 4, 8  # 8 devices, 32 experts top-4 (4 per device), one 8-row decode step
 

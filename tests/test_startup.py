@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each test starts moejax processes
+
 ARGV = ["generate", "--preset", "tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--json"]
 
 

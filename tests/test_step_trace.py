@@ -1,4 +1,4 @@
-"""`moejax trace`: per device and MoE layer times read back from the profiler, seed 2's imbalance
+"""`moejax trace`: per device and MoE layer times read back from the profiler, Decode-Anatomy's imbalance
 term, and that term growing when every pick lands on one device's experts."""
 
 import contextlib
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from moejax.analysis import step_trace
-from moejax.analysis.trace import save_trace
 from moejax.cli import main
 from moejax.engine.routing import valid_rows
+from moejax.trace import save_trace
 
 STEPS = 5
 PROMPTS = ["1"] * 8  # one request per device (DP attention); decode steps of 8 rows

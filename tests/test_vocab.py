@@ -9,11 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moejax import vocab
+from moejax import platform, vocab
 from moejax.cli import build_parser
-from moejax.commands import config_from_args
 from moejax.config import Config, ConfigError, EngineConfig, LayoutConfig, WeightsConfig, load_file
-from pallas_kernels import BACKENDS, run_weights
+from moejax.flags import config_from_args
+from pallas_kernels import registry as kernel_registry
+from pallas_kernels import run_weights
 from pallas_kernels.gmm_blackwell import BlackwellWeights
 from sharding import names
 
@@ -35,8 +36,12 @@ def test_cli_choices_are_the_vocabulary(flag, expected):
     assert choices("generate", flag) == tuple(expected)
 
 
-def test_kernel_registry_implements_every_kernel_name():
-    assert BACKENDS == vocab.KERNELS
+@pytest.mark.parametrize("name", vocab.KERNELS)
+def test_every_kernel_name_is_a_backend_function_on_every_platform(name):
+    """Each --kernel word ("auto" on each platform it knows) names a function of pallas_kernels."""
+    for target in platform.AUTO_KERNEL:
+        backend = platform.kernel(name, target)
+        assert backend != "auto" and callable(kernel_registry._backend_fn(backend))
 
 
 @pytest.mark.parametrize("section,key,values", [

@@ -1,4 +1,4 @@
-"""Closed-form numbers for one MoE model on N devices (seed 1, sections 1, 2, 4.3, 5.4 and 7).
+"""Closed-form numbers for one MoE model on N devices (Row-Meets-Experts §1, §2, §4.3, §5.4 and §7).
 
 Everything here is arithmetic on the model's dimensions plus an *even router*: every row
 picks k distinct experts uniformly at random, independently of the other rows. No devices
@@ -23,7 +23,7 @@ EXPERT_BYTE_KEYS = ("bf16", "nvfp4_values", "nvfp4", "mxfp4")
 # (bits per value, values per scale block, bytes per block scale, bytes of the per-matrix scale)
 _FORMATS = {
     "bf16": (16, None, 0, 0),
-    "nvfp4_values": (4, None, 0, 0),  # the article's "18.9 MB": 4-bit values without scales
+    "nvfp4_values": (4, None, 0, 0),  # Row-Meets-Experts's "18.9 MB": 4-bit values without scales
     "nvfp4": (4, 16, 1, 4),  # e2m1 + e4m3 per 16 values + one f32 tensor scale per matrix
     "mxfp4": (4, 32, 1, 0),  # e2m1 + e8m0 per 32 values
 }
@@ -51,7 +51,7 @@ def expert_bytes(cfg: ModelConfig) -> dict[str, int]:
 
 
 def row_bytes(cfg: ModelConfig) -> dict[str, int]:
-    """One row as dispatched: bf16, or NVFP4 values plus one e4m3 scale per 16 (seed 1: 3,456 B).
+    """One row as dispatched: bf16, or NVFP4 values plus one e4m3 scale per 16 (Row-Meets-Experts: 3,456 B).
 
     A dispatched 4-bit row carries no tensor scale of its own: that is per batch, not per row."""
     h = cfg.hidden_size
@@ -64,7 +64,7 @@ def experts_per_device(num_experts: int, n: int) -> np.ndarray:
 
 
 def devices_per_row(num_experts: int, k: int, n: int) -> float:
-    """Expected devices holding at least one of a row's k experts (seed 1, section 4.3).
+    """Expected devices holding at least one of a row's k experts (Row-Meets-Experts §4.3).
 
     A device with m experts holds none of the row's k with probability C(E - m, k) / C(E, k)."""
     total = math.comb(num_experts, k)
@@ -76,7 +76,7 @@ def copies_sent_per_row(num_experts: int, k: int, n: int) -> float:
 
     Under DP attention a row sits on one device independent of its picks, so its own device is
     among its experts' devices with probability devices_per_row / n, and the expected copies are
-    devices_per_row * (1 - 1/n). This is the formula that reproduces seed 1's 4.6 copies on 8
+    devices_per_row * (1 - 1/n). This is the formula that reproduces Row-Meets-Experts's 4.6 copies on 8
     devices (two-thirds of rows: 5.3 / 8), 6.1 on 16 and 7.0 on 32; subtracting a whole 1 would give
     4.3, 5.5 and 6.3."""
     return devices_per_row(num_experts, k, n) * (1 - 1 / n)
@@ -108,7 +108,7 @@ def even_balance(num_experts: int, k: int, n: int, tokens: int) -> tuple[float, 
     """(expected balancedness, expected busiest device's picks) of an even router, by seeded Monte Carlo.
 
     No closed form exists for the expected maximum of the device counts. The mean of mean/max over
-    steps is SGLang's balancedness averaged over steps, as seed 1 averages it."""
+    steps is SGLang's balancedness averaged over steps, as Row-Meets-Experts averages it."""
     steps = max(100, _EVEN_ROWS // max(tokens, 1))
     picks = even_device_picks(num_experts, k, n, tokens, steps, _EVEN_SEED)
     busiest = picks.max(axis=-1)

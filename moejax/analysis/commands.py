@@ -7,12 +7,13 @@ import hashlib
 import json
 from pathlib import Path
 
+from checkpoints.hf_config import from_hf_config
 from moejax.analysis import analyze as analysis
 from moejax.analysis import calc, synthetic
-from moejax.analysis.trace import load_trace, save_trace
-from moejax.commands import add_model_args, prompt_ids
-from moejax.config import ConfigError, ModelConfig, from_hf_config, preset
+from moejax.config import ConfigError, ModelConfig, preset
 from moejax.errors import UsageError
+from moejax.flags import add_model_args, prompt_ids
+from moejax.trace import load_trace, save_trace
 from moejax.vocab import STORAGE_FORMATS
 
 GB, MB = 1e9, 1e6
@@ -111,7 +112,8 @@ def trace_fields(args) -> dict:
             raise UsageError("--synthetic generates its own picks; drop --preset/--hf/--checkpoint")
         return synthetic.generate(synthetic.SPECS[args.synthetic], steps, positive("--rows", args.rows), args.seed)
     from moejax.analysis.record import model_trace
-    from moejax.commands import build_engine, config_from_args
+    from moejax.factory import build_engine
+    from moejax.flags import config_from_args
 
     engine = build_engine(config_from_args(args), args.hf, args.seed, args.checkpoint)
     prompts = args.prompt_ids or [[1]]
@@ -188,8 +190,8 @@ def run_analyze(args) -> int:
 
 def run_trace(args) -> int:
     from moejax.analysis import plots, step_trace
-    from moejax.commands import build_engine, config_from_args
-    from moejax.compare import DEFAULT_PROMPTS
+    from moejax.factory import build_engine
+    from moejax.flags import DEFAULT_PROMPTS, config_from_args
 
     steps = positive("--steps", args.steps)
     engine = build_engine(config_from_args(args), args.hf, args.seed, args.checkpoint)
@@ -250,7 +252,8 @@ def advise_text(report: dict) -> str:
 
 def run_advise(args) -> int:
     from moejax.analysis import costs, metrics, simulate, step_trace
-    from moejax.commands import config_from_args, ensure_devices, natural_routing_only
+    from moejax.factory import ensure_devices
+    from moejax.flags import config_from_args, natural_routing_only
     from moejax.loading import with_hf_model
 
     n = positive("--devices", args.devices or 8)
@@ -332,7 +335,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=run_analyze)
 
     p = subparsers.add_parser("trace", help="per device and MoE layer: attention, dispatch, expert and combine time "
-                                            "of decode steps, from the profiler (seed 2's table)")
+                                            "of decode steps, from the profiler (Decode-Anatomy's table)")
     add_model_args(p)  # the model, layout, --routing, --json
     p.add_argument("--prompt-ids", type=prompt_ids, action="append",
                    help="1,2,3 (repeat: one request each; default compare's eight requests)")

@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from pathlib import Path
 
 import numpy as np
 import scipy.optimize
 
+from moejax import platform
 from moejax.analysis.simulate import Layout, device_work, layouts, padded_rows, phase_us, simulate
-from moejax.analysis.trace import Trace
 from moejax.config import Config
 from moejax.errors import UsageError
+from moejax.trace import Trace
 from sharding import eplb
 
 REPS = 16  # calls per timed scan
@@ -57,7 +57,7 @@ class CostTable:
 def geometry_key(config: Config) -> str:
     c = config.model
     return (f"{c.family} D{c.hidden_size} F{c.moe_intermediate_size} E{c.num_experts} k{c.num_experts_per_tok} "
-            f"L{len(c.moe_layers)} {config.engine.run_dtype} {config.weights.expert_format} {config.kernel}")
+            f"L{len(c.moe_layers)} {platform.run_dtype(config.engine.dtype)} {config.weights.expert_format} {config.kernel}")
 
 
 def load(path: Path, config: Config) -> CostTable:
@@ -69,11 +69,8 @@ def load(path: Path, config: Config) -> CostTable:
             raise UsageError(f"{path} is not a moejax cost table: {e}") from None
         if table.model == geometry_key(config):
             return table
-    import jax
-
-    cores = os.cpu_count() or 1
-    return CostTable(geometry_key(config), config.model.moe_intermediate_size,
-                     cores if jax.default_backend() == "cpu" else 1 << 20)
+    concurrency = platform.host_cores() if platform.backend() == "cpu" else 1 << 20
+    return CostTable(geometry_key(config), config.model.moe_intermediate_size, concurrency)
 
 
 def save(table: CostTable, path: Path) -> None:
@@ -143,7 +140,7 @@ def measure_compute(config: Config, rows: int, width: int, held: int, seed: int 
     import pallas_kernels
     from sharding.experts import moe_local
 
-    c, dtype = config.model, jnp.dtype(config.engine.run_dtype)
+    c, dtype = config.model, jnp.dtype(platform.run_dtype(config.engine.dtype))
     rng = np.random.default_rng(seed)
     fmt = config.weights.expert_format
     shapes = {"gate": (held, c.hidden_size, width), "up": (held, c.hidden_size, width),
@@ -180,7 +177,7 @@ def layer_timer(config: Config, layout: Layout, ids: np.ndarray, seed: int = 0):
     placement = make_placement(cfg)
     params = load_params(cfg, placement, seed=seed)
     experts = layer_params(params, cfg.model.moe_layers[0], cfg.model)["moe"]["experts"]
-    dtype = jnp.dtype(cfg.engine.run_dtype)
+    dtype = jnp.dtype(platform.run_dtype(cfg.engine.dtype))
     rows, k = ids.shape
     put = lambda a: jax.device_put(a, placement.sharding(("batch", None), a.shape))
     x = put(jnp.asarray(np.random.default_rng(seed).normal(size=(rows, cfg.model.hidden_size)), dtype))

@@ -16,8 +16,8 @@ import dataclasses
 
 import numpy as np
 
+from moejax.trace import Trace
 from sharding.eplb import logical_maps
-from moejax.analysis.trace import Trace
 
 
 @dataclasses.dataclass(frozen=True)

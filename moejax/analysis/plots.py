@@ -1,4 +1,4 @@
-"""PNG figures of an `analyze` report, after seed 1's Figures 12 and 14. Reads only the report dict,
+"""PNG figures of an `analyze` report, after Row-Meets-Experts's Figures 12 and 14. Reads only the report dict,
 so a saved `--json` report can be plotted again."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def write_plots(report: dict, directory: str | Path) -> list[Path]:
 
 
 def step_trace_heatmap(doc: dict, path: str | Path) -> Path:
-    """Seed 2's picture of a `moejax trace` report: expert time per device (rows) and MoE layer
+    """Decode-Anatomy's picture of a `moejax trace` report: expert time per device (rows) and MoE layer
     (columns), each layer's slowest device outlined."""
     layers = doc["layers"]
     grid = np.array([[d["experts_ms"] for d in entry["devices"]] for entry in layers]).T  # [devices, layers]

@@ -1,4 +1,4 @@
-"""Seed 2's placement simulator: per step and MoE layer of a trace, each device's expert cost from
+"""Decode-Anatomy's placement simulator: per step and MoE layer of a trace, each device's expert cost from
 its local routes, the slowest device, summed over layers; per placement and expert order.
 
 A decode step under placement P on N devices (mesh ep x tp) is modelled as
@@ -24,8 +24,8 @@ import numpy as np
 
 from moejax.analysis import metrics
 from moejax.analysis.analyze import FIT_FRACTION
-from moejax.analysis.trace import Trace
 from moejax.config import LayoutConfig
+from moejax.trace import Trace
 from sharding import eplb, registry
 
 
@@ -120,7 +120,7 @@ def simulate(trace: Trace, layout: Layout, phy2log: np.ndarray, costs) -> dict:
         "moe_ms": float(moe.mean() / 1e3),
         "expert_ms": float(phase.sum(axis=1).mean() / 1e3),
         "mean_device_expert_ms": float(mean_device.mean() / 1e3),
-        # Seed 2's imbalance term: slowest device's expert time minus the mean device's, summed over layers.
+        # Decode-Anatomy's imbalance term: slowest device's expert time minus the mean device's, summed over layers.
         "imbalance_ms": float((phase.sum(axis=1) - mean_device).mean() / 1e3),
         "exchange_ms": float((exchange * phase.shape[1]).mean() / 1e3),
         "busiest_device_routes": float(work.routes.max(axis=-1).mean()),

@@ -1,4 +1,4 @@
-"""`moejax trace`: seed 2's method on a real run. Per device and MoE layer, the time of attention,
+"""`moejax trace`: Decode-Anatomy's method on a real run. Per device and MoE layer, the time of attention,
 dispatch, expert GEMMs and combine of decode steps, read from `jax.profiler`'s own trace.
 
 How the profiler's events are attributed:
@@ -21,7 +21,7 @@ How the profiler's events are attributed:
   within a part; the step is the execution's span over every device. Each figure is the median
 over the traced steps.
 
-Seed 2's imbalance term is on the expert time: per layer the slowest device, the mean device and
+Decode-Anatomy's imbalance term is on the expert time: per layer the slowest device, the mean device and
 slowest minus mean.
 """
 
@@ -196,7 +196,7 @@ def report(parts: np.ndarray, steps: np.ndarray, moe_layers: list[int]) -> dict:
 
 
 def table(doc: dict) -> str:
-    """Seed 2's table per MoE layer, then each device's parts."""
+    """Decode-Anatomy's table per MoE layer, then each device's parts."""
     lines = [f"decode step {doc['step_ms']:.3f} ms (median of {doc['steps']} traced steps); expert time per MoE layer:",
              "layer  slowest ms  mean ms  slowest-mean ms  slowest device"]
     for entry in doc["layers"]:

@@ -6,21 +6,21 @@ Generative model of decode steps (one row per running request per step), per MoE
     (right-skewed) Gumbel law, standardized, then placed at random over the expert ids, as a trained
     router's favourites are. Quantiles rather than draws, so a layer's hottest expert is set by
     sigma_l alone and not by the luck of the largest of 256 draws. sigma_l is spread over the layers
-    because seed 1 finds the busiest expert of a layer at 2.9x to 14x the mean depending on the layer;
+    because Row-Meets-Experts finds the busiest expert of a layer at 2.9x to 14x the mean depending on the layer;
   * persistence: each request adds its own logit offset tau * N(0, 1) per expert for its whole
     life, so consecutive steps of a request favour the same experts (what EPLB, fitted on past
     steps, cannot foresee);
   * a row's score for each expert is popularity + its request's offset + N(0, 1) row noise (a
     router's scores are a linear map of a roughly Gaussian hidden state), and the row picks its
     top k;
-  * `rows` request slots; a request lives `lifetime` steps (seed 1: 150 output tokens per request),
+  * `rows` request slots; a request lives `lifetime` steps (Row-Meets-Experts: 150 output tokens per request),
     the first ones with staggered remaining lives, then a new request takes the slot.
 
 How GLM_LIKE was fitted (300 steps x 64 rows x 75 layers, seeds 0 and 1, scored by `analyze`):
 sigma_max sets the most skewed layer's busiest expert (14x), sigma_min the least skewed (2.9x);
 the spacing exponent (0.7: more layers near sigma_max) and the Gumbel share of the tail then set
 the balancedness on 8, 16 and 32 devices. Result: balancedness 0.75-0.76 / 0.61-0.62 / 0.47
-(seed 1: 0.75 / 0.61 / 0.46), EPLB with 32 spare slots 0.86 / 0.78 / 0.68 (0.86 / 0.78 / 0.67),
+(Row-Meets-Experts: 0.75 / 0.61 / 0.46), EPLB with 32 spare slots 0.86 / 0.78 / 0.68 (0.86 / 0.78 / 0.67),
 busiest expert 3.0x-14.4x (2.9x-14x), 19 of 512 picks per step (17), experts touched 70% (72%).
 No setting tried reached both 72% touched and 0.46 on 32 devices: skew enough for the balancedness
 leaves fewer experts touched than the real router does. A normal-only popularity (tail 0) touches
@@ -52,7 +52,7 @@ class SyntheticSpec:
 
 GLM_LIKE = SyntheticSpec(
     num_experts=256, k=8, moe_layers=tuple(range(3, 78)), sigma_min=0.16, sigma_max=0.56, spacing=0.7,
-    tail=0.5, tau=0.2, lifetime=150, model="synthetic glm-like (GLM-5.3 geometry, skew fitted to seed 1)",
+    tail=0.5, tau=0.2, lifetime=150, model="synthetic glm-like (GLM-5.3 geometry, skew fitted to Row-Meets-Experts)",
 )
 SPECS = {"glm-like": GLM_LIKE}
 

@@ -1,4 +1,4 @@
-"""Prefill and decode on their own placements and meshes (seed 1 section 6.6): one engine
+"""Prefill and decode on their own placements and meshes (Row-Meets-Experts §6.6): one engine
 prefills, its KV cache is handed to the other engine's layout, and that engine decodes.
 
 Each engine holds its own parameters, placed once on its mesh. The meshes may share devices
@@ -116,16 +116,14 @@ def move_cache(runs: list[dict], placement, source: list) -> tuple[list[dict], i
     return [{k: onto(v, run_t[k], source) for k, v in run.items()} for run, run_t in zip(runs, targets)], moved
 
 
-def _via_host(x: jax.Array, axes: tuple | None, placement) -> jax.Array:
-    """A small array (tokens, positions; axes None: a PRNG key) through the host onto `placement`."""
-    if axes is None:
-        return jax.random.wrap_key_data(placement.put(to_host(jax.random.key_data(x)), (None,)))
+def _via_host(x: jax.Array, axes: tuple, placement) -> jax.Array:
+    """A small array (tokens, positions, seeds) through the host onto `placement`."""
     return placement.put(to_host(x), axes)
 
 
-# Logical axes of the speculative state's arrays on the decode mesh (None: the key, replicated).
+# Logical axes of the speculative state's arrays on the decode mesh.
 SPEC_STATE_AXES = SpecState(token=("batch",), draft=("batch",), draft_probs=("batch", None), pos=("batch",),
-                            count=("batch",), key=None)
+                            count=("batch",), seeds=("batch",))
 
 
 class Disaggregated:
@@ -160,7 +158,7 @@ class Disaggregated:
             moved += mtp_moved
         jax.block_until_ready(changes)
         t1 = compile_clock.now()
-        # The tokens, positions and key ([B] arrays; the draft's distribution [B, V] when
+        # The tokens, positions and seeds ([B] arrays; the draft's distribution [B, V] when
         # sampling) go through the host, not counted.
         if isinstance(state, SpecPrefilled):
             changes["state"] = SpecState(*map(functools.partial(_via_host, placement=self.decode.placement), state.state,

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
+from moejax import platform
 from moejax.config import Config, ModelConfig
 from moejax.engine import compile_clock
 from moejax.engine.kv_cache import init_cache, leading, put_leading
@@ -44,29 +45,28 @@ def prefill(params, cache, tokens, start, last, forced=None, *, c: ModelConfig, 
     return lm_head(params, h, c), cache, picks if record else None
 
 
-def decode_step(params, cache, tokens, lens, key, step, forced=None, *, c: ModelConfig, placement,
+def decode_step(params, cache, tokens, lens, seeds, step, forced=None, *, c: ModelConfig, placement,
                 sampling: Sampling, record: bool):
     """Decode step `step` (1: the first after the prompt): tokens [B] go to positions lens + step - 1
-    (lens: [B] prompt lengths) -> (next tokens [B], logits [B, V], cache, picks), sampled with
-    fold_in(key, step). forced: int32 [MoE layers, B, k] picks of a routing override, or None
-    (two compiled variants). The position and the key are made here, not by the host between
-    steps: as eager ops they cost ~1.4 ms of a 16.7 ms batch-1 step on two CPU devices."""
+    (lens: [B] prompt lengths) -> (next tokens [B], logits [B, V], cache, picks), each row's drawn
+    with its seed [B] at its position. forced: int32 [MoE layers, B, k] picks of a routing override,
+    or None (two compiled variants). The positions are made here, not by the host between steps:
+    as eager ops they would be programs of their own, dispatched every step."""
     positions = lens + (step - 1)
     h, cache, picks = forward(params, cache, tokens[:, None], positions[:, None], c, placement, forced)
     logits = lm_head(params, h[:, 0], c)
-    return sample(logits, jax.random.fold_in(key, step), sampling), logits, cache, picks if record else None
+    return sample(logits, sampling, seeds, positions + 1), logits, cache, picks if record else None
 
 
-def decode_steps(params, cache, tokens, lens, key, first, count, *, block: int, c: ModelConfig, placement,
+def decode_steps(params, cache, tokens, lens, seeds, first, count, *, block: int, c: ModelConfig, placement,
                  sampling: Sampling):
     """Decode steps first .. first + count - 1 (count <= block), each a `decode_step`, in one
     program -> (their tokens [block, B], rows past count zero; the last tokens [B]; cache).
     A program per step leaves the devices waiting on the host between steps, and each other
-    in the step's first collective: on two CPU devices, batch 1, 15.2 ms per step against
-    14.1 ms in blocks of 8."""
+    in the step's first collective."""
     def step(i, carry):
         tok, cache, out = carry
-        tok, _, cache, _ = decode_step(params, cache, tok, lens, key, first + i, c=c, placement=placement,
+        tok, _, cache, _ = decode_step(params, cache, tok, lens, seeds, first + i, c=c, placement=placement,
                                        sampling=sampling, record=False)
         return tok, cache, out.at[i].set(tok)
 
@@ -90,20 +90,19 @@ def forced(dealer, kind: str, valid: np.ndarray) -> jax.Array | None:
     return None if dealer is None else jnp.asarray(dealer.picks(kind, valid))
 
 
+def seed_rows(seed: int, batch: int) -> np.ndarray:
+    """Sampling seeds of a batch's rows: prompt i samples as a request of seed `seed` + i alone."""
+    return ((seed + np.arange(batch)) & 0x7FFFFFFF).astype(np.int32)
+
+
+# Position counts (prompt widths, cache lengths) round up to powers of two of at least this, so
+# that short prompts and caches share their compiled programs.
+MIN_POSITIONS = 16
+
+
 def bucket(n: int, minimum: int = 1) -> int:
+    """n rounded up to a power of two, at least `minimum`."""
     return max(minimum, 1 << max(0, n - 1).bit_length())
-
-
-# Prompt positions per prefill call by platform (engine.prefill_chunk 0). On XLA:CPU a prompt
-# runs fastest in as few calls as possible: each expert GEMM gets more rows per expert (a
-# 1,024-token prompt of bench-qwen3-moe: 3.8 s in one call against 4.6 s as 16 calls of 64 on
-# a loaded host). The cap bounds the attention scores [B, H, chunk, cache] a call holds.
-PREFILL_CHUNK = {"cpu": 1024}
-PREFILL_CHUNK_OTHER = 512
-
-
-def default_prefill_chunk() -> int:
-    return PREFILL_CHUNK.get(jax.default_backend(), PREFILL_CHUNK_OTHER)
 
 
 @dataclasses.dataclass
@@ -130,7 +129,7 @@ class Prefilled:
     lens: np.ndarray  # [B] prompt lengths: each request's next position
     max_len: int
     written: int  # cache positions [0, written) the prefill wrote (the padded prompts' width); the rest are zeros
-    key: jax.Array  # sampling key (folded with the step)
+    seeds: np.ndarray  # [B] each row's sampling seed
     dealer: object  # the routing override's state (`Routing.start`), which decoding continues
     picks: list
     prefill_ms: float
@@ -144,13 +143,13 @@ class Engine:
         self.config = config
         self.phy2log = phy2log  # int[MoE layers, slots]: the experts' placement (None: checkpoint order)
         self.c = config.model
-        self.params = unstack_layers(params, config.engine.unrolls)
+        self.params = unstack_layers(params, lambda layers: platform.unrolls(config.engine.layer_loop, layers))
         self.placement = placement
         routing.check(self.c)
         self.routing = routing
-        self.dtype = jnp.dtype(config.engine.run_dtype)
+        self.dtype = jnp.dtype(platform.run_dtype(config.engine.dtype))
         compile_clock.start()
-        self.max_chunk = config.engine.prefill_chunk or default_prefill_chunk()
+        self.max_chunk = platform.prefill_chunk(config.engine.prefill_chunk)
         bind = dict(c=self.c, placement=placement)
         self._prefill = jax.jit(functools.partial(prefill, **bind), donate_argnums=1,
                                 static_argnames=("all_logits", "record", "visible"))
@@ -175,8 +174,8 @@ class Engine:
 
     def chunk_for(self, prompts: list[list[int]]) -> int:
         """Positions per prefill call for these prompts: the longest prompt's power-of-two bucket
-        (at least 16), so short prompts are not padded to a whole large chunk, up to max_chunk."""
-        return min(self.max_chunk, bucket(max(map(len, prompts)), 16))
+        (at least MIN_POSITIONS), so short prompts are not padded to a whole large chunk, up to max_chunk."""
+        return min(self.max_chunk, bucket(max(map(len, prompts)), MIN_POSITIONS))
 
     def _padded(self, prompts: list[list[int]], multiple: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         chunk = self.chunk_for(prompts)
@@ -198,10 +197,9 @@ class Engine:
         cache_len = jax.tree.leaves(cache)[0].shape[-2]  # every entry's positions precede one last axis
         for start in range(0, tokens.shape[1], chunk):
             valid = valid_rows(prompt_lens, tokens.shape[0], chunk, start)
-            # Attention over the positions this chunk can see, not the whole cache (a 512-token
-            # prompt with a 1,024-position cache: 520 -> ~430 ms on the benchmark model). In
-            # buckets, so that the programs stay few.
-            visible = bucket(start + chunk, 16)
+            # Attention over the positions this chunk can see, not the whole cache; in buckets,
+            # so that the programs stay few.
+            visible = bucket(start + chunk, MIN_POSITIONS)
             logits, cache, p = self._prefill(
                 self.params, cache, jnp.asarray(tokens[:, start : start + chunk]), jnp.int32(start), last,
                 forced(dealer, "prefill", valid), all_logits=all_logits, record=record,
@@ -220,7 +218,7 @@ class Engine:
         """Logits [len(prompt), V] of one prefill, per request."""
         self.check_prompts(prompts)
         tokens, lens = self._padded(prompts)
-        cache = self.new_cache(tokens.shape[0], bucket(tokens.shape[1], 16))
+        cache = self.new_cache(tokens.shape[0], bucket(tokens.shape[1], MIN_POSITIONS))
         logits, _, _ = self._run_prefill(cache, tokens, lens, all_logits=True, record=False,
                                          dealer=self.routing.start(self.c), prompt_lens=[len(p) for p in prompts])
         logits = to_host(logits)
@@ -247,7 +245,7 @@ class Engine:
                 f"of {self.c.max_position_embeddings}"
             )
         tokens, lens = self._padded(prompts, batch_multiple)
-        max_len = self.config.engine.max_seq_len or bucket(max(tokens.shape[1], longest + max_new_tokens), 16)
+        max_len = self.config.engine.max_seq_len or bucket(max(tokens.shape[1], longest + max_new_tokens), MIN_POSITIONS)
         if longest >= max_len:
             raise UsageError(f"prompt of {longest} tokens does not fit the KV cache of {max_len} positions")
         cache = self.new_cache(tokens.shape[0], max_len)
@@ -255,10 +253,10 @@ class Engine:
         t0 = compile_clock.now()
         logits, cache, picks = self._run_prefill(cache, tokens, lens, all_logits=False, record=record, dealer=dealer,
                                                  prompt_lens=prompt_lens)
-        key = jax.random.key(seed)
-        tok = sample(logits, jax.random.fold_in(key, 0), sampling).block_until_ready()
+        seeds = seed_rows(seed, tokens.shape[0])
+        tok = sample(logits, sampling, seeds, lens).block_until_ready()
         t1 = compile_clock.now()
-        return Prefilled(prompts, cache, tok, logits, lens, max_len, tokens.shape[1], key, dealer, picks,
+        return Prefilled(prompts, cache, tok, logits, lens, max_len, tokens.shape[1], seeds, dealer, picks,
                          prefill_ms=compile_clock.run_ms(t0, t1))
 
     def decode(self, state: Prefilled, max_new_tokens: int, sampling: Sampling = Sampling(), record: bool = False,
@@ -276,13 +274,13 @@ class Engine:
         if blocks:
             for step in range(1, max_new_tokens, self.decode_block):
                 count = min(self.decode_block, max_new_tokens - step)
-                toks, tok, cache = self._decode_block(self.params, cache, tok, lens, state.key, step, count,
+                toks, tok, cache = self._decode_block(self.params, cache, tok, lens, state.seeds, step, count,
                                                       block=self.decode_block, sampling=sampling)
                 out.append((toks, count))
         else:
             for step in range(1, max_new_tokens):
                 tok, logits, cache, p = self._decode(
-                    self.params, cache, tok, lens, state.key, step,
+                    self.params, cache, tok, lens, state.seeds, step,
                     forced(state.dealer, "decode", valid_rows(prompt_lens, len(state.lens), 1, None)),
                     sampling=sampling, record=record,
                 )

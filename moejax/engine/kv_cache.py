@@ -3,7 +3,6 @@ arrays stacked on a leading layers axis, [layers, B, ...]."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -17,10 +16,6 @@ def init_cache(c: ModelConfig, batch: int, max_len: int, dtype) -> list[dict]:
         {k: jnp.zeros((run.count, *shape), dtype) for k, (shape, _) in cache_specs(c, batch, max_len, run.first).items()}
         for run in layer_runs(c)
     ]
-
-
-def cache_bytes(cache: list[dict]) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(cache))
 
 
 def _seq_axes(c: ModelConfig, cache: list[dict]) -> list[dict]:

@@ -2,7 +2,7 @@
 
 State per request: the next token (at `pos`, emitted, not yet through the target) and the MTP's
 draft for `pos + 1`. A step runs the target on both (two rows per request), accepts or rejects
-the draft on the device, and lets the MTP draft the next token inside the same step (seed 2's
+the draft on the device, and lets the MTP draft the next token inside the same step (Decode-Anatomy's
 device-side rejection and early draft). Rollback of a rejected draft costs nothing: its cache
 slot (target and MTP) holds keys at `pos + 1` that no query at or before `pos + 1` of the next
 step can see through the causal mask before the next step overwrites them.
@@ -23,14 +23,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.engine import compile_clock
-from moejax.engine.engine import Engine, bucket, to_host
-from moejax.engine.sampling import Sampling, sample, sampling_logits
+from moejax.engine.engine import MIN_POSITIONS, Engine, bucket, seed_rows, to_host
+from moejax.engine.sampling import Sampling, draw, row_keys, sample, sampling_logits
 from moejax.errors import UsageError
 from moejax.model.mtp import init_mtp_cache, mtp_forward
 from moejax.model.transformer import forward, lm_head
 
 
 STOP_CHECK = 4  # steps between the host's reads of the emitted-token counts
+# What a row's key at a position is folded with for a draft and for a verification: apart from
+# the key that draws the target's own token there (`sample`).
+DRAFT, VERIFY = 1, 2
+
+
+def keys_for(seeds: jax.Array, positions: jax.Array, use: int) -> jax.Array:
+    """Keys [B] of the rows' seeds [B] at positions [B] for one use (DRAFT, VERIFY)."""
+    return jax.vmap(jax.random.fold_in, (0, None))(row_keys(seeds, positions), use)
 
 
 class SpecState(NamedTuple):
@@ -41,35 +49,36 @@ class SpecState(NamedTuple):
     draft_probs: jax.Array  # float32 [B, V] the distribution the draft was drawn from ([B, 1] greedy)
     pos: jax.Array  # int32
     count: jax.Array  # int32: tokens emitted so far (the host's stop test reads it)
-    key: jax.Array
+    seeds: jax.Array  # int32: each row's sampling seed
 
 
-def draft_from(logits: jax.Array, key: jax.Array, s: Sampling) -> tuple[jax.Array, jax.Array]:
-    """MTP logits [B, V] -> (draft [B], the distribution it was drawn from)."""
+def draft_from(logits: jax.Array, keys: jax.Array, s: Sampling) -> tuple[jax.Array, jax.Array]:
+    """MTP logits [B, V], keys [B] -> (draft [B], the distribution it was drawn from)."""
     if s.greedy:
-        return sample(logits, key, s), jnp.zeros((logits.shape[0], 1), jnp.float32)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.zeros((logits.shape[0], 1), jnp.float32)
     masked = sampling_logits(logits, s)
-    return jax.random.categorical(key, masked, axis=-1).astype(jnp.int32), jax.nn.softmax(masked, axis=-1)
+    return draw(keys, masked), jax.nn.softmax(masked, axis=-1)
 
 
-def verify(logits: jax.Array, draft: jax.Array, q: jax.Array, key: jax.Array, s: Sampling):
+def verify(logits: jax.Array, draft: jax.Array, q: jax.Array, keys: jax.Array, s: Sampling):
     """The token after the target's logits [B, V]: (accepted [B], token [B]) where token is the
-    draft when accepted, else a replacement; distributed exactly as `sample(logits)`."""
+    draft when accepted, else a replacement; distributed exactly as `sample(logits)`. keys: [B]."""
     if s.greedy:
-        token = sample(logits, key, s)
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return token == draft, token
     p = jax.nn.softmax(sampling_logits(logits, s), axis=-1)
-    k_accept, k_replace = jax.random.split(key)
+    k_accept, k_replace = jax.vmap(jax.random.split, out_axes=1)(keys)
     p_draft = jnp.take_along_axis(p, draft[:, None], axis=-1)[:, 0]
     q_draft = jnp.take_along_axis(q, draft[:, None], axis=-1)[:, 0]
-    accepted = jax.random.uniform(k_accept, draft.shape) * q_draft < p_draft  # u < p/q without dividing
+    accepted = jax.vmap(jax.random.uniform)(k_accept) * q_draft < p_draft  # u < p/q without dividing
     # Rejection implies p(draft) < q(draft), so the residual has mass elsewhere.
-    replacement = jax.random.categorical(k_replace, jnp.log(jnp.maximum(p - q, 0.0)), axis=-1).astype(jnp.int32)
+    replacement = draw(k_replace, jnp.log(jnp.maximum(p - q, 0.0)))
     return accepted, jnp.where(accepted, draft, replacement)
 
 
-def spec_prefill(params, mtp, cache, mtp_cache, tokens, last, key, *, c, placement, sampling: Sampling):
-    """tokens: [B, W] padded prompts, last: [B] last prompt positions -> (state, cache, mtp_cache).
+def spec_prefill(params, mtp, cache, mtp_cache, tokens, last, seeds, *, c, placement, sampling: Sampling):
+    """tokens: [B, W] padded prompts, last: [B] last prompt positions, seeds: [B] -> (state, cache,
+    mtp_cache). The first new token is drawn as `Engine.generate` draws it.
 
     The MTP sees (hidden at i, token i + 1) at positions i + 1: the prompt shifted by one, with
     the first new token after each prompt's last position."""
@@ -77,13 +86,12 @@ def spec_prefill(params, mtp, cache, mtp_cache, tokens, last, key, *, c, placeme
     rows = jnp.arange(b)
     positions = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
     h, cache, _ = forward(params, cache, tokens, positions, c, placement)
-    key, k_first, k_draft = jax.random.split(key, 3)
-    first = sample(lm_head(params, h[rows, last], c), k_first, sampling)
+    first = sample(lm_head(params, h[rows, last], c), sampling, seeds, last + 1)
     following = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
     following = jnp.where(positions == last[:, None], first[:, None], following)
     mh, mtp_cache = mtp_forward(mtp, params, mtp_cache, h, following, positions + 1, c, placement)
-    draft, q = draft_from(lm_head(params, mh[rows, last], c), k_draft, sampling)
-    return SpecState(first, draft, q, last + 1, jnp.ones_like(last), key), cache, mtp_cache
+    draft, q = draft_from(lm_head(params, mh[rows, last], c), keys_for(seeds, last + 2, DRAFT), sampling)
+    return SpecState(first, draft, q, last + 1, jnp.ones_like(last), seeds), cache, mtp_cache
 
 
 def spec_step(params, mtp, cache, mtp_cache, state: SpecState, *, c, placement, sampling: Sampling):
@@ -93,16 +101,17 @@ def spec_step(params, mtp, cache, mtp_cache, state: SpecState, *, c, placement, 
     positions = state.pos[:, None] + jnp.arange(2, dtype=jnp.int32)  # [B, 2]: next token, draft
     h, cache, _ = forward(params, cache, jnp.stack([state.token, state.draft], axis=1), positions, c, placement)
     logits = lm_head(params, h, c)  # [B, 2, V]
-    key, k_verify, k_bonus, k_draft = jax.random.split(state.key, 4)
-    accepted, token = verify(logits[:, 0], state.draft, state.draft_probs, k_verify, sampling)
-    bonus = sample(logits[:, 1], k_bonus, sampling)  # the token at pos + 2; kept after an accepted draft
+    seeds = state.seeds
+    accepted, token = verify(logits[:, 0], state.draft, state.draft_probs, keys_for(seeds, state.pos + 1, VERIFY),
+                             sampling)
+    bonus = sample(logits[:, 1], sampling, seeds, state.pos + 2)  # kept after an accepted draft
     emitted = jnp.stack([token, bonus], axis=1)
     # Both MTP rows run: row 0 drafts pos + 2 (after a rejection), row 1 drafts pos + 3 (after an
     # acceptance, when its cache entry at pos + 2 is needed too); the unused row's entry is stale.
     mh, mtp_cache = mtp_forward(mtp, params, mtp_cache, h, emitted, positions + 1, c, placement)
     n = accepted.astype(jnp.int32)
-    draft, q = draft_from(lm_head(params, mh[rows, n], c), k_draft, sampling)
-    state = SpecState(emitted[rows, n], draft, q, state.pos + 1 + n, state.count + 1 + n, key)
+    draft, q = draft_from(lm_head(params, mh[rows, n], c), keys_for(seeds, state.pos + 2 + n, DRAFT), sampling)
+    state = SpecState(emitted[rows, n], draft, q, state.pos + 1 + n, state.count + 1 + n, seeds)
     return state, cache, mtp_cache, emitted, accepted
 
 
@@ -159,7 +168,7 @@ class SpeculativeEngine:
                              f"of {e.c.max_position_embeddings}")
         tokens, lens = e._padded(prompts, batch_multiple)
         # One slot beyond the last token for the final step's draft row.
-        max_len = e.config.engine.max_seq_len or bucket(max(tokens.shape[1], longest + max_new_tokens + 1), 16)
+        max_len = e.config.engine.max_seq_len or bucket(max(tokens.shape[1], longest + max_new_tokens + 1), MIN_POSITIONS)
         if longest >= max_len:
             raise UsageError(f"prompt of {longest} tokens does not fit the KV cache of {max_len} positions")
         batch = tokens.shape[0]
@@ -167,7 +176,7 @@ class SpeculativeEngine:
         mtp_cache = e.placement.place_cache([init_mtp_cache(e.c, batch, max_len, e.dtype)])[0]
         t0 = compile_clock.now()
         state, cache, mtp_cache = self._prefill(
-            e.params, self.mtp, cache, mtp_cache, jnp.asarray(tokens), jnp.asarray(lens - 1), jax.random.key(seed),
+            e.params, self.mtp, cache, mtp_cache, jnp.asarray(tokens), jnp.asarray(lens - 1), seed_rows(seed, len(lens)),
             sampling=sampling,
         )
         first = to_host(state.token)  # waits for the prefill (its timing)

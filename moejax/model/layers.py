@@ -42,40 +42,25 @@ class ClampedSwiGLU:
 
 def rope_inv_freq(c: ModelConfig) -> tuple[np.ndarray, float]:
     """Inverse frequencies [rotary_dim / 2] and the cos/sin scale (yarn's attention factor)."""
-    dim, base = c.rotary_dim, c.rope_theta
-    pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
-    rs = c.rope_scaling or {}
-    if rs.get("rope_type", rs.get("type", "default")) != "yarn":
+    rope, dim = c.rope, c.rotary_dim
+    pos_freqs = rope.theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+    if rope.kind != "yarn":
         return (1.0 / pos_freqs).astype(np.float32), 1.0
     # YaRN, as transformers' _compute_yarn_parameters: blend interpolated and extrapolated
     # frequencies with a linear ramp between the correction dims.
-    factor = rs["factor"]
-    orig = rs["original_max_position_embeddings"]
-    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
-
-    def mscale(scale, m=1.0):
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attention_factor = rs.get("attention_factor")
-    if attention_factor is None:
-        if rs.get("mscale") and rs.get("mscale_all_dim"):
-            attention_factor = mscale(factor, rs["mscale"]) / mscale(factor, rs["mscale_all_dim"])
-        else:
-            attention_factor = mscale(factor)
-
     def correction_dim(rot):
-        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+        return dim * math.log(rope.original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(rope.theta))
 
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if rs.get("truncate", True):
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
     ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
     extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv_freq.astype(np.float32), float(attention_factor)
+    inv_freq = (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq.astype(np.float32), float(rope.cos_sin_scale)
 
 
 def rope_cos_sin(c: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -31,7 +31,8 @@ def build_scheduler(args, progress: bool = True, longest: int = 0):
     tokens of the longest request it will serve, when known (0: any the model takes)."""
     from tqdm import tqdm
 
-    from moejax.commands import build_engine, config_from_args, natural_routing_only, pd_engines
+    from moejax.factory import build_engine, pd_engines
+    from moejax.flags import config_from_args, natural_routing_only
     from moejax.serving.scheduler import Scheduler
     from moejax.serving.tokenizer import Tokenizer, eos_ids
 
@@ -126,7 +127,7 @@ def cmd_bench(args) -> int:
 
 
 def register(sub) -> None:
-    from moejax.commands import add_model_args, add_pd_args
+    from moejax.flags import add_model_args, add_pd_args
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching and Prometheus metrics")
     add_model_args(s)

@@ -12,9 +12,9 @@ import threading
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from moejax.analysis.trace import save_trace
+from moejax.trace import save_trace
 from sharding import slots
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -105,6 +105,7 @@ class Metrics:
         if scheduler.apart:  # prefill and decode on their own devices
             Gauge("moejax_handover_bytes", "KV cache bytes moved from the prefill to the decode devices",
                   registry=r).set_function(lambda: scheduler.handover_bytes)
+        r.register(PrefilledTokens(scheduler))
         c = scheduler.engine.c
         self.experts = ExpertWindow(list(c.moe_layers), c.num_experts, window)
         r.register(self.experts)
@@ -117,13 +118,25 @@ class Metrics:
 
     def request_done(self, request) -> None:
         times = request.token_times
-        self.ttft.observe(times[0] - request.arrival)
+        if times:  # max_tokens 0 (echo): no token, no first-token time
+            self.ttft.observe(times[0] - request.arrival)
         for a, b in zip(times, times[1:]):
             self.itl.observe(b - a)
         self.e2e.observe(request.finished - request.arrival)
         self.prompt_tokens.inc(len(request.prompt))
         self.generation_tokens.inc(len(request.tokens))
         self.finished.labels(request.finish_reason).inc()
+
+
+class PrefilledTokens:
+    """Prompt positions the scheduler prefilled: n samples of a prompt count it once."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    def collect(self):
+        yield CounterMetricFamily("moejax_prefill_tokens", "prompt positions prefilled (n samples of a prompt: once)",
+                                  value=self.scheduler.prefilled_tokens)
 
 
 class TraceRecorder:

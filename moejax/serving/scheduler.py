@@ -34,10 +34,10 @@ from typing import Callable
 import jax
 import numpy as np
 
-from moejax.engine.engine import bucket, forced, to_host
+from moejax.engine.engine import MIN_POSITIONS, bucket, forced, to_host
 from moejax.errors import UsageError
-from moejax.serving.slot_programs import decode_slots, prefill_slots, put_positions, take_positions
-from moejax.serving.stopping import Stopper
+from moejax.serving.request import Request, check_request, sampling_rows
+from moejax.serving.slot_programs import decode_slots, fork_slots, prefill_slots, put_positions, take_positions
 
 
 class QueueFull(Exception):
@@ -49,37 +49,13 @@ class Draining(Exception):
 
 
 @dataclasses.dataclass
-class Request:
-    prompt: list[int]
-    max_tokens: int
-    stopper: Stopper
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    seed: int = 0
-    # on_event(token, delta_text, finished): after every new token, from the engine thread.
-    on_event: Callable[[int, str, bool], None] | None = None
-    arrival: float = dataclasses.field(default_factory=time.perf_counter)
-    token_times: list[float] = dataclasses.field(default_factory=list)  # when each new token was out
-    finished: float | None = None
-    cancelled: bool = False  # set by any thread (a client that went away); the next step drops it
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.stopper.tokens
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.stopper.finish_reason
-
-
-@dataclasses.dataclass
 class _Slot:
     request: Request
     done: int = 0  # prompt positions prefilled
     pos: int = 0  # decode: the position of `token`, fed in the next step
     token: int = 0
     draft: int = 0  # MTP: the draft for pos + 1 (speculative.py)
+    leader: int | None = None  # n > 1: the slot prefilling this sample's prompt, forked from when done
 
 
 # ----------------------------------------------------------------------------- the scheduler
@@ -108,7 +84,7 @@ class Scheduler:
         # steps, so its length is every running request's inter-token latency (the static engine's
         # one-call-per-prompt default would stall them for a whole prompt).
         self.chunk = engine.config.engine.prefill_chunk or SERVE_PREFILL_CHUNK
-        self.max_len = max_len or min(c.max_position_embeddings, bucket(longest, 16) if longest else 2048)
+        self.max_len = max_len or min(c.max_position_embeddings, bucket(longest, MIN_POSITIONS) if longest else 2048)
         multiple = engine.placement.batch_multiple()
         if slots < 1 or slots % multiple:
             raise UsageError(f"--slots {slots} must be a positive multiple of {multiple} (requests are split over the devices)")
@@ -135,9 +111,12 @@ class Scheduler:
         self._cv = threading.Condition()
         self._draining = False
         bind = dict(c=c, placement=engine.placement)
-        self._decode = jax.jit(functools.partial(decode_slots, **bind), donate_argnums=1, static_argnames="greedy_only")
+        self._decode = jax.jit(functools.partial(decode_slots, **bind), donate_argnums=1,
+                               static_argnames=("greedy_only", "extras"))
         self._prefill = jax.jit(functools.partial(prefill_slots, c=c, placement=self.prefill_engine.placement),
-                                donate_argnums=1, static_argnames="greedy_only")
+                                donate_argnums=1, static_argnames=("greedy_only", "extras", "prompt_logprobs"))
+        self._fork_program = jax.jit(fork_slots, donate_argnums=0)
+        self.prefilled_tokens = 0  # prompt positions prefilled (n samples of a prompt: once)
         if self.apart:
             seq_axes = [{k: a.index("cache_seq") for k, a in axes.items()} for axes in engine.placement.cache_axes(self.cache)]
             self._take = jax.jit(functools.partial(take_positions, seq_axes=seq_axes))
@@ -146,18 +125,7 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in
     def check(self, request: Request) -> None:
         """Raises UsageError for a request that can never run (the HTTP side answers 400)."""
-        vocab = self.engine.c.vocab_size
-        if not request.prompt:
-            raise UsageError("the prompt is empty")
-        bad = [t for t in request.prompt if not 0 <= t < vocab]
-        if bad:
-            raise UsageError(f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
-        if len(request.prompt) >= self.max_len:
-            raise UsageError(f"prompt of {len(request.prompt)} tokens does not fit the KV cache of {self.max_len} positions")
-        if request.max_tokens < 1:
-            raise UsageError(f"max_tokens must be at least 1, got {request.max_tokens}")
-        if request.temperature < 0 or request.top_k < 0 or not 0 < request.top_p <= 1:
-            raise UsageError("sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+        check_request(request, self.engine.c.vocab_size, self.max_len, self.num_slots)
 
     def submit(self, request: Request) -> None:
         self.check(request)
@@ -208,7 +176,8 @@ class Scheduler:
         for hook in self.between_steps:
             hook()
         self._admit()
-        decoding = [s for s, slot in enumerate(self.slots) if slot is not None and s not in self.prefilling]
+        decoding = [s for s, slot in enumerate(self.slots)
+                    if slot is not None and s not in self.prefilling and slot.leader is None]
         if decoding:
             self._decode_step(decoding)
         chunks = max(1, (self.token_budget - len(decoding)) // self.chunk)
@@ -226,20 +195,17 @@ class Scheduler:
                     self.slots[s] = None
                     if s in self.prefilling:
                         self.prefilling.remove(s)
-            for s in range(self.num_slots):
-                if self.slots[s] is None and self.waiting:
-                    self.slots[s] = _Slot(self.waiting.popleft())
-                    self.prefilling.append(s)
-
-    def _sampling(self, requests: list[Request | None], n: int):
-        """Per-row sampling arrays for n rows (rows past the requests, or None: greedy padding)."""
-        temperature, top_p = np.zeros(n, np.float32), np.ones(n, np.float32)
-        top_k, seeds = np.zeros(n, np.int32), np.zeros(n, np.int32)
-        for i, r in enumerate(requests):
-            if r is not None:
-                temperature[i], top_p[i], top_k[i], seeds[i] = r.temperature, r.top_p, r.top_k, r.seed
-        return dict(temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds,
-                    greedy_only=bool((temperature == 0).all()))
+                    for f in [f for f, other in enumerate(self.slots) if other is not None and other.leader == s]:
+                        self.slots[f] = None
+            free = [s for s in range(self.num_slots) if self.slots[s] is None]
+            # First come, first served: a request of n samples waits for n free slots.
+            while self.waiting and len(free) > len(self.waiting[0].samples):
+                r = self.waiting.popleft()
+                s = free.pop(0)
+                self.slots[s] = _Slot(r)
+                self.prefilling.append(s)
+                for sample in r.samples:
+                    self.slots[free.pop(0)] = _Slot(sample, leader=s)
 
     def decode_widths(self) -> list[int]:
         """The decode batch sizes: powers of two from the devices' multiple, and all slots. Slots are
@@ -259,43 +225,82 @@ class Scheduler:
         positions = np.full(width, self.max_len, np.int32)  # idle: writes dropped
         for s in decoding:
             tokens[s], positions[s] = self.slots[s].token, self.slots[s].pos
-        sampling = self._sampling([self.slots[s].request if s in decoding else None for s in range(width)], width)
-        out, self.cache, picks = self._decode(self.engine.params, self.cache, np.arange(width, dtype=np.int32), tokens,
-                                             positions, forced=forced(self.dealer, "decode", positions < self.max_len),
-                                             **sampling)
-        out = to_host(out)
+        sampling, flags = sampling_rows([self.slots[s].request if s in decoding else None for s in range(width)], width)
+        out, lp, self.cache, picks = self._decode(self.engine.params, self.cache, np.arange(width, dtype=np.int32),
+                                                  tokens, positions, sampling,
+                                                  forced=forced(self.dealer, "decode", positions < self.max_len), **flags)
+        out, lp = to_host(out), {k: to_host(v) for k, v in lp.items()}
         self._observe("decode", picks, positions < self.max_len)
         now = time.perf_counter()
         for s in decoding:
             slot = self.slots[s]
             slot.pos += 1
+            slot.request.record(lp, s)
             self._emit(s, int(out[s]), now)
 
     def _prefill_call(self, rows: list[int]) -> None:
         p, c = self.prefill_rows, self.chunk
         slots = np.full(p, self.num_slots, np.int32)  # padding rows: out of range
         tokens = np.zeros((p, c), np.int32)
-        start, last = np.zeros(p, np.int32), np.zeros(p, np.int32)
+        start, last, after = np.zeros(p, np.int32), np.zeros(p, np.int32), np.zeros(p, np.int32)
         valid = np.zeros((p, c), bool)
-        for i, s in enumerate(rows):
-            slot = self.slots[s]
-            piece = slot.request.prompt[slot.done : slot.done + c]
-            slots[i], start[i], last[i] = s, slot.done, len(slot.request.prompt) - 1
+        requests = [self.slots[s].request for s in rows]
+        for i, (s, r) in enumerate(zip(rows, requests)):
+            done = self.slots[s].done
+            piece = r.prompt[done : done + c]
+            slots[i], start[i], last[i] = s, done, len(r.prompt) - 1
+            after[i] = r.prompt[done + c] if done + c < len(r.prompt) else 0
             tokens[i, : len(piece)] = piece
             valid[i, : len(piece)] = True
-        sampling = self._sampling([self.slots[s].request for s in rows], p)
-        out, self.prefill_into, picks = self._prefill(self.prefill_engine.params, self.prefill_into, slots, tokens, start,
-                                                      last, forced=forced(self.dealer, "prefill", valid.reshape(-1)),
-                                                      **sampling)
-        out = to_host(out)
+        sampling, flags = sampling_rows(requests, p)
+        echo = any(r.echo_logprobs for r in requests)  # every position's logits: only in calls that need them
+        out, lp, logits, self.prefill_into, picks = self._prefill(
+            self.prefill_engine.params, self.prefill_into, slots, tokens, start, last, after, sampling,
+            forced=forced(self.dealer, "prefill", valid.reshape(-1)), prompt_logprobs=echo, **flags)
+        out, lp = to_host(out), jax.tree.map(to_host, lp)
+        self.prefilled_tokens += int(valid.sum())
         self._observe("prefill", picks, valid.reshape(-1))
         if self.apart:
             self.handover_bytes += self._hand_over(slots, start)
+        for i, r in enumerate(requests):
+            if r.echo_logprobs:  # position t's entry is the logprob of prompt token t + 1
+                r.record(lp["prompt"], i, prompt=True, at=slice(0, min(c, last[i] - start[i])))
         finished = self._advance_prefill(rows, c)
         now = time.perf_counter()
         for i, s in finished:
+            r = self.slots[s].request
             self.slots[s].pos = self.slots[s].done
-            self._emit(s, int(out[i]), now)
+            if r.samples:
+                self._fork_samples(s, to_host(logits)[i], now)
+            if r.max_tokens == 0:
+                self._emit(s, None, now)
+            else:
+                r.record(lp, i)
+                self._emit(s, int(out[i]), now)
+
+    def _fork_samples(self, source: int, logits: np.ndarray, now: float) -> None:
+        """The other samples of slot `source`'s prompt, now prefilled: its cache row copied into
+        theirs, each one's first token drawn from its last logits [V] (through the host: with
+        prefill apart they are on the other mesh) with its own seed."""
+        forks = [s for s, slot in enumerate(self.slots) if slot is not None and slot.leader == source]
+        slots = np.full(self.num_slots, self.num_slots, np.int32)  # padding: out of range
+        slots[: len(forks)] = forks
+        requests = [self.slots[s].request for s in forks]
+        sampling, _ = sampling_rows(requests, self.num_slots, extras=True)
+        positions = np.full(self.num_slots, len(requests[0].prompt), np.int32)
+        out, lp, self.cache = self._fork_program(self.cache, np.int32(source), slots, logits, sampling, positions)
+        out, lp = to_host(out), {k: to_host(v) for k, v in lp.items()}
+        leader = self.slots[source].request
+        for i, s in enumerate(forks):
+            slot, r = self.slots[s], requests[i]
+            slot.leader, slot.done = None, len(r.prompt)
+            slot.pos = slot.done
+            r.prompt_logprobs = leader.prompt_logprobs
+            if r.max_tokens == 0:
+                self._emit(s, None, now)
+            else:
+                r.record(lp, i)
+                self._emit(s, int(out[i]), now)
 
     @property
     def prefill_into(self) -> list[dict]:
@@ -336,12 +341,15 @@ class Scheduler:
                 self.prefilling.append(s)
         return finished
 
-    def _emit(self, s: int, token: int, now: float) -> None:
+    def _emit(self, s: int, token: int | None, now: float) -> None:
+        """Slot s's new token (None: max_tokens 0, the request ends without one)."""
         slot = self.slots[s]
         r = slot.request
-        slot.token = token
-        r.token_times.append(now)
-        delta = r.stopper.add(token)
+        delta = ""
+        if token is not None:
+            slot.token = token
+            r.token_times.append(now)
+            delta = r.stopper.add(token)
         # The cache holds positions 0..max_len-1: a token at max_len could never be fed back.
         if r.finish_reason is None and (len(r.tokens) >= r.max_tokens or slot.pos >= self.max_len):
             delta += r.stopper.finish_length()
@@ -361,24 +369,28 @@ class Scheduler:
 
     # ------------------------------------------------------------------ warm-up
     def warm_up(self) -> None:
-        """Compiles every program a request can use (greedy and sampled decode and prefill) on
-        idle rows, which write nothing."""
+        """Compiles every program a request can use (greedy, sampled, with logprobs / bias, with
+        prompt logprobs, the fork of n samples) on idle rows, which write nothing."""
         p, n = self.prefill_rows, self.num_slots
-        for greedy in (True, False):
+        for greedy, extras in ((True, False), (False, False), (False, True)):
             for w in self.decode_widths():
-                sampling = self._sampling([], w)
-                sampling["greedy_only"] = greedy
-                _, self.cache, _ = self._decode(self.engine.params, self.cache, np.arange(w, dtype=np.int32), np.zeros(w, np.int32),
-                                                np.full(w, self.max_len, np.int32),
-                                                forced=forced(self.dealer, "decode", np.zeros(w, bool)), **sampling)
-            sampling = self._sampling([], p)
-            sampling["greedy_only"] = greedy
-            out, self.prefill_into, _ = self._prefill(self.prefill_engine.params, self.prefill_into,
-                                                      np.full(p, n, np.int32), np.zeros((p, self.chunk), np.int32),
-                                                      np.zeros(p, np.int32), np.zeros(p, np.int32),
-                                                      forced=forced(self.dealer, "prefill",
-                                                                    np.zeros(p * self.chunk, bool)),
-                                                      **sampling)
-            out.block_until_ready()
+                sampling, _ = sampling_rows([], w, extras=extras)
+                _, _, self.cache, _ = self._decode(self.engine.params, self.cache, np.arange(w, dtype=np.int32),
+                                                   np.zeros(w, np.int32), np.full(w, self.max_len, np.int32), sampling,
+                                                   forced=forced(self.dealer, "decode", np.zeros(w, bool)),
+                                                   greedy_only=greedy, extras=extras)
+            for echo in (False, True) if extras else (False,):
+                sampling, _ = sampling_rows([], p, extras=extras)
+                zeros = np.zeros(p, np.int32)
+                out, _, logits, self.prefill_into, _ = self._prefill(
+                    self.prefill_engine.params, self.prefill_into, np.full(p, n, np.int32),
+                    np.zeros((p, self.chunk), np.int32), zeros, zeros, zeros, sampling,
+                    forced=forced(self.dealer, "prefill", np.zeros(p * self.chunk, bool)),
+                    greedy_only=greedy, extras=extras, prompt_logprobs=echo)
+                out.block_until_ready()
+        sampling, _ = sampling_rows([], n, extras=True)
+        out, _, self.cache = self._fork_program(self.cache, np.int32(0), np.full(n, n, np.int32), to_host(logits)[0],
+                                                sampling, np.zeros(n, np.int32))
+        out.block_until_ready()
         if self.apart:  # compiles the positions' move (padding rows only: nothing written)
             self._hand_over(np.full(p, n, np.int32), np.zeros(p, np.int32))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import importlib.metadata
 import json
 import os
 import sys
@@ -25,10 +26,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from moejax.errors import UsageError
-from moejax.serving import openai
+from moejax.serving import openai, responses
 from moejax.serving.scheduler import Draining, QueueFull
 
 DISCONNECT_CHECK_S = 1.0  # how often a waiting non-streamed request checks that its client is still there
+
+
+def moejax_version() -> str:
+    try:
+        return importlib.metadata.version("moejax")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "unknown"
 
 
 def error(status: int, message: str) -> JSONResponse:
@@ -101,62 +109,98 @@ def build_app(scheduler, metrics, *, tokenizer, eos_ids, model_name: str, api_ke
 
     async def complete(request: HTTPRequest, chat: bool):
         try:
-            body = json.loads(await request.body())
-        except ValueError as e:
-            return error(400, f"the request body is not valid JSON: {e}")
-        try:
+            body = openai.load_body(await request.body())
             if isinstance(body, dict) and body.get("model") not in (None, model_name):
                 raise UsageError(f"model {body['model']!r} is not served here; this server serves {model_name!r}")
-            r, stream = openai.to_request(body, tokenizer=tokenizer, eos_ids=eos_ids, chat=chat)
+            job = openai.to_job(body, tokenizer=tokenizer, eos_ids=eos_ids, chat=chat, max_len=scheduler.max_len)
+            for r in job.submit:
+                scheduler.check(r)
             loop, events = asyncio.get_running_loop(), asyncio.Queue()
-            r.on_event = lambda token, delta, done: loop.call_soon_threadsafe(events.put_nowait, (token, delta, done))
-            scheduler.submit(r)
+            for k, r in enumerate(job.choices):
+                r.on_event = lambda token, delta, done, k=k: loop.call_soon_threadsafe(
+                    events.put_nowait, (k, token, delta, done))
+            try:
+                for r in job.submit:
+                    scheduler.submit(r)
+            except (QueueFull, Draining):
+                for r in job.choices:  # all of the request or none
+                    r.cancelled = True
+                raise
         except UsageError as e:
             return error(400, str(e))
         except QueueFull:
             return error(429, f"the queue is full ({scheduler.max_queue} requests waiting); retry later")
         except Draining:
             return error(503, "the server is shutting down")
-        rid = openai.new_id(chat)
+        rid = responses.new_id(chat)
+
+        def cancel() -> None:
+            for r in job.choices:
+                r.cancelled = True
 
         async def finished() -> bool:
-            """Waits for the last token; False (request cancelled) if the client goes away first."""
-            checked = time.monotonic()
-            while True:
+            """Waits for every choice's last token; False (requests cancelled) if the client goes away first."""
+            checked, left = time.monotonic(), len(job.choices)
+            while left:
                 try:
-                    if (await asyncio.wait_for(events.get(), timeout=DISCONNECT_CHECK_S))[2]:
-                        metrics.request_done(r)
-                        return True
+                    k, _, _, done = await asyncio.wait_for(events.get(), timeout=DISCONNECT_CHECK_S)
+                    if done:
+                        metrics.request_done(job.choices[k])
+                        left -= 1
+                    continue
                 except asyncio.TimeoutError:
                     pass
                 if time.monotonic() - checked >= DISCONNECT_CHECK_S:
                     checked = time.monotonic()
                     if await request.is_disconnected():
-                        r.cancelled = True
+                        cancel()
                         return False
+            return True
 
-        if not stream:
+        if not job.stream:
             if not await finished():
                 return error(499, "client closed the request")
-            return openai.response(r, rid, model_name, chat)
-        include_usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage")
+            return responses.response(job, rid, model_name, tokenizer)
 
         async def sse():
-            first, done = True, False
+            seen, offsets, left = [0] * len(job.choices), [0] * len(job.choices), len(job.choices)
             try:
-                while not done:
-                    token, delta, done = await events.get()
-                    out = openai.chunk(rid, model_name, chat, token, delta, r.finish_reason if done else None, first)
-                    first = False
+                while left:
+                    k, token, delta, done = await events.get()
+                    out = responses.chunk(job, rid, model_name, k, token, delta, done, seen[k], offsets[k], tokenizer)
+                    if token is not None:
+                        seen[k] += 1
+                        offsets[k] += len(responses.token_text(tokenizer, token))
+                    if done:
+                        metrics.request_done(job.choices[k])
+                        left -= 1
                     yield f"data: {json.dumps(out)}\n\n"
             finally:
-                r.cancelled = not done  # the client went away: free its slot
-            metrics.request_done(r)
-            if include_usage:
-                yield f"data: {json.dumps({'id': rid, 'object': 'usage', 'choices': [], 'usage': openai.usage(r)})}\n\n"
+                if left:  # the client went away: free the slots
+                    cancel()
+            if job.include_usage:
+                yield f"data: {json.dumps({'id': rid, 'object': 'usage', 'choices': [], 'usage': responses.usage(job)})}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(sse(), media_type="text/event-stream")
+
+    @app.get("/version")
+    async def version():
+        return {"version": moejax_version()}
+
+    @app.post("/tokenize")
+    async def tokenize(request: HTTPRequest):
+        try:
+            return openai.tokenize(openai.load_body(await request.body()), tokenizer, scheduler.max_len)
+        except UsageError as e:
+            return error(400, str(e))
+
+    @app.post("/detokenize")
+    async def detokenize(request: HTTPRequest):
+        try:
+            return openai.detokenize(openai.load_body(await request.body()), tokenizer, scheduler.engine.c.vocab_size)
+        except UsageError as e:
+            return error(400, str(e))
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):

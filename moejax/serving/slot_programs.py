@@ -8,28 +8,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moejax.engine.logprobs import biased, logprobs_of
+from moejax.engine.sampling import sample_rows
 from moejax.model.transformer import forward, lm_head
-
-
-def sample_rows(logits, temperature, top_p, top_k, seeds, positions, *, greedy_only: bool):
-    """Per-row sampling: logits [B, V] and per-row temperature / top_p / top_k / seed [B] -> [B].
-    A row's key depends only on its seed and position, never on its slot or neighbours."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if greedy_only:
-        return greedy
-    logits = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    desc = jnp.sort(logits, axis=-1)[:, ::-1]
-    kth = jnp.take_along_axis(desc, jnp.maximum(top_k - 1, 0)[:, None], axis=-1)
-    logits = jnp.where((top_k[:, None] > 0) & (logits < kth), -jnp.inf, logits)
-    desc = jnp.sort(logits, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(desc, axis=-1)
-    # Keep the smallest set of tokens whose mass reaches top_p (the best token always stays).
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    cutoff = jnp.min(jnp.where(mass_before < top_p[:, None], desc, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(jax.random.key(0), s), p))(seeds, positions)
-    drawn = jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
 
 
 # The batch axis of a cache array: 1 in a run's stacked [layers, B, ...] cache, 0 in the MTP
@@ -77,28 +58,55 @@ def put_positions(cache: list[dict], slots: jax.Array, positions: jax.Array, pie
     return [{k: put(v, piece[k], axes[k]) for k, v in layer.items()} for layer, piece, axes in zip(cache, pieces, seq_axes)]
 
 
-def decode_slots(params, cache, slots, tokens, positions, temperature, top_p, top_k, seeds, forced=None, *, c,
-                 placement, greedy_only):
-    """One decode step over the first W slots (`slots` = 0..W-1):
-    tokens, positions: [W] -> (next tokens [W], cache, picks); forced: a routing override's
-    int32 [MoE layers, W, k] picks, or None."""
+def choose(logits, sampling: dict, positions, *, greedy_only: bool, extras: bool):
+    """The rows' next tokens from logits [B, V] -> (tokens [B], logprobs dict or {}). extras
+    (static): apply sampling["bias_ids"/"bias"] [B, K] (logit_bias, min_tokens) and report the
+    model's own logprobs of the tokens chosen."""
+    raw = logits
+    if extras:
+        logits = biased(logits, sampling["bias_ids"], sampling["bias"])
+    token = sample_rows(logits, sampling["temperature"], sampling["top_p"], sampling["top_k"], sampling["seeds"],
+                        positions, greedy_only=greedy_only)
+    return token, logprobs_of(raw, token) if extras else {}
+
+
+def decode_slots(params, cache, slots, tokens, positions, sampling, forced=None, *, c, placement, greedy_only,
+                 extras):
+    """One decode step over the first W slots (`slots` = 0..W-1): tokens, positions: [W];
+    sampling: `choose`'s per-row arrays -> (next tokens [W], their logprobs, cache, picks);
+    forced: a routing override's int32 [MoE layers, W, k] picks, or None."""
     every = slots.shape[0] == cache[0][next(iter(cache[0]))].shape[RUN_BATCH_AXIS]  # all slots: no gather needed
     h, rows, picks = forward(params, cache if every else take_rows(cache, slots), tokens[:, None], positions[:, None],
                              c, placement, forced)
-    logits = lm_head(params, h[:, 0], c)
-    token = sample_rows(logits, temperature, top_p, top_k, seeds, positions + 1, greedy_only=greedy_only)
-    return token, rows if every else put_rows(cache, slots, rows), picks
+    token, lp = choose(lm_head(params, h[:, 0], c), sampling, positions + 1, greedy_only=greedy_only, extras=extras)
+    return token, lp, rows if every else put_rows(cache, slots, rows), picks
 
 
-def prefill_slots(params, cache, slots, tokens, start, last, temperature, top_p, top_k, seeds, forced=None, *, c,
-                  placement, greedy_only):
-    """One prefill chunk of P requests into their slots: slots, start, last: [P], tokens: [P, C].
+def prefill_slots(params, cache, slots, tokens, start, last, after, sampling, forced=None, *, c, placement,
+                  greedy_only, extras, prompt_logprobs):
+    """One prefill chunk of P requests into their slots: slots, start, last: [P], tokens: [P, C];
+    after: [P] the prompt token following the chunk (read for prompt_logprobs only).
     A padding row names slot S (out of range): it reads zeros and its writes are dropped.
     forced: a routing override's int32 [MoE layers, P*C, k] picks, or None.
-    Returns (the token after `last` per row [P], meaningful where `last` is in this chunk; cache; picks)."""
+    Returns (the token after `last` per row [P], meaningful where `last` is in this chunk; its
+    logprobs, with prompt_logprobs (static) also "prompt": each position's logprobs of the prompt
+    token after it [P, C]; the logits at `last` [P, V]; cache; picks)."""
     p, chunk = tokens.shape
     positions = start[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
     h, rows, picks = forward(params, take_rows(cache, slots), tokens, positions, c, placement, forced)
-    h = h[jnp.arange(p), jnp.clip(last - start, 0, chunk - 1)]
-    token = sample_rows(lm_head(params, h, c), temperature, top_p, top_k, seeds, last + 1, greedy_only=greedy_only)
-    return token, put_rows(cache, slots, rows), picks
+    logits = lm_head(params, h[jnp.arange(p), jnp.clip(last - start, 0, chunk - 1)], c)
+    token, lp = choose(logits, sampling, last + 1, greedy_only=greedy_only, extras=extras)
+    if prompt_logprobs:
+        following = jnp.concatenate([tokens[:, 1:], after[:, None]], axis=1)  # [P, C]
+        lp = {**lp, "prompt": logprobs_of(lm_head(params, h, c), following)}
+    return token, lp, logits, put_rows(cache, slots, rows), picks
+
+
+def fork_slots(cache, source, slots, logits, sampling, positions):
+    """n samples of one prompt, prefilled once: the cache row of slot `source` [1] copied into
+    `slots` [F] (slot S: padding, dropped), and each one's first token drawn from the source's
+    logits at the prompt's last position [V] with its own seed -> (tokens [F], logprobs, cache)."""
+    rows = take_rows(cache, jnp.broadcast_to(source, slots.shape))
+    logits = jnp.broadcast_to(logits, (slots.shape[0], logits.shape[-1]))
+    token, lp = choose(logits, sampling, positions, greedy_only=False, extras=True)
+    return token, lp, put_rows(cache, slots, rows)

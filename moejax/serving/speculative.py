@@ -83,6 +83,9 @@ class SpecScheduler(Scheduler):
         super().check(request)
         if request.temperature > 0:
             raise UsageError("this server decodes with MTP drafts, greedy only: send temperature 0")
+        if request.extras or request.samples or request.echo_logprobs or request.max_tokens < 1:
+            raise UsageError("this server decodes with MTP drafts: logprobs, logit_bias, min_tokens, n > 1 and "
+                             "max_tokens 0 are served without --speculative only")
 
     def _decode_step(self, decoding: list[int]) -> None:
         width = min(w for w in self.decode_widths() if w > max(decoding))
@@ -115,6 +118,7 @@ class SpecScheduler(Scheduler):
             slots[i], start[i], last[i] = s, done, len(prompt) - 1
             tokens[i, : len(piece)] = piece
             after[i] = prompt[done + c] if done + c < len(prompt) else 0
+        self.prefilled_tokens += sum(min(c, len(self.slots[s].request.prompt) - self.slots[s].done) for s in rows)
         first, draft, self.cache, self.mtp_cache = self._spec_prefill(
             self.engine.params, self.mtp, self.cache, self.mtp_cache, slots, tokens, start, last, after)
         first, draft = to_host(first), to_host(draft)

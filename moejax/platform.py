@@ -1,0 +1,72 @@
+"""What a run does differently by platform, decided here and nowhere else.
+
+XLA:CPU is a platform of its own for a decode step: it computes bf16 dots in f32 several times
+slower than f32 ones, copies every weight a layer scan slices, and gives one device's program
+one core. The engine, the engine factory and the grouped GEMM ask this module; config objects
+and model code hold no platform choice. `platform` arguments default to this machine's backend;
+a program exported to another (`moejax plan --export`) names its target.
+"""
+
+from __future__ import annotations
+
+import os
+
+# engine.layer_loop "auto" unrolls runs of at most this many layers on XLA:CPU, where a scan
+# step's slice of each weight is a copy read and written once more per layer; unrolled, compile
+# time grows with depth, so a deep run keeps its scan.
+UNROLLED_LAYERS = 16
+
+# Prompt positions per prefill call (engine.prefill_chunk 0). On XLA:CPU a prompt runs fastest in
+# as few calls as possible (each expert GEMM gets more rows per expert); the cap bounds the
+# attention scores [B, H, chunk, cache] a call holds.
+PREFILL_CHUNK = {"cpu": 1024}
+PREFILL_CHUNK_OTHER = 512
+
+# The grouped-GEMM backend kernel "auto" stands for, by platform (else the plain XLA loop).
+AUTO_KERNEL = {"cpu": "xla", "tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
+
+# Up to this many rows (a decode step of a few requests) the XLA grouped GEMM gathers each row's
+# unquantized expert and runs one batched product: on XLA:CPU a group of its loop costs more
+# than a second read of a group two rows share.
+GATHER_ROWS = 16
+
+
+def backend(platform: str | None = None) -> str:
+    """`platform`, or this machine's jax backend ("cpu", "gpu", "tpu")."""
+    if platform:
+        return platform
+    import jax  # here, so that reading a config does not load jax
+
+    return jax.default_backend()
+
+
+def host_cores() -> int:
+    """Cores this process may run on (the affinity mask where the OS has one: not on macOS)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def run_dtype(dtype: str, platform: str | None = None) -> str:
+    """engine.dtype with "auto" resolved: float32 on XLA:CPU (its bf16 dots are slower), else bfloat16."""
+    if dtype != "auto":
+        return dtype
+    return "float32" if backend(platform) == "cpu" else "bfloat16"
+
+
+def unrolls(layer_loop: str, layers: int, platform: str | None = None) -> bool:
+    """Whether a run of `layers` identical layers executes unrolled over per-layer arrays (else as
+    a scan over their stack), for engine.layer_loop ("auto": on XLA:CPU, short runs only)."""
+    if layer_loop != "auto":
+        return layer_loop == "unroll"
+    return backend(platform) == "cpu" and layers <= UNROLLED_LAYERS
+
+
+def prefill_chunk(chunk: int, platform: str | None = None) -> int:
+    """engine.prefill_chunk with 0 resolved to the platform's default."""
+    return chunk or PREFILL_CHUNK.get(backend(platform), PREFILL_CHUNK_OTHER)
+
+
+def kernel(name: str, platform: str | None = None) -> str:
+    """The grouped-GEMM backend kernel `name` stands for on `platform` ("auto": by platform)."""
+    return AUTO_KERNEL.get(backend(platform), "xla") if name == "auto" else name

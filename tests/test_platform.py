@@ -1,0 +1,43 @@
+"""What differs by platform is decided in moejax.platform, for this machine or a named target."""
+
+import os
+
+import pytest
+
+from moejax import platform
+from moejax.config import Config, EngineConfig, LayoutConfig, preset
+from sharding import make_placement
+
+
+def test_auto_dtype_is_float32_on_the_cpu_reference():
+    """The default run dtype: bfloat16 on accelerators, float32 on XLA:CPU (the goldens' dtype)."""
+    assert EngineConfig().dtype == "auto"
+    assert platform.run_dtype("auto") == "float32" and platform.backend() == "cpu"
+    assert platform.run_dtype("auto", "tpu") == platform.run_dtype("auto", "gpu") == "bfloat16"
+    assert platform.run_dtype("bfloat16") == "bfloat16"
+
+
+def test_auto_unrolls_short_runs_of_layers_on_the_cpu_only():
+    """Unrolled, compile time grows with depth: a 78-layer run keeps its scan."""
+    assert platform.unrolls("auto", 4) and platform.unrolls("auto", platform.UNROLLED_LAYERS)
+    assert not platform.unrolls("auto", 78) and not platform.unrolls("auto", 4, "tpu")
+    assert platform.unrolls("unroll", 78) and not platform.unrolls("scan", 4)
+
+
+def test_prefill_chunk_default_by_platform_and_an_explicit_one_kept():
+    assert platform.prefill_chunk(0) == 1024 and platform.prefill_chunk(0, "gpu") == 512
+    assert platform.prefill_chunk(64, "gpu") == 64
+
+
+@pytest.mark.parametrize("target, kernel", [("cpu", "xla"), ("tpu", "pallas_tpu"), ("cuda", "pallas_gpu")])
+def test_a_placement_resolves_auto_for_the_platform_it_builds_for(target, kernel):
+    """An exported program (`moejax plan --export`) gets its target's kernel, not this machine's."""
+    config = Config(model=preset("tiny"), layout=LayoutConfig(devices=1)).validate()
+    assert make_placement(config, platform=target).kernel == kernel
+
+
+def test_host_cores_without_an_affinity_mask(monkeypatch):
+    """macOS has no os.sched_getaffinity: the core count stands in."""
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    assert platform.host_cores() == 3
