@@ -8,7 +8,6 @@ import io
 import json
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from prometheus_client import generate_latest
