@@ -13,6 +13,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moejax.config import Config, ConfigError, LayoutConfig
+from moejax.model import paged
 from moejax.model.attention import cache_specs
 from pallas_kernels.layered import LayerOf
 from sharding import rules
@@ -84,14 +85,18 @@ class MeshPlacement(Placement, abc.ABC):
         host = np.asarray(array)
         return jax.make_array_from_callback(host.shape, self.sharding(axes, host.shape), lambda index: host[index])
 
-    def cache_axes(self, cache) -> list[dict]:
-        """Logical axes of each array of cache dicts (a run's, with a leading layers axis, or one layer's)."""
+    def cache_axes(self, cache, pool: bool = False) -> list[dict]:
+        """Logical axes of each array of cache dicts (a run's, with a leading layers axis, or one
+        layer's); `pool`: page pools (`model/paged.py`) rather than contiguous rows."""
         axes = {k: a for k, (_, a) in cache_specs(self.config.model, 1, 1).items()}
+        if pool:
+            axes = {k: tuple(paged.CONTIGUOUS_TO_PAGED.get(n, n) for n in a) for k, a in axes.items()}
         return [{k: ("layers",) * (v.ndim - len(axes[k])) + axes[k] for k, v in layer.items()} for layer in cache]
 
-    def place_cache(self, cache):
-        """Cache dicts from the host onto the devices."""
-        return [{k: self.put(v, axes[k]) for k, v in layer.items()} for layer, axes in zip(cache, self.cache_axes(cache))]
+    def place_cache(self, cache, pool: bool = False):
+        """Cache dicts (or page pools) from the host onto the devices."""
+        return [{k: self.put(v, axes[k]) for k, v in layer.items()}
+                for layer, axes in zip(cache, self.cache_axes(cache, pool))]
 
     def cache_shardings(self, cache) -> list[dict]:
         """Where this placement keeps each array of cache dicts (for a cache placed elsewhere)."""

@@ -82,7 +82,7 @@ class Placement:
             return self.put(a, rules.leaf_axes(spec.axes, a.ndim))
         return jax.tree.map(put_leaf, value)
 
-    def place_cache(self, cache: list[dict]) -> list[dict]:
+    def place_cache(self, cache: list[dict], pool: bool = False) -> list[dict]:
         return cache
 
     def batch_multiple(self) -> int:

@@ -33,6 +33,9 @@ def rules(layout: LayoutConfig) -> dict[str, str | tuple | None]:
         "vocab": ALL if layout.head == "tp" else None,
         "seq": None,
         "cache_seq": None,
+        # A page pool: with DP attention each rank holds its share of the pages.
+        "pages": ALL if layout.attention == "dp" else None,
+        "page_slot": None,
         "head_dim": None,
     }
 

@@ -211,6 +211,7 @@ class EngineConfig:
     routing: str = "natural"  # ROUTING_MODES; "even:SEED" seeds even's draws, "replay:TRACE" names the trace
     layer_loop: str = "auto"  # LAYER_LOOPS ("auto": moejax.platform.unrolls)
     decode_block: int = 8  # decode steps per dispatched program (1: a program per step; see Engine.decode)
+    page_size: int = 0  # Engine: the KV cache as pages of this many positions (0: a contiguous row per request)
 
     def validate(self) -> None:
         if self.dtype not in RUN_DTYPES:
@@ -222,6 +223,8 @@ class EngineConfig:
                               "replay:TRACE")
         if self.prefill_chunk < 0:
             raise ConfigError(f"engine.prefill_chunk must be positive (or 0: the platform's default), got {self.prefill_chunk}")
+        if self.page_size < 0:
+            raise ConfigError(f"engine.page_size must be positive (or 0: a contiguous cache), got {self.page_size}")
         if self.decode_block < 1:
             raise ConfigError(f"engine.decode_block must be at least 1, got {self.decode_block}")
         if self.layer_loop not in LAYER_LOOPS:

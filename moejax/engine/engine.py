@@ -19,23 +19,30 @@ import numpy as np
 from moejax import platform
 from moejax.config import Config, ModelConfig
 from moejax.engine import compile_clock
-from moejax.engine.kv_cache import init_cache, leading, put_leading
+from moejax.engine.kv_cache import init_cache, init_pool, leading, put_leading
+from moejax.engine.pages import PageAllocator, pages_for
 from moejax.engine.routing import Routing, valid_rows
 from moejax.engine.sampling import Sampling, sample
 from moejax.errors import UsageError
+from moejax.model import paged
 from moejax.model.transformer import forward, lm_head, unstack_layers
 
 
-def prefill(params, cache, tokens, start, last, forced=None, *, c: ModelConfig, placement, all_logits: bool,
-            record: bool, visible: int = 0):
+def prefill(params, cache, tokens, start, last, forced=None, pages=None, *, c: ModelConfig, placement,
+            all_logits: bool, record: bool, visible: int = 0):
     """One prefill chunk. tokens: [B, C] at positions start..start+C-1; last: [B] each request's
     last prompt position; forced: int32 [MoE layers, B*C, k] picks of a routing override, or None;
     visible (static): the chunk ends by this position, so attention reads only the cache's first
-    `visible` positions (0: all of them). Returns (logits: [B, C, V] if all_logits else [B, V] at
-    `last` when it falls in this chunk, cache, picks or None)."""
+    `visible` positions (0: all of them); pages: the block table [B, P] of a paged cache, or None
+    (its first pages holding `visible` positions are all a chunk reads). Returns (logits:
+    [B, C, V] if all_logits else [B, V] at `last` when it falls in this chunk, cache, picks or None)."""
     b, chunk = tokens.shape
     positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
-    if visible:
+    if pages is not None:
+        if visible:
+            pages = pages[:, : pages_for(visible, paged.page_size_of(jax.tree.leaves(cache)[0]))]
+        h, cache, picks = forward(params, cache, tokens, positions, c, placement, forced, pages)
+    elif visible:
         h, seen, picks = forward(params, leading(c, cache, visible), tokens, positions, c, placement, forced)
         cache = put_leading(c, cache, seen)
     else:
@@ -45,28 +52,29 @@ def prefill(params, cache, tokens, start, last, forced=None, *, c: ModelConfig, 
     return lm_head(params, h, c), cache, picks if record else None
 
 
-def decode_step(params, cache, tokens, lens, seeds, step, forced=None, *, c: ModelConfig, placement,
+def decode_step(params, cache, tokens, lens, seeds, step, forced=None, pages=None, *, c: ModelConfig, placement,
                 sampling: Sampling, record: bool):
     """Decode step `step` (1: the first after the prompt): tokens [B] go to positions lens + step - 1
     (lens: [B] prompt lengths) -> (next tokens [B], logits [B, V], cache, picks), each row's drawn
     with its seed [B] at its position. forced: int32 [MoE layers, B, k] picks of a routing override,
-    or None (two compiled variants). The positions are made here, not by the host between steps:
-    as eager ops they would be programs of their own, dispatched every step."""
+    or None (two compiled variants); pages: a paged cache's block table [B, P], or None. The
+    positions are made here, not by the host between steps: as eager ops they would be programs
+    of their own, dispatched every step."""
     positions = lens + (step - 1)
-    h, cache, picks = forward(params, cache, tokens[:, None], positions[:, None], c, placement, forced)
+    h, cache, picks = forward(params, cache, tokens[:, None], positions[:, None], c, placement, forced, pages)
     logits = lm_head(params, h[:, 0], c)
     return sample(logits, sampling, seeds, positions + 1), logits, cache, picks if record else None
 
 
-def decode_steps(params, cache, tokens, lens, seeds, first, count, *, block: int, c: ModelConfig, placement,
-                 sampling: Sampling):
+def decode_steps(params, cache, tokens, lens, seeds, first, count, pages=None, *, block: int, c: ModelConfig,
+                 placement, sampling: Sampling):
     """Decode steps first .. first + count - 1 (count <= block), each a `decode_step`, in one
     program -> (their tokens [block, B], rows past count zero; the last tokens [B]; cache).
     A program per step leaves the devices waiting on the host between steps, and each other
     in the step's first collective."""
     def step(i, carry):
         tok, cache, out = carry
-        tok, _, cache, _ = decode_step(params, cache, tok, lens, seeds, first + i, c=c, placement=placement,
+        tok, _, cache, _ = decode_step(params, cache, tok, lens, seeds, first + i, pages=pages, c=c, placement=placement,
                                        sampling=sampling, record=False)
         return tok, cache, out.at[i].set(tok)
 
@@ -133,6 +141,7 @@ class Prefilled:
     dealer: object  # the routing override's state (`Routing.start`), which decoding continues
     picks: list
     prefill_ms: float
+    pages: jax.Array | None = None  # a paged cache's block tables [B, P] (cache: page pools), else None
 
 
 class Engine:
@@ -172,6 +181,21 @@ class Engine:
     def new_cache(self, batch: int, max_len: int) -> list[dict]:
         return self.placement.place_cache(init_cache(self.c, batch, max_len, self.dtype))
 
+    def new_pool(self, pages: int, page_size: int) -> list[dict]:
+        return self.placement.place_cache(init_pool(self.c, pages, page_size, self.dtype), pool=True)
+
+    def _paged_cache(self, batch: int, max_len: int):
+        """engine.page_size: a pool of pages for `batch` rows of `max_len` positions and their
+        block tables [batch, max_len / page_size], handed out by the allocator as a server's would."""
+        ps = self.config.engine.page_size
+        per_row = pages_for(max_len, ps)
+        allocator = PageAllocator(batch * per_row, ps)
+        rows = [[] for _ in range(batch)]
+        for _ in range(per_row):  # a page per row in turn, as rows grow: every table names scattered pages
+            for row in rows:
+                row += allocator.allocate(1)
+        return self.new_pool(allocator.num_pages, ps), jnp.asarray(allocator.table(rows, batch, per_row))
+
     def chunk_for(self, prompts: list[list[int]]) -> int:
         """Positions per prefill call for these prompts: the longest prompt's power-of-two bucket
         (at least MIN_POSITIONS), so short prompts are not padded to a whole large chunk, up to max_chunk."""
@@ -190,11 +214,13 @@ class Engine:
         return tokens, lens
 
     def _run_prefill(self, cache, tokens: np.ndarray, lens: np.ndarray, all_logits: bool, record: bool, dealer,
-                     prompt_lens: list[int]):
+                     prompt_lens: list[int], pages=None):
         chunk = min(self.max_chunk, tokens.shape[1])  # _padded's width: one bucket, or whole max chunks
         last = jnp.asarray(lens - 1)
         outs, picks = [], []
         cache_len = jax.tree.leaves(cache)[0].shape[-2]  # every entry's positions precede one last axis
+        if pages is not None:
+            cache_len *= pages.shape[1]
         for start in range(0, tokens.shape[1], chunk):
             valid = valid_rows(prompt_lens, tokens.shape[0], chunk, start)
             # Attention over the positions this chunk can see, not the whole cache; in buckets,
@@ -202,7 +228,7 @@ class Engine:
             visible = bucket(start + chunk, MIN_POSITIONS)
             logits, cache, p = self._prefill(
                 self.params, cache, jnp.asarray(tokens[:, start : start + chunk]), jnp.int32(start), last,
-                forced(dealer, "prefill", valid), all_logits=all_logits, record=record,
+                forced(dealer, "prefill", valid), pages, all_logits=all_logits, record=record,
                 visible=visible if visible < cache_len else 0,
             )
             outs.append(logits)
@@ -248,16 +274,20 @@ class Engine:
         max_len = self.config.engine.max_seq_len or bucket(max(tokens.shape[1], longest + max_new_tokens), MIN_POSITIONS)
         if longest >= max_len:
             raise UsageError(f"prompt of {longest} tokens does not fit the KV cache of {max_len} positions")
-        cache = self.new_cache(tokens.shape[0], max_len)
+        pages = None
+        if self.config.engine.page_size:
+            cache, pages = self._paged_cache(tokens.shape[0], max_len)
+        else:
+            cache = self.new_cache(tokens.shape[0], max_len)
         dealer, prompt_lens = self.routing.start(self.c), [len(p) for p in prompts]
         t0 = compile_clock.now()
         logits, cache, picks = self._run_prefill(cache, tokens, lens, all_logits=False, record=record, dealer=dealer,
-                                                 prompt_lens=prompt_lens)
+                                                 prompt_lens=prompt_lens, pages=pages)
         seeds = seed_rows(seed, tokens.shape[0])
         tok = sample(logits, sampling, seeds, lens).block_until_ready()
         t1 = compile_clock.now()
         return Prefilled(prompts, cache, tok, logits, lens, max_len, tokens.shape[1], seeds, dealer, picks,
-                         prefill_ms=compile_clock.run_ms(t0, t1))
+                         prefill_ms=compile_clock.run_ms(t0, t1), pages=pages)
 
     def decode(self, state: Prefilled, max_new_tokens: int, sampling: Sampling = Sampling(), record: bool = False,
                return_logits: bool = False) -> Generation:
@@ -275,13 +305,13 @@ class Engine:
             for step in range(1, max_new_tokens, self.decode_block):
                 count = min(self.decode_block, max_new_tokens - step)
                 toks, tok, cache = self._decode_block(self.params, cache, tok, lens, state.seeds, step, count,
-                                                      block=self.decode_block, sampling=sampling)
+                                                      state.pages, block=self.decode_block, sampling=sampling)
                 out.append((toks, count))
         else:
             for step in range(1, max_new_tokens):
                 tok, logits, cache, p = self._decode(
                     self.params, cache, tok, lens, state.seeds, step,
-                    forced(state.dealer, "decode", valid_rows(prompt_lens, len(state.lens), 1, None)),
+                    forced(state.dealer, "decode", valid_rows(prompt_lens, len(state.lens), 1, None)), state.pages,
                     sampling=sampling, record=record,
                 )
                 out.append((tok, 1))

@@ -1,12 +1,15 @@
 """The preallocated KV cache: per run of identical layers (`params.layer_runs`), one dict of
-arrays stacked on a leading layers axis, [layers, B, ...]."""
+arrays stacked on a leading layers axis: contiguous rows [layers, B, ...], or page pools
+[layers, pages, ...] that block tables index (`model/paged.py`)."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from moejax.config import ModelConfig
+from moejax.model import paged
 from moejax.model.attention import cache_specs
 from moejax.model.params import layer_runs
 
@@ -16,6 +19,25 @@ def init_cache(c: ModelConfig, batch: int, max_len: int, dtype) -> list[dict]:
         {k: jnp.zeros((run.count, *shape), dtype) for k, (shape, _) in cache_specs(c, batch, max_len, run.first).items()}
         for run in layer_runs(c)
     ]
+
+
+def pool_specs(c: ModelConfig, pages: int, page_size: int, layer: int | None = None) -> dict:
+    """`cache_specs` of a pool: name -> ([pages, ..., page_size, ...], logical axes)."""
+    return {k: paged.pool_spec(shape, axes, pages, page_size) for k, (shape, axes) in cache_specs(c, 1, 1, layer).items()}
+
+
+def init_pool(c: ModelConfig, pages: int, page_size: int, dtype) -> list[dict]:
+    return [
+        {k: jnp.zeros((run.count, *shape), dtype) for k, (shape, _) in pool_specs(c, pages, page_size, run.first).items()}
+        for run in layer_runs(c)
+    ]
+
+
+def page_bytes(c: ModelConfig, page_size: int, dtype) -> int:
+    """Bytes one page holds over every layer and entry."""
+    size = jnp.dtype(dtype).itemsize
+    return sum(run.count * size * int(np.prod(shape)) for run in layer_runs(c)
+               for shape, _ in pool_specs(c, 1, page_size, run.first).values())
 
 
 def _seq_axes(c: ModelConfig, cache: list[dict]) -> list[dict]:

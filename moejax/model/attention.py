@@ -2,7 +2,9 @@
 
 Both take `x: [B, T, D]` with `positions: [B, T]`, write the new keys at those positions
 (writes past the cache end are dropped; the engine ends such requests) and attend causally
-to every cached position <= the query's own.
+to every cached position <= the query's own. The cache is contiguous ([B, ..., S, ...] per
+entry) or, given a block table `pages: [B, P]`, a pool of pages (`paged.py`) whose request's
+pages are read back as a contiguous view of P * page_size positions.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import ModelConfig
-from moejax.model import dsa
+from moejax.model import dsa, paged
 from moejax.model.layers import apply_rope, rms_norm
 
 KV_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")  # GQA cache: [B, H_kv, S, Dh]
@@ -42,6 +44,16 @@ def _write(cache: jax.Array, new: jax.Array, positions: jax.Array, seq_axis: int
     return cache.at[index].set(new.astype(cache.dtype), mode="drop")
 
 
+def _store(cache: dict, name: str, new: jax.Array, positions: jax.Array, pages, seq_axis: int = 1):
+    """Writes `new` into entry `name` -> (cache, the entry as a contiguous [B, ..., S, ...] view:
+    the whole cache, or the pages of the block table `pages`)."""
+    if pages is None:
+        written = _write(cache[name], new, positions, seq_axis)
+        return {**cache, name: written}, written
+    pool = paged.write(cache[name], new, positions, pages, seq_axis)
+    return {**cache, name: pool}, paged.read(pool, pages, seq_axis)
+
+
 def _causal_mask(positions: jax.Array, max_len: int, window=0) -> jax.Array:
     """[B, T, S]: key position s is visible to the query at position p when s <= p (and, with a
     sliding `window` > 0, s > p - window). `window` may be traced: a layer scan's per-layer input."""
@@ -59,7 +71,8 @@ def _softmax(scores: jax.Array, mask: jax.Array, sinks: jax.Array | None = None)
     return jax.nn.softmax(jnp.concatenate([scores, sinks], axis=-1), axis=-1)[..., :-1]
 
 
-def gqa(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: ModelConfig, placement, window=0):
+def gqa(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: ModelConfig, placement, window=0,
+        pages=None):
     q = jnp.einsum("btd,dhk->bthk", x, p["q"])
     k = jnp.einsum("btd,dhk->bthk", x, p["k"])
     v = jnp.einsum("btd,dhk->bthk", x, p["v"])
@@ -69,9 +82,10 @@ def gqa(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: Mo
         q, k = rms_norm(q, p["q_norm"], c.rms_norm_eps), rms_norm(k, p["k_norm"], c.rms_norm_eps)
     cos, sin = cos_sin
     q, k = apply_rope(q, cos, sin, c.rope_interleave), apply_rope(k, cos, sin, c.rope_interleave)
-    cache = {"k": _write(cache["k"], k, positions, seq_axis=2), "v": _write(cache["v"], v, positions, seq_axis=2)}
-    keys = placement.constrain(cache["k"], KV_AXES)  # [B, H_kv, S, Dh]
-    values = placement.constrain(cache["v"], KV_AXES)
+    cache, keys = _store(cache, "k", k, positions, pages, seq_axis=2)
+    cache, values = _store(cache, "v", v, positions, pages, seq_axis=2)
+    keys = placement.constrain(keys, KV_AXES)  # [B, H_kv, S, Dh]
+    values = placement.constrain(values, KV_AXES)
     b, t, h, dh = q.shape
     groups = h // c.num_kv_heads
     q = q.reshape(b, t, c.num_kv_heads, groups, dh)
@@ -83,7 +97,8 @@ def gqa(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: Mo
     return (out + p["o_bias"] if c.o_bias else out), cache
 
 
-def mla(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: ModelConfig, placement, selected=None):
+def mla(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: ModelConfig, placement, selected=None,
+        pages=None):
     """DeepSeek's MLA with the key/value up-projections absorbed into the query and output.
 
     DSA (GLM-5): a layer with an indexer selects the key positions each query sees; a layer
@@ -101,13 +116,14 @@ def mla(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: Mo
     cos, sin = cos_sin
     q_rope = apply_rope(q_rope, cos, sin, c.rope_interleave)
     k_rope = apply_rope(k_rope, cos, sin, c.rope_interleave)[:, :, 0]
-    cache = {**cache, "latent": _write(cache["latent"], latent, positions), "k_rope": _write(cache["k_rope"], k_rope, positions)}
-    lat = placement.constrain(cache["latent"], ("batch", "cache_seq", None))
-    kr = placement.constrain(cache["k_rope"], ("batch", "cache_seq", None))
+    cache, lat = _store(cache, "latent", latent, positions, pages)
+    cache, kr = _store(cache, "k_rope", k_rope, positions, pages)
+    lat = placement.constrain(lat, ("batch", "cache_seq", None))
+    kr = placement.constrain(kr, ("batch", "cache_seq", None))
     visible = _causal_mask(positions, lat.shape[1])  # [B, T, S]
     if "indexer" in p:
-        cache["index_k"] = _write(cache["index_k"], dsa.index_keys(p["indexer"], x, cos_sin), positions)
-        keys = placement.constrain(cache["index_k"], ("batch", "cache_seq", None))
+        cache, keys = _store(cache, "index_k", dsa.index_keys(p["indexer"], x, cos_sin), positions, pages)
+        keys = placement.constrain(keys, ("batch", "cache_seq", None))
         selected = dsa.select(p["indexer"], x, q_lat, cos_sin, keys, visible, c)
     if selected is not None:
         visible = visible & selected
@@ -119,9 +135,10 @@ def mla(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: Mo
     return jnp.einsum("bthv,hvd->btd", out, p["o"]), cache, selected
 
 
-def attention(p, x, positions, cos_sin, cache, c: ModelConfig, placement, selected=None, window=0):
+def attention(p, x, positions, cos_sin, cache, c: ModelConfig, placement, selected=None, window=0, pages=None):
     """-> (out [B, T, D], cache, selected: the DSA selection a following layer may reuse, else None).
-    `window`: a sliding-window layer's window (0: full attention; GQA only)."""
+    `window`: a sliding-window layer's window (0: full attention; GQA only); `pages`: the block
+    table [B, P] of a paged cache (None: a contiguous one)."""
     if c.is_mla:
-        return mla(p, x, positions, cos_sin, cache, c, placement, selected)
-    return (*gqa(p, x, positions, cos_sin, cache, c, placement, window), None)
+        return mla(p, x, positions, cos_sin, cache, c, placement, selected, pages)
+    return (*gqa(p, x, positions, cos_sin, cache, c, placement, window, pages), None)

@@ -25,14 +25,15 @@ ROWS = ("batch", "seq", "embed")
 
 
 def decoder_layer(lp: dict, experts, x: jax.Array, positions, cos_sin, cache: dict, selected, c: ModelConfig, placement,
-                  window=0, forced=None):
+                  window=0, forced=None, pages=None):
     """One layer (attention + dense MLP or MoE) on x: [B, T, D] -> (x, cache, selected, picks or None).
     `experts`: the MoE layer's expert weights as the placement computes with them; `selected`:
     the DSA selection of the layer before; `window`: its sliding window (0: full attention);
-    `forced`: int32 [B*T, k] picks replacing the router's (None: the router's own)."""
+    `forced`: int32 [B*T, k] picks replacing the router's (None: the router's own); `pages`: the
+    block table [B, P] of a paged cache (None: contiguous)."""
     h = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
     with jax.named_scope("attention"):  # for `moejax trace`
-        a, cache, selected = attention(lp["attn"], h, positions, cos_sin, cache, c, placement, selected, window)
+        a, cache, selected = attention(lp["attn"], h, positions, cos_sin, cache, c, placement, selected, window, pages)
     x = placement.constrain(x + a, ROWS)
     h = rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
     ids = None
@@ -44,7 +45,7 @@ def decoder_layer(lp: dict, experts, x: jax.Array, positions, cos_sin, cache: di
 
 
 def run_layers(run: Run, run_params, run_cache: dict, x, selected, positions, cos_sin, c: ModelConfig,
-               placement, forced=None):
+               placement, forced=None, pages=None):
     """One run of identical layers: x: [B, T, D] -> (x, run_cache, selected, picks: int32
     [layers, B*T, k] of a MoE run (a list of [B*T, k] where unrolled), else None).
     `run_params`: stacked [layers, ...] (scanned), or a tuple of per-layer trees (unrolled);
@@ -81,7 +82,7 @@ def run_layers(run: Run, run_params, run_cache: dict, x, selected, positions, co
         # `moejax trace` tells the MoE layers' ops from the dense layers' by this scope.
         with jax.named_scope("moe_layers" if moe else "dense_layers"):
             x, layer_cache, selected, ids = decoder_layer(lp, experts, x, positions, cos_sin, layer_cache, selected, c,
-                                                          placement, window, layer_forced)
+                                                          placement, window, layer_forced, pages)
         run_cache = jax.tree.map(lambda whole, new: jax.lax.dynamic_update_index_in_dim(whole, new, i, 0), run_cache,
                                  layer_cache)
         return (x, selected, ahead, run_cache), ids
@@ -100,9 +101,11 @@ def run_layers(run: Run, run_params, run_cache: dict, x, selected, positions, co
 
 
 def forward(params: dict, cache: list, tokens: jax.Array, positions: jax.Array, c: ModelConfig, placement,
-            forced=None):
+            forced=None, pages=None):
     """tokens, positions: [B, T] -> (hidden: [B, T, D] after the final norm, cache, picks).
 
+    cache: per run of layers, contiguous arrays [layers, B, ...], or with `pages` (each request's
+    block table, int32 [B, P]) page pools [layers, pages, ...] (`model/paged.py`).
     picks: one int32 [B*T, k] array per MoE layer (the router's choices, for recording).
     forced: int32 [MoE layers, B*T, k] picks replacing the router's (a routing override), or None.
     """
@@ -110,14 +113,16 @@ def forward(params: dict, cache: list, tokens: jax.Array, positions: jax.Array, 
     cos_sin = rope_cos_sin(c, positions)
     b, t = tokens.shape
     # DSA: the selection a layer without an indexer reuses (layer 0 always has its own).
-    selected = jnp.ones((b, t, jax.tree.leaves(cache)[0].shape[2]), bool) if c.is_dsa else None
+    seq = jax.tree.leaves(cache)[0].shape[-2]  # every entry's positions (or page's) precede one last axis
+    seq = seq if pages is None else pages.shape[1] * seq
+    selected = jnp.ones((b, t, seq), bool) if c.is_dsa else None
     new_cache, picks = [], []
     for run, run_params, run_cache in zip(layer_runs(c), params["layers"], cache):
         run_forced = None
         if forced is not None and run.is_moe(c):  # this MoE run's slice of the MoE layers
             run_forced, forced = forced[: run.count], forced[run.count:]
         x, run_cache, selected, run_picks = run_layers(run, run_params, run_cache, x, selected, positions, cos_sin, c,
-                                                       placement, run_forced)
+                                                       placement, run_forced, pages)
         new_cache.append(run_cache)
         if run_picks is not None:
             picks.extend(run_picks)
