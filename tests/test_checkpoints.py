@@ -15,13 +15,14 @@ import jax
 import numpy as np
 import pytest
 
-from checkpoints import orbax_io
-from checkpoints.manifest import FORMAT_VERSION, MANIFEST, read_manifest
+from checkpoints import legacy, orbax_io
+from checkpoints.manifest import FORMAT_VERSION, MANIFEST, Manifest, read_manifest
 from checkpoints.orbax_io import restore_params, save_params
 from layouts import placement_layouts
 from moejax.cli import main
 from moejax.config import PRESETS, Config, WeightsConfig
 from moejax.loading import load_params, with_hf_model
+from pallas_kernels import QuantizedArray
 from sharding import make_placement
 
 GOLDEN = Path(__file__).parent / "golden" / "deepseek_v3"
@@ -100,6 +101,34 @@ def test_saved_in_one_placement_restores_bit_identically_in_every_placement(sour
     _, placement, params = placed(source, fmt)
     save_params(tmp_path / "ckpt", params, placement)
     for target in LAYOUTS:
+        config, placement, expected = placed(target, fmt)
+        assert_identical(restore_params(tmp_path / "ckpt", config, placement), expected)
+
+
+def half_of(value, i: int):
+    """Gate (i = 0) or up (1) of a gate_up parameter, as format 2 stored it apart."""
+    take = lambda a: a[..., i::2]
+    if isinstance(value, QuantizedArray):
+        ts = None if value.tensor_scale is None else value.tensor_scale[..., i:i + 1]  # one per matrix
+        return value.replace(values=take(value.values), scales=take(value.scales), tensor_scale=ts)
+    return take(value)
+
+
+@pytest.mark.parametrize("fmt", MODELS)
+def test_format_2_checkpoint_of_gate_and_up_apart_restores_the_same_parameters(fmt, tmp_path):
+    config, placement, params = placed("hybrid", fmt)  # 12 or 16 experts on ep=4: no padding
+    manifest = Manifest(config.model, config.engine.run_dtype, config.weights.expert_format, version=2)
+    names = orbax_io.named_specs(manifest)[0]
+    values = dict(zip((k for k, _ in names), jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedArray))))
+    old = dict(legacy.stored_names(names))
+    assert {"layers.1.moe.experts.gate", "layers.1.moe.experts.up", "layers.0.mlp.gate"} <= set(old)
+    assert not any(k.endswith("gate_up") for k in old)
+    stored = [(k, orbax_io.to_stored(spec, half_of(values[k.rpartition(".")[0] + ".gate_up"], k.endswith(".up"))
+                                     if k not in values else values[k], placement.k_slices(spec)))
+              for k, spec in old.items()]
+    orbax_io.write(tmp_path / "ckpt", manifest, stored)
+    assert read_manifest(tmp_path / "ckpt").version == 2
+    for target in ("tensor_sliced", "expert_sharded"):
         config, placement, expected = placed(target, fmt)
         assert_identical(restore_params(tmp_path / "ckpt", config, placement), expected)
 
