@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from ab_settings import side_env
+from ab_settings import side_env  # benchmarks/ is the script's own path
 
 # (name, prompt lengths per request, new tokens of the long run, of the short run, units per difference)
 MEASURES = (("prefill tok/s", [1024], [64], 1, 960), ("decode b1 tok/s", [32], [32], (136, 8), 128),

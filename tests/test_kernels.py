@@ -242,7 +242,7 @@ def test_blackwell_operands_and_export(fmt):
         gmm_blackwell._mma_scale_tiling(jnp.asarray(scales)),
         scales.reshape(2, 4, 32, 4, 4).transpose(0, 3, 2, 1, 4).reshape(2, 4, 32, 16))
     for gated in (False, True):  # gate_up: NVFP4 tensor scales per half, applied after the kernel
-        w = jax.eval_shape(lambda a: gmm_blackwell.prepare_weights(pk.quantize_experts(a, fmt, gated=gated)),
+        w = jax.eval_shape(lambda a, gated=gated: gmm_blackwell.prepare_weights(pk.quantize_experts(a, fmt, gated=gated)),
                            jax.ShapeDtypeStruct((8, 1024, 512), jnp.bfloat16))
         f = jax.jit(lambda l, w, s, o: pk.grouped_gemm(l, w, s, group_offset=o, backend="blackwell"))
         exported = export.export(
