@@ -19,6 +19,7 @@ from checkpoints import legacy, orbax_io
 from checkpoints.manifest import FORMAT_VERSION, MANIFEST, Manifest, read_manifest
 from checkpoints.orbax_io import restore_params, save_params
 from layouts import placement_layouts
+from moejax import platform
 from moejax.cli import main
 from moejax.config import PRESETS, Config, WeightsConfig
 from moejax.loading import load_params, with_hf_model
@@ -117,7 +118,7 @@ def half_of(value, i: int):
 @pytest.mark.parametrize("fmt", MODELS)
 def test_format_2_checkpoint_of_gate_and_up_apart_restores_the_same_parameters(fmt, tmp_path):
     config, placement, params = placed("hybrid", fmt)  # 12 or 16 experts on ep=4: no padding
-    manifest = Manifest(config.model, config.engine.run_dtype, config.weights.expert_format, version=2)
+    manifest = Manifest(config.model, platform.run_dtype(config.engine.dtype), config.weights.expert_format, version=2)
     names = orbax_io.named_specs(manifest)[0]
     values = dict(zip((k for k, _ in names), jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedArray))))
     old = dict(legacy.stored_names(names))
