@@ -3,7 +3,8 @@
 Tensor names are those transformers writes to disk: per-expert
 `mlp.experts.{i}.{gate,up,down}_proj` (Qwen3-MoE, GLM-4.5, DeepSeek-V3) and Mixtral's
 `block_sparse_moe.experts.{i}.w1/w2/w3`; the fused in-memory layout
-(`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) is accepted too. Linear weights are
+(`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) is accepted too. Gate and up become one
+gate_up matrix, columns interleaved (`checkpoints.gate_up`). Linear weights are
 stored [out, in] by torch; ours are [in, out], split per head where attention needs it.
 A DeepSeek-V3 / GLM checkpoint may carry the MTP module as one extra layer after the last,
 `model.layers.{num_layers}.*` (enorm, hnorm, eh_proj, shared_head.norm, a decoder layer);
@@ -23,6 +24,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from checkpoints.gate_up import fuse
 from checkpoints.hf_config import from_hf_config
 from checkpoints.placing import Layers, place_tensor
 from checkpoints.quantization import Tensors, read_scheme
@@ -112,23 +114,20 @@ def _attention(st: Tensors, pre: str, c: ModelConfig) -> dict[str, Callable[[], 
 
 
 def _mlp(st: Tensors, pre: str) -> dict[str, Callable[[], np.ndarray]]:
-    return {p: (lambda p=p: _linear(st, f"{pre}{p}_proj")) for p in ("gate", "up", "down")}
+    return {"gate_up": lambda: fuse(_linear(st, pre + "gate_proj"), _linear(st, pre + "up_proj")),
+            "down": lambda: _linear(st, pre + "down_proj")}
 
 
 def _gpt_oss_experts(st: Tensors, pre: str) -> dict[str, Callable[[], np.ndarray]]:
     """gpt-oss: gate_up_proj [E, D, 2F] with gate and up interleaved along 2F (and its bias
-    [E, 2F]), down_proj [E, F, D]; or, as released, MXFP4 `*_blocks` / `*_scales` [E, N, ...]."""
-    gate, up = slice(0, None, 2), slice(1, None, 2)
+    [E, 2F]), down_proj [E, F, D]; or, as released, MXFP4 `*_blocks` / `*_scales` [E, N, ...].
+    Its interleave is ours (`gate_up_columns`): read as published."""
     if pre + "gate_up_proj_blocks" in st:
-        weights = {"gate": lambda: st.mxfp4_experts(pre + "gate_up_proj", gate),
-                   "up": lambda: st.mxfp4_experts(pre + "gate_up_proj", up),
+        weights = {"gate_up": lambda: st.mxfp4_experts(pre + "gate_up_proj"),
                    "down": lambda: st.mxfp4_experts(pre + "down_proj")}
     else:
-        weights = {"gate": lambda: st.get(pre + "gate_up_proj")[:, :, gate],
-                   "up": lambda: st.get(pre + "gate_up_proj")[:, :, up],
-                   "down": lambda: st.get(pre + "down_proj")}
-    return weights | {"gate_bias": lambda: st.get(pre + "gate_up_proj_bias")[:, gate],
-                      "up_bias": lambda: st.get(pre + "gate_up_proj_bias")[:, up],
+        weights = {"gate_up": lambda: st.get(pre + "gate_up_proj"), "down": lambda: st.get(pre + "down_proj")}
+    return weights | {"gate_up_bias": lambda: st.get(pre + "gate_up_proj_bias"),
                       "down_bias": lambda: st.get(pre + "down_proj_bias")}
 
 
@@ -143,11 +142,11 @@ def _experts(st: Tensors, pre: str, c: ModelConfig) -> dict[str, Callable[[], np
         if fused:
             if part == "down":
                 return st.get(pre + "down_proj").transpose(0, 2, 1)  # [E, D, F] -> [E, F, D]
-            w = st.get(pre + "gate_up_proj")  # [E, 2F, D]
+            w = st.get(pre + "gate_up_proj")  # [E, 2F, D]: gate rows, then up rows
             return (w[:, :f] if part == "gate" else w[:, f:]).transpose(0, 2, 1)
         return st.experts([f"{pre}{e}.{names[part]}" for e in range(c.num_experts)])
 
-    return {p: (lambda p=p: per_expert(p)) for p in ("gate", "up", "down")}
+    return {"gate_up": lambda: fuse(per_expert("gate"), per_expert("up")), "down": lambda: per_expert("down")}
 
 
 def _layer(st: Tensors, i: int, c: ModelConfig) -> dict:

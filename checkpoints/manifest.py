@@ -27,7 +27,9 @@ from moejax.config import OLD_EXPERT_FORMAT_NAMES, ConfigError, ModelConfig, rep
 from moejax.errors import UsageError
 
 # 2: a run of identical layers is stored stacked, as the layer scan reads it (1: layer by layer).
-FORMAT_VERSION = 2
+# 3: gate and up stored as one gate_up matrix (2 kept them apart; still read, `legacy.py`).
+FORMAT_VERSION = 3
+READ_VERSIONS = (2, 3)
 MANIFEST = "moejax.json"
 
 
@@ -41,9 +43,10 @@ class Manifest:
     # data file (relative to `data`) -> (size, crc32): orbax stores no checksums, and a flipped
     # byte in a chunk would otherwise load as silently wrong weights.
     files: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    version: int = FORMAT_VERSION  # the format the data is stored in (a save writes this moejax's)
 
     def to_json(self) -> str:
-        return json.dumps({"format_version": FORMAT_VERSION, "model": dataclasses.asdict(self.model), "dtype": self.dtype,
+        return json.dumps({"format_version": self.version, "model": dataclasses.asdict(self.model), "dtype": self.dtype,
                            "expert_format": self.expert_format, "data": self.data,
                            "groups": [list(g) for g in self.groups], "files": self.files}, indent=1)
 
@@ -63,16 +66,18 @@ def read_manifest(ckpt: str | Path) -> Manifest:
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise UsageError(f"{path}: corrupted (not valid JSON)") from None
     version = doc.get("format_version") if isinstance(doc, dict) else None
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         again = "; convert it again from its transformers directory" if version == 1 else ""
-        raise UsageError(f"{path}: checkpoint format version {version}, this moejax reads version {FORMAT_VERSION}{again}")
+        older = ", ".join(str(v) for v in READ_VERSIONS if v != FORMAT_VERSION)
+        raise UsageError(f"{path}: checkpoint format version {version}, this moejax reads version {FORMAT_VERSION} "
+                         f"(or {older}){again}")
     try:
         manifest = Manifest(
             model=replace_checked(ModelConfig(), doc["model"], "model."),
             dtype=doc["dtype"], data=doc["data"],
             expert_format=OLD_EXPERT_FORMAT_NAMES.get(doc["expert_format"], doc["expert_format"]),
             groups=tuple(tuple(g) for g in doc["groups"]),
-            files={k: (int(n), int(c)) for k, (n, c) in doc["files"].items()},
+            files={k: (int(n), int(c)) for k, (n, c) in doc["files"].items()}, version=version,
         )
         manifest.model.validate()
     except ConfigError as e:  # before ValueError, which it is

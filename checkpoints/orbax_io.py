@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from checkpoints import packing
+from checkpoints import legacy, packing
 from checkpoints.manifest import (MANIFEST, Manifest, commit, file_sums, new_data_dir, read_manifest, verify_files,
                                   warn_leftovers)
 from moejax import platform
@@ -55,7 +55,7 @@ def stored_leaves(spec: ParamSpec, manifest: Manifest) -> dict[str, jax.ShapeDty
     if not is_quantized(spec, manifest.expert_format):
         return {"w": jax.ShapeDtypeStruct(spec.shape, param_dtype(spec, manifest.dtype))}
     try:
-        q = jax.eval_shape(lambda w: pallas_kernels.quantize(w, manifest.expert_format, axis=-2),
+        q = jax.eval_shape(lambda w: pallas_kernels.quantize_experts(w, manifest.expert_format, gated=spec.gated),
                            jax.ShapeDtypeStruct(spec.shape, jnp.float32))
     except ValueError as e:  # a reduction axis the format's blocks do not divide
         raise UsageError(f"experts {list(spec.shape)} cannot be stored as {e}") from None
@@ -200,6 +200,8 @@ def restore_params(ckpt: str | Path, config, placement) -> dict:
     manifest = read_manifest(ckpt)
     warn_leftovers(ckpt, manifest.data)
     names, treedef = named_specs(manifest)
+    if manifest.version == 2:  # gate and up stored apart: read as such, fused below
+        names, model_names = legacy.stored_names(names), names
     specs = dict(names)
     expected = {key: stored_leaves(spec, manifest) for key, spec in names}
     missing = [k for k in specs if k not in {k for g in manifest.groups for k in g}]
@@ -217,5 +219,7 @@ def restore_params(ckpt: str | Path, config, placement) -> dict:
         except Exception as e:  # noqa: BLE001 - truncated/corrupted data surfaces as assorted errors
             raise UsageError(f"{directory}: unreadable checkpoint data ({_first_line(e)})") from None
         restored.update({k: _as_param(specs[k], arrays[k], manifest.expert_format, placement) for k in keys})
+    if manifest.version == 2:
+        restored, names = legacy.fused(restored, model_names, placement), model_names
     return jax.tree.unflatten(treedef, [restored[k] for k, _ in names])
 

@@ -58,7 +58,7 @@ def run_form(spec: ParamSpec, array, dtype, expert_format: str, k_slices: int = 
         return pallas_kernels.for_kernel(q, kernel)
     array = array.astype(param_dtype(spec, dtype))
     if is_expert_matrix(spec):
-        return pallas_kernels.run_weights(array, expert_format, k_slices, kernel)
+        return pallas_kernels.run_weights(array, expert_format, k_slices, kernel, gated=spec.gated)
     return array
 
 

@@ -113,7 +113,8 @@ class PackedExperts:
     on-disk packing of `checkpoints.packing` (byte b: elements 2b, 2b + 1 along K).
 
     values: uint8 [E, K/2, N]; scales: e4m3 [E, K/16, N] (nvfp4) or e8m0 [E, K/32, N] (mxfp4);
-    tensor_scale: f32 [E, 1, 1] (nvfp4) or None."""
+    tensor_scale: f32 [E, 1, 1] (nvfp4; [E, 1, N] column-wise once gate and up are one
+    matrix, `checkpoints.gate_up`) or None."""
 
     values: np.ndarray
     scales: np.ndarray
@@ -226,9 +227,8 @@ class Tensors:
             fmt="nvfp4",
         )
 
-    def mxfp4_experts(self, name: str, rows: slice = slice(None)) -> PackedExperts:
-        """gpt-oss `name_blocks` [E, N, K/32, 16] + `name_scales` [E, N, K/32] -> [E, K, N]
-        (`rows`: the N rows to keep, e.g. the gate half of an interleaved gate_up)."""
+    def mxfp4_experts(self, name: str) -> PackedExperts:
+        """gpt-oss `name_blocks` [E, N, K/32, 16] + `name_scales` [E, N, K/32] -> [E, K, N]."""
         blocks, scales = name + "_blocks", name + "_scales"
         for t in (blocks, scales):
             if self._dtype(t) != "U8":
@@ -238,7 +238,7 @@ class Tensors:
         e, n, groups, nbytes = b.shape
         if nbytes != 16:
             raise UsageError(f"{self.directory}: tensor {blocks} has {nbytes} bytes per block, expected 16")
-        values = b.reshape(e, n, groups * 16)[:, rows]  # [E, N', K/2]
+        values = b.reshape(e, n, groups * 16)  # [E, N, K/2]
         return PackedExperts(values=np.ascontiguousarray(values.transpose(0, 2, 1)),
-                             scales=np.ascontiguousarray(s[:, rows].transpose(0, 2, 1)).view(ml_dtypes.float8_e8m0fnu),
+                             scales=np.ascontiguousarray(s.transpose(0, 2, 1)).view(ml_dtypes.float8_e8m0fnu),
                              tensor_scale=None, fmt="mxfp4")

@@ -61,7 +61,7 @@ def abstract_params(config: Config, placement) -> dict:
         array = jax.ShapeDtypeStruct(tuple(shape), param_dtype(spec, run_dtype(config.engine.dtype)))
         if is_expert_matrix(spec):
             array = jax.eval_shape(functools.partial(pallas_kernels.run_weights, expert_format=config.weights.expert_format,
-                                                     k_slices=placement.k_slices(spec), kernel=config.kernel), array)
+                                                     k_slices=placement.k_slices(spec), kernel=config.kernel, gated=spec.gated), array)
         return jax.tree.map(lambda a: _sharded(a, placement, spec.axes), array)
     params = jax.tree.map(one, param_specs(config.model), is_leaf=lambda x: isinstance(x, ParamSpec))
     if wants_slots(config.layout):  # experts in placement slots: the slot tables ride beside them

@@ -180,15 +180,23 @@ def nbytes(x) -> int:
     return values_nbytes(x)
 
 
-def quantize_experts(w: jax.Array, fmt: str, k_slices: int = 1) -> QuantizedArray:
+def quantize_experts(w: jax.Array, fmt: str, k_slices: int = 1, gated: bool = False) -> QuantizedArray:
     """Quantizes stacked experts w: [..., E, K, N] along K as `k_slices` independent K-slices
     laid end to end (a placement that slices K over tp devices packs tp slices).
 
     A packed byte holds two values of its own slice, so a device holding K-slice j of every
     expert holds a complete 4-bit matrix. Blocks never straddle slices and NVFP4's tensor scale
-    stays per expert, so the values and scales are those of quantizing each whole matrix."""
+    stays per expert, so the values and scales are those of quantizing each whole matrix.
+    `gated`: N interleaves gate and up columns (`moejax.model.layers.gate_up_columns`); each half
+    keeps its own NVFP4 tensor scale (column-wise, [..., E, 1, N]), so every bit is that of
+    quantizing gate and up apart."""
     *lead, k, n = w.shape
-    q = quantize(jnp.asarray(w, jnp.float32).reshape(*lead, k_slices, k // k_slices, n), fmt, axis=-2,
-                 tensor_axes=(-3, -2, -1))
-    return q.replace(values=q.values.reshape(*lead, -1, n), scales=q.scales.reshape(*lead, -1, n),
-                     tensor_scale=None if q.tensor_scale is None else q.tensor_scale.reshape(*lead, 1, 1))
+    parts = 2 if gated else 1
+    q = quantize(jnp.asarray(w, jnp.float32).reshape(*lead, k_slices, k // k_slices, n // parts, parts), fmt,
+                 axis=-3, tensor_axes=(-4, -3, -2))
+    ts = q.tensor_scale
+    if ts is not None:
+        ts = jnp.broadcast_to(ts, (*ts.shape[:-2], n // parts, parts)).reshape(*lead, 1, n) if gated \
+            else ts.reshape(*lead, 1, 1)
+    return q.replace(values=q.values.reshape(*lead, -1, n), scales=q.scales.reshape(*lead, -1, n), axis=-2,
+                     tensor_scale=ts)

@@ -36,7 +36,8 @@ TM = TN = TK = 128  # one 128-lane TMEM tile of rows; TK holds 4 * block-scale g
 @flax.struct.dataclass
 class BlackwellWeights:
     """values: float4_e2m1fn [G, N, K] (K-major); scales: [G, N/128, K/B/4, 32, 16] in the
-    MMA scale tiling; tensor_scale: f32 [G]."""
+    MMA scale tiling; tensor_scale: f32 [G], or [G, N] column-wise (gate and up halves of a
+    gate_up stack; applied after the kernel, `registry.grouped_gemm`)."""
 
     values: jax.Array
     scales: jax.Array
@@ -74,7 +75,9 @@ def prepare_weights(q: formats.QuantizedArray) -> BlackwellWeights:
     if q.axis != -2 or q.ndim != 3:
         raise ValueError("expected stacked experts [G, K, N] quantized along K")
     values, scales = _k_major(q)
-    return BlackwellWeights(values, _mma_scale_tiling(scales), tiling.tensor_scales(q), q.fmt)
+    columns = q.tensor_scale is not None and q.tensor_scale.shape[-1] != 1
+    scale = q.tensor_scale.reshape(q.tensor_scale.shape[0], -1) if columns else tiling.tensor_scales(q)
+    return BlackwellWeights(values, _mma_scale_tiling(scales), scale, q.fmt)
 
 
 def _prepare_rows(lhs: jax.Array, fmt: str, m_pad: int):

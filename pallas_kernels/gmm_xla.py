@@ -52,7 +52,7 @@ def _group_matmul(rhs, g: jax.Array):
     kh, block = w.values.shape[0], w.spec.block
     bits = lax.bitcast_convert_type(w.scales, jnp.uint8)  # [K/B, N]
     lo, hi = decode.decode_tile(w.values, bits[: kh // block], bits[kh // block :], block, w.fmt)
-    scale = 1.0 if w.tensor_scale is None else w.tensor_scale  # [1, 1]
+    scale = 1.0 if w.tensor_scale is None else w.tensor_scale  # [1, 1], or [1, N] column-wise
     return lambda x: (jnp.dot(x[:, :kh], lo) + jnp.dot(x[:, kh:], hi)) * scale
 
 

@@ -44,13 +44,14 @@ def unavailable(name: str, platform: str, expert_format: str) -> str | None:
     return None
 
 
-def run_weights(w, expert_format: str, k_slices: int = 1, kernel: str = "auto"):
+def run_weights(w, expert_format: str, k_slices: int = 1, kernel: str = "auto", gated: bool = False):
     """Stacked experts w: [E, K, N] as the grouped GEMM takes them: in `expert_format` (a 4-bit
-    format, quantized in `k_slices` K-slices; anything else leaves w as it is), converted once,
-    at load, for a kernel that wants its own layout."""
+    format, quantized in `k_slices` K-slices; `gated`: N interleaves gate and up, each half
+    with its own tensor scale; anything else leaves w as it is), converted once, at load, for a
+    kernel that wants its own layout."""
     if expert_format not in formats.FORMATS:
         return w
-    return for_kernel(formats.quantize_experts(w, expert_format, k_slices), kernel)
+    return for_kernel(formats.quantize_experts(w, expert_format, k_slices, gated), kernel)
 
 
 def for_kernel(q: formats.QuantizedArray, kernel: str):
@@ -101,6 +102,30 @@ def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto"
         raise ValueError("a 4-bit rhs must be quantized along K (axis=-2)")
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     backend = platform.kernel(backend)  # "auto" for this machine; a placement passes its target's kernel
-    if backend != "xla":  # only the XLA loop reads groups out of a layer stack
-        rhs = layered.unwrap(rhs)
-    return _backend_fn(backend)(lhs, rhs, group_sizes, group_offset, out_dtype)
+    if backend == "xla":  # only the XLA loop reads groups out of a layer stack (and column scales)
+        return _backend_fn(backend)(lhs, rhs, group_sizes, group_offset, out_dtype)
+    rhs = layered.unwrap(rhs)
+    columns = _column_scales(rhs)
+    if columns is None:
+        return _backend_fn(backend)(lhs, rhs, group_sizes, group_offset, out_dtype)
+    # Column-wise tensor scales (a gate_up stack's two halves): the kernels scale per group,
+    # so they run at scale 1 in f32 and each row takes its group's columns' scales after.
+    unit = None if isinstance(rhs, formats.QuantizedArray) else jnp.ones(columns.shape[:1], jnp.float32)
+    out = _backend_fn(backend)(lhs, rhs.replace(tensor_scale=unit), group_sizes, group_offset, jnp.float32)
+    return (out * _row_scales(columns, group_sizes, group_offset, lhs.shape[0])).astype(out_dtype)
+
+
+def _column_scales(rhs) -> jax.Array | None:
+    """[G, N] column-wise tensor scales of a 4-bit rhs ([G, 1, N], or Blackwell's [G, N]); None
+    where there is one scale per group (or none)."""
+    ts = getattr(rhs, "tensor_scale", None)
+    if ts is None or (ts.ndim == 1 if not isinstance(rhs, formats.QuantizedArray) else ts.shape[-1] == 1):
+        return None
+    return ts.reshape(ts.shape[0], -1)
+
+
+def _row_scales(columns: jax.Array, group_sizes: jax.Array, group_offset, m: int) -> jax.Array:
+    """columns [G_local, N] -> [M, N]: each sorted row's group's scales (rows of other groups
+    come out of the kernels zero whatever they are multiplied by)."""
+    g = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m), side="right") - group_offset
+    return columns[jnp.clip(g, 0, columns.shape[0] - 1)]

@@ -61,9 +61,12 @@ def scale_bits(q: formats.QuantizedArray) -> jax.Array:
 
 
 def tensor_scales(q: formats.QuantizedArray) -> jax.Array:
-    """[G] f32 per-group tensor scale (1 for MXFP4)."""
+    """[G] f32 per-group tensor scale (1 for MXFP4). Column-wise scales are applied outside the
+    kernels (`registry.grouped_gemm`)."""
     if q.tensor_scale is None:
         return jnp.ones(q.values.shape[:1], jnp.float32)
+    if q.tensor_scale.shape[-1] != 1:
+        raise ValueError(f"kernel tensor scales are one per group, got {q.tensor_scale.shape}")
     return q.tensor_scale.reshape(-1).astype(jnp.float32)
 
 

@@ -16,7 +16,7 @@ PICK_BYTES = 8  # an int32 expert id and a float32 weight travel with each pick
 
 
 def expert_bytes(experts: dict) -> float:
-    """Bytes of one whole expert (gate, up, down) as stored (4-bit values plus scales)."""
+    """Bytes of one whole expert (gate_up, down) as stored (4-bit values plus scales)."""
     return sum(pallas_kernels.nbytes(a) for a in jax.tree.leaves(experts, is_leaf=_is_quantized)) / _num(experts)
 
 
@@ -25,7 +25,7 @@ def _is_quantized(x) -> bool:
 
 
 def _num(experts: dict) -> int:
-    return experts["gate"].shape[0]
+    return experts["down"].shape[0]
 
 
 # ----------------------------------------------------------------------------- compiled HLO

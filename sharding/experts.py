@@ -10,13 +10,14 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from moejax.model.layers import gate_up_columns, silu_glu
 
 
 def expert_ffn(x: jax.Array, group_sizes: jax.Array, w: dict, *, group_offset=0, kernel: str = "auto",
                first_slice=True) -> jax.Array:
-    """x: [M, D] rows sorted by expert; group_sizes: [E_total]; w: gate/up [E, D, F], down [E, F, D],
-    optional biases gate_bias/up_bias [E, F], down_bias [E, D] and activation `act(gate, up)`
-    (default silu(gate) * up).
+    """x: [M, D] rows sorted by expert; group_sizes: [E_total]; w: gate_up [E, D, 2F] (gate and
+    up interleaved: one grouped GEMM for both), down [E, F, D], optional biases gate_up_bias
+    [E, 2F], down_bias [E, D] and activation `act(gate, up)` (default silu(gate) * up).
 
     Rows of experts outside [group_offset, group_offset + E) and rows past sum(group_sizes)
     come out zero. Where F is sliced (K-sliced down projections), every slice's output is a
@@ -31,8 +32,8 @@ def expert_ffn(x: jax.Array, group_sizes: jax.Array, w: dict, *, group_offset=0,
             return y
         return y + jnp.where(here, _row_bias(w[name], group_sizes, group_offset, x.shape[0]), 0).astype(y.dtype)
 
-    gate, up = biased(gmm(x, w["gate"]), "gate_bias"), biased(gmm(x, w["up"]), "up_bias")
-    h = w["act"](gate, up) if "act" in w else jax.nn.silu(gate) * up
+    gate, up = gate_up_columns(biased(gmm(x, w["gate_up"]), "gate_up_bias"))  # [M, F] each
+    h = w.get("act", silu_glu)(gate, up)
     return biased(gmm(h, w["down"]), "down_bias", first_slice)
 
 
@@ -70,7 +71,7 @@ def moe_local(
     `w` holds experts [group_offset, group_offset + E_local) of `num_groups` (default: all of
     them); picks of other experts contribute zero, and cost nothing. `first_slice`: see `expert_ffn`.
     """
-    order, group_sizes = sort_picks(ids, num_groups or w["gate"].shape[0])
+    order, group_sizes = sort_picks(ids, num_groups or w["down"].shape[0])
     rows = order // ids.shape[1]
     with jax.named_scope("experts"):  # `moejax trace`'s expert GEMM time; the rest of the MoE block is dispatch / combine
         y = expert_ffn(x[rows], group_sizes, w, group_offset=group_offset, kernel=kernel, first_slice=first_slice)

@@ -28,7 +28,7 @@ class GatherScatter(MeshPlacement):
                 else (x, ids, weights)
 
         def compute(sent):
-            e_local = w["gate"].shape[0]
+            e_local = w["down"].shape[0]
             return moe_local(*sent, w, num_groups=self.num_experts, group_offset=jax.lax.axis_index("ep") * e_local,
                              kernel=self.kernel, first_slice=jax.lax.axis_index("tp") == 0)
 

@@ -19,9 +19,8 @@ from pallas_kernels.layered import LayerOf
 from sharding import rules
 from sharding.placement import Placement
 
-EXPERT_AXES = {"gate": ("experts", "embed", "expert_mlp"), "up": ("experts", "embed", "expert_mlp"),
-               "down": ("experts", "expert_mlp", "embed"),
-               "gate_bias": ("experts", "expert_mlp"), "up_bias": ("experts", "expert_mlp"),
+EXPERT_AXES = {"gate_up": ("experts", "embed", "expert_mlp"), "down": ("experts", "expert_mlp", "embed"),
+               "gate_up_bias": ("experts", "expert_mlp"),
                "down_bias": ("experts", "embed"),
                "act": ()}  # the experts' activation (no arrays)
 

@@ -20,7 +20,7 @@ from sharding import accounting, rules, slots
 from sharding.experts import moe_local
 
 
-GEMM_WEIGHTS = ("gate", "up", "down")  # the expert matrices `expert_ffn` multiplies by
+GEMM_WEIGHTS = ("gate_up", "down")  # the expert matrices `expert_ffn` multiplies by
 
 
 class Placement:

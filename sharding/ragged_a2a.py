@@ -85,7 +85,7 @@ def exchange_buffers(t_local: int, n: int, k: int, e_local: int, hidden: int, ac
 
 def ragged_phases(w, *, num_experts: int, dispatch_dtype: str, use_ragged: bool, kernel: str) -> overlap.Phases:
     """The exchange of one device's rows x: [T, D], ids/weights: [T, k] as its three phases."""
-    e_local = w["gate"].shape[0]
+    e_local = w["down"].shape[0]
 
     def dispatch(x, ids, weights):
         t, k = ids.shape

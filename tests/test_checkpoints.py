@@ -15,13 +15,15 @@ import jax
 import numpy as np
 import pytest
 
-from checkpoints import orbax_io
-from checkpoints.manifest import FORMAT_VERSION, MANIFEST, read_manifest
+from checkpoints import legacy, orbax_io
+from checkpoints.manifest import FORMAT_VERSION, MANIFEST, Manifest, read_manifest
 from checkpoints.orbax_io import restore_params, save_params
 from layouts import placement_layouts
+from moejax import platform
 from moejax.cli import main
 from moejax.config import PRESETS, Config, WeightsConfig
 from moejax.loading import load_params, with_hf_model
+from pallas_kernels import QuantizedArray
 from sharding import make_placement
 
 GOLDEN = Path(__file__).parent / "golden" / "deepseek_v3"
@@ -81,7 +83,7 @@ def test_converted_checkpoint_generates_the_tokens_of_the_transformers_directory
 def test_convert_with_json_prints_one_document_and_no_progress(tmp_path, capsys):
     rc, out, err = cli(["convert", "--hf", GOLDEN, "--out", tmp_path / "ckpt", "--json"], capsys)
     assert rc == 0 and err == ""
-    assert json.loads(out)["tensors"] == 34  # 4 layers as 2 runs (dense, MoE): each run's parameters stacked
+    assert json.loads(out)["tensors"] == 31  # 4 layers as 2 runs (dense, MoE): each run's parameters stacked, gate_up one
 
 
 def test_groups_hold_at_most_the_largest_tensor(converted):
@@ -100,6 +102,34 @@ def test_saved_in_one_placement_restores_bit_identically_in_every_placement(sour
     _, placement, params = placed(source, fmt)
     save_params(tmp_path / "ckpt", params, placement)
     for target in LAYOUTS:
+        config, placement, expected = placed(target, fmt)
+        assert_identical(restore_params(tmp_path / "ckpt", config, placement), expected)
+
+
+def half_of(value, i: int):
+    """Gate (i = 0) or up (1) of a gate_up parameter, as format 2 stored it apart."""
+    take = lambda a: a[..., i::2]
+    if isinstance(value, QuantizedArray):
+        ts = None if value.tensor_scale is None else value.tensor_scale[..., i:i + 1]  # one per matrix
+        return value.replace(values=take(value.values), scales=take(value.scales), tensor_scale=ts)
+    return take(value)
+
+
+@pytest.mark.parametrize("fmt", MODELS)
+def test_format_2_checkpoint_of_gate_and_up_apart_restores_the_same_parameters(fmt, tmp_path):
+    config, placement, params = placed("hybrid", fmt)  # 12 or 16 experts on ep=4: no padding
+    manifest = Manifest(config.model, platform.run_dtype(config.engine.dtype), config.weights.expert_format, version=2)
+    names = orbax_io.named_specs(manifest)[0]
+    values = dict(zip((k for k, _ in names), jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedArray))))
+    old = dict(legacy.stored_names(names))
+    assert {"layers.1.moe.experts.gate", "layers.1.moe.experts.up", "layers.0.mlp.gate"} <= set(old)
+    assert not any(k.endswith("gate_up") for k in old)
+    stored = [(k, orbax_io.to_stored(spec, half_of(values[k.rpartition(".")[0] + ".gate_up"], k.endswith(".up"))
+                                     if k not in values else values[k], placement.k_slices(spec)))
+              for k, spec in old.items()]
+    orbax_io.write(tmp_path / "ckpt", manifest, stored)
+    assert read_manifest(tmp_path / "ckpt").version == 2
+    for target in ("tensor_sliced", "expert_sharded"):
         config, placement, expected = placed(target, fmt)
         assert_identical(restore_params(tmp_path / "ckpt", config, placement), expected)
 

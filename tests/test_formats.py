@@ -145,3 +145,23 @@ def test_decode_tile_matches_dequantize(fmt):
     scale = 1.0 if q.tensor_scale is None else q.tensor_scale
     # (v * s) * g here, v * (s * g) in dequantize: equal up to one f32 rounding.
     np.testing.assert_allclose(jnp.concatenate([lo, hi]) * scale, pk.dequantize(q), rtol=2e-7)
+
+
+@pytest.mark.parametrize("fmt", pk.FORMATS)
+def test_gate_up_quantized_as_one_matrix_keeps_every_bit_of_gate_and_up_apart(fmt):
+    """gate and up interleaved along N into one [E, K, 2F] stack: each half's values, block
+    scales and (NVFP4) tensor scale are those of quantizing it alone, also per K-slice."""
+    from moejax.model.layers import interleave_gate_up
+
+    rng = np.random.default_rng(5)
+    gate, up = (jnp.asarray(rng.normal(0, s, (3, 128, 32)), jnp.float32) for s in (0.02, 3.0))
+    for k_slices in (1, 2):
+        fused = pk.quantize_experts(interleave_gate_up(gate, up), fmt, k_slices, gated=True)
+        for i, half in enumerate((gate, up)):
+            alone = pk.quantize_experts(half, fmt, k_slices)
+            np.testing.assert_array_equal(fused.values[..., i::2], alone.values)
+            np.testing.assert_array_equal(np.asarray(fused.scales[..., i::2]).view(np.uint8),
+                                          np.asarray(alone.scales).view(np.uint8))
+            if fmt == "nvfp4":
+                np.testing.assert_array_equal(fused.tensor_scale[..., i::2],
+                                              jnp.broadcast_to(alone.tensor_scale, (3, 1, 32)))

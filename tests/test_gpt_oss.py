@@ -124,10 +124,8 @@ def test_mxfp4_experts_are_the_files_bits_under_every_placement(released, layout
     down_slices = placement.k_slices(moe_run_specs(placement.config.model)["experts"]["down"])
     for layer in range(placement.config.model.num_layers):
         experts, pre = layer_params(params, layer, placement.config.model)["moe"]["experts"], f"model.layers.{layer}.mlp.experts."
-        for part, name, rows, slices in (("gate", "gate_up_proj", slice(0, None, 2), 1),
-                                         ("up", "gate_up_proj", slice(1, None, 2), 1),
-                                         ("down", "down_proj", slice(None), down_slices)):
-            blocks, scales = tensors[pre + name + "_blocks"][:, rows], tensors[pre + name + "_scales"][:, rows]
+        for part, name, slices in (("gate_up", "gate_up_proj", 1), ("down", "down_proj", down_slices)):
+            blocks, scales = tensors[pre + name + "_blocks"], tensors[pre + name + "_scales"]
             e, n = blocks.shape[:2]
             values = np.asarray(packing.to_disk(experts[part].values, slices))[:e]  # [E, K/2, N]
             np.testing.assert_array_equal(values, blocks.reshape(e, n, -1).transpose(0, 2, 1))
@@ -161,6 +159,6 @@ def test_random_preset_quantizes_expert_matrices_and_keeps_their_biases(layout):
         return layer_params(load_params(config, make_placement(config), seed=3), 1, config.model)["moe"]["experts"]
 
     single, placed = experts(LayoutConfig()), experts(LAYOUTS[layout])
-    assert all(isinstance(placed[p], pallas_kernels.QuantizedArray) for p in ("gate", "up", "down"))
-    for name in ("gate_bias", "up_bias", "down_bias"):
+    assert all(isinstance(placed[p], pallas_kernels.QuantizedArray) for p in ("gate_up", "down"))
+    for name in ("gate_up_bias", "down_bias"):
         np.testing.assert_array_equal(np.asarray(placed[name]), np.asarray(single[name]))

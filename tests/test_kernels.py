@@ -162,6 +162,17 @@ def test_pallas_kernel_matches_xla(backend, fmt, dtype, scenario):
     np.testing.assert_array_equal(np.asarray(out, np.float32)[int(sizes.sum()):], 0.0)
 
 
+@pytest.mark.parametrize("backend", ["xla", *KERNELS])
+def test_column_tensor_scales_of_a_gate_up_stack(backend):
+    """NVFP4 gate_up experts carry one tensor scale per half (column-wise [G, 1, N]): every
+    backend applies each column's own, as the dequantized weights hold it."""
+    lhs, rhs, sizes, offset = make_case(8, "offset", jnp.float32, m=40, n=128, groups=6, local=3)
+    w = pk.quantize_experts(rhs * jnp.array([1.0, 40.0] * 64), "nvfp4", gated=True)
+    assert w.tensor_scale.shape == (3, 1, 128)
+    out = pk.grouped_gemm(lhs, w, sizes, group_offset=offset, backend=backend)
+    np.testing.assert_allclose(out, reference(lhs, pk.dequantize(w), sizes, offset), rtol=1e-4, atol=1e-3)
+
+
 @pytest.mark.parametrize("backend", list(KERNELS))
 @pytest.mark.parametrize("fmt", ["dense", "nvfp4"])
 def test_pallas_kernel_accumulates_over_k_tiles(backend, fmt):
@@ -177,11 +188,12 @@ EXPORTS = {"tpu": ("pallas_tpu", "tpu_custom_call", ()),
 
 
 def exported_gemm(platform: str, fmt: str, m: int = 256, k: int = 2048, n: int = 512) -> str:
-    """The MLIR of one grouped GEMM [m, k] x [8, k, n] exported for `platform` with its kernel."""
+    """The MLIR of one grouped GEMM [m, k] x [8, k, n] exported for `platform` with its kernel
+    ("nvfp4 gate_up": a gate_up stack's tensor scales, one per half)."""
     backend, _, checks = EXPORTS[platform]
     w = jax.ShapeDtypeStruct((8, k, n), jnp.bfloat16)
     if fmt != "dense":
-        w = jax.eval_shape(lambda a: pk.quantize(a, fmt), w)
+        w = jax.eval_shape(lambda a: pk.quantize_experts(a, fmt.split()[0], gated=fmt.endswith("gate_up")), w)
     f = jax.jit(lambda l, w, s, o: pk.grouped_gemm(l, w, s, group_offset=o, backend=backend))
     return export.export(f, platforms=[platform], disabled_checks=checks)(
         jax.ShapeDtypeStruct((m, k), jnp.bfloat16), w,
@@ -189,9 +201,10 @@ def exported_gemm(platform: str, fmt: str, m: int = 256, k: int = 2048, n: int =
 
 
 @pytest.mark.parametrize("platform", list(EXPORTS))
-@pytest.mark.parametrize("fmt", ["dense", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["dense", "nvfp4", "mxfp4", "nvfp4 gate_up"])
 def test_hardware_kernels_export(platform, fmt):
-    """The kernels lower for their hardware (Mosaic TPU / Triton) at production-like sizes."""
+    """The kernels lower for their hardware (Mosaic TPU / Triton) at production-like sizes;
+    "gate_up": NVFP4 with a tensor scale per half (column-wise)."""
     assert EXPORTS[platform][1] in exported_gemm(platform, fmt)
 
 
@@ -228,12 +241,13 @@ def test_blackwell_operands_and_export(fmt):
     np.testing.assert_array_equal(
         gmm_blackwell._mma_scale_tiling(jnp.asarray(scales)),
         scales.reshape(2, 4, 32, 4, 4).transpose(0, 3, 2, 1, 4).reshape(2, 4, 32, 16))
-    w = jax.eval_shape(lambda a: gmm_blackwell.prepare_weights(pk.quantize(a, fmt)),
-                       jax.ShapeDtypeStruct((8, 1024, 512), jnp.bfloat16))
-    f = jax.jit(lambda l, w, s, o: pk.grouped_gemm(l, w, s, group_offset=o, backend="blackwell"))
-    exported = export.export(
-        f, platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call(
-            "mosaic_gpu_v2")])(
-        jax.ShapeDtypeStruct((200, 1024), jnp.bfloat16), w, jax.ShapeDtypeStruct((16,), jnp.int32),
-        jax.ShapeDtypeStruct((), jnp.int32))
-    assert "mosaic_gpu_v2" in exported.mlir_module()
+    for gated in (False, True):  # gate_up: NVFP4 tensor scales per half, applied after the kernel
+        w = jax.eval_shape(lambda a, gated=gated: gmm_blackwell.prepare_weights(pk.quantize_experts(a, fmt, gated=gated)),
+                           jax.ShapeDtypeStruct((8, 1024, 512), jnp.bfloat16))
+        f = jax.jit(lambda l, w, s, o: pk.grouped_gemm(l, w, s, group_offset=o, backend="blackwell"))
+        exported = export.export(
+            f, platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call(
+                "mosaic_gpu_v2")])(
+            jax.ShapeDtypeStruct((200, 1024), jnp.bfloat16), w, jax.ShapeDtypeStruct((16,), jnp.int32),
+            jax.ShapeDtypeStruct((), jnp.int32))
+        assert "mosaic_gpu_v2" in exported.mlir_module()

@@ -273,9 +273,9 @@ def test_weight_prefetch_expert_loops_compute_with_weights_gathered_iterations_e
     args = (engine.params, engine.new_cache(64, 32), jnp.zeros(64, jnp.int32), jnp.zeros(64, jnp.int32), jnp.zeros(64, jnp.int32), 1)
     hlo = engine._decode.lower(*args, sampling=Sampling(), record=False).compile().as_text()
     e, d, f = c.num_experts, c.hidden_size, c.moe_intermediate_size
-    loops, fed = expert_loops_fed_by_gathers(hlo, (f"f32[{e},{d},{f}]", f"f32[{e},{f},{d}]"))
-    assert loops == 3  # gate, up, down
-    assert fed == (3 if depth == 0 else 0)
+    loops, fed = expert_loops_fed_by_gathers(hlo, (f"f32[{e},{d},{2 * f}]", f"f32[{e},{f},{d}]"))
+    assert loops == 2  # gate_up, down
+    assert fed == (2 if depth == 0 else 0)
 
 
 def test_weight_prefetch_depths_give_the_same_tokens():

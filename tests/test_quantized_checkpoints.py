@@ -123,8 +123,8 @@ def test_fp8_experts_go_straight_to_4bit(fp8):
     _, directory = fp8
     floats = layer_experts(loaded(directory), 0)
     four = layer_experts(loaded(directory, fmt="nvfp4"), 0)
-    for part in ("gate", "up", "down"):
-        expected = pallas_kernels.quantize_experts(floats[part], "nvfp4")
+    for part in ("gate_up", "down"):
+        expected = pallas_kernels.quantize_experts(floats[part], "nvfp4", gated=part == "gate_up")
         for a, b in zip(host(four[part]), host(expected)):
             np.testing.assert_array_equal(a, b)
 
@@ -216,6 +216,12 @@ def test_unreadable_quantization_ends_in_one_line(case, request, tmp_path, capsy
 
 # ----------------------------------------------------------------------------- NVFP4 (ModelOpt)
 
+def gate_and_up(experts: dict) -> dict:
+    """gate_up's gate and up halves (each leaf's columns de-interleaved), beside down."""
+    halves = {name: jax.tree.map(lambda a, i=i: a[..., i::2], experts["gate_up"]) for i, name in enumerate(("gate", "up"))}
+    return {**halves, "down": experts["down"]}
+
+
 def file_experts(directory: Path, layer: int, part: str):
     """The file's NVFP4 experts of one layer: (codes [E, in/2, out] as stored, transposed;
     scales [E, in/16, out]; weight_scale_2 [E]; dequantized [E, in, out])."""
@@ -248,7 +254,7 @@ def test_nvfp4_experts_are_the_files_bits_under_every_placement(nvfp4, layout):
     _, placement, params = loaded(directory, LAYOUTS.get(layout, LayoutConfig()))
     spec_down = moe_run_specs(placement.config.model)["experts"]["down"]
     for layer in (0, 2):
-        experts = layer_params(params, layer, placement.config.model)["moe"]["experts"]
+        experts = gate_and_up(layer_params(params, layer, placement.config.model)["moe"]["experts"])
         for part in ("gate", "up", "down"):
             q = experts[part]
             codes, scales, scale_2, deq = file_experts(directory, layer, part)

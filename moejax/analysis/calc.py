@@ -4,9 +4,11 @@ Everything here is arithmetic on the model's dimensions plus an *even router*: e
 picks k distinct experts uniformly at random, independently of the other rows. No devices
 and no model run are needed.
 
-An expert is three matrices: gate and up [moe_intermediate, hidden] (reduce over hidden)
-and down [hidden, moe_intermediate] (reduce over moe_intermediate). 4-bit formats keep their
-block scales along the reduction dim, as the grouped GEMM consumes them.
+An expert is gate_up [2 x moe_intermediate, hidden] (reduce over hidden; gate and up as one
+matrix, each half with its own NVFP4 tensor scale, so its bytes are those of two
+[moe_intermediate, hidden] matrices) and down [hidden, moe_intermediate] (reduce over
+moe_intermediate). 4-bit formats keep their block scales along the reduction dim, as the
+grouped GEMM consumes them.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def expert_params(cfg: ModelConfig) -> int:
 
 def expert_bytes(cfg: ModelConfig) -> dict[str, int]:
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
-    return {f: 2 * matrix_bytes(i, h, f) + matrix_bytes(h, i, f) for f in EXPERT_BYTE_KEYS}
+    return {f: 2 * matrix_bytes(i, h, f) + matrix_bytes(h, i, f) for f in EXPERT_BYTE_KEYS}  # gate_up, down
 
 
 def row_bytes(cfg: ModelConfig) -> dict[str, int]:

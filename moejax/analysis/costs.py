@@ -143,8 +143,7 @@ def measure_compute(config: Config, rows: int, width: int, held: int, seed: int 
     c, dtype = config.model, jnp.dtype(platform.run_dtype(config.engine.dtype))
     rng = np.random.default_rng(seed)
     fmt = config.weights.expert_format
-    shapes = {"gate": (held, c.hidden_size, width), "up": (held, c.hidden_size, width),
-              "down": (held, width, c.hidden_size)}
+    shapes = {"gate_up": (held, c.hidden_size, 2 * width), "down": (held, width, c.hidden_size)}
     w = {}
     for name, shape in shapes.items():
         a = jnp.asarray(rng.normal(0, 0.02, shape), jnp.float32)

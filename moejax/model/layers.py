@@ -19,9 +19,25 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w * xf.astype(x.dtype)
 
 
+def gate_up_columns(y: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """y: [..., 2F] from a gate|up product, gate and up interleaved (gate in even columns, as
+    gpt-oss publishes its experts) -> (gate, up): [..., F] each."""
+    return y[..., 0::2], y[..., 1::2]
+
+
+def interleave_gate_up(gate, up):
+    """gate, up: [..., F] (numpy or jax) -> [..., 2F], gate in even columns."""
+    xp = np if isinstance(gate, np.ndarray) else jnp
+    return xp.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], 2 * gate.shape[-1])
+
+
+def silu_glu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate) * up
+
+
 def swiglu(x: jax.Array, p: dict) -> jax.Array:
-    """x: [..., D] -> [..., D] through gate/up [D, F] and down [F, D]."""
-    return (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
+    """x: [..., D] -> [..., D] through gate_up [D, 2F] (one product) and down [F, D]."""
+    return silu_glu(*gate_up_columns(x @ p["gate_up"])) @ p["down"]
 
 
 @flax.struct.dataclass

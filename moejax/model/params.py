@@ -23,6 +23,7 @@ class ParamSpec:
     axes: tuple[str | None, ...]  # logical axis names, one per dimension
     init: str = "normal"  # normal | ones | zeros
     float32: bool = False  # kept in float32 whatever the run dtype (router, as transformers does)
+    gated: bool = False  # gate and up interleaved along the last axis (`layers.gate_up_columns`)
 
     def __post_init__(self):
         assert len(self.shape) == len(self.axes), (self.shape, self.axes)
@@ -50,8 +51,7 @@ def expert_axis(spec: ParamSpec) -> int:
 
 def _mlp_specs(d: int, f: int, axis: str) -> dict:
     return {
-        "gate": ParamSpec((d, f), ("embed", axis)),
-        "up": ParamSpec((d, f), ("embed", axis)),
+        "gate_up": ParamSpec((d, 2 * f), ("embed", axis), gated=True),
         "down": ParamSpec((f, d), (axis, "embed")),
     }
 
@@ -110,16 +110,16 @@ def _moe_specs(c: ModelConfig) -> dict:
     d, e, f = c.hidden_size, c.num_experts, c.moe_intermediate_size
     s = {
         "router": ParamSpec((d, e), ("embed", None), float32=True),
+        # gate and up as one matrix, columns interleaved: one grouped GEMM for both, and any
+        # contiguous slice of the 2F columns over tp holds matching gate and up columns.
         "experts": {
-            "gate": ParamSpec((e, d, f), ("experts", "embed", "expert_mlp")),
-            "up": ParamSpec((e, d, f), ("experts", "embed", "expert_mlp")),
+            "gate_up": ParamSpec((e, d, 2 * f), ("experts", "embed", "expert_mlp"), gated=True),
             "down": ParamSpec((e, f, d), ("experts", "expert_mlp", "embed")),
         },
     }
     if c.expert_bias:
         s["experts"] |= {
-            "gate_bias": ParamSpec((e, f), ("experts", "expert_mlp"), "zeros"),
-            "up_bias": ParamSpec((e, f), ("experts", "expert_mlp"), "zeros"),
+            "gate_up_bias": ParamSpec((e, 2 * f), ("experts", "expert_mlp"), "zeros", gated=True),
             "down_bias": ParamSpec((e, d), ("experts", "embed"), "zeros"),
         }
     if c.router_bias:
