@@ -1,6 +1,6 @@
 """The moejax engine of model_vs_transformers under several process settings, A/B in one run.
 
-    python benchmarks/ab_settings.py [--rounds 4] [--decode-steps 32] NAME=ENV[,ENV...] ...
+    python benchmarks/ab_settings.py [--rounds 4] [--decode-steps 32] [--smoke] NAME=ENV[,ENV...] ...
 
 Each NAME is one worker process started with its own environment (e.g.
 `malloc=MALLOC_ARENA_MAX=2,MALLOC_TRIM_THRESHOLD_=-1`, `plain=`, or another checkout through
@@ -28,7 +28,7 @@ import numpy as np
 BATCHES = (1, 16)
 
 
-def worker(directory: str, prompt_len: int, steps: int) -> None:
+def worker(directory: str, prompt_len: int, steps: int, vocab: int) -> None:
     """Answers each line on stdin with one JSON line of timings (seconds); the first line of
     output is its first call's prefill and its peak RSS."""
     from model_vs_transformers import moejax_engine
@@ -36,8 +36,8 @@ def worker(directory: str, prompt_len: int, steps: int) -> None:
     engine = moejax_engine(directory)
     engine.decode_block = int(os.environ.get("AB_DECODE_BLOCK", engine.decode_block))  # this script's own knob
     rng = np.random.default_rng(0)
-    long = [rng.integers(0, 32000, prompt_len).tolist()]
-    shorts = [[rng.integers(0, 32000, 32).tolist() for _ in range(b)] for b in BATCHES]
+    long = [rng.integers(0, vocab, prompt_len).tolist()]
+    shorts = [[rng.integers(0, vocab, 32).tolist() for _ in range(b)] for b in BATCHES]
     first = engine.generate(long, 1).prefill_ms / 1e3
     for short in shorts:  # compiles
         engine.generate(short, steps + 1)
@@ -58,23 +58,27 @@ def side_env(spec: str) -> tuple[str, dict]:
     return name, env
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sides", nargs="+", help="NAME=ENV[,ENV...]: one worker per side")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=512)
-    args = ap.parse_args()
-    from model_vs_transformers import hf_model
+    ap.add_argument("--smoke", action="store_true", help="a toy-width model, to check the script runs")
+    args = ap.parse_args(argv)
+    from model_vs_transformers import GEOMETRY, SMOKE, hf_model
+
+    geometry = SMOKE if args.smoke else GEOMETRY
 
     here = os.path.dirname(os.path.abspath(__file__))
     with tempfile.TemporaryDirectory() as directory:
-        hf_model(directory)
+        hf_model(directory, geometry)
         workers = {}
         print(f"{'side':<16}{'first prefill s':>16}{'peak RSS MB':>13}")
         for spec in args.sides:  # one at a time: their start-ups would share the cores
             name, env = side_env(spec)
-            cmd = [sys.executable, __file__, "--worker", directory, str(args.prompt_len), str(args.decode_steps)]
+            cmd = [sys.executable, __file__, "--worker", directory, str(args.prompt_len), str(args.decode_steps),
+                   str(geometry["vocab_size"])]
             workers[name] = p = subprocess.Popen(cmd, cwd=here, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                                  text=True)
             first = json.loads(p.stdout.readline())
@@ -100,6 +104,6 @@ def main():
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
     else:
         main()
