@@ -114,8 +114,8 @@ def moejax_parts(engine, batch: int, steps: int) -> tuple[float, float, dict]:
     prompts = np.random.default_rng(0).integers(0, engine.c.vocab_size, (batch, 32)).tolist()  # transformers' prompts
     plain = min(engine.generate(prompts, steps + 1).decode_step_ms for _ in range(3)) / 1e3
     state = engine.start(prompts, steps + 1)
-    hlo = engine._decode_block.lower(engine.params, state.cache, state.tok, jnp.asarray(state.lens), state.key, 1, steps,
-                                     block=engine.decode_block, sampling=Sampling()).compile().as_text()
+    hlo = engine._decode_block.lower(engine.params, state.cache, state.tok, jnp.asarray(state.lens), state.seeds, 1, steps,
+                                     state.pages, block=engine.decode_block, sampling=Sampling()).compile().as_text()
     instructions = set(re.findall(r"%([\w.\-]+) = ", hlo))
     names = {m.group(1): m.group(2) for m in re.finditer(r'%([\w.\-]+) = [^\n]*?op_name="([^"]*)"', hlo)}
     with tempfile.TemporaryDirectory() as out:
