@@ -30,6 +30,12 @@ AUTO_KERNEL = {"cpu": "xla", "tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "
 # than a second read of a group two rows share.
 GATHER_ROWS = 16
 
+# The KV cache's page pool when no size is given (`serving/kv_pages.py`): on XLA:CPU a fixed
+# number of positions (16 requests of 2,048); on an accelerator this share of the memory the
+# devices have free once the weights are in (the rest holds activations and programs).
+CPU_KV_CACHE_TOKENS = 32768
+KV_MEMORY_SHARE = 0.8
+
 
 def backend(platform: str | None = None) -> str:
     """`platform`, or this machine's jax backend ("cpu", "gpu", "tpu")."""
@@ -70,3 +76,13 @@ def prefill_chunk(chunk: int, platform: str | None = None) -> int:
 def kernel(name: str, platform: str | None = None) -> str:
     """The grouped-GEMM backend kernel `name` stands for on `platform` ("auto": by platform)."""
     return AUTO_KERNEL.get(backend(platform), "xla") if name == "auto" else name
+
+
+def kv_cache_bytes(devices: list) -> int:
+    """The page pool's default bytes over `devices`: 0 on XLA:CPU (CPU_KV_CACHE_TOKENS instead),
+    else KV_MEMORY_SHARE of the least free device's memory times their count."""
+    if devices[0].platform == "cpu":
+        return 0
+    stats = [d.memory_stats() or {} for d in devices]
+    free = min(s.get("bytes_limit", 0) - s.get("bytes_in_use", 0) for s in stats)
+    return int(KV_MEMORY_SHARE * max(0, free) * len(devices))

@@ -97,10 +97,10 @@ class MeshPlacement(Placement, abc.ABC):
         return [{k: self.put(v, axes[k]) for k, v in layer.items()}
                 for layer, axes in zip(cache, self.cache_axes(cache, pool))]
 
-    def cache_shardings(self, cache) -> list[dict]:
-        """Where this placement keeps each array of cache dicts (for a cache placed elsewhere)."""
+    def cache_shardings(self, cache, pool: bool = False) -> list[dict]:
+        """Where this placement keeps each array of cache dicts or page pools (for one placed elsewhere)."""
         return [{k: self.sharding(axes[k], v.shape) for k, v in layer.items()}
-                for layer, axes in zip(cache, self.cache_axes(cache))]
+                for layer, axes in zip(cache, self.cache_axes(cache, pool))]
 
     def constrain(self, x, axes):
         return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape))

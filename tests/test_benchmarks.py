@@ -28,6 +28,7 @@ SMALLEST = {
                             "--read-mb", "8"],
     "load_memory.py": ["--layers", "1", "--dir", "{tmp}/load", "--smoke"],
     "model_vs_transformers.py": ["--smoke", "--decode-steps", "2", "--prompt-len", "16", "--rounds", "1"],
+    "paged_decode.py": ["--smoke", "--rounds", "1"],
     "mtp.py": ["--smoke", "--batch", "1", "--new-tokens", "3"],
     "row_meets_experts.py": ["--steps", "5"],
     "simulator_validation.py": ["--devices", "2", "--steps", "2", "--repeats", "1", "--costs", "{tmp}/costs.json",

@@ -9,6 +9,7 @@ import pytest
 from moejax.config import Config, EngineConfig, LayoutConfig
 from moejax.engine.engine import Engine
 from moejax.engine.kv_cache import init_cache
+from moejax.errors import UsageError
 from moejax.loading import load_params, with_hf_model
 from moejax.serving.scheduler import Request, Scheduler
 from moejax.serving.stopping import Stopper
@@ -89,11 +90,12 @@ def test_prefill_and_decode_apart_batch_continuously_to_the_single_device_tokens
 
 
 def test_prefill_apart_hands_over_the_positions_each_prefill_call_wrote(engine, apart):
-    """A 9-token prompt in chunks of 8: two calls of 8 positions change device. A one-row call is
-    not split over the 4 DP decode devices: each gets it whole."""
+    """A 9-token prompt in chunks of 8: each of the two calls moves the one 16-position page it
+    wrote. A one-page move is not split over the 4 DP decode devices: each gets it whole."""
     before = apart.handover_bytes
     apart.run_all([request(PROMPTS[0], 6)])
-    assert apart.handover_bytes - before == 4 * sum(a.nbytes for a in jax.tree.leaves(init_cache(engine.c, 1, 16, engine.dtype)))
+    page = sum(a.nbytes for a in jax.tree.leaves(init_cache(engine.c, 1, apart.kv.page_size, engine.dtype)))
+    assert apart.handover_bytes - before == 2 * 4 * page
 
 
 def test_sampled_request_among_others_equals_it_alone(scheduler):
@@ -157,9 +159,8 @@ def test_bench_drives_an_in_process_scheduler(engine):
 
 
 def test_cache_defaults_to_the_longest_request_it_will_hold(engine):
-    """Every decode step reads each slot's whole cache, so a server that knows its longest
-    request (bench's own) sizes the cache to it, in buckets of 16; one that does not takes the
-    model's context, at most 2048."""
+    """A server that knows its longest request (bench's own) allows requests of that length, in
+    buckets of 16; one that does not, the model's context, at most 2048."""
     prompt, new = PROMPTS[0], 16 - len(PROMPTS[0])  # exactly a bucket: the last token needs no slot
     sized = Scheduler(engine, slots=2, longest=len(prompt) + new)
     assert sized.max_len == 16
@@ -172,3 +173,41 @@ def test_cancelled_request_frees_its_slot_at_the_next_step(scheduler):
     r.on_event = lambda token, delta, done: setattr(r, "cancelled", len(r.tokens) >= 3)
     scheduler.run_all([r])
     assert len(r.tokens) == 3 and scheduler.running == 0
+
+
+@pytest.fixture(scope="module")
+def small(engine):
+    """A pool of 12 pages of 4 positions: fewer than the requests running at once want."""
+    return Scheduler(engine, slots=4, max_len=64, page_size=4, kv_tokens=48)
+
+
+def test_pool_too_small_preempts_and_still_gives_every_requests_tokens(engine, small):
+    before = small.preemptions
+    done = small.run_all([request(p, 20) for p in PROMPTS])
+    assert [r.tokens for r in done] == [engine.generate([p], 20).tokens[0] for p in PROMPTS]
+    assert small.preemptions > before and small.kv.usage == 0
+
+
+def test_prefix_cache_hit_gives_the_same_tokens_and_prefills_only_the_rest(engine, small):
+    first = list(range(3, 24))
+    second = first[:16] + [7, 8, 9, 10]  # the first 4 pages of 4 are the same
+    small.run_all([request(first, 3)])
+    prefilled, hits = small.prefilled_tokens, small.kv.prefix.hits
+    r = small.run_all([request(second, 5)])[0]
+    assert r.tokens == engine.generate([second], 5).tokens[0]
+    assert (small.prefilled_tokens - prefilled, small.kv.prefix.hits - hits) == (len(second) - 16, 16)
+
+
+@pytest.mark.parametrize("length", [9, 8], ids=["partial-last-page", "whole-pages"])
+def test_n_samples_share_the_prompts_pages_and_give_its_tokens(engine, small, length):
+    prompt = PROMPTS[0][:length]
+    r = request(prompt, 6, samples=[request(prompt, 6) for _ in range(2)])
+    prefilled = small.prefilled_tokens
+    small.run_all([r])
+    assert [s.tokens for s in [r, *r.samples]] == [engine.generate([prompt], 6).tokens[0]] * 3
+    assert small.prefilled_tokens - prefilled == length and small.kv.usage == 0
+
+
+def test_prompt_that_can_never_fit_the_pool_is_refused_in_one_line(small):
+    with pytest.raises(UsageError, match=r"the KV cache holds 12 \(--kv-cache-tokens\)"):
+        small.check(request(list(range(3, 53)), 1))

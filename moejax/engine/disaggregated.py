@@ -108,10 +108,10 @@ def onto(x: jax.Array, target: NamedSharding, source: list) -> jax.Array:
     return _across_processes(x, target, source)
 
 
-def move_cache(runs: list[dict], placement, source: list) -> tuple[list[dict], int]:
-    """Cache runs (arrays on the `source` devices) laid out as `placement` keeps a cache of
-    their shape -> (runs there, bytes that changed device)."""
-    targets = placement.cache_shardings(runs)
+def move_cache(runs: list[dict], placement, source: list, pool: bool = False) -> tuple[list[dict], int]:
+    """Cache runs (arrays on the `source` devices; `pool`: pages of a pool) laid out as
+    `placement` keeps a cache of their shape -> (runs there, bytes that changed device)."""
+    targets = placement.cache_shardings(runs, pool)
     moved = sum(bytes_moved(a, run_t[k]) for run, run_t in zip(runs, targets) for k, a in run.items())
     return [{k: onto(v, run_t[k], source) for k, v in run.items()} for run, run_t in zip(runs, targets)], moved
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import ModelConfig
+from moejax.model import paged
 from moejax.model.attention import cache_specs
 from moejax.model.layers import rms_norm, rope_cos_sin
 from moejax.model.params import ParamSpec, layer_specs
@@ -34,15 +35,23 @@ def init_mtp_cache(c: ModelConfig, batch: int, max_len: int, dtype) -> dict:
     return {k: jnp.zeros(shape, dtype) for k, (shape, _) in cache_specs(c, batch, max_len, c.num_layers).items()}
 
 
+def init_mtp_pool(c: ModelConfig, pages: int, page_size: int, dtype) -> dict:
+    """The MTP layer's own page pool (`model/paged.py`), indexed by the target's block tables."""
+    return {k: jnp.zeros(paged.pool_spec(shape, axes, pages, page_size)[0], dtype)
+            for k, (shape, axes) in cache_specs(c, 1, 1, c.num_layers).items()}
+
+
 def mtp_forward(mtp: dict, params: dict, cache: dict, hidden: jax.Array, tokens: jax.Array, positions: jax.Array,
-                c: ModelConfig, placement) -> tuple[jax.Array, dict]:
+                c: ModelConfig, placement, pages=None) -> tuple[jax.Array, dict]:
     """hidden: [B, T, D] the target's hidden states at positions - 1; tokens, positions: [B, T]
-    -> (h: [B, T, D] after the MTP norm, for `lm_head`, cache)."""
+    -> (h: [B, T, D] after the MTP norm, for `lm_head`, cache); pages: the block tables [B, P]
+    of a paged cache, or None."""
     e = rms_norm(params["embed"][tokens], mtp["enorm"], c.rms_norm_eps)
     h = rms_norm(hidden, mtp["hnorm"], c.rms_norm_eps)
     x = placement.constrain(jnp.concatenate([e, h], axis=-1) @ mtp["eh_proj"], ROWS)
     experts = placement.gather_experts(mtp["layer"]["moe"]["experts"])
-    x, cache, _, _ = decoder_layer(mtp["layer"], experts, x, positions, rope_cos_sin(c, positions), cache, None, c, placement)
+    x, cache, _, _ = decoder_layer(mtp["layer"], experts, x, positions, rope_cos_sin(c, positions), cache, None, c, placement,
+                                   pages=pages)
     return rms_norm(x, mtp["norm"], c.rms_norm_eps), cache
 
 

@@ -27,6 +27,7 @@ class Outcome:
     ok: bool
     start: float = 0.0
     token_times: list[float] = dataclasses.field(default_factory=list)  # one per output token
+    tokens: list[int] = dataclasses.field(default_factory=list)  # the generated token ids (when the server sends them)
     error: str = ""
 
 
@@ -75,7 +76,9 @@ class HTTPClient:
                     continue
                 now = time.perf_counter()
                 choices = json.loads(line[6:]).get("choices") or [{}]
-                out.token_times += [now] * max(1, len(choices[0].get("token_ids", [None])))
+                ids = choices[0].get("token_ids") or []
+                out.token_times += [now] * max(1, len(ids))
+                out.tokens += ids
             out.ok = True
         except OSError as e:
             out.error = str(e)
@@ -104,7 +107,7 @@ class LocalClient:
         out = Outcome(ok=True, start=r.arrival)
         self.scheduler.submit(r)
         done.wait()
-        out.token_times = r.token_times
+        out.token_times, out.tokens = r.token_times, r.tokens
         return out
 
     def close(self) -> None:
@@ -113,14 +116,17 @@ class LocalClient:
 
 
 def run(client, *, num_prompts: int, input_len: int, output_len: int, request_rate: float, max_concurrency: int | None,
-        seed: int = 0, progress: bool = True) -> dict:
-    """Sends the load and returns the summary (`summarize`)."""
+        seed: int = 0, progress: bool = True, shared_prefix_len: int = 0) -> dict:
+    """Sends the load and returns the summary (`summarize`); every prompt starts with the same
+    `shared_prefix_len` tokens (a shared system prompt)."""
     from tqdm import tqdm
 
     info = client.model_info()
     rng = np.random.default_rng(seed)
     low = min(10, info["vocab_size"] - 1)  # keep clear of the usual special ids
-    prompts = rng.integers(low, info["vocab_size"], (num_prompts, input_len)).tolist()
+    prompts = rng.integers(low, info["vocab_size"], (num_prompts, input_len))
+    prompts[:, :shared_prefix_len] = prompts[0, :shared_prefix_len]
+    prompts = prompts.tolist()
     gaps = rng.exponential(1.0 / request_rate, num_prompts) if np.isfinite(request_rate) else np.zeros(num_prompts)
     workers = max_concurrency or num_prompts
     with tqdm(total=num_prompts, desc="bench", disable=None if progress else True) as bar, \
@@ -160,6 +166,7 @@ def summarize(outcomes: list[Outcome], duration: float, input_len: int) -> dict:
         "duration_s": duration, "total_input_tokens": input_len * len(ok), "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
         "total_token_throughput": (out_tokens + input_len * len(ok)) / duration,
+        "outputs": [o.tokens for o in outcomes],  # each request's generated token ids, in sending order
         **_stats("ttft", ttft), **_stats("tpot", tpot), **_stats("itl", itl), **_stats("e2e_latency", e2e),
     }
 

@@ -11,9 +11,15 @@ from moejax.errors import UsageError
 
 def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", metavar="DIR", help="directory with tokenizer.json (default: the --hf directory)")
-    p.add_argument("--slots", type=int, default=16, help="decode slots: requests running at once")
-    p.add_argument("--max-seq-len", type=int, default=0, help="KV cache positions per slot (default: model context, at most 2048; "
-                   "bench without --url: its requests' length)")
+    p.add_argument("--slots", type=int, default=16, help="decode slots: requests decoding at once, at most")
+    p.add_argument("--max-seq-len", type=int, default=0, help="the longest request, prompt and new tokens (default: model "
+                   "context, at most 2048; bench without --url: its requests' length)")
+    p.add_argument("--kv-cache-tokens", type=int, default=0, help="positions the KV cache's page pool holds, shared by "
+                   "all requests (default: 32768 on CPU, else 80%% of the device memory free after the weights)")
+    p.add_argument("--kv-cache-gb", type=float, default=0.0, help="the page pool's size in GB instead of --kv-cache-tokens")
+    p.add_argument("--page-size", type=int, default=16, help="positions per KV cache page")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="compute every prompt whole (default: reuse the pages of the longest prefix computed before)")
     p.add_argument("--prefill-rows", type=int, default=1, help="requests per prefill call")
     p.add_argument("--max-batched-tokens", type=int, default=0,
                    help="tokens per step, decode + prefill (default: slots + one prefill call)")
@@ -47,7 +53,9 @@ def build_scheduler(args, progress: bool = True, longest: int = 0):
                 raise UsageError("serving with --speculative mtp decodes under one placement; drop "
                                  "--prefill-placement/--decode-placement")
         kw = dict(slots=args.slots, max_len=args.max_seq_len, prefill_rows=args.prefill_rows,
-                  token_budget=args.max_batched_tokens, max_queue=args.max_queue, longest=longest)
+                  token_budget=args.max_batched_tokens, max_queue=args.max_queue, longest=longest,
+                  kv_tokens=args.kv_cache_tokens, kv_gb=args.kv_cache_gb, page_size=args.page_size,
+                  prefix_cache=not args.no_prefix_cache)
         if apart:
             kw["prefill_engine"], engine = pd_engines(config, args)
         else:
@@ -62,6 +70,8 @@ def build_scheduler(args, progress: bool = True, longest: int = 0):
             scheduler = SpecScheduler(engine, mtp, **kw)
         else:
             scheduler = Scheduler(engine, **kw)
+        for note in scheduler.notes:
+            print(f"moejax: {note}", file=sys.stderr)
         layout = engine.config.layout
         if layout.eplb_online:
             if apart or args.speculative:
@@ -101,6 +111,8 @@ def cmd_bench(args) -> int:
 
     from moejax.serving import bench
 
+    if not 0 <= args.shared_prefix_len <= args.input_len:
+        raise UsageError(f"--shared-prefix-len {args.shared_prefix_len} must lie in 0..--input-len {args.input_len}")
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         raise UsageError("--num-prompts, --input-len and --output-len must be at least 1")
     if args.request_rate <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
@@ -116,7 +128,8 @@ def cmd_bench(args) -> int:
         scheduler.pick_observers.append(rows.observe)
         client = bench.LocalClient(scheduler)
     summary = bench.run(client, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-                        request_rate=args.request_rate, max_concurrency=args.max_concurrency, seed=args.bench_seed)
+                        shared_prefix_len=args.shared_prefix_len, request_rate=args.request_rate,
+                        max_concurrency=args.max_concurrency, seed=args.bench_seed)
     if not args.url:
         client.close()
         summary["device_rows"] = rows.total.tolist()  # rows each device's experts computed, all MoE layers
@@ -148,6 +161,8 @@ def register(sub) -> None:
     b.add_argument("--api-key", help="bearer key for --url (default: $MOEJAX_API_KEY)")
     b.add_argument("--num-prompts", type=int, default=64)
     b.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    b.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="the first N prompt tokens are the same in every request (a shared system prompt)")
     b.add_argument("--output-len", type=int, default=64, help="tokens generated per request")
     b.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson arrivals (default: all at once)")
     b.add_argument("--max-concurrency", type=int, help="requests in flight at most")

@@ -90,6 +90,17 @@ class Metrics:
             lambda: scheduler.num_waiting)
         Gauge("moejax_kv_slots_used", "KV cache slots in use", registry=r).set_function(lambda: scheduler.running)
         Gauge("moejax_kv_slots_total", "KV cache slots", registry=r).set(scheduler.num_slots)
+        kv = scheduler.kv
+        Gauge("moejax_kv_cache_usage", "fraction of the KV cache's pages that requests hold", registry=r).set_function(
+            lambda: kv.usage)
+        Gauge("moejax_kv_pages_total", "pages in the KV cache's pool", registry=r).set(kv.num_pages)
+        Gauge("moejax_preemptions", "running requests that gave their pages to older ones, to be computed again",
+              registry=r).set_function(lambda: scheduler.preemptions)
+        if kv.prefix is not None:
+            Gauge("moejax_prefix_cache_queries", "prompt positions looked up in the prefix cache",
+                  registry=r).set_function(lambda: kv.prefix.queries)
+            Gauge("moejax_prefix_cache_hits", "prompt positions found in the prefix cache", registry=r).set_function(
+                lambda: kv.prefix.hits)
         self.ttft = Histogram("moejax_time_to_first_token_seconds", "arrival to first token", registry=r,
                               buckets=LATENCY_BUCKETS)
         self.itl = Histogram("moejax_inter_token_latency_seconds", "time between a request's tokens", registry=r,
@@ -129,13 +140,14 @@ class Metrics:
 
 
 class PrefilledTokens:
-    """Prompt positions the scheduler prefilled: n samples of a prompt count it once."""
+    """Positions the scheduler prefilled: n samples of a prompt count it once, a prefix-cache hit
+    not at all, a preempted request's recompute again."""
 
     def __init__(self, scheduler):
         self.scheduler = scheduler
 
     def collect(self):
-        yield CounterMetricFamily("moejax_prefill_tokens", "prompt positions prefilled (n samples of a prompt: once)",
+        yield CounterMetricFamily("moejax_prefill_tokens", "positions prefilled (n samples of a prompt: once; prefix-cache hits: none)",
                                   value=self.scheduler.prefilled_tokens)
 
 

@@ -1,0 +1,129 @@
+"""The paged KV cache in the serving scheduler, on the tiny model, single device:
+
+- decode time follows the tokens held: mean TPOT of 16 requests of 32 + 32 tokens (--slots 16)
+  with --max-seq-len 2048 against 128 (a contiguous cache, which read every slot's whole row:
+  4.3x);
+- the prefix cache: 16 requests of 400 tokens sharing their first 384, sent one at a time: mean
+  TTFT with the prefix cache against without, and the positions prefill computed;
+- capacity: in the KV memory of --slots 8 --max-seq-len 2048 (16,384 positions), how many
+  requests of 128 + 128 tokens decode together (a contiguous cache: 8).
+
+A/B rounds alternate (the host is shared: interleaving spreads its load over both sides).
+
+    python benchmarks/paged_decode.py [--rounds 3] [--json] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+from moejax.config import Config, preset
+from moejax.engine.engine import Engine
+from moejax.loading import load_params
+from moejax.serving import bench
+from moejax.serving.scheduler import Scheduler
+from sharding import make_placement
+
+# (requests, prompt, new tokens, short / long --max-seq-len, shared prefix, prefix prompt,
+#  capacity's slots x max-seq-len and request length)
+FULL = dict(requests=16, prompt=32, new=32, max_lens=(128, 2048), shared=384, prefix_prompt=400,
+            kv=(8, 2048), request_len=256)
+SMOKE = dict(requests=4, prompt=8, new=4, max_lens=(32, 128), shared=32, prefix_prompt=40, kv=(2, 128), request_len=32)
+
+
+class Counting(Scheduler):
+    """A scheduler that notes the most requests one decode step ran."""
+
+    most_decoding = 0
+
+    def _decode_step(self, decoding):
+        self.most_decoding = max(self.most_decoding, len(decoding))
+        super()._decode_step(decoding)
+
+
+def load(client, **kw) -> dict:
+    s = bench.run(client, request_rate=float("inf"), progress=False, **kw)
+    client.close()
+    assert s["failed"] == 0, s["first_error"]
+    return s
+
+
+def tpot(engine: Engine, max_len: int, st: dict) -> float:
+    scheduler = Scheduler(engine, slots=st["requests"], max_len=max_len)
+    scheduler.warm_up()
+    s = load(bench.LocalClient(scheduler), num_prompts=st["requests"], input_len=st["prompt"], output_len=st["new"],
+             max_concurrency=None)
+    return s["mean_tpot_ms"]
+
+
+def prefix(engine: Engine, cache: bool, st: dict) -> tuple[float, int]:
+    """(mean TTFT ms, positions prefilled) of requests sharing their first tokens, one at a time."""
+    scheduler = Scheduler(engine, slots=2, max_len=st["prefix_prompt"] + 4, prefix_cache=cache)
+    scheduler.warm_up()
+    s = load(bench.LocalClient(scheduler), num_prompts=st["requests"], input_len=st["prefix_prompt"], output_len=4,
+             max_concurrency=1, shared_prefix_len=st["shared"])
+    return s["mean_ttft_ms"], scheduler.prefilled_tokens
+
+
+def capacity(engine: Engine, st: dict) -> int:
+    slots, max_len = st["kv"]
+    requests = slots * max_len // st["request_len"]  # as many as the positions hold
+    scheduler = Counting(engine, slots=requests, max_len=max_len, kv_tokens=slots * max_len)
+    half = st["request_len"] // 2
+    load(bench.LocalClient(scheduler), num_prompts=requests, input_len=half, output_len=half, max_concurrency=None)
+    return scheduler.most_decoding
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="small requests, to check the script runs")
+    args = ap.parse_args(argv)
+    st = SMOKE if args.smoke else FULL
+    config = Config(model=preset("tiny")).validate()
+    placement = make_placement(config)
+    engine = Engine(config, load_params(config, placement), placement)
+    short, long = st["max_lens"]
+    times, ttft = {short: [], long: []}, {True: [], False: []}
+    for _ in range(args.rounds):
+        for max_len in times:
+            times[max_len].append(tpot(engine, max_len, st))
+        for cache in ttft:
+            ttft[cache].append(prefix(engine, cache, st))
+    mean = {k: float(np.mean(v)) for k, v in times.items()}
+    (with_ms, with_tokens), (without_ms, without_tokens) = (np.mean(ttft[k], axis=0) for k in (True, False))
+    together = capacity(engine, st)
+    slots, max_len = st["kv"]
+    out = {"mean_tpot_ms": {short: round(mean[short], 2), long: round(mean[long], 2)},
+           "tpot_ratio": round(mean[long] / mean[short], 2),
+           "prefix_mean_ttft_ms": {"cached": round(with_ms, 2), "uncached": round(without_ms, 2)},
+           "prefix_ttft_ratio": round(with_ms / without_ms, 2),
+           "prefill_tokens": {"cached": int(with_tokens), "uncached": int(without_tokens)},
+           "decoding_together": together, "capacity_vs_slots": together / slots, "rounds": args.rounds}
+    if args.json:
+        print(json.dumps(out))
+        return
+    n, p, o = st["requests"], st["prompt"], st["new"]
+    run = f"moejax bench --preset tiny --num-prompts {n} --input-len {p} --output-len {o} --slots {n}"
+    print(f"{'decode: ' + run:<100}{'mean TPOT ms':>14}")
+    for m in (short, long):
+        print(f"{'  --max-seq-len ' + str(m):<100}{mean[m]:>14.2f}")
+    print(f"{'  ratio':<100}{out['tpot_ratio']:>14.2f}")
+    run = (f"moejax bench --preset tiny --num-prompts {n} --input-len {st['prefix_prompt']} --output-len 4 "
+           f"--max-concurrency 1 --shared-prefix-len {st['shared']}")
+    print(f"{'prefix: ' + run:<100}{'mean TTFT ms':>14}{'prefilled':>11}")
+    print(f"{'  (prefix cache on)':<100}{with_ms:>14.2f}{int(with_tokens):>11}")
+    print(f"{'  --no-prefix-cache':<100}{without_ms:>14.2f}{int(without_tokens):>11}")
+    print(f"{'  ratio':<100}{out['prefix_ttft_ratio']:>14.2f}")
+    run = (f"capacity: --kv-cache-tokens {slots * max_len} (the memory of --slots {slots} --max-seq-len {max_len}), "
+           f"requests of {st['request_len'] // 2} + {st['request_len'] // 2} tokens")
+    print(f"{run:<100}{'decode together':>16}")
+    print(f"{'  paged (contiguous rows: ' + str(slots) + ')':<100}{together:>16}")
+
+
+if __name__ == "__main__":
+    main()

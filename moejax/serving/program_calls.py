@@ -1,0 +1,199 @@
+"""The scheduler's calls of its jitted programs (`slot_programs.py`): each turns what the
+host-side policy of `scheduler.py` chose for this step (which slots decode, which prefill, which
+fork) into the programs' arrays (tokens, positions, block tables, sampling rows), runs the
+program, and hands its tokens back to the policy (`_emit`, `_advance_prefill`,
+`_start_decoding`). Also the prefill hand-over of pages between two meshes and the warm-up that
+compiles every program a request can use.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import numpy as np
+
+from moejax.engine.engine import forced, to_host
+from moejax.serving.request import sampling_rows
+from moejax.serving.slot_programs import decode_slots, fork_slots, prefill_slots, put_pages, take_pages
+
+
+class ProgramCalls:
+    """The program half of `scheduler.Scheduler` (its state: engine(s), cache(s), kv, slots)."""
+
+    def _jit_programs(self) -> None:
+        c = self.engine.c
+        self._decode = jax.jit(functools.partial(decode_slots, c=c, placement=self.engine.placement),
+                               donate_argnums=1, static_argnames=("greedy_only", "extras"))
+        self._prefill = jax.jit(functools.partial(prefill_slots, c=c, placement=self.prefill_engine.placement),
+                                donate_argnums=1, static_argnames=("greedy_only", "extras", "prompt_logprobs"))
+        self._fork_program = jax.jit(fork_slots, donate_argnums=0)
+        if self.apart:
+            self._take = jax.jit(take_pages)
+            self._put = jax.jit(put_pages, donate_argnums=0)
+
+    def decode_widths(self) -> list[int]:
+        """The decode batch sizes: powers of two from the devices' multiple, and all slots. Slots are
+        taken lowest first, so few requests decode in a narrow batch. At least 2: XLA:CPU turns a
+        one-row gather into a slice and then copies the whole array it reads from."""
+        multiple = max(2, self.engine.placement.batch_multiple())
+        widths = {self.num_slots}
+        while multiple < self.num_slots:
+            widths.add(multiple)
+            multiple *= 2
+        return sorted(widths)
+
+    def _decode_step(self, decoding: list[int]) -> None:
+        width = min(w for w in self.decode_widths() if w > max(decoding))
+        tokens = np.zeros(width, np.int32)
+        positions = np.full(width, self.max_len, np.int32)  # idle: no pages, writes dropped
+        for s in decoding:
+            tokens[s], positions[s] = self.slots[s].token, self.slots[s].pos
+        pages = self.kv.table([self.slots[s].pages if s in decoding else [] for s in range(width)], width,
+                              max(self.slots[s].pos + 1 for s in decoding))
+        sampling, flags = sampling_rows([self.slots[s].request if s in decoding else None for s in range(width)], width)
+        live = positions < self.max_len
+        out, lp, self.cache, picks = self._decode(self.engine.params, self.cache, pages, tokens, positions, sampling,
+                                                  forced=forced(self.dealer, "decode", live), **flags)
+        out, lp = to_host(out), {k: to_host(v) for k, v in lp.items()}
+        self._observe("decode", picks, live)
+        now = time.perf_counter()
+        for s in decoding:
+            slot = self.slots[s]
+            slot.pos += 1
+            slot.request.record(lp, s)
+            self._emit(s, int(out[s]), now)
+
+    def _prefill_inputs(self, rows: list[int], reach: int = 0):
+        """A prefill call's (block tables [P, W], tokens [P, C], start [P], last [P], after [P],
+        valid [P, C]) for the slots `rows` (padding rows: no pages, nothing valid); the tables hold
+        `reach` positions past the chunk too (the MTP writes one)."""
+        p, c = self.prefill_rows, self.chunk
+        tokens, valid = np.zeros((p, c), np.int32), np.zeros((p, c), bool)
+        start, last, after = np.zeros(p, np.int32), np.zeros(p, np.int32), np.zeros(p, np.int32)
+        for i, s in enumerate(rows):
+            slot = self.slots[s]
+            piece = slot.seq[slot.done : slot.done + c]
+            start[i], last[i] = slot.done, len(slot.seq) - 1
+            after[i] = slot.seq[slot.done + c] if slot.done + c < len(slot.seq) else 0
+            tokens[i, : len(piece)] = piece
+            valid[i, : len(piece)] = True
+        pages = self.kv.table([self.slots[s].pages for s in rows], p, int(start.max()) + c + reach)
+        return pages, tokens, start, last, after, valid
+
+    def _prefill_call(self, rows: list[int]) -> None:
+        pages, tokens, start, last, after, valid = self._prefill_inputs(rows)
+        requests = [self.slots[s].request for s in rows]
+        sampling, flags = sampling_rows(requests, self.prefill_rows)
+        echo = any(r.echo_logprobs and not r.tokens for r in requests)  # every position's logits: only when needed
+        out, lp, logits, self.prefill_into, picks = self._prefill(
+            self.prefill_engine.params, self.prefill_into, pages, tokens, start, last, after, sampling,
+            forced=forced(self.dealer, "prefill", valid.reshape(-1)), prompt_logprobs=echo, **flags)
+        out, lp = to_host(out), jax.tree.map(to_host, lp)
+        self._observe("prefill", picks, valid.reshape(-1))
+        if self.apart:
+            self.handover_bytes += self._hand_over(pages, start)
+        for i, r in enumerate(requests):
+            if r.echo_logprobs and not r.tokens:  # position t's entry is the logprob of prompt token t + 1
+                r.record(lp["prompt"], i, prompt=True, at=slice(0, min(self.chunk, last[i] - start[i])))
+        now = time.perf_counter()
+        for i, s in self._advance_prefill(rows, self.chunk):
+            r = self.slots[s].request
+            if any(other is not None and other.leader == s for other in self.slots):
+                self._fork_samples(s, to_host(logits)[i], now)
+            if r.max_tokens == 0:
+                self._emit(s, None, now)
+            else:
+                if not r.tokens:
+                    r.record(lp, i)
+                self._start_decoding(s, int(out[i]), now)
+
+    def _fork_samples(self, source: int, logits: np.ndarray, now: float) -> None:
+        """The other samples of slot `source`'s prompt, now prefilled: each holds the prompt's full
+        pages and a copy of its partly written last one, and draws its first token from the
+        prompt's last logits [V] (through the host: with prefill apart they are on the other
+        mesh) with its own seed."""
+        leader = self.slots[source]
+        forks = [s for s, slot in enumerate(self.slots) if slot is not None and slot.leader == source]
+        n, none, ps, length = self.num_slots, self.kv.num_pages, self.kv.page_size, len(leader.seq)
+        full = leader.pages[: length // ps]
+        src, dst = np.full(n, none, np.int32), np.full(n, none, np.int32)  # padding: no page
+        if length % ps:
+            src[: len(forks)] = leader.pages[length // ps]
+            dst[: len(forks)] = [self.slots[s].pages[0] for s in forks]
+        requests = [self.slots[s].request for s in forks]
+        sampling, _ = sampling_rows(requests, n, extras=True)
+        out, lp, self.cache = self._fork_program(self.cache, src, dst, logits, sampling, np.full(n, length, np.int32))
+        out, lp = to_host(out), {k: to_host(v) for k, v in lp.items()}
+        for i, s in enumerate(forks):
+            slot, r = self.slots[s], requests[i]
+            self.kv.hold(full)
+            slot.pages, slot.leader, slot.done, slot.pos = full + slot.pages, None, length, length
+            r.prompt_logprobs = leader.request.prompt_logprobs
+            if r.max_tokens == 0:
+                self._emit(s, None, now)
+            else:
+                r.record(lp, i)
+                self._emit(s, int(out[i]), now)
+
+    @property
+    def prefill_into(self) -> list[dict]:
+        """The cache prefill chunks write: the decode cache, or with prefill apart its own."""
+        return self.prefill_cache if self.apart else self.cache
+
+    @prefill_into.setter
+    def prefill_into(self, cache: list[dict]) -> None:
+        if self.apart:
+            self.prefill_cache = cache
+        else:
+            self.cache = cache
+
+    def _hand_over(self, pages: np.ndarray, start: np.ndarray) -> int:
+        """Prefill apart: the pages a prefill call wrote (those of block tables `pages` [P, W]
+        holding chunk positions from `start` [P]) from the prefill pool into the decode pool,
+        streamed call by call in a fixed shape -> bytes that changed device."""
+        from moejax.engine.disaggregated import move_cache
+
+        ids = self.kv.chunk_pages(pages, start, self.chunk)
+        pieces, moved = move_cache(self._take(self.prefill_cache, ids), self.engine.placement,
+                                   list(self.prefill_engine.placement.mesh.devices.flat), pool=True)
+        self.cache = self._put(self.cache, ids, pieces)
+        return moved
+
+    def _observe(self, kind: str, picks: list, valid: np.ndarray) -> None:
+        if self.pick_observers and picks:
+            ids = np.stack([to_host(p) for p in picks])  # [L, R, k]
+            for observe in self.pick_observers:
+                observe(kind, ids, valid)
+
+    # ------------------------------------------------------------------ warm-up
+    def warm_up(self) -> None:
+        """Compiles every program a request can use (greedy, sampled, with logprobs / bias, with
+        prompt logprobs, at every block-table width; the fork of n samples) on idle rows, which
+        name no page and so write nothing."""
+        p, n, none = self.prefill_rows, self.num_slots, self.kv.num_pages
+        for greedy, extras in ((True, False), (False, False), (False, True)):
+            for pw in self.kv.widths():
+                for w in self.decode_widths():
+                    sampling, _ = sampling_rows([], w, extras=extras)
+                    _, _, self.cache, _ = self._decode(self.engine.params, self.cache, np.full((w, pw), none, np.int32),
+                                                       np.zeros(w, np.int32), np.full(w, self.max_len, np.int32),
+                                                       sampling, forced=forced(self.dealer, "decode", np.zeros(w, bool)),
+                                                       greedy_only=greedy, extras=extras)
+                for echo in (False, True) if extras else (False,):
+                    sampling, _ = sampling_rows([], p, extras=extras)
+                    zeros = np.zeros(p, np.int32)
+                    out, _, logits, self.prefill_into, _ = self._prefill(
+                        self.prefill_engine.params, self.prefill_into, np.full((p, pw), none, np.int32),
+                        np.zeros((p, self.chunk), np.int32), zeros, zeros, zeros, sampling,
+                        forced=forced(self.dealer, "prefill", np.zeros(p * self.chunk, bool)),
+                        greedy_only=greedy, extras=extras, prompt_logprobs=echo)
+                    out.block_until_ready()
+        sampling, _ = sampling_rows([], n, extras=True)
+        nothing = np.full(n, none, np.int32)
+        out, _, self.cache = self._fork_program(self.cache, nothing, nothing, to_host(logits)[0], sampling,
+                                                np.zeros(n, np.int32))
+        out.block_until_ready()
+        if self.apart:  # compiles the pages' move (padding rows only: nothing written)
+            self._hand_over(np.full((p, 1), none, np.int32), np.zeros(p, np.int32))
