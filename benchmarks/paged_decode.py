@@ -16,6 +16,7 @@ A/B rounds alternate (the host is shared: interleaving spreads its load over bot
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import numpy as np
@@ -23,8 +24,8 @@ import numpy as np
 from moejax.config import Config, preset
 from moejax.engine.engine import Engine
 from moejax.loading import load_params
-from moejax.serving import bench
-from moejax.serving.scheduler import Scheduler
+from moejax.serving.scheduler import Request, Scheduler
+from moejax.serving.stopping import Stopper
 from sharding import make_placement
 
 # (requests, prompt, new tokens, short / long --max-seq-len, shared prefix, prefix prompt,
@@ -44,28 +45,35 @@ class Counting(Scheduler):
         super()._decode_step(decoding)
 
 
-def load(client, **kw) -> dict:
-    s = bench.run(client, request_rate=float("inf"), progress=False, **kw)
-    client.close()
-    assert s["failed"] == 0, s["first_error"]
-    return s
+def prompts(n: int, length: int, shared: int = 0, seed: int = 0) -> list[list[int]]:
+    """`bench`'s prompts: random ids, the first `shared` the same in every one."""
+    p = np.random.default_rng(seed).integers(10, preset("tiny").vocab_size, (n, length))
+    p[:, :shared] = p[0, :shared]
+    return p.tolist()
 
 
-def tpot(engine: Engine, max_len: int, st: dict) -> float:
-    scheduler = Scheduler(engine, slots=st["requests"], max_len=max_len)
-    scheduler.warm_up()
-    s = load(bench.LocalClient(scheduler), num_prompts=st["requests"], input_len=st["prompt"], output_len=st["new"],
-             max_concurrency=None)
-    return s["mean_tpot_ms"]
+def send(scheduler: Scheduler, batch: list[list[int]], new: int) -> list[Request]:
+    """The prompts at once, through the scheduler on this thread (as `bench` with no rate limit)."""
+    return scheduler.run_all([Request(p, new, Stopper(None)) for p in batch])
 
 
-def prefix(engine: Engine, cache: bool, st: dict) -> tuple[float, int]:
-    """(mean TTFT ms, positions prefilled) of requests sharing their first tokens, one at a time."""
-    scheduler = Scheduler(engine, slots=2, max_len=st["prefix_prompt"] + 4, prefix_cache=cache)
-    scheduler.warm_up()
-    s = load(bench.LocalClient(scheduler), num_prompts=st["requests"], input_len=st["prefix_prompt"], output_len=4,
-             max_concurrency=1, shared_prefix_len=st["shared"])
-    return s["mean_ttft_ms"], scheduler.prefilled_tokens
+def tpot_ms(requests: list[Request]) -> float:
+    return 1e3 * float(np.mean([(r.token_times[-1] - r.token_times[0]) / (len(r.tokens) - 1) for r in requests]))
+
+
+class Sides:
+    """Each side's scheduler, built once; its first load is run untimed (it compiles what the
+    load uses), then `round` times every side in turn."""
+
+    def __init__(self, sides: dict, load):
+        self.sides, self.load = sides, load
+        for scheduler in sides.values():
+            load(scheduler)
+        self.results = {k: [] for k in sides}
+
+    def round(self) -> None:
+        for k, scheduler in self.sides.items():
+            self.results[k].append(self.load(scheduler))
 
 
 def capacity(engine: Engine, st: dict) -> int:
@@ -73,7 +81,7 @@ def capacity(engine: Engine, st: dict) -> int:
     requests = slots * max_len // st["request_len"]  # as many as the positions hold
     scheduler = Counting(engine, slots=requests, max_len=max_len, kv_tokens=slots * max_len)
     half = st["request_len"] // 2
-    load(bench.LocalClient(scheduler), num_prompts=requests, input_len=half, output_len=half, max_concurrency=None)
+    send(scheduler, prompts(requests, half), half)
     return scheduler.most_decoding
 
 
@@ -88,14 +96,27 @@ def main(argv: list[str] | None = None) -> None:
     placement = make_placement(config)
     engine = Engine(config, load_params(config, placement), placement)
     short, long = st["max_lens"]
-    times, ttft = {short: [], long: []}, {True: [], False: []}
+    n, p, o = st["requests"], st["prompt"], st["new"]
+    decode = Sides({m: Scheduler(engine, slots=n, max_len=m) for m in (short, long)},
+                   lambda s: tpot_ms(send(s, prompts(n, p), o)))
+    seeds = itertools.count(1)
+
+    def one_at_a_time(s: Scheduler) -> tuple[float, int]:
+        """(mean TTFT ms, positions prefilled) of prompts sharing their first tokens, sent one at a
+        time; each load's prefix is new (its first request finds nothing cached)."""
+        before, ttft = s.prefilled_tokens, []
+        for prompt in prompts(n, st["prefix_prompt"], st["shared"], seed=next(seeds)):
+            r = send(s, [prompt], 4)[0]
+            ttft.append(r.token_times[0] - r.arrival)
+        return 1e3 * float(np.mean(ttft)), s.prefilled_tokens - before
+
+    prefix = Sides({cache: Scheduler(engine, slots=2, max_len=st["prefix_prompt"] + 4, prefix_cache=cache)
+                    for cache in (True, False)}, one_at_a_time)
     for _ in range(args.rounds):
-        for max_len in times:
-            times[max_len].append(tpot(engine, max_len, st))
-        for cache in ttft:
-            ttft[cache].append(prefix(engine, cache, st))
-    mean = {k: float(np.mean(v)) for k, v in times.items()}
-    (with_ms, with_tokens), (without_ms, without_tokens) = (np.mean(ttft[k], axis=0) for k in (True, False))
+        decode.round()
+        prefix.round()
+    mean = {k: float(np.mean(v)) for k, v in decode.results.items()}
+    (with_ms, with_tokens), (without_ms, without_tokens) = (np.mean(prefix.results[k], axis=0) for k in (True, False))
     together = capacity(engine, st)
     slots, max_len = st["kv"]
     out = {"mean_tpot_ms": {short: round(mean[short], 2), long: round(mean[long], 2)},
@@ -107,7 +128,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         print(json.dumps(out))
         return
-    n, p, o = st["requests"], st["prompt"], st["new"]
     run = f"moejax bench --preset tiny --num-prompts {n} --input-len {p} --output-len {o} --slots {n}"
     print(f"{'decode: ' + run:<100}{'mean TPOT ms':>14}")
     for m in (short, long):

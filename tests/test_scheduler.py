@@ -200,7 +200,7 @@ def test_prefix_cache_hit_gives_the_same_tokens_and_prefills_only_the_rest(engin
 
 @pytest.mark.parametrize("length", [9, 8], ids=["partial-last-page", "whole-pages"])
 def test_n_samples_share_the_prompts_pages_and_give_its_tokens(engine, small, length):
-    prompt = PROMPTS[0][:length]
+    prompt = list(range(30 + length, 30 + 2 * length))  # its own: no prefix-cache hit
     r = request(prompt, 6, samples=[request(prompt, 6) for _ in range(2)])
     prefilled = small.prefilled_tokens
     small.run_all([r])

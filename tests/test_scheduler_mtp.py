@@ -13,7 +13,7 @@ from moejax.engine.engine import Engine
 from moejax.errors import UsageError
 from moejax.loading import load_params
 from moejax.model.mtp import mirrored_draft
-from moejax.serving.scheduler import Request
+from moejax.serving.scheduler import Request, Scheduler
 from moejax.serving.speculative import SpecScheduler
 from moejax.serving.stopping import Stopper
 from sharding import make_placement
@@ -49,3 +49,10 @@ def test_mtp_stop_id_ends_a_request_between_its_two_tokens(spec):
 def test_mtp_scheduler_refuses_sampled_requests(spec):
     with pytest.raises(UsageError, match="greedy"):
         spec.check(Request(PROMPTS[0], 4, Stopper(None), temperature=0.7))
+
+
+def test_paged_scheduler_on_mla_gives_the_static_engines_tokens(spec):
+    """MLA latent, rope key and DSA indexer keys in pages of 4 (no MTP): the plain greedy tokens."""
+    s = Scheduler(spec.engine, slots=3, max_len=64, page_size=4, kv_tokens=96)
+    done = s.run_all([Request(p, n, Stopper(None)) for p, n in zip(PROMPTS, LENGTHS)])
+    assert [r.tokens for r in done] == [spec.engine.generate([p], n).tokens[0] for p, n in zip(PROMPTS, LENGTHS)]

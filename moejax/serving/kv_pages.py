@@ -56,7 +56,7 @@ class KVPages:
     @property
     def available(self) -> int:
         """Pages a request may take: free ones and cached ones no request holds."""
-        return self.allocator.num_free + (len(self.prefix) if self.prefix else 0)
+        return self.allocator.num_free + (self.prefix.evictable if self.prefix is not None else 0)
 
     @property
     def usage(self) -> float:
@@ -83,14 +83,14 @@ class KVPages:
         """Another request holds these pages too."""
         for page in pages:
             self.refs[page] += 1
-            if self.prefix:
+            if self.prefix is not None:
                 self.prefix.held(page)
 
     def release(self, pages: list[int]) -> None:
         """A request lets go of its pages: keyed ones no request holds stay cached, the rest are free."""
         for page in pages:
             self.refs[page] -= 1
-            if self.refs[page] == 0 and not (self.prefix and self.prefix.keeps(page)):
+            if self.refs[page] == 0 and not (self.prefix is not None and self.prefix.keeps(page)):
                 self.allocator.release([page])
 
     def admit(self, seq: list[int], forks: int = 0, cached: bool = True):
@@ -99,7 +99,7 @@ class KVPages:
         found in the prefix cache, the forks' pages), or None when the pool lacks them.
         `cached` False: no lookup (the request needs every position computed)."""
         found, keys = [], []
-        if self.prefix and cached:
+        if self.prefix is not None and cached:
             # The last position is always computed: its logits give the next token.
             found, keys = self.prefix.match(seq[:-1])
             self.hold(found)
@@ -116,7 +116,7 @@ class KVPages:
 
     def written(self, pages: list[int], keys: list[bytes], done: int) -> None:
         """A request's first `done` positions are written: its full pages join the prefix cache."""
-        if self.prefix:
+        if self.prefix is not None:
             for page, key in zip(pages[: done // self.page_size], keys):
                 self.prefix.register(page, key)
 

@@ -32,8 +32,9 @@ class PrefixCache:
         self.unheld: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.queries = self.hits = 0  # prompt positions looked up, and found cached
 
-    def __len__(self) -> int:
-        """Pages the pool may take back (evict)."""
+    @property
+    def evictable(self) -> int:
+        """Pages the pool may take back."""
         return len(self.unheld)
 
     def match(self, tokens: list[int]) -> tuple[list[int], list[bytes]]:

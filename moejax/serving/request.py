@@ -103,14 +103,15 @@ def sampling_rows(requests: list[Request | None], n: int, extras: bool = False) 
 
 
 def check_request(request: Request, vocab: int, max_len: int, slots: int) -> None:
-    """Raises UsageError for a request that can never run in a cache of `slots` x `max_len`."""
+    """Raises UsageError for a request that can never run: `max_len` the longest request, `slots` decoding at once."""
     if not request.prompt:
         raise UsageError("the prompt is empty")
     bad = [t for t in request.prompt if not 0 <= t < vocab]
     if bad:
         raise UsageError(f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
     if len(request.prompt) >= max_len:
-        raise UsageError(f"prompt of {len(request.prompt)} tokens does not fit the KV cache of {max_len} positions")
+        raise UsageError(f"prompt of {len(request.prompt)} tokens does not fit the longest request of {max_len} "
+                         f"positions (--max-seq-len)")
     if request.max_tokens < 0:
         raise UsageError(f"max_tokens must be at least 0, got {request.max_tokens}")
     if request.temperature < 0 or request.top_k < 0 or not 0 < request.top_p <= 1:
