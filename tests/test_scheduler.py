@@ -211,3 +211,15 @@ def test_n_samples_share_the_prompts_pages_and_give_its_tokens(engine, small, le
 def test_prompt_that_can_never_fit_the_pool_is_refused_in_one_line(small):
     with pytest.raises(UsageError, match=r"the KV cache holds 12 \(--kv-cache-tokens\)"):
         small.check(request(list(range(3, 53)), 1))
+
+
+def test_metrics_report_pages_preemptions_and_prefix_cache(small):
+    from prometheus_client import generate_latest
+
+    from moejax.serving.metrics import Metrics
+
+    text = generate_latest(Metrics(small).registry).decode()
+    for name, value in (("moejax_kv_cache_usage", small.kv.usage), ("moejax_kv_pages_total", 12),
+                        ("moejax_preemptions", small.preemptions), ("moejax_prefix_cache_hits", small.kv.prefix.hits),
+                        ("moejax_prefix_cache_queries", small.kv.prefix.queries)):
+        assert f"{name} {float(value)}" in text

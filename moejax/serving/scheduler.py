@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from moejax.engine.engine import bucket
+from moejax.engine.engine import MIN_POSITIONS, bucket
 from moejax.errors import UsageError
 from moejax.serving.kv_pages import PAGE_SIZE, KVPages, pool_pages
 from moejax.serving.program_calls import ProgramCalls
@@ -99,7 +99,7 @@ class Scheduler(ProgramCalls):
         # steps, so its length is every running request's inter-token latency (the static engine's
         # one-call-per-prompt default would stall them for a whole prompt).
         self.chunk = engine.config.engine.prefill_chunk or SERVE_PREFILL_CHUNK
-        self.max_len = max_len or min(c.max_position_embeddings, bucket(longest, 16) if longest else 2048)
+        self.max_len = max_len or min(c.max_position_embeddings, bucket(longest, MIN_POSITIONS) if longest else 2048)
         multiple = engine.placement.batch_multiple()
         if slots < 1 or slots % multiple:
             raise UsageError(f"--slots {slots} must be a positive multiple of {multiple} (requests are split over the devices)")
