@@ -18,7 +18,10 @@ from moejax.errors import UsageError
 from moejax.serving.prefix_cache import PrefixCache
 
 PAGE_SIZE = 16  # positions per page (--page-size)
-TABLE_STEP = 4  # block-table widths a program compiles for: the longest request's, / 4, / 16, ...
+# Block-table widths a program compiles for: this many positions, x4, x16, ... and the longest
+# request's (a narrower read saves less than another set of programs costs to compile).
+MIN_TABLE_POSITIONS = 128
+TABLE_STEP = 4
 
 
 def pool_pages(engine, page_size: int, kv_tokens: int = 0, kv_gb: float = 0.0, multiple: int = 1) -> int:
@@ -121,14 +124,14 @@ class KVPages:
                 self.prefix.register(page, key)
 
     def widths(self) -> list[int]:
-        """Block-table widths the programs compile for: the longest request's pages (a power of
-        two) and that over TABLE_STEP, TABLE_STEP^2, ...: a step reads about the pages its
-        longest request holds, not every request's whole context."""
-        top, out = bucket(self.max_pages), []
-        while top >= 1:
-            out.append(top)
-            top //= TABLE_STEP
-        return sorted(out)
+        """Block-table widths the programs compile for: MIN_TABLE_POSITIONS' pages times 1,
+        TABLE_STEP, TABLE_STEP^2, ... and the longest request's pages (a power of two): a step
+        reads about the pages its longest request holds, not every request's whole context."""
+        top, width, out = bucket(self.max_pages), max(1, MIN_TABLE_POSITIONS // self.page_size), []
+        while width < top:
+            out.append(width)
+            width *= TABLE_STEP
+        return out + [top]
 
     def table(self, rows: list[list[int]], batch: int, positions: int) -> np.ndarray:
         """Block tables [batch, W] of `rows`' pages, W the narrowest width holding `positions`."""
