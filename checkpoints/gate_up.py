@@ -1,5 +1,5 @@
 """Gate and up projections as the one gate_up matrix a run multiplies by: columns interleaved
-(gate in even columns, `moejax.model.layers.gate_up_columns`), whatever form they come in.
+(gate in even columns, `pallas_kernels.epilogue.gate_up_columns`), whatever form they come in.
 
 Floats interleave as they are. 4-bit experts (as a file holds them, or as a checkpoint of an
 earlier format restored them) interleave their values and block scales along N, which lies

@@ -187,7 +187,7 @@ def quantize_experts(w: jax.Array, fmt: str, k_slices: int = 1, gated: bool = Fa
     A packed byte holds two values of its own slice, so a device holding K-slice j of every
     expert holds a complete 4-bit matrix. Blocks never straddle slices and NVFP4's tensor scale
     stays per expert, so the values and scales are those of quantizing each whole matrix.
-    `gated`: N interleaves gate and up columns (`moejax.model.layers.gate_up_columns`); each half
+    `gated`: N interleaves gate and up columns (`pallas_kernels.epilogue.gate_up_columns`); each half
     keeps its own NVFP4 tensor scale (column-wise, [..., E, 1, N]), so every bit is that of
     quantizing gate and up apart."""
     *lead, k, n = w.shape

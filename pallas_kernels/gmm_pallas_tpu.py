@@ -6,6 +6,11 @@ outside [group_offset, group_offset + G_local)) are never scheduled and their we
 leave HBM. group ids and tile ids are scalar-prefetched into SMEM and steer the BlockSpec
 index maps. TPUs have no fp4 matrix unit: a 4-bit tile [tk/2, tn] of bytes is decoded to its
 two K-halves and multiplied in the rows' dtype (bf16 math, f32 accumulator in VMEM).
+
+With a gated activation (`epilogue`), the last K step applies the column scales, the bias and
+act(gate, up) to the [tm, tn] tile and writes [tm, tn/2]: Mosaic has no lane-strided load, so
+the tile goes through a [tn, 128] VMEM scratch transposed, where gate and up columns are
+alternate sublanes.
 """
 
 from __future__ import annotations
@@ -17,14 +22,26 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import decode, formats, metadata, tiling
+from pallas_kernels import decode, epilogue, formats, metadata, tiling
+
+
+def fuses_glu(n: int) -> bool:
+    """Whether the epilogue can halve a gate|up product of N columns: each tn = 256 tile
+    writes 128 lanes, the narrowest out block Mosaic takes."""
+    return n % 256 == 0
 
 
 def _kernel(group_ids, m_tile_ids, offsets, offset, tscale, *refs, quantized, fmt, block, tm,
-            tiles_k, cdtype):
+            tiles_k, cdtype, tables, act):
     """One (n, active m tile, k) step. Refs: lhs (one, or its lo/hi K-halves for 4-bit),
-    rhs (weights, or bytes + lo/hi scale bits), out [tm, tn], acc [tm, tn] f32 scratch."""
+    rhs (weights, or bytes + lo/hi scale bits), the epilogue's column scales and bias [1, tn]
+    where `tables` says so, out [tm, tn] ([tm, tn/2] with act), acc [tm, tn] f32 scratch, and
+    with act the [tn, tm] f32 scratch of the transposed tile."""
+    if act is not None:
+        *refs, pairs_ref = refs
     *ins, out_ref, acc_ref = refs
+    cols_ref = ins.pop(len(ins) - sum(tables)) if tables[0] else None
+    bias_ref = ins.pop() if tables[1] else None
     grid_id, k_i = pl.program_id(1), pl.program_id(2)
 
     @pl.when(k_i == 0)
@@ -46,24 +63,41 @@ def _kernel(group_ids, m_tile_ids, offsets, offset, tscale, *refs, quantized, fm
         g = group_ids[grid_id]
         rows = m_tile_ids[grid_id] * tm + lax.broadcasted_iota(jnp.int32, out_ref.shape, 0)
         mine = (rows >= offsets[g]) & (rows < offsets[g + 1])
+        scale = tscale[g - offset[0]] * (1.0 if cols_ref is None else cols_ref[...])
+        y = epilogue.finish(acc_ref[...], out_ref.dtype, scale, None if bias_ref is None else bias_ref[...])
+        if act is not None:
+            y = epilogue.glu(*_lane_pairs(y, pairs_ref), act)
         # An out tile shared by several groups is visited by each in turn; keep the others' rows.
-        result = acc_ref[...] * tscale[g - offset[0]]
-        out_ref[...] = jnp.where(mine, result, out_ref[...].astype(jnp.float32)).astype(out_ref.dtype)
+        out_ref[...] = jnp.where(mine, y, out_ref[...])
+
+
+def _lane_pairs(y, pairs_ref):
+    """y [tm, tn] -> even and odd columns [tm, tn/2] each, through pairs_ref [tn, tm] f32:
+    columns become sublanes, which Mosaic loads with a stride."""
+    half = y.shape[1] // 2
+    pairs_ref[...] = y.astype(jnp.float32).T
+    return tuple(pairs_ref[pl.ds(i, half, stride=2), :].T.astype(y.dtype) for i in (0, 1))
 
 
 def gmm_pallas_tpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret: bool = False,
-                   tk: int | None = None):
+                   tk: int | None = None, epilogue=None):
     """lhs [M, K], rhs [G_local, K, N] (array or QuantizedArray), group_sizes [G] -> [M, N].
 
-    tk overrides the K tile (tests use it to run several K steps on small shapes).
+    tk overrides the K tile (tests use it to run several K steps on small shapes). epilogue:
+    (column scales [G_local, N] or None, bias [G_local, N] or None, act): a gate|up rhs
+    (`fuses_glu(N)`), out [M, N/2] = act(gate, up) of the scaled, biased product.
     """
     m, k = lhs.shape
     g_local, _, n = rhs.shape
     quantized = isinstance(rhs, formats.QuantizedArray)
-    tm = min(128, tiling.round_up(m, 16))
+    tables, has = tiling.epilogue_tables(epilogue, g_local)
+    act = epilogue[2] if epilogue else None
+    # The transposed tile's scratch [tn, tm] must be 128 lanes wide to be loaded with a stride.
+    tm = 128 if act is not None else min(128, tiling.round_up(m, 16))
     # tk / 2 / block scale rows should fill the 32-sublane tile of 8-bit data: tk = 64 * block.
     tk = tk or tiling.k_tile(k, rhs, (2048, 1024, 512) if quantized else (512, 256, 128))
-    tn = tiling.pick_tile(n, (256, 128))
+    tn = tiling.pick_tile(n, (256,) if act is not None else (256, 128))
+    tn_out = tn // 2 if act is not None else tn
     lhs_p, offset, (offsets, group_ids, m_tile_ids), num_tiles = tiling.group_tiles(
         lhs, group_sizes, group_offset, g_local, tm)
     tiles_k = k // tk
@@ -88,23 +122,28 @@ def gmm_pallas_tpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
         operands = (lhs_p, rhs)
         in_specs = [pl.BlockSpec((tm, tk), lhs_map(0)), pl.BlockSpec((None, tk, tn), rhs_map(0))]
         tscale = jnp.ones((g_local,), jnp.float32)
+    operands += tuple(tables)
+    in_specs += [pl.BlockSpec((None, 1, tn), lambda n_i, t, k_i, gids, mids, offs, off, ts: (gids[t] - off[0], 0, n_i))
+                 for _ in tables]
 
     kernel = functools.partial(
         _kernel, quantized=quantized, fmt=fmt, block=block, tm=tm, tiles_k=tiles_k,
-        cdtype=tiling.compute_dtype(lhs.dtype, rhs))
+        cdtype=tiling.compute_dtype(lhs.dtype, rhs), tables=has, act=act)
     out = pl.pallas_call(
         kernel,
-        out_shape=metadata.varying_struct((lhs_p.shape[0], n), out_dtype, lhs, rhs, group_sizes, group_offset),
+        out_shape=metadata.varying_struct((lhs_p.shape[0], n * tn_out // tn), out_dtype, lhs, rhs, group_sizes,
+                                          group_offset),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((tm, tn), lambda n_i, t, k_i, gids, mids, *_: (mids[t], n_i)),
+            out_specs=pl.BlockSpec((tm, tn_out), lambda n_i, t, k_i, gids, mids, *_: (mids[t], n_i)),
             grid=(n // tn, num_tiles, tiles_k),
-            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)] + (
+                [pltpu.VMEM((tn, tm), jnp.float32)] if act is not None else []),
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=interpret,
-        cost_estimate=tiling.cost_estimate(lhs, rhs, lhs_p.shape[0], out_dtype),
+        cost_estimate=tiling.cost_estimate(lhs, rhs, lhs_p.shape[0], out_dtype, glu=act is not None),
     )(group_ids, m_tile_ids, offsets, offset, tscale, *operands)
     return tiling.zero_foreign_rows(out, offsets, offset[0], g_local, m)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from moejax import platform
 from moejax.vocab import KERNELS
-from pallas_kernels import formats, layered
+from pallas_kernels import epilogue, formats, layered
 
 # The names are moejax.vocab.KERNELS ("auto": moejax.platform.kernel): the module of pallas_kernels
 # holding the backend (a function of the module's name), and keyword arguments.
@@ -80,18 +80,22 @@ def _backend_fn(name: str):
     return functools.partial(_load(module, module), **kwargs)
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "preferred_element_type"))
+@functools.partial(jax.jit, static_argnames=("backend", "preferred_element_type", "act"))
 def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto",
-                 preferred_element_type=None):
-    """out[r] = lhs[r] @ rhs[g(r) - group_offset] for rows r of local groups, else 0.
+                 preferred_element_type=None, bias=None, act=None):
+    """out[r] = lhs[r] @ rhs[g(r) - group_offset] (+ bias[g(r) - group_offset]) for rows r of
+    local groups, else 0; with `act`, rhs is a gate|up stack (gate and up interleaved along N)
+    and out[r] = act(gate, up) of that product.
 
     lhs: [M, K], rows sorted by group. rhs: [G_local, K, N] array, or a QuantizedArray from
     `quantize(w, fmt, axis=-2)`, or either as one layer of a stack (`layered.LayerOf`).
     group_sizes: [G] int32 rows per group over all G groups,
     sum <= M. group_offset: scalar (may be traced): rhs[j] is global group group_offset + j.
     Rows of groups outside [group_offset, group_offset + G_local) and rows past
-    sum(group_sizes) come out zero; groups without rows are never read.
-    Returns [M, N] in preferred_element_type (default: lhs.dtype).
+    sum(group_sizes) come out zero; groups without rows are never read. bias: [G_local, N].
+    act: act(gate, up) -> [.., N/2] (hashable: static); the Pallas kernels apply it, with the
+    bias and the column scales, in their epilogue and write [M, N/2] (`epilogue`).
+    Returns [M, N] (with act: [M, N/2]) in preferred_element_type (default: lhs.dtype).
     """
     chex.assert_rank([lhs, group_sizes], [2, 1])
     chex.assert_type(group_sizes, jnp.int32)
@@ -102,17 +106,35 @@ def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto"
         raise ValueError("a 4-bit rhs must be quantized along K (axis=-2)")
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     backend = platform.kernel(backend)  # "auto" for this machine; a placement passes its target's kernel
-    if backend == "xla":  # only the XLA loop reads groups out of a layer stack (and column scales)
-        return _backend_fn(backend)(lhs, rhs, group_sizes, group_offset, out_dtype)
-    rhs = layered.unwrap(rhs)
-    columns = _column_scales(rhs)
+    m, n = lhs.shape[0], rhs.shape[2]
+    if backend != "xla":  # only the XLA loop reads groups out of a layer stack (and column scales)
+        rhs = layered.unwrap(rhs)
+    columns = None if backend == "xla" else _column_scales(rhs)
+    if act is not None and _fuses(backend, n):
+        return _backend_fn(backend)(lhs, _unit_scales(rhs) if columns is not None else rhs, group_sizes,
+                                    group_offset, out_dtype, epilogue=(columns, bias, act))
     if columns is None:
-        return _backend_fn(backend)(lhs, rhs, group_sizes, group_offset, out_dtype)
-    # Column-wise tensor scales (a gate_up stack's two halves): the kernels scale per group,
-    # so they run at scale 1 in f32 and each row takes its group's columns' scales after.
-    unit = None if isinstance(rhs, formats.QuantizedArray) else jnp.ones(columns.shape[:1], jnp.float32)
-    out = _backend_fn(backend)(lhs, rhs.replace(tensor_scale=unit), group_sizes, group_offset, jnp.float32)
-    return (out * _row_scales(columns, group_sizes, group_offset, lhs.shape[0])).astype(out_dtype)
+        out = _backend_fn(backend)(lhs, rhs, group_sizes, group_offset, out_dtype)
+        scale = None
+    else:  # column-wise tensor scales (a gate_up stack's two halves): the kernels scale per group,
+        # so they run at scale 1 in f32 and each row takes its group's columns' scales after
+        out = _backend_fn(backend)(lhs, _unit_scales(rhs), group_sizes, group_offset, jnp.float32)
+        scale = epilogue.group_rows(columns, group_sizes, group_offset, m)
+    rows_bias = None if bias is None else epilogue.group_rows(bias, group_sizes, group_offset, m)
+    y = epilogue.finish(out, out_dtype, scale, rows_bias)
+    return y if act is None else epilogue.glu(*epilogue.gate_up_columns(y), act)
+
+
+def _fuses(backend: str, n: int) -> bool:
+    """Whether `backend`'s kernel applies the gated activation itself for a gate|up stack of N columns."""
+    fuses = getattr(importlib.import_module(f"pallas_kernels.{_IMPLS[backend][0]}"), "fuses_glu", None)
+    return bool(fuses and fuses(n))
+
+
+def _unit_scales(rhs):
+    """rhs with its tensor scales taken out (applied by the epilogue, column-wise)."""
+    unit = None if isinstance(rhs, formats.QuantizedArray) else jnp.ones(rhs.tensor_scale.shape[:1], jnp.float32)
+    return rhs.replace(tensor_scale=unit)
 
 
 def _column_scales(rhs) -> jax.Array | None:
@@ -122,10 +144,3 @@ def _column_scales(rhs) -> jax.Array | None:
     if ts is None or (ts.ndim == 1 if not isinstance(rhs, formats.QuantizedArray) else ts.shape[-1] == 1):
         return None
     return ts.reshape(ts.shape[0], -1)
-
-
-def _row_scales(columns: jax.Array, group_sizes: jax.Array, group_offset, m: int) -> jax.Array:
-    """columns [G_local, N] -> [M, N]: each sorted row's group's scales (rows of other groups
-    come out of the kernels zero whatever they are multiplied by)."""
-    g = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m), side="right") - group_offset
-    return columns[jnp.clip(g, 0, columns.shape[0] - 1)]

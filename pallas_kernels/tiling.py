@@ -10,14 +10,16 @@ from jax.experimental.pallas.ops.tpu.megablox.gmm import make_group_metadata
 from pallas_kernels import formats
 
 
-def cost_estimate(lhs, rhs, out_rows: int, out_dtype) -> pl.CostEstimate:
+def cost_estimate(lhs, rhs, out_rows: int, out_dtype, glu: bool = False) -> pl.CostEstimate:
     """What a grouped GEMM costs, for XLA to schedule around the call (as megablox tells it):
     every row of lhs [M, K] times one [K, N] expert; bytes of lhs, of rhs [G, K, N] (at most:
-    experts without rows are not read) and of the [out_rows, N] output."""
+    experts without rows are not read) and of the [out_rows, N] output ([out_rows, N/2] and
+    one sigmoid per output with the gated activation in the epilogue)."""
     m, k = lhs.shape
     n = rhs.shape[2]
-    out_bytes = out_rows * n * jnp.dtype(out_dtype).itemsize
-    return pl.CostEstimate(flops=2 * m * k * n, transcendentals=0,
+    out_cols = n // 2 if glu else n
+    out_bytes = out_rows * out_cols * jnp.dtype(out_dtype).itemsize
+    return pl.CostEstimate(flops=2 * m * k * n, transcendentals=m * out_cols if glu else 0,
                            bytes_accessed=formats.nbytes(lhs) + formats.nbytes(rhs) + out_bytes)
 
 
@@ -87,3 +89,11 @@ def zero_foreign_rows(out: jax.Array, offsets: jax.Array, first_group, g_local: 
     rows = jnp.arange(m)[:, None]
     mine = (rows >= offsets[first_group]) & (rows < offsets[first_group + g_local])
     return jnp.where(mine, out[:m], 0).astype(out.dtype)
+
+
+def epilogue_tables(epilogue, g_local: int) -> tuple[list[jax.Array], tuple[bool, bool]]:
+    """A fused epilogue's per-group column tables (column scales, bias: [G_local, N], where
+    present) as [G_local, 1, N] kernel operands, and which of the two are there."""
+    columns, bias, _ = epilogue or (None, None, None)
+    tables = [t.reshape(g_local, 1, -1) for t in (columns, bias) if t is not None]
+    return tables, (columns is not None, bias is not None)

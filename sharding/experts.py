@@ -6,11 +6,14 @@ which is what makes a decode step bytes-bound rather than compute-bound.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from moejax.model.layers import gate_up_columns, silu_glu
+from moejax.model.layers import silu_glu
+from pallas_kernels.epilogue import group_rows
 
 
 def expert_ffn(x: jax.Array, group_sizes: jax.Array, w: dict, *, group_offset=0, kernel: str = "auto",
@@ -23,26 +26,13 @@ def expert_ffn(x: jax.Array, group_sizes: jax.Array, w: dict, *, group_offset=0,
     come out zero. Where F is sliced (K-sliced down projections), every slice's output is a
     partial sum: only the `first_slice` adds the down bias, so the sum has it once.
     """
-    gmm = lambda lhs, rhs: pallas_kernels.grouped_gemm(
-        lhs, rhs, group_sizes, group_offset=group_offset, backend=kernel, preferred_element_type=x.dtype
-    )
-
-    def biased(y, name, here=True):
-        if name not in w:
-            return y
-        return y + jnp.where(here, _row_bias(w[name], group_sizes, group_offset, x.shape[0]), 0).astype(y.dtype)
-
-    gate, up = gate_up_columns(biased(gmm(x, w["gate_up"]), "gate_up_bias"))  # [M, F] each
-    h = w.get("act", silu_glu)(gate, up)
-    return biased(gmm(h, w["down"]), "down_bias", first_slice)
-
-
-def _row_bias(b: jax.Array, group_sizes: jax.Array, group_offset, rows: int) -> jax.Array:
-    """b: [E_local, N] -> [rows, N]: each sorted row's expert's bias; zero for rows of other
-    experts (and past the last group), as their outputs are."""
-    expert = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right") - group_offset
-    mine = (expert >= 0) & (expert < b.shape[0])
-    return jnp.where(mine[:, None], b[jnp.clip(expert, 0, b.shape[0] - 1)], 0)
+    gmm = functools.partial(pallas_kernels.grouped_gemm, group_sizes=group_sizes, group_offset=group_offset,
+                            backend=kernel, preferred_element_type=x.dtype)
+    h = gmm(x, w["gate_up"], bias=w.get("gate_up_bias"), act=w.get("act", silu_glu))  # [M, F]
+    y = gmm(h, w["down"])
+    if "down_bias" not in w:
+        return y
+    return y + jnp.where(first_slice, group_rows(w["down_bias"], group_sizes, group_offset, x.shape[0]), 0).astype(y.dtype)
 
 
 def sort_picks(ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:

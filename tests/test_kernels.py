@@ -17,6 +17,7 @@ from pallas_kernels import gmm_blackwell
 from pallas_kernels.gmm_pallas_gpu import gmm_pallas_gpu
 from pallas_kernels.gmm_pallas_tpu import gmm_pallas_tpu
 from pallas_kernels.layered import LayerOf
+from moejax.model.layers import ClampedSwiGLU, silu_glu
 
 
 def make_case(seed: int, scenario: str, dtype, m=45, k=128, n=256, groups=6, local=None):
@@ -182,19 +183,58 @@ def test_pallas_kernel_accumulates_over_k_tiles(backend, fmt):
     np.testing.assert_allclose(out, reference(lhs, w_f32, sizes, 0), rtol=1e-5, atol=1e-5)
 
 
+GLU_ACTS = {"swiglu": silu_glu, "clamped_swiglu": ClampedSwiGLU(alpha=1.702, limit=7.0)}
+GLU_CASES = [("dense", jnp.float32), ("nvfp4", jnp.bfloat16), ("mxfp4", jnp.float32)]
+
+
+def glu_case(fmt, dtype, n=512):
+    """A gate|up grouped GEMM's operands: rows, a gate_up stack (NVFP4: a tensor scale per half),
+    group sizes, offset, a bias [G_local, N]."""
+    lhs, rhs, sizes, offset = make_case(zlib.crc32(f"glu/{fmt}".encode()), "offset", dtype, n=n, local=3)
+    w = rhs.astype(dtype) if fmt == "dense" else pk.quantize_experts(rhs, fmt, gated=True)
+    bias = jnp.asarray(np.random.default_rng(1).standard_normal((3, n)), dtype)
+    return lhs, w, sizes, offset, bias
+
+
+@pytest.mark.parametrize("backend", list(KERNELS))
+@pytest.mark.parametrize("act", list(GLU_ACTS))
+@pytest.mark.parametrize("fmt,dtype", GLU_CASES)
+def test_glu_epilogue_matches_xla(backend, act, fmt, dtype):
+    """A gate|up product with its bias and (clamped) SwiGLU applied in the kernel's epilogue
+    equals the XLA path's product, bias and activation (f32: to 1e-5; bf16: the Triton
+    epilogue's activation math is f32, XLA's bf16)."""
+    lhs, w, sizes, offset, bias = glu_case(fmt, dtype)
+    run = functools.partial(pk.grouped_gemm, lhs, w, sizes, group_offset=offset, bias=bias, act=GLU_ACTS[act])
+    out, expected = run(backend=backend), run(backend="xla")
+    assert out.shape == expected.shape == (lhs.shape[0], w.shape[2] // 2) and out.dtype == expected.dtype
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("backend", list(KERNELS))
+def test_glu_epilogue_writes_half_the_columns(backend):
+    """The kernel itself writes [rows, N/2]: the activation is not applied after it."""
+    lhs, w, sizes, offset, bias = glu_case("nvfp4", jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda: pk.grouped_gemm(lhs, w, sizes, group_offset=offset, bias=bias,
+                                                   act=silu_glu, backend=backend))()
+    calls = [e for e in jaxpr.eqns[0].params["jaxpr"].eqns if e.primitive.name == "pallas_call"]
+    assert [c.outvars[0].aval.shape[1] for c in calls] == [w.shape[2] // 2]
+
+
 EXPORTS = {"tpu": ("pallas_tpu", "tpu_custom_call", ()),
            "cuda": ("pallas_gpu", "__gpu$xla.gpu.triton",
                     (export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton"),))}
 
 
-def exported_gemm(platform: str, fmt: str, m: int = 256, k: int = 2048, n: int = 512) -> str:
+def exported_gemm(platform: str, fmt: str, m: int = 256, k: int = 2048, n: int = 512, act=None) -> str:
     """The MLIR of one grouped GEMM [m, k] x [8, k, n] exported for `platform` with its kernel
-    ("nvfp4 gate_up": a gate_up stack's tensor scales, one per half)."""
+    ("nvfp4 gate_up": a gate_up stack's tensor scales, one per half; act: a gate|up product's
+    activation, with a bias, in the epilogue)."""
     backend, _, checks = EXPORTS[platform]
     w = jax.ShapeDtypeStruct((8, k, n), jnp.bfloat16)
     if fmt != "dense":
         w = jax.eval_shape(lambda a: pk.quantize_experts(a, fmt.split()[0], gated=fmt.endswith("gate_up")), w)
-    f = jax.jit(lambda l, w, s, o: pk.grouped_gemm(l, w, s, group_offset=o, backend=backend))
+    bias = jnp.zeros((8, n), jnp.bfloat16) if act is not None else None
+    f = jax.jit(lambda l, w, s, o: pk.grouped_gemm(l, w, s, group_offset=o, backend=backend, bias=bias, act=act))
     return export.export(f, platforms=[platform], disabled_checks=checks)(
         jax.ShapeDtypeStruct((m, k), jnp.bfloat16), w,
         jax.ShapeDtypeStruct((32,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32)).mlir_module()
@@ -206,6 +246,15 @@ def test_hardware_kernels_export(platform, fmt):
     """The kernels lower for their hardware (Mosaic TPU / Triton) at production-like sizes;
     "gate_up": NVFP4 with a tensor scale per half (column-wise)."""
     assert EXPORTS[platform][1] in exported_gemm(platform, fmt)
+
+
+@pytest.mark.parametrize("platform", list(EXPORTS))
+@pytest.mark.parametrize("act", list(GLU_ACTS))
+def test_glu_epilogue_exports(platform, act):
+    """The kernels with the activation in their epilogue lower for their hardware, writing
+    [rows, N/2] (a gate_up stack of Qwen3-30B-A3B's width, F = 768, NVFP4)."""
+    mlir = exported_gemm(platform, "nvfp4 gate_up", n=1536, act=GLU_ACTS[act])
+    assert EXPORTS[platform][1] in mlir and "tensor<256x768xbf16>" in mlir
 
 
 def test_tpu_kernel_tells_xla_its_cost():

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.config import ModelConfig
+from pallas_kernels.epilogue import gate_up_columns
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -17,12 +18,6 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return w * xf.astype(x.dtype)
-
-
-def gate_up_columns(y: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """y: [..., 2F] from a gate|up product, gate and up interleaved (gate in even columns, as
-    gpt-oss publishes its experts) -> (gate, up): [..., F] each."""
-    return y[..., 0::2], y[..., 1::2]
 
 
 def interleave_gate_up(gate, up):

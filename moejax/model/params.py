@@ -23,7 +23,7 @@ class ParamSpec:
     axes: tuple[str | None, ...]  # logical axis names, one per dimension
     init: str = "normal"  # normal | ones | zeros
     float32: bool = False  # kept in float32 whatever the run dtype (router, as transformers does)
-    gated: bool = False  # gate and up interleaved along the last axis (`layers.gate_up_columns`)
+    gated: bool = False  # gate and up interleaved along the last axis (`pallas_kernels.epilogue.gate_up_columns`)
 
     def __post_init__(self):
         assert len(self.shape) == len(self.axes), (self.shape, self.axes)

@@ -1,0 +1,38 @@
+"""What a grouped GEMM does to its f32 product before writing it: column scales and a bias per
+group, then, for a gate|up product, the gated activation that halves its columns.
+
+A gate_up stack [G, K, 2F] interleaves gate and up (gate in even columns), so any tile of 2f
+adjacent columns holds f whole (gate, up) pairs: the Pallas kernels apply `finish` and `glu`
+to each tile and write [rows, F]; the XLA path applies the same functions to its whole product.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def gate_up_columns(y: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """y: [..., 2F] from a gate|up product, gate and up interleaved (gate in even columns, as
+    gpt-oss publishes its experts) -> (gate, up): [..., F] each."""
+    return y[..., 0::2], y[..., 1::2]
+
+
+def finish(acc: jax.Array, out_dtype, scale=None, bias=None) -> jax.Array:
+    """acc [rows, N] f32 -> (acc * scale) in out_dtype, + bias (in out_dtype), as an unfused
+    product followed by a bias add computes it. scale: scalar or [1 or rows, N]; bias: [1 or rows, N]."""
+    y = (acc if scale is None else acc * scale).astype(out_dtype)
+    return y if bias is None else y + bias.astype(out_dtype)
+
+
+def glu(gate: jax.Array, up: jax.Array, act) -> jax.Array:
+    """act(gate, up) [rows, F] in the product's dtype."""
+    return act(gate, up).astype(gate.dtype)
+
+
+def group_rows(table: jax.Array, group_sizes: jax.Array, group_offset, m: int) -> jax.Array:
+    """table: [G_local, N] -> [m, N]: each sorted row's group's row of table; zero for rows of
+    other groups (and past the last group), whose products are zero too."""
+    g = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m), side="right") - group_offset
+    mine = (g >= 0) & (g < table.shape[0])
+    return jnp.where(mine[:, None], table[jnp.clip(g, 0, table.shape[0] - 1)], 0)
