@@ -10,7 +10,7 @@ import dataclasses
 
 from moejax.config import Config, ConfigError, LayoutConfig, from_dict, load_file, replace_checked
 from moejax.errors import UsageError
-from moejax.vocab import ATTENTION_MODES, DISPATCH_DTYPES, EXPERT_FORMATS, KERNELS, RUN_DTYPES, SPLIT_MODES
+from moejax.vocab import ATTENTION_KERNELS, ATTENTION_MODES, DISPATCH_DTYPES, EXPERT_FORMATS, KERNELS, RUN_DTYPES, SPLIT_MODES
 from sharding import registry
 
 # Eight requests of different lengths: one per device under DP attention.
@@ -56,6 +56,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="spare expert slots per MoE layer for replicas of hot experts (a multiple of ep)")
     p.add_argument("--eplb", metavar="TRACE", help="place the experts by EPLB on a `moejax record` trace at load")
     p.add_argument("--kernel", choices=KERNELS, help="grouped-GEMM backend (auto: by platform)")
+    p.add_argument("--attention-kernel", choices=ATTENTION_KERNELS,
+                   help="how a paged KV cache's GQA attention reads its pages (auto: by platform; MLA, DSA, "
+                        "sinks and sliding windows read through XLA)")
     p.add_argument("--prefill-chunk", type=int, help="most prompt positions per prefill call (default: 1024 on CPU, 512 elsewhere)")
     p.add_argument("--routing", metavar="MODE", help="picks forced on the router: natural (default), even[:SEED], "
                    "round_robin, replay:TRACE (a `moejax record` trace)")
@@ -92,6 +95,7 @@ def config_from_args(args, host_default: bool = False) -> Config:
         engine=replace_checked(config.engine, engine, "engine."),
         weights=replace_checked(config.weights, {"expert_format": args.expert_format} if args.expert_format else {}, "weights."),
         kernel=args.kernel or config.kernel,
+        attention_kernel=getattr(args, "attention_kernel", None) or config.attention_kernel,
     )
     return config.validate()
 

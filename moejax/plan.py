@@ -17,6 +17,7 @@ shards each device holds.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import time
@@ -29,20 +30,27 @@ import pallas_kernels
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import decode_step, prefill
 from moejax.engine.expert_placement import wants_slots
-from moejax.engine.kv_cache import init_cache
+from moejax.engine.kv_cache import init_cache, init_pool
+from moejax.engine.pages import pages_for
 from moejax.engine.sampling import Sampling
 from moejax.errors import UsageError
 from moejax.factory import ensure_devices
 from moejax.model.attention import cache_specs
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_dtype, param_specs
 from moejax.platform import run_dtype
-from moejax.vocab import ATTENTION_MODES, DTYPES, EXPERT_FORMATS
+from moejax.vocab import ATTENTION_KERNELS, ATTENTION_MODES, DTYPES, EXPERT_FORMATS
 from sharding import make_placement, names, placement_class, rules, with_placement
 
 GB = 1e9
 EXPORT_PLATFORMS = ("tpu", "cuda")
 # Custom-call targets of Pallas kernels: Mosaic TPU, Triton and Mosaic GPU (Blackwell).
 KERNEL_CALLS = ("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu", "mosaic_gpu_v2")
+# The paged-attention kernels' names in their custom calls (Mosaic TPU's, Triton's).
+PAGED_KERNEL_NAMES = ("ragged_paged_attention_kernel", "paged_attention_block_h")
+EXPORT_TPU = "TPU_V6E"  # the TPU an export lowers for (Trillium), a jax.experimental.pallas.tpu.ChipVersion
+# The page pool's figures: positions per page, and the requests it is asked to fit (the load
+# "How a Row Meets Its Experts" measures: 1,000-token prompts, 150 new tokens).
+PAGE_SIZE, PROMPT_LEN, OUTPUT_LEN = 16, 1000, 150
 
 
 def _sharded(a, placement, axes: tuple):
@@ -81,6 +89,29 @@ def abstract_cache(config: Config, placement, batch: int, context: int) -> list[
     return [{k: _sharded(v, placement, ("layers",) + axes[k]) for k, v in run.items()} for run in cache]
 
 
+def abstract_pool(config: Config, placement, pages: int, page_size: int) -> list[dict]:
+    """A page pool of `pages` pages, in the layout the placement's attention kernel reads, sharded."""
+    pool = jax.eval_shape(functools.partial(init_pool, config.model, pages, page_size,
+                                            jnp.dtype(run_dtype(config.engine.dtype)), placement.attention_kernel))
+    return [{k: _sharded(v, placement, axes[k]) for k, v in run.items()}
+            for run, axes in zip(pool, placement.cache_axes(pool, pool=True))]
+
+
+def kv_pages(config: Config, placement, free_bytes: float, page_size: int, prompt_len: int, output_len: int) -> dict:
+    """The page pool that `free_bytes` per device hold, and the requests of prompt_len +
+    output_len positions it fits: under DP attention each device (a rank) holds whole pages of
+    its own requests; under TP attention every device holds its slice of every page's heads
+    (all of MLA's latent: it has no heads)."""
+    ranks = placement.batch_multiple()  # DP attention: each device its own pool
+    probe = abstract_pool(config, placement, ranks, page_size)  # one page per rank
+    page_bytes = bytes_per_device(probe)  # what a page costs the device holding it (its share of one)
+    pages = int(max(0.0, free_bytes) // page_bytes)
+    per_request = pages_for(prompt_len + output_len, page_size)
+    return {"page_size": page_size, "page_bytes_per_device": page_bytes, "pages_per_device": pages,
+            "pages_per_request": per_request, "ranks": ranks, "requests_per_rank": pages // per_request,
+            "requests": ranks * (pages // per_request)}
+
+
 def bytes_per_device(tree) -> int:
     """Bytes of one device's shards (the largest, where shards differ)."""
     return sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize for a in jax.tree.leaves(tree))
@@ -96,41 +127,74 @@ def _rows(placement, b: int):
     return jax.ShapeDtypeStruct((b,), jnp.int32, sharding=placement.sharding(("batch",), (b,)))
 
 
-def decode_program(config: Config, batch: int, context: int, platform: str | None = None):
-    """(placement, the decode step bound to it, its abstract arguments) for `platform`."""
+def decode_program(config: Config, batch: int, context: int, platform: str | None = None, page_size: int = 0):
+    """(placement, the decode step bound to it, its abstract arguments) for `platform`: over a
+    contiguous cache, or (`page_size`) a page pool of the same positions and its block tables."""
     placement = make_placement(config, platform)
     multiple = placement.batch_multiple()
     if batch % multiple:
         raise UsageError(f"--batch {batch} must be a multiple of {multiple} (requests split over the devices)")
     step = functools.partial(decode_step, sampling=Sampling(), record=False, c=config.model, placement=placement)
-    args = (abstract_params(config, placement), abstract_cache(config, placement, batch, context),
-            _rows(placement, batch), _rows(placement, batch), _rows(placement, batch),
-            jax.ShapeDtypeStruct((), jnp.int32))
-    return placement, step, args
+    rows = [_rows(placement, batch) for _ in range(3)] + [jax.ShapeDtypeStruct((), jnp.int32)]
+    if not page_size:
+        return placement, step, (abstract_params(config, placement), abstract_cache(config, placement, batch, context),
+                                 *rows)
+    per_row = pages_for(context, page_size)
+    table = jax.ShapeDtypeStruct((batch, per_row), jnp.int32,
+                                 sharding=placement.sharding(("batch", None), (batch, per_row)))
+    return placement, step, (abstract_params(config, placement), abstract_pool(config, placement, batch * per_row, page_size),
+                             *rows, None, table)
 
 
-def export_decode(config: Config, batch: int, context: int, platform: str) -> dict:
+@contextlib.contextmanager
+def target_device(platform: str):
+    """The context an export to `platform` lowers in. Mosaic TPU asks the device it lowers for
+    what TPU it is (the ragged paged-attention kernel's integer divisions), and inside the
+    placement's shard_map that is this host's CPU: for the export, the CPU answers as a TPU
+    (JAX's own table of TPU kinds; its answers are cached, so the cache goes with the entry)."""
+    if platform != "tpu":
+        yield
+        return
+    from jax._src.pallas.mosaic import tpu_info
+    from jax.experimental.pallas import tpu as pltpu
+
+    kind = jax.devices()[0].device_kind
+    tpu_info.registry[kind] = lambda: pltpu.get_tpu_info_for_chip(pltpu.ChipVersion[EXPORT_TPU], 1)
+    try:
+        yield
+    finally:
+        del tpu_info.registry[kind]
+        pltpu.get_tpu_info.cache_clear()
+
+
+def export_decode(config: Config, batch: int, context: int, platform: str, page_size: int = 0) -> dict:
     """Whether the decode step lowers for `platform` (its own kernels and collectives), without
-    the hardware: `jax.export` with the same abstract, sharded arguments."""
+    the hardware: `jax.export` with the same abstract, sharded arguments; `page_size`: over a
+    page pool, read by the platform's paged-attention kernel."""
     t0 = time.perf_counter()
     try:
-        placement, step, args = decode_program(config, batch, context, platform)
+        placement, step, args = decode_program(config, batch, context, platform, page_size)
         # The Pallas kernels' and ragged_all_to_all's custom calls carry no serialization
         # guarantee: fine, as the exported program is looked at here, not kept.
         checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in (*KERNEL_CALLS, "ragged_all_to_all")]
-        text = jax.export.export(jax.jit(step, donate_argnums=1), platforms=[platform],
-                                 disabled_checks=checks)(*args).mlir_module()
+        with target_device(platform):
+            text = jax.export.export(jax.jit(step, donate_argnums=1), platforms=[platform],
+                                     disabled_checks=checks)(*args).mlir_module()
     except Exception as e:  # the answer is whether it lowers; the reason is the report
         return {"platform": platform, "lowered": False, "error": str(e).strip().splitlines()[0][:300]}
     return {"platform": platform, "lowered": True, "kernel": placement.kernel,
+            "attention_kernel": placement.attention_kernel if page_size else None,
             "pallas_kernel": any(f"custom_call @{t}(" in text for t in KERNEL_CALLS),
+            "paged_attention": any(name in text for name in PAGED_KERNEL_NAMES),
             "ragged_all_to_all": "custom_call @ragged_all_to_all(" in text, "export_s": round(time.perf_counter() - t0, 1)}
 
 
 def plan_placement(config: Config, batch: int, context: int, prefill_chunk: int, hbm_gb: float,
-                   export: tuple[str, ...] = ()) -> dict:
-    """One placement's per-device bytes and compile time (`config.layout` names it), and whether
-    its decode step lowers for each platform of `export`."""
+                   export: tuple[str, ...] = (), page_size: int = PAGE_SIZE, prompt_len: int = PROMPT_LEN,
+                   output_len: int = OUTPUT_LEN) -> dict:
+    """One placement's per-device bytes and compile time (`config.layout` names it), the page
+    pool the memory left after the weights and temporaries holds (`kv_pages`), and whether its
+    decode step over pages of `page_size` lowers for each platform of `export`."""
     placement, step, (params, cache, *rest) = decode_program(config, batch, context)
     bind = dict(c=config.model, placement=placement)
     multiple = placement.batch_multiple()
@@ -158,7 +222,9 @@ def plan_placement(config: Config, batch: int, context: int, prefill_chunk: int,
         "exchange_buffer_bytes_per_device": buffers,
         "total_bytes_per_device": int(total), "fits": bool(total <= hbm_gb * GB),
         "compile_s": round(decode_s + prefill_s, 1),
-        **({"export": [export_decode(config, batch, context, platform) for platform in export]} if export else {}),
+        "kv_pages": kv_pages(config, placement, hbm_gb * GB - param_bytes - temp, page_size, prompt_len, output_len),
+        **({"export": [export_decode(config, batch, context, platform, page_size) for platform in export]}
+           if export else {}),
     }
 
 
@@ -167,10 +233,14 @@ def cmd_plan(args) -> int:
     model = preset(args.preset)
     if args.redundant_experts < 0:
         raise UsageError(f"--redundant-experts must not be negative, got {args.redundant_experts}")
+    if min(args.page_size, args.prompt_len, args.output_len) < 1:
+        raise UsageError(f"--page-size, --prompt-len and --output-len must be at least 1, got {args.page_size}, "
+                         f"{args.prompt_len} and {args.output_len}")
     config = Config(model=model, layout=LayoutConfig(devices=args.devices, attention=args.attention,
                                                      two_batch_overlap=args.two_batch_overlap,
                                                      redundant_experts=args.redundant_experts),
-                    weights=WeightsConfig(args.expert_format), engine=EngineConfig(dtype=args.dtype)).validate()
+                    weights=WeightsConfig(args.expert_format), engine=EngineConfig(dtype=args.dtype),
+                    attention_kernel=args.attention_kernel).validate()
     # all: with --two-batch-overlap, the placements whose rows travel
     # and with spare slots, the placements that hold whole experts on some devices
     chosen = [n for n in names() if not (args.two_batch_overlap and placement_class(n).rows_stay_home)
@@ -181,7 +251,7 @@ def cmd_plan(args) -> int:
     if unknown:
         raise UsageError(f"--export {unknown[0]}: not one of {', '.join(EXPORT_PLATFORMS)}")
     rows = [plan_placement(with_placement(config, name, args.devices), args.batch, args.context, args.prefill_chunk,
-                           args.hbm_gb, export) for name in chosen]
+                           args.hbm_gb, export, args.page_size, args.prompt_len, args.output_len) for name in chosen]
     if args.json:
         print(json.dumps({"model": args.preset, "devices": args.devices, "batch": args.batch, "context": args.context,
                           "prefill_chunk": args.prefill_chunk, "hbm_gb": args.hbm_gb, "placements": rows}))
@@ -196,17 +266,31 @@ def cmd_plan(args) -> int:
               f"{gb('expert_bytes_per_device'):>9}{gb('kv_cache_bytes_per_device'):>10}{gb('temp_bytes_per_device'):>8}"
               f"{gb('total_bytes_per_device'):>8}{'yes' if r['fits'] else 'no':>6}{r['compile_s']:>11.1f}")
     print("temp: the compiled programs' temporaries on XLA:CPU (another compiler's buffers than a GPU's or TPU's)")
+    kv = rows[0]["kv_pages"]
+    print(f"KV pages of {args.page_size} positions in the memory left per device, and the requests of "
+          f"{args.prompt_len} + {args.output_len} positions ({kv['pages_per_request']} pages) they fit "
+          f"({args.attention} attention: {PAGE_HOLDERS[args.attention]})")
+    print(f"{'placement':<16}{'MB/page':>9}{'pages/device':>14}{'per rank':>10}{'requests':>10}")
+    for r in rows:
+        kv = r["kv_pages"]
+        print(f"{r['name']:<16}{kv['page_bytes_per_device'] / 1e6:>9.2f}{kv['pages_per_device']:>14}"
+              f"{kv['requests_per_rank']:>10}{kv['requests']:>10}")
     for r in rows:
         buffers = r["exchange_buffer_bytes_per_device"]
         if any(buffers.values()):
             print(f"{r['name']}: exchange buffers per MoE layer, worst case (every row picks one device): "
                   f"decode {buffers['decode'] / GB:.2f} GB, prefill chunk {buffers['prefill'] / GB:.2f} GB")
         for e in r.get("export", []):
-            how = (f"lowers (kernel {e['kernel']}{' as a Pallas call' if e['pallas_kernel'] else ''}"
+            how = (f"lowers (kernel {e['kernel']}{' as a Pallas call' if e['pallas_kernel'] else ''}, attention "
+                   f"{e['attention_kernel']}{' as a Pallas call' if e['paged_attention'] else ''}"
                    f"{', ragged_all_to_all' if e['ragged_all_to_all'] else ''}, {e['export_s']:.1f} s)"
                    if e["lowered"] else f"does not lower: {e['error']}")
             print(f"export {r['name']} decode step for {e['platform']}: {how}")
     return 0
+
+
+PAGE_HOLDERS = {"dp": "each device a rank with a pool of whole pages for its own requests",
+                "tp": "one pool, each device its slice of every page's kv heads; MLA's latent whole on every device"}
 
 
 def register(sub) -> None:
@@ -224,8 +308,14 @@ def register(sub) -> None:
     p.add_argument("--context", type=int, default=8192, help="KV cache positions per request")
     p.add_argument("--prefill-chunk", type=int, default=4096, help="tokens of one prefill chunk over all devices")
     p.add_argument("--hbm-gb", type=float, default=288.0, help="memory per device (B300: 288)")
+    p.add_argument("--page-size", type=int, default=PAGE_SIZE, help="positions per KV cache page")
+    p.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help="prompt positions of the requests the pages fit")
+    p.add_argument("--output-len", type=int, default=OUTPUT_LEN, help="new tokens of the requests the pages fit")
+    p.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default="auto",
+                   help="the exported decode step's paged attention (auto: by its platform)")
     p.add_argument("--export", metavar="PLATFORMS",
-                   help=f"also lower the decode step for these platforms (comma-separated: {', '.join(EXPORT_PLATFORMS)})")
+                   help=f"also lower the decode step over pages for these platforms (comma-separated: "
+                        f"{', '.join(EXPORT_PLATFORMS)})")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 

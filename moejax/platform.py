@@ -25,6 +25,9 @@ PREFILL_CHUNK_OTHER = 512
 # The grouped-GEMM backend kernel "auto" stands for, by platform (else the plain XLA loop).
 AUTO_KERNEL = {"cpu": "xla", "tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
 
+# The paged-attention kernel "auto" stands for, by platform (else the XLA gather).
+AUTO_ATTENTION_KERNEL = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
+
 # Up to this many rows (a decode step of a few requests) the XLA grouped GEMM gathers each row's
 # unquantized expert and runs one batched product: on XLA:CPU a group of its loop costs more
 # than a second read of a group two rows share.
@@ -86,3 +89,8 @@ def kv_cache_bytes(devices: list) -> int:
     stats = [d.memory_stats() or {} for d in devices]
     free = min(s.get("bytes_limit", 0) - s.get("bytes_in_use", 0) for s in stats)
     return int(KV_MEMORY_SHARE * max(0, free) * len(devices))
+
+
+def attention_kernel(name: str, platform: str | None = None) -> str:
+    """The paged-attention kernel `name` stands for on `platform` ("auto": by platform)."""
+    return AUTO_ATTENTION_KERNEL.get(backend(platform), "xla") if name == "auto" else name

@@ -24,6 +24,10 @@ STORAGE_FORMATS = ("bf16", *QUANTIZED_FORMATS)
 # interpreter on any platform, "interpret_gpu" the GPU one; "blackwell" needs an sm_100 GPU and
 # 4-bit experts.
 KERNELS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "blackwell", "interpret", "interpret_gpu")
+# Paged-attention kernels (`--attention-kernel`): "auto" picks by platform (`moejax.platform`);
+# JAX's ragged paged attention (Mosaic TPU) and paged attention (Triton); "interpret_gpu" runs the
+# Triton one in Pallas' interpreter on any platform. Only GQA without sinks or windows uses them.
+ATTENTION_KERNELS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "interpret_gpu")
 ATTENTION_MODES = ("dp", "tp")  # data-parallel (requests split over devices) | tensor-parallel (heads)
 SPLIT_MODES = ("tp", "replicated")  # dense layers and the shared expert: sliced or copied
 DISPATCH_DTYPES = ("bf16", "nvfp4")  # how rows travel, where a placement sends rows to their experts

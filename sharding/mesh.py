@@ -87,9 +87,13 @@ class MeshPlacement(Placement, abc.ABC):
     def cache_axes(self, cache, pool: bool = False) -> list[dict]:
         """Logical axes of each array of cache dicts (a run's, with a leading layers axis, or one
         layer's); `pool`: page pools (`model/paged.py`) rather than contiguous rows."""
-        axes = {k: a for k, (_, a) in cache_specs(self.config.model, 1, 1).items()}
+        c = self.config.model
+        axes = {k: a for k, (_, a) in cache_specs(c, 1, 1).items()}
         if pool:
             axes = {k: tuple(paged.CONTIGUOUS_TO_PAGED.get(n, n) for n in a) for k, a in axes.items()}
+            # The interleaved k/v pool slices by whole heads (a k and its v), or not at all.
+            whole = c.num_kv_heads % self.devices == 0
+            axes["kv"] = tuple(n if whole or n != "kv_heads" else None for n in paged.KV_POOL_AXES)
         return [{k: ("layers",) * (v.ndim - len(axes[k])) + axes[k] for k, v in layer.items()} for layer in cache]
 
     def place_cache(self, cache, pool: bool = False):
@@ -104,6 +108,28 @@ class MeshPlacement(Placement, abc.ABC):
 
     def constrain(self, x, axes):
         return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape))
+
+    def on_pages(self, fn, q, k, v, positions, table, pool: dict):
+        """Under shard_map: each device its requests (DP attention; their pages are on its rank)
+        or its heads (TP attention, where the pool's kv heads slice; else every head on every
+        device), the pool as it lies."""
+        axes = self.cache_axes([pool], pool=True)[0]
+        pool_specs = {name: self.spec(axes[name], a.shape) for name, a in pool.items()}
+        name = next(iter(pool))
+        heads = pool_specs[name][{"kv": paged.KV_POOL_AXES}.get(name, axes[name]).index("kv_heads")]
+        rows = self.spec(("batch",), q.shape[:1])[0]
+        split = pool_specs[name][0] is not None  # the pages axis: each rank its own
+        local_pages = pool[name].shape[0] // (self.devices if split else 1)
+
+        def per_device(q, k, v, positions, table, pool):
+            first = jax.lax.axis_index(rules.ALL) * local_pages if split else jnp.int32(0)
+            return fn(first, q, k, v, positions, table, pool)
+
+        heads_spec, rows_spec = P(rows, None, heads, None), P(rows, None)
+        # check_vma off: a pallas_call's outputs carry no varying-axes types.
+        return jax.shard_map(per_device, mesh=self.mesh,
+                             in_specs=(heads_spec, heads_spec, heads_spec, rows_spec, rows_spec, pool_specs),
+                             out_specs=(heads_spec, pool_specs), check_vma=False)(q, k, v, positions, table, pool)
 
     def batch_multiple(self) -> int:
         return self.devices if self.rows_sharded else 1

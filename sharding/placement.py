@@ -10,11 +10,13 @@ cost hooks (`sharding/registry.py` lists the placements).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from moejax.config import Config
+from moejax.config import Config, ConfigError
+from moejax.model import paged
 from moejax.model.params import ParamSpec, expert_axis, is_expert_stack
-from moejax.platform import backend, kernel
+from moejax.platform import attention_kernel, backend, kernel
 from pallas_kernels.layered import LayerOf, layer_slice
 from sharding import accounting, rules, slots
 from sharding.experts import moe_local
@@ -43,6 +45,7 @@ class Placement:
         # exported to (`moejax plan --export`); it picks the kernel "auto" stands for.
         self.platform = backend(platform)
         self.kernel = kernel(config.kernel, self.platform)
+        self.attention_kernel = paged_kernel(config, self.platform)
         self.set_slots(config.model.num_experts)
 
     def set_slots(self, num_logical: int) -> None:
@@ -92,6 +95,13 @@ class Placement:
     def constrain(self, x: jax.Array, axes: tuple) -> jax.Array:
         """Activation sharding by logical axis names (no-op without a mesh)."""
         return x
+
+    def on_pages(self, fn, q, k, v, positions, table, pool: dict):
+        """fn(first_page, q, k, v, positions, table, pool) -> (out, pool) run on each device's own
+        requests, heads and pages (a Pallas kernel is one device's program): q [B, T, H, Dh],
+        k, v [B, T, H_kv, Dh], positions [B, T], table [B, P] of global page ids, one layer's pool;
+        first_page: the first page this device holds."""
+        return fn(jnp.int32(0), q, k, v, positions, table, pool)
 
     # ------------------------------------------------------------------ the MoE exchange
     # MoE layers ahead that a placement moving weights to the rows gathers them (the decoder's
@@ -146,3 +156,15 @@ class Placement:
         e_local = self.num_experts // self.ep
         group = np.bincount(touched // e_local, minlength=self.ep)  # touched experts per ep group
         return np.repeat(group * accounting.expert_bytes(experts) / self.tp, self.tp).astype(float)
+
+
+def paged_kernel(config: Config, platform: str) -> str:
+    """The paged-attention kernel of `config.attention_kernel` on `platform`: "auto" takes the XLA
+    path where the kernels cannot read the model's cache; a kernel named for such a model is
+    refused with the reason."""
+    name = attention_kernel(config.attention_kernel, platform)
+    refusal = None if name == "xla" else paged.kernel_refusal(config.model)
+    if refusal and config.attention_kernel != "auto":
+        raise ConfigError(f"attention kernel {name}: {refusal}; this model reads its pages through XLA "
+                          "(--attention-kernel xla or auto)")
+    return "xla" if refusal else name

@@ -7,7 +7,8 @@ import dataclasses
 
 import pallas_kernels
 from moejax.config import Config, ConfigError
-from moejax.platform import backend
+from moejax.platform import attention_kernel, backend
+from pallas_kernels import paged_attention
 from sharding.expert_sharded import ExpertSharded
 from sharding import rules
 from sharding.hybrid import Hybrid
@@ -47,11 +48,14 @@ def with_placement(config: Config, name: str, devices: int, ep: int = 0, tp: int
 
 
 def check_kernel(config: Config, platform: str | None = None) -> None:
-    """The kernel can run on `platform` (this machine's by default) with these experts; one
-    clear line otherwise."""
+    """The kernels can run on `platform` (this machine's by default), the grouped GEMM with these
+    experts; one clear line otherwise."""
     reason = pallas_kernels.unavailable(config.kernel, backend(platform), config.weights.expert_format)
     if reason:
         raise ConfigError(f"kernel {config.kernel}: {reason}")
+    reason = paged_attention.unavailable(attention_kernel(config.attention_kernel, platform), backend(platform))
+    if reason:
+        raise ConfigError(f"attention kernel {config.attention_kernel}: {reason}")
 
 
 def make_placement(config: Config, platform: str | None = None, devices: list | None = None) -> Placement:

@@ -64,7 +64,8 @@ def replace_checked(obj: Any, updates: dict, prefix: str) -> Any:
 
 
 def from_dict(data: dict, base: Config | None = None, preset_name: str | None = None) -> Config:
-    """Builds a `Config` from a config file's shape: {preset, model, layout, weights, engine, kernel}.
+    """Builds a `Config` from a config file's shape: {preset, model, layout, weights, engine, kernel,
+    attention_kernel}.
 
     The model starts from `preset_name` (the CLI's --preset, which wins), else the file's own
     `preset`, else `base`'s; the file's `model:` fields then apply on top of it."""
@@ -85,8 +86,8 @@ def from_dict(data: dict, base: Config | None = None, preset_name: str | None = 
             if key == "layout" and "experts" in value:  # the placement key's earlier name
                 value = {("placement" if k == "experts" else k): v for k, v in value.items()}
             cfg = dataclasses.replace(cfg, **{key: replace_checked(getattr(cfg, key), value, f"{key}.")})
-        elif key == "kernel":
-            cfg = dataclasses.replace(cfg, kernel=coerce(value, str, "kernel"))
+        elif key in ("kernel", "attention_kernel"):
+            cfg = dataclasses.replace(cfg, **{key: coerce(value, str, key)})
         else:
             raise ConfigError(f"unknown config key {key!r}")
     return cfg

@@ -11,7 +11,7 @@ import dataclasses
 
 from moejax.config.errors import ConfigError
 from moejax.config.rope import Rope, read_rope
-from moejax.vocab import (ATTENTION_MODES, DISPATCH_DTYPES, EXPERT_ACTIVATIONS, EXPERT_FORMATS, FAMILIES, KERNELS,
+from moejax.vocab import (ATTENTION_KERNELS, ATTENTION_MODES, DISPATCH_DTYPES, EXPERT_ACTIVATIONS, EXPERT_FORMATS, FAMILIES, KERNELS,
                           LAYER_LOOPS, ROUTER_SCORINGS, ROUTING_MODES, RUN_DTYPES, SPLIT_MODES)
 
 
@@ -238,6 +238,7 @@ class Config:
     weights: WeightsConfig = WeightsConfig()
     engine: EngineConfig = EngineConfig()
     kernel: str = "auto"
+    attention_kernel: str = "auto"  # ATTENTION_KERNELS: how a paged cache's GQA attention reads its pages
 
     def validate(self) -> "Config":
         self.model.validate()
@@ -246,6 +247,8 @@ class Config:
         self.engine.validate()
         if self.kernel not in KERNELS:
             raise ConfigError(f"kernel {self.kernel!r} is not one of {', '.join(KERNELS)}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ConfigError(f"attention_kernel {self.attention_kernel!r} is not one of {', '.join(ATTENTION_KERNELS)}")
         return self
 
 

@@ -40,7 +40,7 @@ def prefill(params, cache, tokens, start, last, forced=None, pages=None, *, c: M
     positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
     if pages is not None:
         if visible:
-            pages = pages[:, : pages_for(visible, paged.page_size_of(jax.tree.leaves(cache)[0]))]
+            pages = pages[:, : pages_for(visible, paged.page_size_of(cache))]
         h, cache, picks = forward(params, cache, tokens, positions, c, placement, forced, pages)
     elif visible:
         h, seen, picks = forward(params, leading(c, cache, visible), tokens, positions, c, placement, forced)
@@ -182,19 +182,24 @@ class Engine:
         return self.placement.place_cache(init_cache(self.c, batch, max_len, self.dtype))
 
     def new_pool(self, pages: int, page_size: int) -> list[dict]:
-        return self.placement.place_cache(init_pool(self.c, pages, page_size, self.dtype), pool=True)
+        pool = init_pool(self.c, pages, page_size, self.dtype, self.placement.attention_kernel)
+        return self.placement.place_cache(pool, pool=True)
 
     def _paged_cache(self, batch: int, max_len: int):
         """engine.page_size: a pool of pages for `batch` rows of `max_len` positions and their
-        block tables [batch, max_len / page_size], handed out by the allocator as a server's would."""
+        block tables [batch, max_len / page_size], handed out by the allocator as a server's would:
+        under DP attention each rank's rows from the rank's own share of the pool."""
         ps = self.config.engine.page_size
         per_row = pages_for(max_len, ps)
-        allocator = PageAllocator(batch * per_row, ps)
+        ranks = self.placement.batch_multiple()
+        share = batch // ranks * per_row  # pages of a rank: rows i * ranks // batch == rank
+        allocators = [PageAllocator(share, ps) for _ in range(ranks)]
         rows = [[] for _ in range(batch)]
         for _ in range(per_row):  # a page per row in turn, as rows grow: every table names scattered pages
-            for row in rows:
-                row += allocator.allocate(1)
-        return self.new_pool(allocator.num_pages, ps), jnp.asarray(allocator.table(rows, batch, per_row))
+            for i, row in enumerate(rows):
+                rank = i * ranks // batch
+                row += [rank * share + page for page in allocators[rank].allocate(1)]
+        return self.new_pool(ranks * share, ps), jnp.asarray(np.asarray(rows, np.int32))
 
     def chunk_for(self, prompts: list[list[int]]) -> int:
         """Positions per prefill call for these prompts: the longest prompt's power-of-two bucket
@@ -218,9 +223,8 @@ class Engine:
         chunk = min(self.max_chunk, tokens.shape[1])  # _padded's width: one bucket, or whole max chunks
         last = jnp.asarray(lens - 1)
         outs, picks = [], []
-        cache_len = jax.tree.leaves(cache)[0].shape[-2]  # every entry's positions precede one last axis
-        if pages is not None:
-            cache_len *= pages.shape[1]
+        # every contiguous entry's positions precede one last axis
+        cache_len = jax.tree.leaves(cache)[0].shape[-2] if pages is None else paged.page_size_of(cache) * pages.shape[1]
         for start in range(0, tokens.shape[1], chunk):
             valid = valid_rows(prompt_lens, tokens.shape[0], chunk, start)
             # Attention over the positions this chunk can see, not the whole cache; in buckets,

@@ -12,6 +12,7 @@ from moejax.config import ModelConfig
 from moejax.model import paged
 from moejax.model.attention import cache_specs
 from moejax.model.params import layer_runs
+from pallas_kernels.paged_attention import combined
 
 
 def init_cache(c: ModelConfig, batch: int, max_len: int, dtype) -> list[dict]:
@@ -21,23 +22,27 @@ def init_cache(c: ModelConfig, batch: int, max_len: int, dtype) -> list[dict]:
     ]
 
 
-def pool_specs(c: ModelConfig, pages: int, page_size: int, layer: int | None = None) -> dict:
-    """`cache_specs` of a pool: name -> ([pages, ..., page_size, ...], logical axes)."""
+def pool_specs(c: ModelConfig, pages: int, page_size: int, layer: int | None = None, kernel: str = "xla") -> dict:
+    """`cache_specs` of a pool: name -> ([pages, ..., page_size, ...], logical axes); GQA's k and
+    v interleaved in one pool where the paged-attention `kernel` reads that (`paged.kv_pool_spec`)."""
+    if not c.is_mla and combined(kernel):
+        return paged.kv_pool_spec(c, pages, page_size, kernel)
     return {k: paged.pool_spec(shape, axes, pages, page_size) for k, (shape, axes) in cache_specs(c, 1, 1, layer).items()}
 
 
-def init_pool(c: ModelConfig, pages: int, page_size: int, dtype) -> list[dict]:
+def init_pool(c: ModelConfig, pages: int, page_size: int, dtype, kernel: str = "xla") -> list[dict]:
     return [
-        {k: jnp.zeros((run.count, *shape), dtype) for k, (shape, _) in pool_specs(c, pages, page_size, run.first).items()}
+        {k: jnp.zeros((run.count, *shape), dtype)
+         for k, (shape, _) in pool_specs(c, pages, page_size, run.first, kernel).items()}
         for run in layer_runs(c)
     ]
 
 
-def page_bytes(c: ModelConfig, page_size: int, dtype) -> int:
+def page_bytes(c: ModelConfig, page_size: int, dtype, kernel: str = "xla") -> int:
     """Bytes one page holds over every layer and entry."""
     size = jnp.dtype(dtype).itemsize
     return sum(run.count * size * int(np.prod(shape)) for run in layer_runs(c)
-               for shape, _ in pool_specs(c, 1, page_size, run.first).values())
+               for shape, _ in pool_specs(c, 1, page_size, run.first, kernel).values())
 
 
 def _seq_axes(c: ModelConfig, cache: list[dict]) -> list[dict]:

@@ -9,12 +9,15 @@ pages are read back as a contiguous view of P * page_size positions.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from moejax.config import ModelConfig
 from moejax.model import dsa, paged
 from moejax.model.layers import apply_rope, rms_norm
+from pallas_kernels import paged_attention as kernels
 
 KV_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")  # GQA cache: [B, H_kv, S, Dh]
 
@@ -82,6 +85,20 @@ def gqa(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: Mo
         q, k = rms_norm(q, p["q_norm"], c.rms_norm_eps), rms_norm(k, p["k_norm"], c.rms_norm_eps)
     cos, sin = cos_sin
     q, k = apply_rope(q, cos, sin, c.rope_interleave), apply_rope(k, cos, sin, c.rope_interleave)
+    kernel = placement.attention_kernel
+    if pages is not None and kernel != "xla" and (q.shape[1] == 1 or kernels.prefills(kernel)):
+        # The kernel reads the pages itself, per device (the placement's shard_map).
+        out, cache = placement.on_pages(functools.partial(paged.store_and_attend, kernel, c.softmax_scale),
+                                        q, k, v, positions, pages, cache)
+    else:
+        out, cache = _gqa_xla(p, q, k, v, positions, cache, c, placement, window, pages)
+    out = jnp.einsum("bthk,hkd->btd", out, p["o"])
+    return (out + p["o_bias"] if c.o_bias else out), cache
+
+
+def _gqa_xla(p: dict, q, k, v, positions, cache: dict, c: ModelConfig, placement, window, pages):
+    """q: [B, T, H, Dh], k, v: [B, T, H_kv, Dh] -> (out [B, T, H, Dh], cache): masked attention
+    over the contiguous cache, or the view of the request's pages."""
     cache, keys = _store(cache, "k", k, positions, pages, seq_axis=2)
     cache, values = _store(cache, "v", v, positions, pages, seq_axis=2)
     keys = placement.constrain(keys, KV_AXES)  # [B, H_kv, S, Dh]
@@ -92,9 +109,7 @@ def gqa(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: Mo
     scores = jnp.einsum("btkgd,bksd->bkgts", q, keys) * c.softmax_scale
     sinks = p["sinks"].reshape(c.num_kv_heads, groups, 1, 1) if c.attention_sinks else None
     probs = _softmax(scores, _causal_mask(positions, keys.shape[2], window)[:, None, None], sinks).astype(values.dtype)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs, values).reshape(b, t, h, dh)
-    out = jnp.einsum("bthk,hkd->btd", out, p["o"])
-    return (out + p["o_bias"] if c.o_bias else out), cache
+    return jnp.einsum("bkgts,bksd->btkgd", probs, values).reshape(b, t, h, dh), cache
 
 
 def mla(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: ModelConfig, placement, selected=None,

@@ -10,7 +10,10 @@ names no page: reads there are zeros, writes are dropped (padding rows, unwritte
 
 Attention writes a step's keys through the table and reads back the view of the request's
 P pages as a contiguous [B, ..., P * page_size, ...] cache, so the masked attention after it
-is the contiguous cache's, over the request's live pages only.
+is the contiguous cache's, over the request's live pages only. With a Pallas paged-attention
+kernel (`pallas_kernels/paged_attention.py`, GQA only) the kernel reads the pages itself, per
+device; TPU's wants one pool "kv" [pages, page_size, 2 * H_kv, Dh padded to 128] of each
+position's keys and values interleaved by head, written here and read by that kernel only.
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import paged_attention as kernels
+
 # In a contiguous cache entry's logical axes, the axes a pool replaces.
 CONTIGUOUS_TO_PAGED = {"batch": "pages", "cache_seq": "page_slot"}
+KV_POOL_AXES = ("pages", "page_slot", "kv_heads", "head_dim")  # the interleaved "kv" pool's
 
 
 def pool_spec(shape: tuple, axes: tuple, pages: int, page_size: int) -> tuple[tuple, tuple]:
@@ -28,15 +34,50 @@ def pool_spec(shape: tuple, axes: tuple, pages: int, page_size: int) -> tuple[tu
     return (tuple(sizes.get(a, n) for n, a in zip(shape, axes)), tuple(CONTIGUOUS_TO_PAGED.get(a, a) for a in axes))
 
 
-def page_size_of(pool: jax.Array) -> int:
-    """Positions per page of a pool array (every entry keeps them just before its last axis)."""
-    return pool.shape[-2]
+def page_size_of(cache) -> int:
+    """Positions per page of a pool (a run's dict of entries, or a list of them): the axis
+    before the last, but for the interleaved "kv" pool's [.., page_size, 2 * H_kv, Dh]."""
+    run = cache[0] if isinstance(cache, (list, tuple)) else cache
+    return run["kv"].shape[-3] if "kv" in run else next(iter(run.values())).shape[-2]
+
+
+def kernel_refusal(c) -> str | None:
+    """Why the paged-attention kernels cannot read this model's cache (None: they can). Their
+    softmax has no sink logit, they mask no sliding window of ours, and MLA caches a latent."""
+    if c.is_mla:
+        return "MLA and DSA cache one latent per position, not GQA heads"
+    if c.attention_sinks or c.sliding_layers:
+        return "the kernels' softmax takes no attention sinks or sliding windows"
+    return None
+
+
+def kv_pool_spec(c, pages: int, page_size: int, kernel: str) -> dict:
+    """The interleaved "kv" pool of a kernel that reads one (`kernels.combined`): name -> (shape, axes)."""
+    dh = kernels.head_dim(kernel, c.head_dim)
+    return {"kv": ((pages, page_size, 2 * c.num_kv_heads, dh), KV_POOL_AXES)}
+
+
+def store_and_attend(kernel: str, scale: float, first_page, q, k, v, positions, table, pool: dict):
+    """One device's requests and pages: writes k, v: [B, T, H_kv, Dh] at positions [B, T]
+    through table [B, P] (global page ids; this device holds pages first_page.. of the pool)
+    and attends q: [B, T, H, Dh] over them with `kernel` -> (out [B, T, H, Dh], pool)."""
+    n = next(iter(pool.values())).shape[0]  # pages first in either layout
+    table = table - first_page
+    table = jnp.where((table >= 0) & (table < n), table, n)  # another device's page, or none
+    if kernels.combined(kernel):
+        b, t, h, dh = k.shape
+        kv = jnp.stack([k, v], axis=3).reshape(b, t, 2 * h, dh)  # k0 v0 k1 v1 ..
+        kv = jnp.pad(kv, ((0, 0), (0, 0), (0, 0), (0, pool["kv"].shape[-1] - dh)))
+        pool = {"kv": write(pool["kv"], kv, positions, table, seq_axis=1)}
+    else:
+        pool = {name: write(pool[name], new, positions, table, seq_axis=2) for name, new in (("k", k), ("v", v))}
+    return kernels.attend(kernel, q, pool, positions[:, -1] + 1, table, scale), pool
 
 
 def write(pool: jax.Array, new: jax.Array, positions: jax.Array, table: jax.Array, seq_axis: int) -> jax.Array:
     """pool <- new: [B, T, ...] at positions [B, T] through table [B, P]. seq_axis: the page
     offset's axis in the pool (1: [N, ps, R]; 2: [N, H, ps, Dh] with new [B, T, H, Dh])."""
-    ps, n = page_size_of(pool), pool.shape[0]
+    ps, n = pool.shape[seq_axis], pool.shape[0]
     page = jnp.take_along_axis(table, positions // ps, axis=1, mode="fill", fill_value=n)  # [B, T]; off the table: none
     index = (page, *[slice(None)] * (seq_axis - 1), positions % ps)
     return pool.at[index].set(new.astype(pool.dtype), mode="drop")

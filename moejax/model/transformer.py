@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import ModelConfig
+from moejax.model import paged
 from moejax.model.attention import attention
 from moejax.model.layers import rms_norm, rope_cos_sin, swiglu
 from moejax.model.moe import moe_block
@@ -113,8 +114,7 @@ def forward(params: dict, cache: list, tokens: jax.Array, positions: jax.Array, 
     cos_sin = rope_cos_sin(c, positions)
     b, t = tokens.shape
     # DSA: the selection a layer without an indexer reuses (layer 0 always has its own).
-    seq = jax.tree.leaves(cache)[0].shape[-2]  # every entry's positions (or page's) precede one last axis
-    seq = seq if pages is None else pages.shape[1] * seq
+    seq = jax.tree.leaves(cache)[0].shape[-2] if pages is None else pages.shape[1] * paged.page_size_of(cache)
     selected = jnp.ones((b, t, seq), bool) if c.is_dsa else None
     new_cache, picks = [], []
     for run, run_params, run_cache in zip(layer_runs(c), params["layers"], cache):
