@@ -15,7 +15,7 @@ from moejax.compare import param_bytes_per_device
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import Engine
 from moejax.loading import load_params
-from moejax.plan import EXPORT_PLATFORMS, abstract_params, bytes_per_device, export_decode, plan_placement
+from moejax.plan import EXPORT_PLATFORMS, abstract_params, bytes_per_device, export_decode, kv_pages, plan_placement
 from sharding import make_placement
 from sharding.ragged_a2a import exchange_buffers
 
@@ -58,13 +58,51 @@ TILEABLE = dataclasses.replace(preset("tiny-qwen3-moe"), hidden_size=512, moe_in
 @pytest.mark.parametrize("platform", EXPORT_PLATFORMS)
 @pytest.mark.parametrize("placement", ["expert_sharded", "ragged_a2a"])
 def test_decode_step_lowers_for_accelerators_with_their_kernels(placement, platform):
+    """Over a page pool: the grouped GEMM's kernel and the paged-attention kernel (TPU's ragged
+    paged attention, GPU's Triton paged attention) both lower as Pallas calls."""
     config = Config(model=TILEABLE, layout=LayoutConfig(placement=placement, devices=8), weights=WeightsConfig("nvfp4"),
                     engine=EngineConfig(dtype="bfloat16")).validate()
-    report = export_decode(config, batch=16, context=64, platform=platform)
+    report = export_decode(config, batch=16, context=64, platform=platform, page_size=16)
     assert report["lowered"], report
-    assert report["pallas_kernel"]
-    assert report["kernel"] == {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}[platform]
+    assert report["pallas_kernel"] and report["paged_attention"]
+    assert report["kernel"] == report["attention_kernel"] == {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}[platform]
     assert report["ragged_all_to_all"] == (placement == "ragged_a2a")  # XLA:CPU's own step has none
+
+
+def test_the_xla_path_lowers_no_paged_attention_kernel():
+    config = Config(model=TILEABLE, layout=LayoutConfig(placement="expert_sharded", devices=8),
+                    engine=EngineConfig(dtype="bfloat16"), kernel="xla", attention_kernel="xla").validate()
+    report = export_decode(config, batch=16, context=64, platform="cuda", page_size=16)
+    assert report["lowered"] and not report["paged_attention"]
+
+
+@pytest.mark.parametrize("model", ["glm-5.3", "mixtral-8x7b"])
+def test_kv_pages_per_device_and_the_requests_they_fit_by_attention_mode(model):
+    """100 GB free per device on 8, pages of 16, requests of 1,000 + 150 positions (72 pages).
+    Bytes per position and layer: MLA's latent + rope key (+ DSA's indexer key where a layer has
+    an indexer), held whole by whichever device holds the page in either mode; GQA's 2 H_kv Dh,
+    under TP attention each device holding its 1/8 of the kv heads. So under DP attention (each
+    device its own pool) GLM-5 fits 8x the requests of TP attention; Mixtral (8 kv heads) alike."""
+    c = preset(model)
+    if c.is_mla:
+        indexers = sum(c.has_indexer(i) for i in range(c.num_layers))
+        position = 2 * (c.num_layers * (c.kv_lora_rank + c.qk_rope_head_dim) + indexers * c.index_head_dim)
+        tp_share = 1
+    else:
+        position, tp_share = 2 * c.num_layers * 2 * c.num_kv_heads * c.head_dim, 8
+    free, page, need = 100e9, 16 * position, -(-1150 // 16)
+
+    def fit(mode: str) -> dict:
+        config = Config(model=c, layout=LayoutConfig(placement="expert_sharded", devices=8, attention=mode),
+                        engine=EngineConfig(dtype="bfloat16")).validate()
+        return kv_pages(config, make_placement(config), free, 16, 1000, 150)
+
+    dp, tp = fit("dp"), fit("tp")
+    assert (dp["page_bytes_per_device"], tp["page_bytes_per_device"]) == (page, page // tp_share)
+    assert dp["requests"] == 8 * (int(free // page) // need)
+    assert tp["requests"] == int(free // (page // tp_share)) // need
+    if c.is_mla:
+        assert dp["requests"] == 8 * tp["requests"]
 
 
 def test_a_program_that_does_not_lower_is_reported_with_its_reason():

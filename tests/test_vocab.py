@@ -13,6 +13,7 @@ from moejax import platform, vocab
 from moejax.cli import build_parser
 from moejax.config import Config, ConfigError, EngineConfig, LayoutConfig, WeightsConfig, load_file
 from moejax.flags import config_from_args
+from pallas_kernels import paged_attention
 from pallas_kernels import registry as kernel_registry
 from pallas_kernels import run_weights
 from pallas_kernels.gmm_blackwell import BlackwellWeights
@@ -30,7 +31,7 @@ def choices(verb: str, flag: str) -> tuple:
 @pytest.mark.parametrize("flag,expected", [
     ("--placement", names()), ("--kernel", vocab.KERNELS), ("--expert-format", vocab.EXPERT_FORMATS),
     ("--dtype", vocab.RUN_DTYPES), ("--attention", vocab.ATTENTION_MODES), ("--dispatch-dtype", vocab.DISPATCH_DTYPES),
-    ("--head", vocab.SPLIT_MODES),
+    ("--head", vocab.SPLIT_MODES), ("--attention-kernel", vocab.ATTENTION_KERNELS),
 ])
 def test_cli_choices_are_the_vocabulary(flag, expected):
     assert choices("generate", flag) == tuple(expected)
@@ -58,6 +59,13 @@ def test_config_accepts_each_word_of_its_vocabulary_and_nothing_else(section, ke
         make(value).validate()
     with pytest.raises(ConfigError, match=key):
         make("nope").validate()
+
+
+@pytest.mark.parametrize("name", vocab.ATTENTION_KERNELS)
+def test_every_attention_kernel_name_is_the_xla_path_or_a_kernel_on_every_platform(name):
+    for target in (*platform.AUTO_ATTENTION_KERNEL, "cpu"):
+        assert platform.attention_kernel(name, target) in ("xla", *paged_attention.KERNELS)
+    Config(attention_kernel=name).validate()
 
 
 def test_kernel_config_accepts_every_kernel_name():
