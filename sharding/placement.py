@@ -159,12 +159,15 @@ class Placement:
 
 
 def paged_kernel(config: Config, platform: str) -> str:
-    """The paged-attention kernel of `config.attention_kernel` on `platform`: "auto" takes the XLA
-    path where the kernels cannot read the model's cache; a kernel named for such a model is
-    refused with the reason."""
+    """The paged-attention kernel of `config.attention_kernel` on `platform`. "auto" takes the XLA
+    path where the kernels cannot read the model's cache, and under DP attention over several
+    devices, where a kernel reads only a rank's own pages and the server's scheduler hands pages
+    out from one list for all ranks (`Engine.new_pool`); a kernel named for a model it cannot
+    read is refused with the reason."""
     name = attention_kernel(config.attention_kernel, platform)
     refusal = None if name == "xla" else paged.kernel_refusal(config.model)
     if refusal and config.attention_kernel != "auto":
         raise ConfigError(f"attention kernel {name}: {refusal}; this model reads its pages through XLA "
                           "(--attention-kernel xla or auto)")
-    return "xla" if refusal else name
+    ranks = config.layout.attention == "dp" and config.layout.devices > 1
+    return "xla" if refusal or (ranks and config.attention_kernel == "auto") else name

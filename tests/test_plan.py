@@ -60,12 +60,13 @@ TILEABLE = dataclasses.replace(preset("tiny-qwen3-moe"), hidden_size=512, moe_in
 def test_decode_step_lowers_for_accelerators_with_their_kernels(placement, platform):
     """Over a page pool: the grouped GEMM's kernel and the paged-attention kernel (TPU's ragged
     paged attention, GPU's Triton paged attention) both lower as Pallas calls."""
+    kernel = {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}[platform]  # named: "auto" under DP attention is xla
     config = Config(model=TILEABLE, layout=LayoutConfig(placement=placement, devices=8), weights=WeightsConfig("nvfp4"),
-                    engine=EngineConfig(dtype="bfloat16")).validate()
+                    engine=EngineConfig(dtype="bfloat16"), attention_kernel=kernel).validate()
     report = export_decode(config, batch=16, context=64, platform=platform, page_size=16)
     assert report["lowered"], report
     assert report["pallas_kernel"] and report["paged_attention"]
-    assert report["kernel"] == report["attention_kernel"] == {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}[platform]
+    assert report["kernel"] == report["attention_kernel"] == kernel
     assert report["ragged_all_to_all"] == (placement == "ragged_a2a")  # XLA:CPU's own step has none
 
 
