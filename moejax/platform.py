@@ -34,9 +34,9 @@ AUTO_ATTENTION_KERNEL = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pall
 GATHER_ROWS = 16
 
 # The KV cache's page pool when no size is given (`serving/kv_pages.py`): on XLA:CPU a fixed
-# number of positions (16 requests of 2,048); on an accelerator this share of the memory the
+# number of positions (8 requests of 2,048); on an accelerator this share of the memory the
 # devices have free once the weights are in (the rest holds activations and programs).
-CPU_KV_CACHE_TOKENS = 32768
+CPU_KV_CACHE_TOKENS = 16384
 KV_MEMORY_SHARE = 0.8
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import pytest
 
+from moejax import platform
 from moejax.config import Config, EngineConfig, LayoutConfig
 from moejax.engine.engine import Engine
 from moejax.engine.kv_cache import init_cache
@@ -160,12 +161,15 @@ def test_bench_drives_an_in_process_scheduler(engine):
 
 def test_cache_defaults_to_the_longest_request_it_will_hold(engine):
     """A server that knows its longest request (bench's own) allows requests of that length, in
-    buckets of 16; one that does not, the model's context, at most 2048."""
+    buckets of 16; one that does not, the model's context, at most 2048. The page pool is sized
+    apart from both."""
     prompt, new = PROMPTS[0], 16 - len(PROMPTS[0])  # exactly a bucket: the last token needs no slot
     sized = Scheduler(engine, slots=2, longest=len(prompt) + new)
     assert sized.max_len == 16
     assert sized.run_all([request(prompt, new)])[0].tokens == engine.generate([prompt], new).tokens[0]
-    assert Scheduler(engine, slots=2).max_len == min(engine.c.max_position_embeddings, 2048)
+    default = Scheduler(engine, slots=2)
+    assert default.max_len == min(engine.c.max_position_embeddings, 2048)
+    assert default.kv.num_pages * default.kv.page_size == platform.CPU_KV_CACHE_TOKENS  # the pool: CPU's default
 
 
 def test_cancelled_request_frees_its_slot_at_the_next_step(scheduler):
