@@ -126,7 +126,7 @@ def print_settings(experts: list[str], engine) -> None:
     from moejax.platform import prefill_chunk
 
     layout = engine.config.layout
-    loop = "unrolled" if isinstance(engine.params["layers"][-1], tuple) else "scanned"
+    loop = "scanned" if engine.loops[-1].stacked else "unrolled"
 
     print(f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end (other processes add noise)")
     print(f"transformers {transformers.__version__}, torch {torch.__version__}: {torch.get_num_threads()} threads, "

@@ -36,7 +36,7 @@ def measure(engine, prompts, max_new_tokens: int) -> dict:
     placement, c = engine.placement, engine.c
     act_bytes = engine.dtype.itemsize
     decode_picks = gen.picks[-(max_new_tokens - 1):] if max_new_tokens > 1 else gen.picks
-    moe_layers = [layer_params(engine.params, i, c)["moe"]["experts"] for i in c.moe_layers]
+    moe_layers = [layer_params(engine.params, i, c, engine.loops)["moe"]["experts"] for i in c.moe_layers]
     sent, read, copies = [], [], []
     for step in decode_picks:
         step_read = 0

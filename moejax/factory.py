@@ -72,7 +72,7 @@ def host_layout(config: Config) -> Config:
     import jax
 
     single = dataclasses.replace(config.layout, devices=1)
-    if platform.backend() != "cpu":
+    if not platform.slices_over_cores():
         return dataclasses.replace(config, layout=single)
     # The most devices, up to one per core, that slice every expert evenly.
     for n in range(min(cores, len(jax.devices())), 1, -1):
@@ -88,8 +88,8 @@ def host_layout(config: Config) -> Config:
 def build_engine(config: Config, hf_dir: str | None, seed: int, checkpoint: str | None = None,
                  devices: list | None = None, params: dict | None = None, phy2log=None):
     """An engine of `config`'s placement on the machine's first devices, or on `devices`;
-    `params`: already placed as this placement lays them out, experts in slots `phy2log` where
-    the layout places them (else loaded and placed)."""
+    `params`: another engine's, placed and arranged as this placement lays them out, experts in
+    slots `phy2log` where the layout places them (else loaded and placed)."""
     # Deferred: orbax, safetensors and the model code load only for the verbs that run a model.
     from moejax.engine.engine import Engine
     from moejax.engine.expert_placement import place_experts
@@ -102,10 +102,11 @@ def build_engine(config: Config, hf_dir: str | None, seed: int, checkpoint: str 
     routing.check(config.model)  # before loading weights: a mismatched trace fails fast
     ensure_devices(config.layout.devices)
     placement = registry.make_placement(config, devices=devices)
-    if params is None:
+    lent = params is not None
+    if not lent:
         params = load_params(config, placement, hf_dir=hf_dir, checkpoint=checkpoint, seed=seed)
         params, phy2log = place_experts(params, placement, load_trace)
-    return Engine(config, params, placement, routing, phy2log)
+    return Engine(config, params, placement, routing, phy2log, arranged=lent)
 
 
 def pd_devices(args, shared: int) -> tuple[list, list]:

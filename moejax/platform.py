@@ -94,3 +94,20 @@ def kv_cache_bytes(devices: list) -> int:
 def attention_kernel(name: str, platform: str | None = None) -> str:
     """The paged-attention kernel `name` stands for on `platform` ("auto": by platform)."""
     return AUTO_ATTENTION_KERNEL.get(backend(platform), "xla") if name == "auto" else name
+
+
+def ragged_all_to_all(platform: str | None = None) -> bool:
+    """Whether `jax.lax.ragged_all_to_all` runs on `platform` (XLA:CPU lacks it: an exchange
+    sends its whole blocks through a dense all-to-all there)."""
+    return backend(platform) != "cpu"
+
+
+def slices_over_cores(platform: str | None = None) -> bool:
+    """Whether layout.devices "auto" means one virtual device per core with every weight sliced
+    over them (XLA:CPU runs one device's program on one core), rather than one device."""
+    return backend(platform) == "cpu"
+
+
+def concurrent_devices(platform: str | None = None) -> int:
+    """How many devices' programs run at once (XLA:CPU's virtual devices share the host's cores)."""
+    return host_cores() if backend(platform) == "cpu" else 1 << 20

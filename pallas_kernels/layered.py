@@ -4,7 +4,10 @@ A run of identical layers keeps its experts stacked [L, G, K, N] and scans over 
 slicing layer i out of the stack materializes it: a copy of every expert of the layer (192 MB
 per layer of the benchmark model, on every decode step) before the loop over touched groups
 reads any of them. `LayerOf` defers the slice, so that the XLA grouped GEMM reads group g of
-layer i straight from the stack; other kernels take the layer whole (`whole`).
+layer i straight from the stack. This module is its one home: a placement asks `layer_of` for a
+layer as its kernel reads it (a view only for a kernel that reads groups out of a stack, so no
+other kernel meets one), shard_map specs come from `specs`, and the XLA kernel reads through
+`group` and `take`.
 """
 
 from __future__ import annotations
@@ -31,9 +34,26 @@ class LayerOf:
     def ndim(self) -> int:
         return len(self.shape)
 
-    def whole(self):
-        """The layer as its own [G, K, N] (a copy on XLA:CPU)."""
-        return layer_slice(self.stack, self.index)
+
+# The grouped-GEMM kernels that read a group straight out of a layer stack (a `LayerOf`).
+READS_STACK = ("xla",)
+
+
+def layer_of(stack: dict, i, kernel: str, matrices: tuple) -> dict:
+    """Layer i (may be traced) of a stacked expert tree {name: [L, G, ...]} as `kernel` reads it:
+    the `matrices` left in their stack (`LayerOf`) where the kernel reads groups out of it, every
+    other leaf sliced."""
+    view = kernel in READS_STACK
+    return {name: LayerOf(a, i) if view and name in matrices else layer_slice(a, i) for name, a in stack.items()}
+
+
+def specs(rhs, stored_specs, index_spec):
+    """shard_map specs of rhs (a layer's array or QuantizedArray, or a LayerOf one):
+    `stored_specs(tree, lead)` of the tree it is read from (lead: ("layers",) for a stack, the
+    axes ahead of the layer's own), a LayerOf's index `index_spec`."""
+    if isinstance(rhs, LayerOf):
+        return LayerOf(stored_specs(rhs.stack, ("layers",)), index_spec)
+    return stored_specs(rhs, ())
 
 
 def layer_slice(stack, i):
@@ -67,7 +87,3 @@ def _index(a: jax.Array, lead: tuple) -> jax.Array:
     start = (*lead, *(0,) * (a.ndim - len(lead)))
     return lax.dynamic_slice(a, start, (*(1,) * len(lead), *a.shape[len(lead):])).reshape(a.shape[len(lead):])
 
-
-def unwrap(rhs):
-    """rhs as a [G, K, N] array or QuantizedArray (materializing a LayerOf)."""
-    return rhs.whole() if isinstance(rhs, LayerOf) else rhs

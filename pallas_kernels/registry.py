@@ -107,9 +107,12 @@ def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto"
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     backend = platform.kernel(backend)  # "auto" for this machine; a placement passes its target's kernel
     m, n = lhs.shape[0], rhs.shape[2]
-    if backend != "xla":  # only the XLA loop reads groups out of a layer stack (and column scales)
-        rhs = layered.unwrap(rhs)
-    columns = None if backend == "xla" else _column_scales(rhs)
+    # Only the XLA loop reads a layer's groups out of its stack (and applies column scales
+    # itself); a placement hands the other kernels a layer as its own array.
+    reads_stack = backend in layered.READS_STACK
+    if not reads_stack and stack is not rhs:
+        raise ValueError(f"the {backend} kernel reads a layer as its own [G, K, N], not as a view of its stack")
+    columns = None if reads_stack else _column_scales(rhs)
     if act is not None and _fuses(backend, n):
         return _backend_fn(backend)(lhs, _unit_scales(rhs) if columns is not None else rhs, group_sizes,
                                     group_offset, out_dtype, epilogue=(columns, bias, act))

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from moejax.config import Config, ConfigError, LayoutConfig
 from moejax.model import paged
 from moejax.model.attention import cache_specs
-from pallas_kernels.layered import LayerOf
+from pallas_kernels import layered
 from sharding import rules
 from sharding.placement import Placement
 
@@ -138,11 +138,10 @@ class MeshPlacement(Placement, abc.ABC):
     def expert_specs(self, w: dict, gathered: bool = False) -> dict:
         """Per-leaf PartitionSpecs of one layer's experts (4-bit leaves keep their rank);
         `gathered`: every device holds every expert."""
-        def leaf_specs(name, tree, axes=None):
-            axes = axes or (EXPERT_AXES[name] if not gathered else (None,) + EXPERT_AXES[name][1:])
-            if isinstance(tree, LayerOf):  # a layer left in its run's stack (replicated index)
-                return LayerOf(leaf_specs(name, tree.stack, ("layers", *axes)), P())
-            return jax.tree.map(lambda a: self.spec(rules.leaf_axes(axes, a.ndim), a.shape), tree)
+        def leaf_specs(name, tree):
+            axes = EXPERT_AXES[name] if not gathered else (None,) + EXPERT_AXES[name][1:]
+            stored = lambda t, lead: jax.tree.map(lambda a: self.spec(rules.leaf_axes((*lead, *axes), a.ndim), a.shape), t)
+            return layered.specs(tree, stored, P())  # a layer left in its run's stack: a replicated index
         return {name: leaf_specs(name, tree) for name, tree in w.items()}
 
     def row_spec(self, ndim: int) -> P:

@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from moejax.model import layer_loop
 from moejax.model.params import layer_runs
 from sharding import slots
 
@@ -74,22 +75,12 @@ def _mover(mesh, stacked: bool, treedef, leaf_specs: tuple):
     return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=specs))
 
 
-def move(placement, experts, src: np.ndarray):
-    """A run's experts (stacked, or a tuple of layers) moved to the slots `src` names (`sources`)."""
-    stacked = not isinstance(experts, tuple)
+def move(placement, experts, src: np.ndarray, stacked: bool):
+    """A run's experts (`stacked`, or a tuple of layers) moved to the slots `src` names (`sources`)."""
     leaves, treedef = jax.tree.flatten(experts)
     mesh = getattr(placement, "mesh", None)
     specs = tuple(_spec(a, 1 if stacked else 0) for a in leaves) if mesh is not None else ()
     return _mover(mesh, stacked, treedef, specs)(experts, jnp.asarray(src, jnp.int32))
-
-
-def expert_bytes(experts) -> int:
-    """Bytes of one slot of one layer (every leaf)."""
-    leaves = jax.tree.leaves(experts)
-    first = leaves[0]
-    layers = len(experts) if isinstance(experts, tuple) else first.shape[0]
-    num_slots = first.shape[0] if isinstance(experts, tuple) else first.shape[1]
-    return sum(a.nbytes for a in leaves) // (layers * num_slots)
 
 
 def put_tables(placement, phy2log: np.ndarray, num_experts: int, stacked: bool = True):
@@ -106,26 +97,23 @@ def moe_runs(c) -> list[int]:
     return [r for r, run in enumerate(layer_runs(c)) if run.is_moe(c)]
 
 
-def arrange(placement, params: dict, old: np.ndarray, new: np.ndarray) -> tuple[dict, int]:
+def arrange(placement, params: dict, old: np.ndarray, new: np.ndarray, loops: tuple | None = None) -> tuple[dict, int]:
     """`params` with every MoE run's experts moved from phy2log `old` int[L, S] to `new`
     int[L, P] (L: all MoE layers, in order) and the tables of `new` beside them -> (params,
-    bytes that changed device)."""
+    bytes that changed device). `loops`: how the runs are held (default: stacked, as loaded;
+    an engine's: `engine.loops`)."""
     c, devices, moved = placement.config.model, placement.ep, 0
+    loops = loops or layer_loop.stacked(c)
     layers, at = list(params["layers"]), 0
     for r in moe_runs(c):
-        run = layers[r]
-        stacked = not isinstance(run, tuple)
-        count = jax.tree.leaves(run)[0].shape[0] if stacked else len(run)
+        loop, run = loops[r], layers[r]
+        count = loop.count(run)
         o, n = old[at: at + count], new[at: at + count]
         src = sources(o, n, devices)
-        experts = run["moe"]["experts"] if stacked else tuple(layer["moe"]["experts"] for layer in run)
-        moved += moved_slots(src, o.shape[1], n.shape[1], devices) * expert_bytes(experts)
-        experts = move(placement, experts, src)
-        table = put_tables(placement, n, placement.num_logical, stacked)
-        if stacked:
-            layers[r] = {**run, "moe": {**run["moe"], "experts": experts, "slots": table}}
-        else:
-            layers[r] = tuple({**layer, "moe": {**layer["moe"], "experts": e, "slots": s}}
-                              for layer, e, s in zip(run, experts, table))
+        experts = loop.part(run, "moe", "experts")
+        slot_bytes = sum(a.nbytes for a in jax.tree.leaves(experts)) // (count * o.shape[1])  # one slot of one layer
+        moved += moved_slots(src, o.shape[1], n.shape[1], devices) * slot_bytes
+        run = loop.with_part(run, ("moe", "experts"), move(placement, experts, src, loop.stacked))
+        layers[r] = loop.with_part(run, ("moe", "slots"), put_tables(placement, n, placement.num_logical, loop.stacked))
         at += count
     return {**params, "layers": layers}, moved

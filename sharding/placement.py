@@ -15,9 +15,10 @@ import numpy as np
 
 from moejax.config import Config, ConfigError
 from moejax.model import paged
+from moejax.model.layer_loop import layer_loops
 from moejax.model.params import ParamSpec, expert_axis, is_expert_stack
-from moejax.platform import attention_kernel, backend, kernel
-from pallas_kernels.layered import LayerOf, layer_slice
+from moejax.platform import attention_kernel, backend, kernel, unrolls
+from pallas_kernels import layered
 from sharding import accounting, rules, slots
 from sharding.experts import moe_local
 
@@ -46,6 +47,9 @@ class Placement:
         self.platform = backend(platform)
         self.kernel = kernel(config.kernel, self.platform)
         self.attention_kernel = paged_kernel(config, self.platform)
+        # How each run of layers executes there (a scan, or unrolled): the engine arranges its
+        # parameters by these, and the decoder runs them so (`moejax/model/layer_loop.py`).
+        self.loops = layer_loops(config.model, lambda layers: unrolls(config.engine.layer_loop, layers, self.platform))
         self.set_slots(config.model.num_experts)
 
     def set_slots(self, num_logical: int) -> None:
@@ -109,10 +113,9 @@ class Placement:
     prefetch_depth = 0
 
     def layer_experts(self, stack: dict, i) -> dict:
-        """MoE layer i's experts, out of its run's stack [L, E, ...], as `moe` takes them. The
-        matrices stay in the stack (`LayerOf`): the XLA grouped GEMM reads each touched expert
-        straight from it, where a sliced layer would be a copy of all its experts (XLA:CPU)."""
-        return {name: LayerOf(a, i) if name in GEMM_WEIGHTS else layer_slice(a, i) for name, a in stack.items()}
+        """MoE layer i's experts, out of its run's stack [L, E, ...], as `moe` takes them: as this
+        placement's kernel reads a layer of a stack (`pallas_kernels/layered.py`)."""
+        return layered.layer_of(stack, i, self.kernel, GEMM_WEIGHTS)
 
     def gather_experts(self, w: dict) -> dict:
         """The experts a device computes one MoE layer with, from those at rest on it: the same

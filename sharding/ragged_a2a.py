@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
+from moejax.platform import ragged_all_to_all
 from sharding import accounting, overlap
 from sharding.experts import moe_local
 from sharding.mesh import MeshPlacement, own_share
@@ -144,8 +145,8 @@ class RaggedA2A(MeshPlacement):
 
     def __init__(self, config, mesh=None, platform=None, use_ragged: bool | None = None):
         super().__init__(config, mesh, platform)
-        # XLA:CPU has no ragged-all-to-all; elsewhere only the used slots travel.
-        self.use_ragged = self.platform != "cpu" if use_ragged is None else use_ragged
+        # Only the used slots travel where the platform has a ragged all-to-all (`moejax.platform`).
+        self.use_ragged = ragged_all_to_all(self.platform) if use_ragged is None else use_ragged
         if not self.use_ragged:
             self.sent_source = "exchange plan (this backend sends whole buffers)"
 

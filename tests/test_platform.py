@@ -36,6 +36,16 @@ def test_a_placement_resolves_auto_for_the_platform_it_builds_for(target, kernel
     assert make_placement(config, platform=target).kernel == kernel
 
 
+@pytest.mark.parametrize("target, stacked, ragged", [("cpu", False, False), ("tpu", True, True), ("gpu", True, True)])
+def test_a_placement_runs_layers_and_the_exchange_as_its_platform_does(target, stacked, ragged):
+    """Short runs of layers unrolled and the exchange's dense blocks on XLA:CPU only, decided for
+    the platform the programs are built for."""
+    config = Config(model=preset("tiny"), layout=LayoutConfig(placement="ragged_a2a", devices=2)).validate()
+    placement = make_placement(config, platform=target)
+    assert [loop.stacked for loop in placement.loops] == [stacked] * len(placement.loops)
+    assert placement.use_ragged == ragged
+
+
 def test_host_cores_without_an_affinity_mask(monkeypatch):
     """macOS has no os.sched_getaffinity: the core count stands in."""
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)

@@ -69,7 +69,7 @@ def load(path: Path, config: Config) -> CostTable:
             raise UsageError(f"{path} is not a moejax cost table: {e}") from None
         if table.model == geometry_key(config):
             return table
-    concurrency = platform.host_cores() if platform.backend() == "cpu" else 1 << 20
+    concurrency = platform.concurrent_devices()
     return CostTable(geometry_key(config), config.model.moe_intermediate_size, concurrency)
 
 

@@ -25,7 +25,8 @@ from moejax.engine.routing import Routing, valid_rows
 from moejax.engine.sampling import Sampling, sample
 from moejax.errors import UsageError
 from moejax.model import paged
-from moejax.model.transformer import forward, lm_head, unstack_layers
+from moejax.model.layer_loop import arrange
+from moejax.model.transformer import forward, lm_head
 
 
 def prefill(params, cache, tokens, start, last, forced=None, pages=None, *, c: ModelConfig, placement,
@@ -148,11 +149,15 @@ class Engine:
     """Binds a model, its (placed) parameters and a placement to jitted prefill/decode, under a
     routing override (`engine.routing`; default the router's own picks)."""
 
-    def __init__(self, config: Config, params: dict, placement, routing: Routing = Routing(), phy2log=None):
+    def __init__(self, config: Config, params: dict, placement, routing: Routing = Routing(), phy2log=None,
+                 arranged: bool = False):
+        """`params` as loaded (every run stacked), or `arranged` already for this placement's
+        loops (another engine's, lent)."""
         self.config = config
         self.phy2log = phy2log  # int[MoE layers, slots]: the experts' placement (None: checkpoint order)
         self.c = config.model
-        self.params = unstack_layers(params, lambda layers: platform.unrolls(config.engine.layer_loop, layers))
+        self.loops = placement.loops  # each run of layers: scanned or unrolled (`layer_loop.py`)
+        self.params = params if arranged else arrange(params, self.loops)
         self.placement = placement
         routing.check(self.c)
         self.routing = routing

@@ -1,12 +1,12 @@
 """The decoder: embedding, layers (attention + dense MLP or MoE), final norm, LM head.
 
-Layers run as one `lax.scan` per run of identical layers (`params.layer_runs`) over their
-stacked parameters and cache, so compile time and memory do not grow with depth; or, where the
-engine unstacked a run's parameters into one tree per layer (`unstack_layers`, XLA:CPU), as a
-Python loop over them, the same step body either way. A placement
-that moves expert weights to the rows (`placement.prefetch_depth` > 0) has the scan carry the
-experts gathered for the next `prefetch_depth` MoE layers: iteration i computes with weights
-gathered `prefetch_depth` iterations earlier and issues the gather for layer i + depth.
+Layers run by runs of identical layers (`params.layer_runs`), one step body for every layer,
+as the run's loop goes (`placement.loops`, `layer_loop.py`): one `lax.scan` over the stacked
+parameters and cache, so compile time and memory do not grow with depth, or unrolled over
+per-layer trees (XLA:CPU's short runs). A placement that moves expert weights to the rows
+(`placement.prefetch_depth` > 0) has the loop carry the experts gathered for the next
+`prefetch_depth` MoE layers: iteration i computes with weights gathered `prefetch_depth`
+iterations earlier and issues the gather for layer i + depth.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from moejax.model import paged
 from moejax.model.attention import attention
 from moejax.model.layers import rms_norm, rope_cos_sin, swiglu
 from moejax.model.moe import moe_block
+from moejax.model import layer_loop
 from moejax.model.params import Run, layer_runs
 from pallas_kernels.layered import layer_slice
 
@@ -45,27 +46,20 @@ def decoder_layer(lp: dict, experts, x: jax.Array, positions, cos_sin, cache: di
     return placement.constrain(x + m, ROWS), cache, selected, ids
 
 
-def run_layers(run: Run, run_params, run_cache: dict, x, selected, positions, cos_sin, c: ModelConfig,
+def run_layers(run: Run, loop, run_params, run_cache: dict, x, selected, positions, cos_sin, c: ModelConfig,
                placement, forced=None, pages=None):
     """One run of identical layers: x: [B, T, D] -> (x, run_cache, selected, picks: int32
     [layers, B*T, k] of a MoE run (a list of [B*T, k] where unrolled), else None).
-    `run_params`: stacked [layers, ...] (scanned), or a tuple of per-layer trees (unrolled);
+    `run_params`: the run's parameters as its `loop` (`layer_loop.Scan` or `Unrolled`) holds them;
     `forced`: a MoE run's int32 [layers, B*T, k] picks replacing the router's, or None."""
     count = run.count
-    unrolled = isinstance(run_params, tuple)
     # Sliding-window and full-attention layers share their parameters' shape: the window is
     # a per-layer input of the scan.
     windows = jnp.asarray([c.sliding_window if i in c.sliding_layers else 0 for i in run.layers], jnp.int32)
     moe = run.is_moe(c)
-    if unrolled:  # layer i's experts as they rest on the device, and as the placement computes with them
-        at_rest = lambda i: run_params[min(i, count - 1)]["moe"]["experts"]
-        own = lambda i: placement.gather_experts(at_rest(i))
-    else:
-        stack = run_params["moe"]["experts"] if moe else None
-        at_rest = lambda i: layer_slice(stack, jnp.minimum(i, count - 1))
-        own = lambda i: placement.layer_experts(stack, i)
+    at_rest = loop.part(run_params, "moe", "experts") if moe else None  # the run's experts as they rest on the devices
     depth = min(placement.prefetch_depth, count) if moe else 0
-    gather = lambda i: placement.gather_experts(at_rest(i))
+    gather = lambda i: placement.gather_experts(loop.layer(at_rest, i))
     ahead = tuple(gather(j) for j in range(depth))  # the first `depth` layers' experts, before the loop
 
     def body(carry, xs):
@@ -79,7 +73,7 @@ def run_layers(run: Run, run_params, run_cache: dict, x, selected, positions, co
         elif depth:  # computed with weights gathered `depth` iterations ago; the next gather goes out now
             experts, ahead = ahead[0], ahead[1:] + (gather(i + depth),)
         else:
-            experts = own(i)
+            experts = loop.experts(placement, at_rest, i)
         # `moejax trace` tells the MoE layers' ops from the dense layers' by this scope.
         with jax.named_scope("moe_layers" if moe else "dense_layers"):
             x, layer_cache, selected, ids = decoder_layer(lp, experts, x, positions, cos_sin, layer_cache, selected, c,
@@ -88,17 +82,8 @@ def run_layers(run: Run, run_params, run_cache: dict, x, selected, positions, co
                                  layer_cache)
         return (x, selected, ahead, run_cache), ids
 
-    carry = (x, selected, ahead, run_cache)
-    if unrolled:
-        picks = []
-        for i in range(count):
-            carry, ids = body(carry, (run_params[i], i, windows[i], None if forced is None else forced[i]))
-            picks.append(ids)
-        picks = picks if moe else None
-    else:
-        carry, picks = jax.lax.scan(body, carry, (run_params, jnp.arange(count, dtype=jnp.int32), windows, forced))
-    x, selected, _, run_cache = carry
-    return x, run_cache, selected, picks
+    (x, selected, _, run_cache), picks = loop.loop(body, (x, selected, ahead, run_cache), run_params, windows, forced)
+    return x, run_cache, selected, picks if moe else None
 
 
 def forward(params: dict, cache: list, tokens: jax.Array, positions: jax.Array, c: ModelConfig, placement,
@@ -117,12 +102,12 @@ def forward(params: dict, cache: list, tokens: jax.Array, positions: jax.Array, 
     seq = jax.tree.leaves(cache)[0].shape[-2] if pages is None else pages.shape[1] * paged.page_size_of(cache)
     selected = jnp.ones((b, t, seq), bool) if c.is_dsa else None
     new_cache, picks = [], []
-    for run, run_params, run_cache in zip(layer_runs(c), params["layers"], cache):
+    for run, loop, run_params, run_cache in zip(layer_runs(c), placement.loops, params["layers"], cache):
         run_forced = None
         if forced is not None and run.is_moe(c):  # this MoE run's slice of the MoE layers
             run_forced, forced = forced[: run.count], forced[run.count:]
-        x, run_cache, selected, run_picks = run_layers(run, run_params, run_cache, x, selected, positions, cos_sin, c,
-                                                       placement, run_forced, pages)
+        x, run_cache, selected, run_picks = run_layers(run, loop, run_params, run_cache, x, selected, positions, cos_sin,
+                                                       c, placement, run_forced, pages)
         new_cache.append(run_cache)
         if run_picks is not None:
             picks.extend(run_picks)
@@ -135,28 +120,9 @@ def lm_head(params: dict, h: jax.Array, c: ModelConfig) -> jax.Array:
     return (h @ w).astype(jnp.float32)
 
 
-def layer_params(params: dict, layer: int, c: ModelConfig) -> dict:
-    """Decoder layer `layer`'s parameters, out of its run's stack (or its run's tuple, unstacked)."""
+def layer_params(params: dict, layer: int, c: ModelConfig, loops: tuple | None = None) -> dict:
+    """Decoder layer `layer`'s parameters, out of its run as `loops` hold the runs (default:
+    stacked, as loaded; an engine's: `engine.loops`)."""
     run_index, run = next((r, run) for r, run in enumerate(layer_runs(c)) if layer in run.layers)
-    run_params = params["layers"][run_index]
-    if isinstance(run_params, tuple):
-        return run_params[layer - run.first]
-    return jax.tree.map(lambda a: a[layer - run.first], run_params)
-
-
-def unstack_layers(params: dict, unrolls) -> dict:
-    """`params` with the stacked [layers, ...] tree of each run whose length `unrolls(layers)`
-    as a tuple of per-layer trees (each layer's arrays its own buffers, placed as the stack was);
-    `params` itself if no run changes."""
-    count = lambda run: jax.tree.leaves(run)[0].shape[0]
-    split = [not isinstance(run, tuple) and unrolls(count(run)) for run in params["layers"]]
-    if not any(split):
-        return params
-    return {**params, "layers": [_layers_of(run) if cut else run for run, cut in zip(params["layers"], split)]}
-
-
-@jax.jit
-def _layers_of(run):
-    """A run's stacked tree [layers, ...] -> a tuple of per-layer trees, in one program (eager
-    slices would be a program per leaf shape for a start-up to compile or fetch)."""
-    return tuple(layer_slice(run, i) for i in range(jax.tree.leaves(run)[0].shape[0]))
+    loop = (loops or layer_loop.stacked(c))[run_index]
+    return loop.layer(params["layers"][run_index], layer - run.first)

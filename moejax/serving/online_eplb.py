@@ -85,7 +85,8 @@ class OnlineEPLB:
 
     def _move(self, new: np.ndarray) -> int:
         """The engine's experts into placement `new`; bytes that changed device."""
-        params, moved = moves.arrange(self.engine.placement, self.engine.params, self.engine.phy2log, new)
+        params, moved = moves.arrange(self.engine.placement, self.engine.params, self.engine.phy2log, new,
+                                     self.engine.loops)
         jax.block_until_ready(params)
         self.engine.params, self.engine.phy2log = params, new
         return moved

@@ -1,0 +1,112 @@
+"""How a run of identical layers executes: one `lax.scan` over its parameters stacked
+[layers, ...] (`Scan`), or a Python loop over one tree per layer (`Unrolled`: each layer's
+arrays their own buffers, where a scan's slice of a weight is a copy on XLA:CPU).
+
+The placement holds one loop per run, chosen once for its platform (`moejax.platform.unrolls`);
+the engine arranges its parameters by them, and the decoder, the expert moves and whatever reads
+one layer go through them: no code asks which form a run's parameters have.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moejax.model.params import layer_runs
+from pallas_kernels.layered import layer_slice
+
+
+class Scan:
+    """A run kept stacked [layers, ...], run as one `lax.scan` (compile time flat in depth)."""
+
+    stacked = True
+
+    def arrange(self, stack):
+        """The run's parameters as this loop reads them, from their stack."""
+        return stack
+
+    def count(self, run) -> int:
+        return jax.tree.leaves(run)[0].shape[0]
+
+    def part(self, run, *keys):
+        """The subtree at `keys` of every layer of the run, in this loop's form."""
+        for k in keys:
+            run = run[k]
+        return run
+
+    def with_part(self, run, keys: tuple, part):
+        """`run` with `part` (this loop's form) at `keys`, a path of dict keys (the last one new, or replaced)."""
+        return _replace(run, keys, part)
+
+    def layer(self, run, i):
+        """Layer i of `run` (or of a `part` of it); i may be traced, and past the end is the last."""
+        return layer_slice(run, jnp.minimum(i, self.count(run) - 1))
+
+    def experts(self, placement, experts, i):
+        """MoE layer i's experts as `placement` computes with them, from the run's at rest."""
+        return placement.layer_experts(experts, i)
+
+    def loop(self, body, carry, run, *xs):
+        """(carry, ys): body(carry, (layer, i, *x[i])) over the run's layers; ys stacked."""
+        count = self.count(run)
+        return jax.lax.scan(body, carry, (run, jnp.arange(count, dtype=jnp.int32), *xs))
+
+
+class Unrolled:
+    """A run held as a tuple of per-layer trees, run as a Python loop (one program body per layer)."""
+
+    stacked = False
+
+    def arrange(self, stack):
+        return _layers_of(stack)
+
+    def count(self, run) -> int:
+        return len(run)
+
+    def part(self, run, *keys):
+        return tuple(Scan().part(layer, *keys) for layer in run)
+
+    def with_part(self, run, keys: tuple, part):
+        return tuple(_replace(layer, keys, p) for layer, p in zip(run, part))
+
+    def layer(self, run, i: int):
+        return run[min(i, len(run) - 1)]
+
+    def experts(self, placement, experts, i: int):
+        return placement.gather_experts(self.layer(experts, i))
+
+    def loop(self, body, carry, run, *xs):
+        """ys: a list, one entry a layer."""
+        ys = []
+        for i, layer in enumerate(run):
+            carry, y = body(carry, (layer, i, *(None if x is None else x[i] for x in xs)))
+            ys.append(y)
+        return carry, ys
+
+
+def layer_loops(c, unrolls) -> tuple:
+    """One loop per run of `c`'s layers: `Unrolled` where `unrolls(layers)`, else `Scan`."""
+    return tuple(Unrolled() if unrolls(run.count) else Scan() for run in layer_runs(c))
+
+
+def stacked(c) -> tuple:
+    """The loops of parameters as loaded: every run stacked."""
+    return layer_loops(c, lambda layers: False)
+
+
+def arrange(params: dict, loops: tuple) -> dict:
+    """`params` (every run stacked, as loaded) with each run in its loop's form."""
+    return {**params, "layers": [loop.arrange(run) for loop, run in zip(loops, params["layers"])]}
+
+
+def _replace(tree: dict, keys: tuple, value) -> dict:
+    """`tree` with `value` at the path `keys` (its last key new, or replaced)."""
+    head, *rest = keys
+    return {**tree, head: _replace(tree[head], tuple(rest), value) if rest else value}
+
+
+@jax.jit
+def _layers_of(run):
+    """A run's stacked tree [layers, ...] -> a tuple of per-layer trees, in one program (eager
+    slices would be a program per leaf shape for a start-up to compile or fetch)."""
+    return tuple(layer_slice(run, i) for i in range(jax.tree.leaves(run)[0].shape[0]))
