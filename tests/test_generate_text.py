@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -30,6 +32,15 @@ def tok(model_dir):
     return Tokenizer(model_dir)
 
 
+@pytest.fixture(scope="module")
+def plain(model_dir) -> dict:
+    """`generate --prompt TEXT` on the model, run once for the tests that compare with it."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["generate", "--hf", str(model_dir), "--max-new-tokens", "10", "--json", "--prompt", TEXT]) == 0
+    return json.loads(out.getvalue())
+
+
 def test_prompt_text_gives_the_tokens_of_its_ids_and_decoded_text(capsys, model_dir, tok):
     ids = ",".join(map(str, tok.encode(TEXT)))
     out = generate(capsys, model_dir, "--prompt", TEXT, "--prompt-ids", ids)
@@ -44,8 +55,8 @@ def test_chat_prompt_is_the_rendered_template(capsys, model_dir, tok):
     assert chat["tokens"] == generate(capsys, model_dir, "--prompt-ids", ids)["tokens"]
 
 
-def test_end_of_sequence_id_stops_the_request_early(capsys, model_dir, tmp_path):
-    full = generate(capsys, model_dir, "--prompt", TEXT)["tokens"][0]
+def test_end_of_sequence_id_stops_the_request_early(capsys, plain, tmp_path):
+    full = plain["tokens"][0]
     eos = full[5]
     out = generate(capsys, make_text_model(tmp_path, eos_token_id=[90, eos]), "--prompt", TEXT)
     assert out["tokens"][0] == full[: full.index(eos) + 1] and out["finish_reasons"] == ["stop"]
@@ -53,8 +64,8 @@ def test_end_of_sequence_id_stops_the_request_early(capsys, model_dir, tmp_path)
     assert ignored["tokens"][0] == full and ignored["finish_reasons"] == ["length"]
 
 
-def test_stop_string_ends_the_text_before_it(capsys, model_dir):
-    full = generate(capsys, model_dir, "--prompt", TEXT)["text"][0]
+def test_stop_string_ends_the_text_before_it(capsys, model_dir, plain):
+    full = plain["text"][0]
     stop = full[4:6]
     out = generate(capsys, model_dir, "--prompt", TEXT, "--stop", stop)
     assert out["text"][0] == full[: full.index(stop)] and out["finish_reasons"] == ["stop"]
