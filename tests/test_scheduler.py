@@ -227,3 +227,25 @@ def test_metrics_report_pages_preemptions_and_prefix_cache(small):
                         ("moejax_preemptions", small.preemptions), ("moejax_prefix_cache_hits", small.kv.prefix.hits),
                         ("moejax_prefix_cache_queries", small.kv.prefix.queries)):
         assert f"{name} {float(value)}" in text
+
+
+class Recorder:
+    """A plan link that keeps each call as bytes, as the wire to a follower carries them."""
+
+    def __init__(self):
+        self.sent: list[bytes] = []
+
+    def send(self, call) -> None:
+        self.sent.append(call.to_bytes())
+
+
+def test_a_follower_replaying_the_step_plan_ends_with_the_same_cache(engine):
+    from moejax.serving.step_plan import Call
+
+    leader, follower = (Scheduler(engine, slots=3, max_len=64, prefill_rows=2) for _ in range(2))
+    leader.link = Recorder()
+    leader.run_all([request(p, n, temperature=0.7, seed=i) for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS))])
+    for data in leader.link.sent:
+        follower.execute(Call.from_bytes(data))
+    assert {Call.from_bytes(d).name for d in leader.link.sent} == {"decode", "prefill"}
+    assert all(bool((a == b).all()) for a, b in zip(jax.tree.leaves(leader.cache), jax.tree.leaves(follower.cache)))

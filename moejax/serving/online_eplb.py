@@ -19,6 +19,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from moejax.engine import compile_clock
 from moejax.engine.expert_placement import balanced
+from moejax.serving.step_plan import Call
 from sharding import moves, slots
 
 
@@ -36,7 +37,7 @@ class OnlineEPLB:
 
     def __init__(self, scheduler, window: int, interval: int, log=None):
         """`log`: where each rebalance's line goes (default: stderr at the time)."""
-        self.engine, self.interval, self.log = scheduler.engine, interval, log
+        self.scheduler, self.engine, self.interval, self.log = scheduler, scheduler.engine, interval, log
         self.passes: collections.deque[tuple[np.ndarray, np.ndarray]] = collections.deque(maxlen=window)
         self.steps = 0
         self.rebalances: list[Rebalance] = []
@@ -50,7 +51,7 @@ class OnlineEPLB:
 
     def warm_up(self) -> None:
         """Compiles the move (to the placement the experts are in: nothing changes)."""
-        self._move(self.engine.phy2log)
+        self.move(self.engine.phy2log)
 
     def counts(self) -> np.ndarray:
         """float[L, E]: picks per logical expert over the window."""
@@ -77,13 +78,13 @@ class OnlineEPLB:
         if after <= before:  # EPLB balances picks; rows, which a step waits on, may not follow: keep the old
             return
         t0 = compile_clock.now()
-        moved = self._move(new)
+        moved = self.scheduler._run(Call("move_experts", {"phy2log": new}))  # every process moves its shards
         ms = compile_clock.run_ms(t0, compile_clock.now())
         self.rebalances.append(Rebalance(self.steps, moved, ms, before, after))
         print(f"eplb: rebalance {len(self.rebalances)} at step {self.steps}: {moved / 1e6:.2f} MB moved in {ms:.1f} ms, "
               f"balancedness {before:.2f} -> {after:.2f}", file=self.log or sys.stderr, flush=True)
 
-    def _move(self, new: np.ndarray) -> int:
+    def move(self, new: np.ndarray) -> int:
         """The engine's experts into placement `new`; bytes that changed device."""
         params, moved = moves.arrange(self.engine.placement, self.engine.params, self.engine.phy2log, new,
                                      self.engine.loops)

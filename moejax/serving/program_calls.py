@@ -4,6 +4,13 @@ fork) into the programs' arrays (tokens, positions, block tables, sampling rows)
 program, and hands its tokens back to the policy (`_emit`, `_advance_prefill`,
 `_start_decoding`). Also the prefill hand-over of pages between two meshes and the warm-up that
 compiles every program a request can use.
+
+Every program call goes through a step plan `Call` (`step_plan.py`): its host inputs as named
+arrays and its static flags, run by `_run` -> `_do_<name>`. Over several processes, process 0
+sends each call to the followers before running it (`link`, `plan_link.py`), and a follower
+(`follower.py`) runs it through the same `_do_` method on its own shards. Results are read back
+on every process: a batch-sharded output spans the processes, and its gather is a collective
+each of them joins (followers drop what they read).
 """
 
 from __future__ import annotations
@@ -17,10 +24,13 @@ import numpy as np
 from moejax.engine.engine import forced, to_host
 from moejax.serving.request import sampling_rows
 from moejax.serving.slot_programs import decode_slots, fork_slots, prefill_slots, put_pages, take_pages
+from moejax.serving.step_plan import Call, flat, nested
 
 
 class ProgramCalls:
     """The program half of `scheduler.Scheduler` (its state: engine(s), cache(s), kv, slots)."""
+
+    link = None  # process 0 of several: where each call goes before it runs (`plan_link.Leader`)
 
     def _jit_programs(self) -> None:
         c = self.engine.c
@@ -54,9 +64,9 @@ class ProgramCalls:
                               max(self.slots[s].pos + 1 for s in decoding))
         sampling, flags = sampling_rows([self.slots[s].request if s in decoding else None for s in range(width)], width)
         live = positions < self.max_len
-        out, lp, self.cache, picks = self._decode(self.engine.params, self.cache, pages, tokens, positions, sampling,
-                                                  forced=forced(self.dealer, "decode", live), **flags)
-        out, lp = to_host(out), {k: to_host(v) for k, v in lp.items()}
+        arrays = dict(pages=pages, tokens=tokens, positions=positions, **flat("sampling", sampling),
+                      **self._forced("decode", live))
+        out, lp, picks = self._run(Call("decode", arrays, dict(flags, observe=bool(self.pick_observers))))
         self._observe("decode", picks, live)
         now = time.perf_counter()
         for s in decoding:
@@ -87,13 +97,12 @@ class ProgramCalls:
         requests = [self.slots[s].request for s in rows]
         sampling, flags = sampling_rows(requests, self.prefill_rows)
         echo = any(r.echo_logprobs and not r.tokens for r in requests)  # every position's logits: only when needed
-        out, lp, logits, self.prefill_into, picks = self._prefill(
-            self.prefill_engine.params, self.prefill_into, pages, tokens, start, last, after, sampling,
-            forced=forced(self.dealer, "prefill", valid.reshape(-1)), prompt_logprobs=echo, **flags)
-        out, lp = to_host(out), jax.tree.map(to_host, lp)
+        forks = any(other is not None and other.leader in rows for other in self.slots)
+        arrays = dict(pages=pages, tokens=tokens, start=start, last=last, after=after, **flat("sampling", sampling),
+                      **self._forced("prefill", valid.reshape(-1)))
+        out, lp, logits, picks = self._run(Call("prefill", arrays, dict(
+            flags, prompt_logprobs=echo, observe=bool(self.pick_observers), logits=forks)))
         self._observe("prefill", picks, valid.reshape(-1))
-        if self.apart:
-            self.handover_bytes += self._hand_over(pages, start)
         for i, r in enumerate(requests):
             if r.echo_logprobs and not r.tokens:  # position t's entry is the logprob of prompt token t + 1
                 r.record(lp["prompt"], i, prompt=True, at=slice(0, min(self.chunk, last[i] - start[i])))
@@ -101,7 +110,7 @@ class ProgramCalls:
         for i, s in self._advance_prefill(rows, self.chunk):
             r = self.slots[s].request
             if any(other is not None and other.leader == s for other in self.slots):
-                self._fork_samples(s, to_host(logits)[i], now)
+                self._fork_samples(s, logits[i], now)
             if r.max_tokens == 0:
                 self._emit(s, None, now)
             else:
@@ -124,8 +133,8 @@ class ProgramCalls:
             dst[: len(forks)] = [self.slots[s].pages[0] for s in forks]
         requests = [self.slots[s].request for s in forks]
         sampling, _ = sampling_rows(requests, n, extras=True)
-        out, lp, self.cache = self._fork_program(self.cache, src, dst, logits, sampling, np.full(n, length, np.int32))
-        out, lp = to_host(out), {k: to_host(v) for k, v in lp.items()}
+        out, lp = self._run(Call("fork", dict(src=src, dst=dst, logits=logits, positions=np.full(n, length, np.int32),
+                                              **flat("sampling", sampling))))
         for i, s in enumerate(forks):
             slot, r = self.slots[s], requests[i]
             self.kv.hold(full)
@@ -136,6 +145,47 @@ class ProgramCalls:
             else:
                 r.record(lp, i)
                 self._emit(s, int(out[i]), now)
+
+    # ------------------------------------------------------------------ the calls, on every process
+    def _run(self, call: Call):
+        """One program call of the step plan: sent to the followers first (multi-host), then run here."""
+        if self.link is not None:
+            self.link.send(call)
+        return self.execute(call)
+
+    def execute(self, call: Call):
+        return getattr(self, f"_do_{call.name}")(call.arrays, **call.flags)
+
+    @staticmethod
+    def _picks(picks: list, observe: bool) -> np.ndarray | None:
+        return np.stack([to_host(p) for p in picks]) if observe and picks else None  # [L, R, k]
+
+    def _do_decode(self, a: dict, greedy_only: bool, extras: bool, observe: bool):
+        """-> (tokens [W], logprobs, picks [L, W, k] or None)."""
+        out, lp, self.cache, picks = self._decode(self.engine.params, self.cache, a["pages"], a["tokens"],
+                                                  a["positions"], nested(a, "sampling"), forced=a.get("forced"),
+                                                  greedy_only=greedy_only, extras=extras)
+        return to_host(out), {k: to_host(v) for k, v in lp.items()}, self._picks(picks, observe)
+
+    def _do_prefill(self, a: dict, greedy_only: bool, extras: bool, prompt_logprobs: bool, observe: bool,
+                    logits: bool):
+        """-> (tokens [P], logprobs, the last logits [P, V] if `logits` else None, picks or None)."""
+        out, lp, last, self.prefill_into, picks = self._prefill(
+            self.prefill_engine.params, self.prefill_into, a["pages"], a["tokens"], a["start"], a["last"], a["after"],
+            nested(a, "sampling"), forced=a.get("forced"), greedy_only=greedy_only, extras=extras,
+            prompt_logprobs=prompt_logprobs)
+        out, lp = to_host(out), jax.tree.map(to_host, lp)
+        if self.apart:
+            self.handover_bytes += self._hand_over(a["pages"], a["start"])
+        return out, lp, to_host(last) if logits else None, self._picks(picks, observe)
+
+    def _do_fork(self, a: dict):
+        out, lp, self.cache = self._fork_program(self.cache, a["src"], a["dst"], a["logits"], nested(a, "sampling"),
+                                                 a["positions"])
+        return to_host(out), {k: to_host(v) for k, v in lp.items()}
+
+    def _do_move_experts(self, a: dict) -> int:
+        return self.rebalancer.move(a["phy2log"])
 
     @property
     def prefill_into(self) -> list[dict]:
@@ -161,9 +211,13 @@ class ProgramCalls:
         self.cache = self._put(self.cache, ids, pieces)
         return moved
 
-    def _observe(self, kind: str, picks: list, valid: np.ndarray) -> None:
-        if self.pick_observers and picks:
-            ids = np.stack([to_host(p) for p in picks])  # [L, R, k]
+    def _forced(self, kind: str, valid: np.ndarray) -> dict:
+        """A routing override's picks for a pass whose real rows are `valid`, as a call's input."""
+        return {} if self.dealer is None else {"forced": self.dealer.picks(kind, valid)}  # int32 [L, R, k]
+
+    def _observe(self, kind: str, ids: np.ndarray | None, valid: np.ndarray) -> None:
+        """ids: the pass's picks [L, R, k] read back (None: no observer, or a model without MoE)."""
+        if ids is not None:
             for observe in self.pick_observers:
                 observe(kind, ids, valid)
 
@@ -171,7 +225,7 @@ class ProgramCalls:
     def warm_up(self) -> None:
         """Compiles every program a request can use (greedy, sampled, with logprobs / bias, with
         prompt logprobs, at every block-table width; the fork of n samples) on idle rows, which
-        name no page and so write nothing."""
+        name no page and so write nothing. Every process runs it alike: all hold the same set."""
         p, n, none = self.prefill_rows, self.num_slots, self.kv.num_pages
         for greedy, extras in ((True, False), (False, False), (False, True)):
             for pw in self.kv.widths():

@@ -27,6 +27,7 @@ from moejax.model import paged
 from moejax.model.mtp import init_mtp_pool, mtp_forward
 from moejax.model.transformer import forward, lm_head
 from moejax.serving.scheduler import Request, Scheduler
+from moejax.serving.step_plan import Call
 
 
 def _greedy(params, h, c):
@@ -112,9 +113,8 @@ class SpecScheduler(Scheduler):
             token[s], draft[s], pos[s] = self.slots[s].token, self.slots[s].draft, self.slots[s].pos
         pages = self.kv.table([self.slots[s].pages if s in decoding else [] for s in range(width)], width,
                               max(self.slots[s].pos + self.writes_per_step for s in decoding))
-        emitted, accepted, next_draft, self.cache, self.mtp_cache = self._spec_decode(
-            self.engine.params, self.mtp, self.cache, self.mtp_cache, pages, token, draft, pos)
-        emitted, accepted, next_draft = to_host(emitted), to_host(accepted), to_host(next_draft)
+        emitted, accepted, next_draft = self._run(Call("spec_decode", dict(pages=pages, token=token, draft=draft,
+                                                                           pos=pos)))
         now = time.perf_counter()
         for s in decoding:
             slot, n = self.slots[s], int(accepted[s])
@@ -128,13 +128,25 @@ class SpecScheduler(Scheduler):
 
     def _prefill_call(self, rows: list[int]) -> None:
         pages, tokens, start, last, after, _ = self._prefill_inputs(rows, reach=1)
-        first, draft, self.cache, self.mtp_cache = self._spec_prefill(
-            self.engine.params, self.mtp, self.cache, self.mtp_cache, pages, tokens, start, last, after)
-        first, draft = to_host(first), to_host(draft)
+        first, draft = self._run(Call("spec_prefill", dict(pages=pages, tokens=tokens, start=start, last=last,
+                                                           after=after)))
         now = time.perf_counter()
         for i, s in self._advance_prefill(rows, self.chunk):
             self.slots[s].draft = int(draft[i])
             self._start_decoding(s, int(first[i]), now)
+
+    def _do_spec_decode(self, a: dict):
+        """-> (emitted [W, 2], accepted [W], next draft [W])."""
+        emitted, accepted, next_draft, self.cache, self.mtp_cache = self._spec_decode(
+            self.engine.params, self.mtp, self.cache, self.mtp_cache, a["pages"], a["token"], a["draft"], a["pos"])
+        return to_host(emitted), to_host(accepted), to_host(next_draft)
+
+    def _do_spec_prefill(self, a: dict):
+        """-> (first new token [P], its draft [P])."""
+        first, draft, self.cache, self.mtp_cache = self._spec_prefill(
+            self.engine.params, self.mtp, self.cache, self.mtp_cache, a["pages"], a["tokens"], a["start"], a["last"],
+            a["after"])
+        return to_host(first), to_host(draft)
 
     def warm_up(self) -> None:
         p, none = self.prefill_rows, self.kv.num_pages
