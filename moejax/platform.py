@@ -86,7 +86,10 @@ def kv_cache_bytes(devices: list) -> int:
     else KV_MEMORY_SHARE of the least free device's memory times their count."""
     if devices[0].platform == "cpu":
         return 0
-    stats = [d.memory_stats() or {} for d in devices]
+    import jax
+
+    # Over several processes each reads its own devices (`pool_pages` takes the smallest pool).
+    stats = [d.memory_stats() or {} for d in devices if d.process_index == jax.process_index()]
     free = min(s.get("bytes_limit", 0) - s.get("bytes_in_use", 0) for s in stats)
     return int(KV_MEMORY_SHARE * max(0, free) * len(devices))
 
