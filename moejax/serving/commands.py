@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -89,21 +90,52 @@ def model_name(args) -> str:
     return args.served_model_name or args.hf or args.checkpoint or args.preset or "tiny"
 
 
+LOST_GRACE_S = 5.0  # a lost process: time for the failed requests' 503s to go out before exiting
+
+
 def cmd_serve(args) -> int:
+    """Over several processes (--num-processes): process 0 serves HTTP and decides every step;
+    the others follow its step plans (`serving/follower.py`)."""
     from moejax.serving.metrics import Metrics, TraceRecorder
     from moejax.serving.server import build_app, serve
 
     if not 0 < args.port < 65536:
         raise UsageError(f"--port {args.port} is not a TCP port")
     api_key = args.api_key or os.environ.get("MOEJAX_API_KEY") or None
+    leader = None
+    if args.num_processes > 1 and args.process_id == 0:
+        from moejax.serving.plan_link import Leader
+
+        leader = Leader(args.coordinator, args.num_processes - 1)  # listening before the followers' warm-up ends
     scheduler, tokenizer, eos = build_scheduler(args)
+    if args.num_processes > 1 and args.process_id != 0:
+        from moejax.serving.follower import follow
+
+        return follow(scheduler, args.coordinator, args.process_id)
     name = model_name(args)
     metrics = Metrics(scheduler, window=args.expert_window)
     recorder = TraceRecorder(scheduler, name) if args.record else None
+    if leader is not None:
+        leader.accept()
+        leader.on_lost = functools.partial(_lost, scheduler)
+        scheduler.link = leader
+        metrics.registry.register(leader)
     app = build_app(scheduler, metrics, tokenizer=tokenizer, eos_ids=eos, model_name=name, api_key=api_key,
-                    on_exit=(lambda: recorder.save(args.record)) if recorder else None)
+                    on_exit=(lambda: recorder.save(args.record)) if recorder else None,
+                    failure=(lambda: leader.lost) if leader else None)
     serve(app, args.host, args.port)
+    if leader is not None:
+        leader.stop()
     return 0
+
+
+def _lost(scheduler, message: str) -> None:
+    """Process 0, a follower lost: every request fails with 503, then the process exits 1."""
+    import threading
+
+    print(f"moejax serve: {message}; failing every request and exiting", file=sys.stderr, flush=True)
+    scheduler.fail(f"the server lost a process ({message})")
+    threading.Timer(LOST_GRACE_S, os._exit, (1,)).start()
 
 
 def cmd_bench(args) -> int:

@@ -116,6 +116,8 @@ class Metrics:
         if scheduler.apart:  # prefill and decode on their own devices
             Gauge("moejax_handover_bytes", "KV cache bytes moved from the prefill to the decode devices",
                   registry=r).set_function(lambda: scheduler.handover_bytes)
+        Gauge("moejax_mixed_steps", "steps that decoded running requests and prefilled others", registry=r).set_function(
+            lambda: scheduler.mixed_steps)
         r.register(PrefilledTokens(scheduler))
         c = scheduler.engine.c
         self.experts = ExpertWindow(list(c.moe_layers), c.num_experts, window)

@@ -42,6 +42,7 @@ class Request:
     token_times: list[float] = dataclasses.field(default_factory=list)  # when each new token was out
     finished: float | None = None
     cancelled: bool = False  # set by any thread (a client that went away); the next step drops it
+    error: str | None = None  # the server failed it (a lost process): the HTTP side answers 503
     # Logprobs when asked: (logprob, [(id, logprob)] best first) per new token, and per prompt token after the first.
     token_logprobs: list[tuple[float, list[tuple[int, float]]]] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = dataclasses.field(default_factory=list)

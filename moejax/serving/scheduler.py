@@ -125,6 +125,7 @@ class Scheduler(ProgramCalls):
         self.admitted = 0  # requests admitted so far (a slot's admission order)
         self.preemptions = 0  # running requests whose pages went to older ones (recomputed later)
         self.prefilled_tokens = 0  # positions prefilled (a prefix-cache hit's and n samples' once: not again)
+        self.mixed_steps = 0  # steps that decoded and prefilled (continuous batching at work)
         self.cache = engine.new_pool(pages, page_size)
         self.prefill_cache = self.prefill_engine.new_pool(pages, page_size) if self.apart else None
         self.handover_bytes = 0  # prefill apart: cache bytes that changed device
@@ -176,6 +177,17 @@ class Scheduler(ProgramCalls):
             self._draining = True
             self._cv.notify()
 
+    def fail(self, message: str) -> None:
+        """Every request held fails with `message` (the HTTP side answers 503); none is admitted after."""
+        with self._cv:
+            self._draining = True
+            held = list(self.waiting) + [slot.request for slot in self.slots if slot is not None]
+            self.waiting.clear()
+        for r in held:
+            r.error = message
+            if r.on_event is not None:
+                r.on_event(None, "", True)
+
     def run_all(self, requests: list[Request]) -> list[Request]:
         """Offline use: every request through the scheduler on this thread."""
         for r in requests:
@@ -195,6 +207,7 @@ class Scheduler(ProgramCalls):
         if decoding:
             self._decode_step(decoding)
         chunks = max(1, (self.token_budget - len(decoding)) // self.chunk)
+        self.mixed_steps += bool(decoding and self.prefilling)
         while self.prefilling and chunks > 0:
             rows = list(self.prefilling)[: min(chunks, self.prefill_rows)]
             self._prefill_call(rows)

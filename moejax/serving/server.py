@@ -15,6 +15,7 @@ import hmac
 import importlib.metadata
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -30,6 +31,7 @@ from moejax.serving import openai, responses
 from moejax.serving.scheduler import Draining, QueueFull
 
 DISCONNECT_CHECK_S = 1.0  # how often a waiting non-streamed request checks that its client is still there
+FAILURE_WAIT_S = 35.0  # over several processes: how long a failed step waits for the lost process to be named
 
 
 def moejax_version() -> str:
@@ -63,15 +65,22 @@ class BearerKey:
 
 
 def build_app(scheduler, metrics, *, tokenizer, eos_ids, model_name: str, api_key: str | None = None,
-              on_exit=None) -> FastAPI:
-    """on_exit(): called after the engine thread has finished every accepted request."""
+              on_exit=None, failure=None) -> FastAPI:
+    """on_exit(): called after the engine thread has finished every accepted request.
+    failure(): over several processes, None or why the server is down (a lost process; whoever
+    finds it fails the requests and exits): /health and every request answer 503."""
+    failed = failure or (lambda: None)
 
     def engine_thread():
         try:
             scheduler.run()
         except BaseException:  # a broken engine cannot answer anything: do not leave clients hanging
-            traceback.print_exc()
-            os._exit(1)
+            deadline = time.monotonic() + (FAILURE_WAIT_S if failure else 0)
+            while failed() is None and time.monotonic() < deadline:  # a collective failed: a process is gone
+                time.sleep(0.1)
+            if failed() is None:
+                traceback.print_exc()
+                os._exit(1)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -94,7 +103,7 @@ def build_app(scheduler, metrics, *, tokenizer, eos_ids, model_name: str, api_ke
 
     @app.get("/health")
     async def health():
-        return PlainTextResponse("ok")
+        return PlainTextResponse("ok") if failed() is None else PlainTextResponse(failed(), status_code=503)
 
     @app.get("/v1/models")
     async def models():
@@ -108,6 +117,8 @@ def build_app(scheduler, metrics, *, tokenizer, eos_ids, model_name: str, api_ke
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def complete(request: HTTPRequest, chat: bool):
+        if failed() is not None:
+            return error(503, failed())
         try:
             body = openai.load_body(await request.body())
             if isinstance(body, dict) and body.get("model") not in (None, model_name):
@@ -145,7 +156,8 @@ def build_app(scheduler, metrics, *, tokenizer, eos_ids, model_name: str, api_ke
                 try:
                     k, _, _, done = await asyncio.wait_for(events.get(), timeout=DISCONNECT_CHECK_S)
                     if done:
-                        metrics.request_done(job.choices[k])
+                        if not job.choices[k].error:
+                            metrics.request_done(job.choices[k])
                         left -= 1
                     continue
                 except asyncio.TimeoutError:
@@ -160,6 +172,8 @@ def build_app(scheduler, metrics, *, tokenizer, eos_ids, model_name: str, api_ke
         if not job.stream:
             if not await finished():
                 return error(499, "client closed the request")
+            if any(r.error for r in job.choices):
+                return error(503, next(r.error for r in job.choices if r.error))
             return responses.response(job, rid, model_name, tokenizer)
 
         async def sse():
@@ -167,6 +181,9 @@ def build_app(scheduler, metrics, *, tokenizer, eos_ids, model_name: str, api_ke
             try:
                 while left:
                     k, token, delta, done = await events.get()
+                    if job.choices[k].error:  # headers are out: the error goes as the stream's last event
+                        yield f"data: {json.dumps({'error': {'message': job.choices[k].error, 'code': 503}})}\n\n"
+                        return
                     out = responses.chunk(job, rid, model_name, k, token, delta, done, seen[k], offsets[k], tokenizer)
                     if token is not None:
                         seen[k] += 1
@@ -217,5 +234,9 @@ def serve(app, host: str, port: int) -> None:
     import uvicorn
 
     print(f"moejax serve: listening on http://{host}:{port}", file=sys.stderr, flush=True)
+    # uvicorn re-raises the signal it shut down on once it has restored the handler it found: a
+    # no-op one lets the caller finish (stop the followers, leave jax.distributed) and exit 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     # timeout_graceful_shutdown None: on SIGTERM wait for every running request, however long.
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=None)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
