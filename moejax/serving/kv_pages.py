@@ -39,7 +39,7 @@ def pool_pages(engine, page_size: int, kv_tokens: int = 0, kv_gb: float = 0.0, m
     else:
         size = kv_gb * 1e9 or platform.kv_cache_bytes(list(jax.tree.leaves(engine.params)[0].devices()))
         pages = int(size // per_page) if size else pages_for(platform.CPU_KV_CACHE_TOKENS, page_size)
-        if jax.process_count() > 1:  # every process must allocate the same pool: the smallest free memory's
+        if size and not kv_gb and jax.process_count() > 1:  # each read its own free memory: all take the least
             from jax.experimental import multihost_utils
 
             pages = int(multihost_utils.process_allgather(np.int64(pages)).min())
