@@ -111,7 +111,7 @@ def cmd_serve(args) -> int:
     if args.num_processes > 1 and args.process_id != 0:
         from moejax.serving.follower import follow
 
-        return follow(scheduler, args.coordinator, args.process_id)
+        return follow(scheduler, args.process_id)
     name = model_name(args)
     metrics = Metrics(scheduler, window=args.expert_window)
     recorder = TraceRecorder(scheduler, name) if args.record else None

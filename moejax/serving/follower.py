@@ -10,14 +10,14 @@ import sys
 from moejax.serving.plan_link import FollowerLink, Lost
 
 
-def follow(scheduler, coordinator: str, process_id: int) -> int:
+def follow(scheduler, process_id: int) -> int:
     """Runs process 0's calls until it says stop (-> 0). Losing process 0, or a call failing
     (a collective whose other end is gone), exits non-zero at once: jax.distributed's shutdown
     would wait for the lost process."""
     print(f"moejax serve: process {process_id} follows process 0's step plans; no HTTP server here "
           "(--host and --port are ignored)", file=sys.stderr, flush=True)
     try:
-        link = FollowerLink(coordinator, process_id)
+        link = FollowerLink(process_id)
         for call in link.calls():
             scheduler.execute(call)
             link.ack()

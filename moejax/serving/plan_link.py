@@ -1,5 +1,7 @@
-"""The step plan's transport: a TCP connection from process 0 to each follower, on the
-coordinator's host at the coordinator's port + 1.
+"""The step plan's transport: a TCP connection from process 0 to each follower. Process 0
+listens on the coordinator's host at a port the system picks, and publishes it in
+jax.distributed's key-value store, where the followers read it (a fixed port next to the
+coordinator's can be taken: gloo opens many).
 
 Why a socket and not `multihost_utils.broadcast_one_to_all`: a broadcast is a device collective,
 so a dead follower leaves process 0 blocked inside it with nothing to time out, and it needs
@@ -31,9 +33,14 @@ BEAT_S = 1.0
 TIMEOUT_S = 30.0  # a follower silent, or a call unacknowledged, this long is lost
 
 
-def plan_address(coordinator: str) -> tuple[str, int]:
-    host, port = coordinator.rsplit(":", 1)
-    return host, int(port) + 1
+KEY = "moejax/step_plan_address"
+
+
+def _store():
+    """jax.distributed's key-value store client (there is no public accessor in jax 0.10)."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
 
 
 def _send(sock: socket.socket, kind: int, payload: bytes = b"") -> None:
@@ -64,7 +71,8 @@ class Leader:
 
     def __init__(self, coordinator: str, followers: int, timeout_s: float = TIMEOUT_S):
         self.followers, self.timeout_s = followers, timeout_s
-        self.server = socket.create_server(plan_address(coordinator))
+        self.server = socket.create_server((coordinator.rsplit(":", 1)[0], 0))
+        _store().key_value_set(KEY, "%s:%d" % self.server.getsockname()[:2])
         self.conns: dict[int, socket.socket] = {}
         self.heard: dict[int, float] = {}  # follower -> when it last sent anything
         self.acked: dict[int, int] = {}  # follower -> calls it has run
@@ -157,19 +165,15 @@ class Leader:
 
 
 class FollowerLink:
-    """A follower's end: connects (retrying while process 0 starts), says HELLO, beats."""
+    """A follower's end: connects, says HELLO, beats."""
 
-    def __init__(self, coordinator: str, process_id: int, timeout_s: float = TIMEOUT_S):
+    def __init__(self, process_id: int, timeout_s: float = TIMEOUT_S):
         self.timeout_s, self.done = timeout_s, 0
-        deadline = time.monotonic() + 600.0
-        while True:
-            try:
-                self.sock = socket.create_connection(plan_address(coordinator), timeout=timeout_s)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise Lost(f"process 0's step plans at {coordinator} did not answer")
-                time.sleep(0.5)
+        host, port = _store().blocking_key_value_get(KEY, 600_000).rsplit(":", 1)  # process 0 listens before its warm-up
+        try:
+            self.sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        except OSError as e:
+            raise Lost(f"process 0's step plans at {host}:{port} did not answer ({e})") from e
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._lock = threading.Lock()
         with self._lock:
