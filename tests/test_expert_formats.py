@@ -22,7 +22,9 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41, 42]]
 def engine_for(fmt: str, params=None) -> Engine:
     config = Config(model=preset("tiny"), weights=WeightsConfig(fmt)).validate()
     placement = make_placement(config)
-    return Engine(config, params if params is not None else load_params(config, placement, seed=2), placement)
+    if params is None:
+        return Engine(config, load_params(config, placement, seed=2), placement)
+    return Engine(config, params, placement, arranged=True)  # another engine's, already laid out for this placement
 
 
 @functools.cache
@@ -58,7 +60,10 @@ def test_4bit_greedy_token_stays_among_the_full_precision_best(fmt):
 
 
 def test_4bit_experts_are_about_a_quarter_of_the_bytes():
-    experts = lambda fmt: layer_params(engine_for(fmt).params, 1, preset("tiny"))["moe"]["experts"]  # a MoE layer's
+    def experts(fmt):  # a MoE layer's
+        engine = engine_for(fmt)
+        return layer_params(engine.params, 1, preset("tiny"), engine.loops)["moe"]["experts"]
+
     full, nvfp4 = experts("unquantized"), experts("nvfp4")
     ratio = sum(pallas_kernels.nbytes(a) for a in jax.tree.leaves(full)) / sum(
         pallas_kernels.nbytes(a) for a in jax.tree.leaves(nvfp4, is_leaf=lambda a: isinstance(a, pallas_kernels.QuantizedArray)))
