@@ -52,6 +52,8 @@ BAD_INPUT = {
                                                           "must be equal and divide by 2"),
     "serving MTP drafts with prefill and decode apart": (["bench", "--preset", "tiny", "--speculative", "mtp",
                                                           "--decode-placement", "hybrid"], "decodes under one placement"),
+    "recording the picks of MTP decoding": (["serve", "--preset", "tiny", "--speculative", "mtp", "--record", "x.npz"],
+                                            "drop --speculative or --record"),
     "a platform plan cannot export to": (["plan", "--preset", "tiny", "--export", "tpu,gpu"],
                                          "--export gpu: not one of tpu, cuda"),
     "negative token id": ([*GEN, "--prompt-ids", "1,-3"], "token id -3 outside the vocabulary"),

@@ -101,6 +101,9 @@ def cmd_serve(args) -> int:
 
     if not 0 < args.port < 65536:
         raise UsageError(f"--port {args.port} is not a TCP port")
+    if args.record and args.speculative:
+        raise UsageError("--record records the router's picks, which the MTP programs do not read back; "
+                         "drop --speculative or --record")
     api_key = args.api_key or os.environ.get("MOEJAX_API_KEY") or None
     leader = None
     if args.num_processes > 1 and args.process_id == 0:
