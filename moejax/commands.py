@@ -8,7 +8,7 @@ import json
 
 from moejax.errors import UsageError
 from moejax.factory import build_engine, mtp_engine, pd_engines
-from moejax.flags import add_model_args, add_pd_args, config_from_args, natural_routing_only, prompt_ids
+from moejax.flags import add_model_args, add_pd_args, config_from_args, natural_routing_only, pd_apart, prompt_ids
 
 
 def cmd_generate(args) -> int:
@@ -30,7 +30,7 @@ def cmd_generate(args) -> int:
         natural_routing_only(config, "--speculative mtp")
     compile_clock.start()
     t0 = compile_clock.now()
-    if args.prefill_placement or args.decode_placement:
+    if pd_apart(args):
         from moejax.engine.disaggregated import Disaggregated
 
         prefill_engine, decode_engine = pd_engines(config, args)
@@ -60,7 +60,7 @@ def cmd_generate(args) -> int:
                   "compile_s": round(compile_clock.compile_seconds(t0), 3),
                   "prefill_ms": round(gen.prefill_ms, 2),
                   "decode_step_ms": round(gen.step_ms if args.speculative else gen.decode_step_ms, 2)}
-        if args.prefill_placement or args.decode_placement:
+        if pd_apart(args):
             timing.update(handover_ms=round(gen.handover_ms, 3), handover_bytes=gen.handover_bytes)
         print(json.dumps({"tokens": [d.tokens for d in done], "finish_reasons": [d.finish_reason for d in done], **extra,
                           "timing": timing}))

@@ -17,7 +17,7 @@ import numpy as np
 from moejax.engine.expert_placement import wants_slots
 from moejax.errors import UsageError
 from moejax.factory import build_engine, ensure_devices, pd_devices, pd_engine
-from moejax.flags import DEFAULT_PROMPTS, add_model_args, add_pd_args, config_from_args, prompt_ids
+from moejax.flags import DEFAULT_PROMPTS, add_model_args, add_pd_args, config_from_args, pd_apart, prompt_ids
 from moejax.model.transformer import layer_params
 from moejax.platform import run_dtype
 from sharding import registry
@@ -111,6 +111,8 @@ def cmd_compare(args) -> int:
     # With the experts placed (--eplb, --redundant-experts), the placements it applies to.
     names = args.placements.split(",") if args.placements else [
         n for n in registry.names() if not (wants_slots(config.layout) and registry.placement_class(n).holds_every_expert)]
+    if pd_apart(args) and not args.pd:
+        raise UsageError("--prefill/--decode-placement and --prefill/--decode-devices choose the pairs of --pd; add --pd")
     unknown = [n for n in names if n not in registry.names()]
     if unknown:
         raise UsageError(f"unknown placement {unknown[0]!r}; choose from {', '.join(registry.names())}")

@@ -106,6 +106,12 @@ def natural_routing_only(config: Config, what: str) -> None:
         raise UsageError(f"{what} does not take --routing (only natural routing there); drop --routing")
 
 
+def pd_apart(args) -> bool:
+    """Prefill and decode on engines of their own: any PD flag given (a device split alone keeps
+    --placement on both sides)."""
+    return bool(args.prefill_placement or args.decode_placement or args.prefill_devices or args.decode_devices)
+
+
 def add_pd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-placement", type=placement_name, choices=registry.names(),
                    help="prefill under this placement (default --placement), decode under --decode-placement")

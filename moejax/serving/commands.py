@@ -39,7 +39,7 @@ def build_scheduler(args, progress: bool = True, longest: int = 0):
     from tqdm import tqdm
 
     from moejax.factory import build_engine, pd_engines
-    from moejax.flags import config_from_args, natural_routing_only
+    from moejax.flags import config_from_args, natural_routing_only, pd_apart
     from moejax.serving.scheduler import Scheduler
     from moejax.serving.tokenizer import Tokenizer, eos_ids
 
@@ -47,12 +47,12 @@ def build_scheduler(args, progress: bool = True, longest: int = 0):
     eos = tokenizer.eos_ids if tokenizer else (eos_ids(args.hf) or ()) if args.hf else ()
     with tqdm(total=2, desc="load + compile", disable=None if progress else True, file=sys.stderr) as bar:
         config = config_from_args(args, host_default=True)
-        apart = args.prefill_placement or args.decode_placement
+        apart = pd_apart(args)
         if args.speculative == "mtp":
             natural_routing_only(config, "--speculative mtp")
             if apart:
                 raise UsageError("serving with --speculative mtp decodes under one placement; drop "
-                                 "--prefill-placement/--decode-placement")
+                                 "--prefill-placement/--decode-placement/--prefill-devices/--decode-devices")
         kw = dict(slots=args.slots, max_len=args.max_seq_len, prefill_rows=args.prefill_rows,
                   token_budget=args.max_batched_tokens, max_queue=args.max_queue, longest=longest,
                   kv_tokens=args.kv_cache_tokens, kv_gb=args.kv_cache_gb, page_size=args.page_size,
