@@ -83,20 +83,14 @@ def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, tscale, *refs, qu
 
 def gmm_pallas_gpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret: bool = False,
                    tk: int | None = None, epilogue=None):
-    """lhs [M, K], rhs [G_local, K, N] (array or QuantizedArray), group_sizes [G] -> [M, N].
-
-    tk overrides the K tile (tests use it to run several K steps on small shapes). epilogue:
-    (column scales [G_local, N] or None, bias [G_local, N] or None, act): a gate|up rhs
-    (`fuses_glu(N)`), out [M, N/2] = act(gate, up) of the scaled, biased product.
-    """
+    """The Triton twin of `gmm_pallas_tpu`: the same arguments, epilogue and result."""
     m, k = lhs.shape
     g_local, _, n = rhs.shape
     quantized = isinstance(rhs, formats.QuantizedArray)
     # Triton blocks are powers of two, and tl.dot wants every dim >= 16.
     tm = min(64, max(16, 1 << (m - 1).bit_length()))
     tk = tk or tiling.k_tile(k, rhs, (128, 64) if quantized else (64, 32, 16))
-    tables, has = tiling.epilogue_tables(epilogue, g_local)
-    act = epilogue[2] if epilogue else None
+    tables, has, act = tiling.epilogue_tables(epilogue, g_local)
     tn = tiling.pick_tile(n, (128, 64, 32) if act is not None else (128, 64, 32, 16))
     lhs_p, offset, (offsets, group_ids, m_tile_ids), num_tiles = tiling.group_tiles(
         lhs, group_sizes, group_offset, g_local, tm)

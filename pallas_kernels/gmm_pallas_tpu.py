@@ -90,8 +90,7 @@ def gmm_pallas_tpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
     m, k = lhs.shape
     g_local, _, n = rhs.shape
     quantized = isinstance(rhs, formats.QuantizedArray)
-    tables, has = tiling.epilogue_tables(epilogue, g_local)
-    act = epilogue[2] if epilogue else None
+    tables, has, act = tiling.epilogue_tables(epilogue, g_local)
     # The transposed tile's scratch [tn, tm] must be 128 lanes wide to be loaded with a stride.
     tm = 128 if act is not None else min(128, tiling.round_up(m, 16))
     # tk / 2 / block scale rows should fill the 32-sublane tile of 8-bit data: tk = 64 * block.

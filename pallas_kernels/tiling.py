@@ -91,9 +91,9 @@ def zero_foreign_rows(out: jax.Array, offsets: jax.Array, first_group, g_local: 
     return jnp.where(mine, out[:m], 0).astype(out.dtype)
 
 
-def epilogue_tables(epilogue, g_local: int) -> tuple[list[jax.Array], tuple[bool, bool]]:
+def epilogue_tables(epilogue, g_local: int) -> tuple[list[jax.Array], tuple[bool, bool], str | None]:
     """A fused epilogue's per-group column tables (column scales, bias: [G_local, N], where
-    present) as [G_local, 1, N] kernel operands, and which of the two are there."""
-    columns, bias, _ = epilogue or (None, None, None)
+    present) as [G_local, 1, N] kernel operands, which of the two are there, and its activation."""
+    columns, bias, act = epilogue or (None, None, None)
     tables = [t.reshape(g_local, 1, -1) for t in (columns, bias) if t is not None]
-    return tables, (columns is not None, bias is not None)
+    return tables, (columns is not None, bias is not None), act
