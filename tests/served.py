@@ -27,10 +27,14 @@ class Server:
         if api_key:
             cmd += ["--api-key", api_key]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 300
+        self.wait_healthy(300)
+
+    def wait_healthy(self, seconds: float) -> None:
+        """Until /health answers 200; a server that exits or stays down raises with its output."""
+        deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+                raise RuntimeError(f"server exited: {self.proc.stdout.read()[-3000:]}")
             try:
                 if self.request("GET", "/health")[0] == 200:
                     return

@@ -104,17 +104,7 @@ class TwoProcesses(Server):
                                          stderr=subprocess.STDOUT, text=True, env=env)
         self.proc = subprocess.Popen(common + ["--process-id", "0", *records[0]], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env=env)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"process 0 exited: {self.proc.stdout.read()[-3000:]}")
-            try:
-                if self.request("GET", "/health")[0] == 200:
-                    return
-            except OSError:
-                time.sleep(0.5)
-        self.stop()
-        raise RuntimeError("the two-process server did not come up")
+        self.wait_healthy(600)
 
     def stop(self):
         for p in (self.proc, self.follower):
