@@ -109,27 +109,29 @@ class MeshPlacement(Placement, abc.ABC):
     def constrain(self, x, axes):
         return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape))
 
-    def on_pages(self, fn, q, k, v, positions, table, pool: dict):
+    def on_pages(self, fn, q, k, v, positions, pages, pool: dict):
         """Under shard_map: each device its requests (DP attention; their pages are on its rank)
         or its heads (TP attention, where the pool's kv heads slice; else every head on every
-        device), the pool as it lies."""
+        device), the run's pools [layers, pages, ...] as they lie."""
         axes = self.cache_axes([pool], pool=True)[0]
         pool_specs = {name: self.spec(axes[name], a.shape) for name, a in pool.items()}
         name = next(iter(pool))
-        heads = pool_specs[name][{"kv": paged.KV_POOL_AXES}.get(name, axes[name]).index("kv_heads")]
+        heads = pool_specs[name][1 + {"kv": paged.KV_POOL_AXES}.get(name, axes[name][1:]).index("kv_heads")]
         rows = self.spec(("batch",), q.shape[:1])[0]
-        split = pool_specs[name][0] is not None  # the pages axis: each rank its own
-        local_pages = pool[name].shape[0] // (self.devices if split else 1)
+        split = pool_specs[name][1] is not None  # the pages axis: each rank its own
+        local_pages = pool[name].shape[1] // (self.devices if split else 1)
+        pages = paged.LayerPages(pages.table, jnp.asarray(pages.layer, jnp.int32))
 
-        def per_device(q, k, v, positions, table, pool):
+        def per_device(q, k, v, positions, pages, pool):
             first = jax.lax.axis_index(rules.ALL) * local_pages if split else jnp.int32(0)
-            return fn(first, q, k, v, positions, table, pool)
+            return fn(first, q, k, v, positions, pages, pool)
 
         heads_spec, rows_spec = P(rows, None, heads, None), P(rows, None)
+        pages_spec = paged.LayerPages(rows_spec, P())
         # check_vma off: a pallas_call's outputs carry no varying-axes types.
         return jax.shard_map(per_device, mesh=self.mesh,
-                             in_specs=(heads_spec, heads_spec, heads_spec, rows_spec, rows_spec, pool_specs),
-                             out_specs=(heads_spec, pool_specs), check_vma=False)(q, k, v, positions, table, pool)
+                             in_specs=(heads_spec, heads_spec, heads_spec, rows_spec, pages_spec, pool_specs),
+                             out_specs=(heads_spec, pool_specs), check_vma=False)(q, k, v, positions, pages, pool)
 
     def batch_multiple(self) -> int:
         return self.devices if self.rows_sharded else 1

@@ -100,12 +100,12 @@ class Placement:
         """Activation sharding by logical axis names (no-op without a mesh)."""
         return x
 
-    def on_pages(self, fn, q, k, v, positions, table, pool: dict):
-        """fn(first_page, q, k, v, positions, table, pool) -> (out, pool) run on each device's own
+    def on_pages(self, fn, q, k, v, positions, pages, pool: dict):
+        """fn(first_page, q, k, v, positions, pages, pool) -> (out, pool) run on each device's own
         requests, heads and pages (a Pallas kernel is one device's program): q [B, T, H, Dh],
-        k, v [B, T, H_kv, Dh], positions [B, T], table [B, P] of global page ids, one layer's pool;
-        first_page: the first page this device holds."""
-        return fn(jnp.int32(0), q, k, v, positions, table, pool)
+        k, v [B, T, H_kv, Dh], positions [B, T], pages: `paged.LayerPages` (tables [B, P] of global
+        page ids) into the run's pools [layers, pages, ...]; first_page: the first page this device holds."""
+        return fn(jnp.int32(0), q, k, v, positions, pages, pool)
 
     # ------------------------------------------------------------------ the MoE exchange
     # MoE layers ahead that a placement moving weights to the rows gathers them (the decoder's

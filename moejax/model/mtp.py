@@ -50,8 +50,12 @@ def mtp_forward(mtp: dict, params: dict, cache: dict, hidden: jax.Array, tokens:
     h = rms_norm(hidden, mtp["hnorm"], c.rms_norm_eps)
     x = placement.constrain(jnp.concatenate([e, h], axis=-1) @ mtp["eh_proj"], ROWS)
     experts = placement.gather_experts(mtp["layer"]["moe"]["experts"])
+    if pages is not None:  # as a run of one layer's pools [1, pages, ...] (a bitcast)
+        cache, pages = {k: a[None] for k, a in cache.items()}, paged.LayerPages(pages, 0)
     x, cache, _, _ = decoder_layer(mtp["layer"], experts, x, positions, rope_cos_sin(c, positions), cache, None, c, placement,
                                    pages=pages)
+    if pages is not None:
+        cache = {k: a[0] for k, a in cache.items()}
     return rms_norm(x, mtp["norm"], c.rms_norm_eps), cache
 
 

@@ -18,6 +18,8 @@ position's keys and values interleaved by head, written here and read by that ke
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -26,6 +28,21 @@ from pallas_kernels import paged_attention as kernels
 # In a contiguous cache entry's logical axes, the axes a pool replaces.
 CONTIGUOUS_TO_PAGED = {"batch": "pages", "cache_seq": "page_slot"}
 KV_POOL_AXES = ("pages", "page_slot", "kv_heads", "head_dim")  # the interleaved "kv" pool's
+
+
+class LayerPages(NamedTuple):
+    """One layer's view of its run's pools [layers, pages, ...]: the block tables [B, P] and the
+    layer's index. The layer writes and reads its slice in place: a slice taken out and put back
+    copies the layer's whole pool every step (the pool is most of an accelerator's memory)."""
+
+    table: jax.Array
+    layer: jax.Array | int
+
+
+def _at(pages) -> tuple[tuple, jax.Array]:
+    """(the index prefix of the layer, the tables): LayerPages into stacked pools, or a bare table
+    [B, P] into one pool [pages, ...]."""
+    return ((pages.layer,), pages.table) if isinstance(pages, LayerPages) else ((), pages)
 
 
 def pool_spec(shape: tuple, axes: tuple, pages: int, page_size: int) -> tuple[tuple, tuple]:
@@ -57,13 +74,19 @@ def kv_pool_spec(c, pages: int, page_size: int, kernel: str) -> dict:
     return {"kv": ((pages, page_size, 2 * c.num_kv_heads, dh), KV_POOL_AXES)}
 
 
-def store_and_attend(kernel: str, scale: float, first_page, q, k, v, positions, table, pool: dict):
+def store_and_attend(kernel: str, scale: float, first_page, q, k, v, positions, pages, pool: dict):
     """One device's requests and pages: writes k, v: [B, T, H_kv, Dh] at positions [B, T]
-    through table [B, P] (global page ids; this device holds pages first_page.. of the pool)
-    and attends q: [B, T, H, Dh] over them with `kernel` -> (out [B, T, H, Dh], pool)."""
-    n = next(iter(pool.values())).shape[0]  # pages first in either layout
+    through `pages` (LayerPages into this device's pages first_page.. of the run's pools, or a
+    table [B, P] into one pool; global page ids) and attends q: [B, T, H, Dh] over them with
+    `kernel` -> (out [B, T, H, Dh], pool)."""
+    shapes = {name: a.shape for name, a in pool.items()}
+    lead, table = _at(pages)
+    layers, n = next(iter(pool.values())).shape[:2] if lead else (1, next(iter(pool.values())).shape[0])
     table = table - first_page
-    table = jnp.where((table >= 0) & (table < n), table, n)  # another device's page, or none
+    # The run's pools as one pool of layers * n pages (a bitcast): the kernels read no layer axis.
+    layer = lead[0] if lead else 0
+    table = jnp.where((table >= 0) & (table < n), table + layer * n, layers * n)  # another device's page, or none
+    pool = {name: a.reshape(layers * n, *a.shape[len(lead) + 1:]) for name, a in pool.items()}
     if kernels.combined(kernel):
         b, t, h, dh = k.shape
         kv = jnp.stack([k, v], axis=3).reshape(b, t, 2 * h, dh)  # k0 v0 k1 v1 ..
@@ -71,22 +94,26 @@ def store_and_attend(kernel: str, scale: float, first_page, q, k, v, positions, 
         pool = {"kv": write(pool["kv"], kv, positions, table, seq_axis=1)}
     else:
         pool = {name: write(pool[name], new, positions, table, seq_axis=2) for name, new in (("k", k), ("v", v))}
-    return kernels.attend(kernel, q, pool, positions[:, -1] + 1, table, scale), pool
+    out = kernels.attend(kernel, q, pool, positions[:, -1] + 1, table, scale)
+    return out, {name: a.reshape(shapes[name]) for name, a in pool.items()}
 
 
-def write(pool: jax.Array, new: jax.Array, positions: jax.Array, table: jax.Array, seq_axis: int) -> jax.Array:
-    """pool <- new: [B, T, ...] at positions [B, T] through table [B, P]. seq_axis: the page
-    offset's axis in the pool (1: [N, ps, R]; 2: [N, H, ps, Dh] with new [B, T, H, Dh])."""
-    ps, n = pool.shape[seq_axis], pool.shape[0]
+def write(pool: jax.Array, new: jax.Array, positions: jax.Array, pages, seq_axis: int) -> jax.Array:
+    """pool <- new: [B, T, ...] at positions [B, T] through `pages` (a table [B, P], or
+    LayerPages into stacked pools). seq_axis: the page offset's axis in a layer's pool
+    (1: [N, ps, R]; 2: [N, H, ps, Dh] with new [B, T, H, Dh])."""
+    lead, table = _at(pages)
+    ps, n = pool.shape[len(lead) + seq_axis], pool.shape[len(lead)]
     page = jnp.take_along_axis(table, positions // ps, axis=1, mode="fill", fill_value=n)  # [B, T]; off the table: none
-    index = (page, *[slice(None)] * (seq_axis - 1), positions % ps)
+    index = (*lead, page, *[slice(None)] * (seq_axis - 1), positions % ps)
     return pool.at[index].set(new.astype(pool.dtype), mode="drop")
 
 
-def read(pool: jax.Array, table: jax.Array, seq_axis: int) -> jax.Array:
-    """The pages of table [B, P] as a contiguous cache: [B, P*ps, R] (seq_axis 1) or
-    [B, H, P*ps, Dh] (seq_axis 2); pages the table does not name read as zeros."""
-    pages = pool.at[table].get(mode="fill", fill_value=0)  # [B, P, (H,) ps, ...]
+def read(pool: jax.Array, pages, seq_axis: int) -> jax.Array:
+    """The pages of a table [B, P] (or LayerPages) as a contiguous cache: [B, P*ps, R] (seq_axis 1)
+    or [B, H, P*ps, Dh] (seq_axis 2); pages the table does not name read as zeros."""
+    lead, table = _at(pages)
+    pages = pool.at[(*lead, table)].get(mode="fill", fill_value=0)  # [B, P, (H,) ps, ...]
     b, p = table.shape
     if seq_axis == 2:
         pages = jnp.moveaxis(pages, 1, 2)  # [B, H, P, ps, Dh]

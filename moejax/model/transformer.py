@@ -64,10 +64,11 @@ def run_layers(run: Run, loop, run_params, run_cache: dict, x, selected, positio
 
     def body(carry, xs):
         # The run's cache rides in the carry and each layer updates its own slice in place (as
-        # scanned inputs and outputs, XLA would keep two more copies of the whole cache).
+        # scanned inputs and outputs, XLA would keep two more copies of the whole cache). Page
+        # pools are read and written whole through the layer's index (`paged.LayerPages`).
         x, selected, ahead, run_cache = carry
         lp, i, window, layer_forced = xs
-        layer_cache = layer_slice(run_cache, i)
+        layer_cache = run_cache if pages is not None else layer_slice(run_cache, i)
         if not moe:
             experts = None
         elif depth:  # computed with weights gathered `depth` iterations ago; the next gather goes out now
@@ -77,9 +78,10 @@ def run_layers(run: Run, loop, run_params, run_cache: dict, x, selected, positio
         # `moejax trace` tells the MoE layers' ops from the dense layers' by this scope.
         with jax.named_scope("moe_layers" if moe else "dense_layers"):
             x, layer_cache, selected, ids = decoder_layer(lp, experts, x, positions, cos_sin, layer_cache, selected, c,
-                                                          placement, window, layer_forced, pages)
-        run_cache = jax.tree.map(lambda whole, new: jax.lax.dynamic_update_index_in_dim(whole, new, i, 0), run_cache,
-                                 layer_cache)
+                                                          placement, window, layer_forced,
+                                                          None if pages is None else paged.LayerPages(pages, i))
+        run_cache = layer_cache if pages is not None else jax.tree.map(
+            lambda whole, new: jax.lax.dynamic_update_index_in_dim(whole, new, i, 0), run_cache, layer_cache)
         return (x, selected, ahead, run_cache), ids
 
     (x, selected, _, run_cache), picks = loop.loop(body, (x, selected, ahead, run_cache), run_params, windows, forced)
