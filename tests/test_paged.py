@@ -5,16 +5,23 @@ both attention modes, with the pages of each request scattered over the pool."""
 from __future__ import annotations
 
 import functools
+import re
+import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import Engine
+from moejax.engine.kv_cache import page_bytes
 from moejax.engine.pages import PageAllocator
 from moejax.loading import load_params
 from moejax.model import paged
+from moejax.serving.kv_pages import pool_pages
+from moejax.serving.request import sampling_rows
+from moejax.serving.slot_programs import decode_slots
 from sharding import make_placement, names
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21, 22]]
@@ -72,3 +79,37 @@ def test_allocator_hands_out_only_free_pages():
     assert a.allocate(2) is None and a.num_free == 1
     a.release(first)
     assert sorted(a.allocate(4)) == [0, 1, 2, 3]
+
+
+# Ops that may yield a whole pool in a decode step's optimized HLO: the donated parameter and
+# its in-place scatters (anything else, a copy, slice or update-slice fusion, copies the pool).
+IN_PLACE = re.compile(r"= \S+ (parameter|bitcast|get-tuple-element|tuple|scatter)\(|= \S+ fusion\(.*calls=%wrapped_scatter")
+
+
+def test_a_decode_step_copies_no_pool():
+    config = Config(model=preset("tiny")).validate()  # MLA: its layer loop copied a layer's pools
+    placement = make_placement(config)
+    engine = Engine(config, load_params(config, placement), placement)
+    pool = engine.new_pool(37, 4)  # a page count no other array has
+    shapes = {s for a in jax.tree.leaves(pool) for s in (a.shape, a.shape[1:])}
+    step = jax.jit(functools.partial(decode_slots, c=engine.c, placement=placement, greedy_only=True, extras=False),
+                   donate_argnums=1)
+    rows = sampling_rows([None, None], 2)[0]
+    hlo = step.lower(engine.params, pool, jnp.asarray([[3, 1], [5, 37]]), jnp.ones(2, jnp.int32), jnp.asarray([5, 9]),
+                     rows).compile().as_text()
+    assert "input_output_alias" in hlo  # the pool is donated
+    made = [line for line in hlo.splitlines()
+            if (m := re.match(r"\s*(ROOT )?%\S+ = \w+\[([\d,]*)\]", line))
+            and tuple(int(d) for d in m.group(2).split(",") if d) in shapes]
+    assert made and not [line[:160] for line in made if not IN_PLACE.search(line)]
+
+
+def test_kv_cache_gb_holds_the_pages_its_bytes_hold_in_the_kernels_layout():
+    """--kv-cache-gb: floor(bytes / page bytes) pages, a page as the attention kernel lays it out
+    (the TPU kernel's pool pads head_dim 16 to 128 lanes: fewer pages in the same bytes)."""
+    c = preset("tiny-qwen3-moe")
+    pages = {k: pool_pages(types.SimpleNamespace(c=c, dtype=jnp.float32,
+                                                 placement=types.SimpleNamespace(attention_kernel=k)), 16, kv_gb=0.001)
+             for k in ("xla", "pallas_tpu")}
+    assert pages == {k: 1e6 // page_bytes(c, 16, jnp.float32, k) for k in pages}
+    assert pages["pallas_tpu"] < pages["xla"]
