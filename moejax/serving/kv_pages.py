@@ -33,7 +33,8 @@ def pool_pages(engine, page_size: int, kv_tokens: int = 0, kv_gb: float = 0.0, m
                          f"must be positive")
     if kv_tokens and kv_gb:
         raise UsageError("give --kv-cache-tokens or --kv-cache-gb, not both")
-    per_page = page_bytes(engine.c, page_size, engine.dtype)
+    # The pool's layout is the attention kernel's (the TPU kernel's pads head_dim to 128 lanes).
+    per_page = page_bytes(engine.c, page_size, engine.dtype, engine.placement.attention_kernel)
     if kv_tokens:
         pages = pages_for(kv_tokens, page_size)
     else:
