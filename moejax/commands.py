@@ -8,7 +8,7 @@ import json
 
 from moejax.errors import UsageError
 from moejax.factory import build_engine, mtp_engine, pd_engines
-from moejax.flags import add_model_args, add_pd_args, config_from_args, natural_routing_only, pd_apart, prompt_ids
+from moejax.flags import add_model_args, add_page_args, add_pd_args, config_from_args, natural_routing_only, pd_apart, prompt_ids
 
 
 def cmd_generate(args) -> int:
@@ -94,6 +94,7 @@ def register(sub) -> None:
 
     g = sub.add_parser("generate", help="generate tokens for one batch of prompts")
     add_model_args(g)
+    add_page_args(g)
     g.add_argument("--prompt-ids", type=prompt_ids, action="append", help="1,2,3 (repeat: one request each)")
     g.add_argument("--prompt", dest="prompt_ids", action="append", metavar="TEXT", help="prompt text (repeatable; in order with --prompt-ids)")
     g.add_argument("--chat", action="store_true", help="each --prompt is a user message under the model's chat template")

@@ -17,7 +17,7 @@ import numpy as np
 from moejax.engine.expert_placement import wants_slots
 from moejax.errors import UsageError
 from moejax.factory import build_engine, ensure_devices, pd_devices, pd_engine
-from moejax.flags import DEFAULT_PROMPTS, add_model_args, add_pd_args, config_from_args, pd_apart, prompt_ids
+from moejax.flags import DEFAULT_PROMPTS, add_model_args, add_page_args, add_pd_args, config_from_args, pd_apart, prompt_ids
 from moejax.model.transformer import layer_params
 from moejax.platform import run_dtype
 from sharding import registry
@@ -159,6 +159,7 @@ def cmd_compare(args) -> int:
 def register(sub) -> None:
     p = sub.add_parser("compare", help="run every placement on the same model and prompts (the main job)")
     add_model_args(p)
+    add_page_args(p)
     p.add_argument("--placements", help=f"comma-separated subset of {','.join(registry.names())}")
     p.add_argument("--prompt-ids", type=prompt_ids, action="append", help="1,2,3 (repeat: one request each)")
     p.add_argument("--max-new-tokens", type=int, default=8)

@@ -69,6 +69,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", metavar="HOST:PORT", help="multi-host: process 0's address")
 
 
+def add_page_args(p: argparse.ArgumentParser) -> None:
+    """The engine's KV cache as pages (generate, compare; `serve` sizes its own pool)."""
+    p.add_argument("--page-size", dest="engine_page_size", type=int, metavar="N",
+                   help="the KV cache as pages of N positions (0: one contiguous row per request; "
+                        "default: the config's engine.page_size)")
+
+
 def config_from_args(args, host_default: bool = False) -> Config:
     """--config FILE (its `model:` fields on top of --preset, which wins over the file's own
     preset), then the flags. `host_default` (the verbs that run one model): a run whose flags and
@@ -88,7 +95,8 @@ def config_from_args(args, host_default: bool = False) -> Config:
     if host_default and not layout and config.layout == LayoutConfig() and args.num_processes == 1 and not apart:
         layout = {"devices": 0}
     engine = {k: v for k, v in dict(dtype=args.dtype, prefill_chunk=args.prefill_chunk,
-                                    routing=getattr(args, "routing", None)).items() if v is not None}
+                                    routing=getattr(args, "routing", None),
+                                    page_size=getattr(args, "engine_page_size", None)).items() if v is not None}
     config = dataclasses.replace(
         config,
         layout=replace_checked(config.layout, layout, "layout."),

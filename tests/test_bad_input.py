@@ -29,6 +29,7 @@ BAD_INPUT = {
     "more devices than the machine has": ([*GEN, "--placement", "expert_sharded", "--devices", "64"],
                                           "this machine has 8"),
     "zero devices": ([*GEN, "--devices", "0"], "devices must be at least 1"),
+    "a negative page size": ([*GEN, "--page-size", "-1"], "engine.page_size must be positive"),
     "a mesh the placement does not take": ([*GEN, "--placement", "expert_sharded", "--tp", "2", "--devices", "8"],
                                            "do not apply to it"),
     "the Blackwell kernel without a Blackwell GPU": ([*GEN, "--kernel", "blackwell"], "needs an NVIDIA Blackwell (sm_100)"),

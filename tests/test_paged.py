@@ -13,10 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moejax.cli import build_parser
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import Engine
 from moejax.engine.kv_cache import page_bytes
 from moejax.engine.pages import PageAllocator
+from moejax.flags import config_from_args
 from moejax.loading import load_params
 from moejax.model import paged
 from moejax.serving.kv_pages import pool_pages
@@ -42,6 +44,14 @@ def run(model: str, page_size: int, placement: str = "", attention: str = "dp", 
 def assert_same(got, ref):
     assert got.tokens == ref.tokens
     np.testing.assert_allclose(got.logits, ref.logits, rtol=0, atol=1e-4 * np.abs(ref.logits).max())
+
+
+@pytest.mark.parametrize("verb", ["generate", "compare"])
+def test_page_size_flag_pages_the_engine_cache(verb):
+    """`--page-size` reaches engine.page_size (the engine then runs paged: the test below)."""
+    args = build_parser().parse_args([verb, "--preset", "tiny", "--page-size", "4"])
+    assert config_from_args(args).engine.page_size == 4
+    assert config_from_args(build_parser().parse_args([verb, "--preset", "tiny"])).engine.page_size == 0
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny", "tiny-glm5", "tiny-gpt-oss"])
