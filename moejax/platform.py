@@ -34,9 +34,11 @@ AUTO_ATTENTION_KERNEL = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pall
 GATHER_ROWS = 16
 
 # The KV cache's page pool when no size is given (`serving/kv_pages.py`): on XLA:CPU a fixed
-# number of positions (8 requests of 2,048); on an accelerator this share of the memory the
-# devices have free once the weights are in (the rest holds activations and programs).
-CPU_KV_CACHE_TOKENS = 16384
+# number of positions, serve's 16 default slots at its default longest request of 2,048 (a step
+# reads only its requests' pages: an idle page costs memory, not time); on an accelerator this
+# share of the memory the devices have free once the weights are in (the rest holds activations
+# and programs).
+CPU_KV_CACHE_TOKENS = 32768
 KV_MEMORY_SHARE = 0.8
 
 

@@ -16,7 +16,7 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=0, help="the longest request, prompt and new tokens (default: model "
                    "context, at most 2048; bench without --url: its requests' length)")
     p.add_argument("--kv-cache-tokens", type=int, default=0, help="positions the KV cache's page pool holds, shared by "
-                   "all requests (default: 16384 on CPU, else 80%% of the device memory free after the weights)")
+                   "all requests (default: 32768 on CPU, else 80%% of the device memory free after the weights)")
     p.add_argument("--kv-cache-gb", type=float, default=0.0, help="the page pool's size in GB instead of --kv-cache-tokens")
     p.add_argument("--page-size", type=int, default=16, help="positions per KV cache page")
     p.add_argument("--no-prefix-cache", action="store_true",
