@@ -3,6 +3,8 @@
 - decode time follows the tokens held: mean TPOT of 16 requests of 32 + 32 tokens (--slots 16)
   with --max-seq-len 2048 against 128 (a contiguous cache, which read every slot's whole row:
   4.3x);
+- a step's cost does not follow the pool's size: mean TPOT of the same requests with a pool of
+  2,048 positions against 32,768 (--kv-cache-tokens);
 - the prefix cache: 16 requests of 400 tokens sharing their first 384, sent one at a time: mean
   TTFT with the prefix cache against without, and the positions prefill computed;
 - capacity: in the KV memory of --slots 8 --max-seq-len 2048 (16,384 positions), how many
@@ -30,9 +32,9 @@ from sharding import make_placement
 
 # (requests, prompt, new tokens, short / long --max-seq-len, shared prefix, prefix prompt,
 #  capacity's slots x max-seq-len and request length)
-FULL = dict(requests=16, prompt=32, new=32, max_lens=(128, 2048), shared=384, prefix_prompt=400,
+FULL = dict(requests=16, prompt=32, new=32, max_lens=(128, 2048), pools=(2048, 32768), shared=384, prefix_prompt=400,
             kv=(8, 2048), request_len=256)
-SMOKE = dict(requests=4, prompt=8, new=4, max_lens=(32, 128), shared=32, prefix_prompt=40, kv=(2, 128), request_len=32)
+SMOKE = dict(requests=4, prompt=8, new=4, max_lens=(32, 128), pools=(256, 4096), shared=32, prefix_prompt=40, kv=(2, 128), request_len=32)
 
 
 class Counting(Scheduler):
@@ -99,6 +101,9 @@ def main(argv: list[str] | None = None) -> None:
     n, p, o = st["requests"], st["prompt"], st["new"]
     decode = Sides({m: Scheduler(engine, slots=n, max_len=m) for m in (short, long)},
                    lambda s: tpot_ms(send(s, prompts(n, p), o)))
+    small, big = st["pools"]
+    pool = Sides({k: Scheduler(engine, slots=n, max_len=short, kv_tokens=k) for k in (small, big)},
+                 lambda s: tpot_ms(send(s, prompts(n, p), o)))
     seeds = itertools.count(1)
 
     def one_at_a_time(s: Scheduler) -> tuple[float, int]:
@@ -114,13 +119,17 @@ def main(argv: list[str] | None = None) -> None:
                     for cache in (True, False)}, one_at_a_time)
     for _ in range(args.rounds):
         decode.round()
+        pool.round()
         prefix.round()
     mean = {k: float(np.mean(v)) for k, v in decode.results.items()}
+    by_pool = {k: float(np.mean(v)) for k, v in pool.results.items()}
     (with_ms, with_tokens), (without_ms, without_tokens) = (np.mean(prefix.results[k], axis=0) for k in (True, False))
     together = capacity(engine, st)
     slots, max_len = st["kv"]
     out = {"mean_tpot_ms": {short: round(mean[short], 2), long: round(mean[long], 2)},
            "tpot_ratio": round(mean[long] / mean[short], 2),
+           "pool_mean_tpot_ms": {small: round(by_pool[small], 2), big: round(by_pool[big], 2)},
+           "pool_tpot_ratio": round(by_pool[big] / by_pool[small], 2),
            "prefix_mean_ttft_ms": {"cached": round(with_ms, 2), "uncached": round(without_ms, 2)},
            "prefix_ttft_ratio": round(with_ms / without_ms, 2),
            "prefill_tokens": {"cached": int(with_tokens), "uncached": int(without_tokens)},
@@ -133,6 +142,10 @@ def main(argv: list[str] | None = None) -> None:
     for m in (short, long):
         print(f"{'  --max-seq-len ' + str(m):<100}{mean[m]:>14.2f}")
     print(f"{'  ratio':<100}{out['tpot_ratio']:>14.2f}")
+    print(f"{'pool: the same, --max-seq-len ' + str(short):<100}{'mean TPOT ms':>14}")
+    for k in (small, big):
+        print(f"{'  --kv-cache-tokens ' + str(k):<100}{by_pool[k]:>14.2f}")
+    print(f"{'  ratio':<100}{out['pool_tpot_ratio']:>14.2f}")
     run = (f"moejax bench --preset tiny --num-prompts {n} --input-len {st['prefix_prompt']} --output-len 4 "
            f"--max-concurrency 1 --shared-prefix-len {st['shared']}")
     print(f"{'prefix: ' + run:<100}{'mean TTFT ms':>14}{'prefilled':>11}")
