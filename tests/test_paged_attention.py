@@ -57,7 +57,12 @@ def kernel(name: str, t: int):
     q, k, v, positions, pool = inputs(t)
     if kernels.combined(name):
         pool = interleaved(pool, name)
-    return paged.store_and_attend(name, C.softmax_scale, 0, q, k, v, positions, jnp.asarray(TABLE), pool)
+    # As layer 1 of a run of two: the kernel reads the run's pools flattened, layer 0's untouched.
+    run = {k: jnp.stack([jnp.full_like(a, 7.0), a]) for k, a in pool.items()}
+    out, run = paged.store_and_attend(name, C.softmax_scale, 0, q, k, v, positions,
+                                      paged.LayerPages(jnp.asarray(TABLE), 1), run)
+    assert all(bool((a[0] == 7.0).all()) for a in run.values())
+    return out, {k: a[1] for k, a in run.items()}
 
 
 def assert_close(got, want):

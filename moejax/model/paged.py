@@ -7,6 +7,8 @@ with its batch axis replaced by pages and its positions by the page's: GQA k/v
 A block table `pages: int32 [B, P]` names each request's pages in order (position p lives in
 page table[b, p // page_size] at offset p % page_size); an entry equal to the pool's page count
 names no page: reads there are zeros, writes are dropped (padding rows, unwritten tails).
+A run of layers stacks its pools [layers, pages, ...]; a layer writes and reads its own through
+its index (`LayerPages`), in place.
 
 Attention writes a step's keys through the table and reads back the view of the request's
 P pages as a contiguous [B, ..., P * page_size, ...] cache, so the masked attention after it
@@ -74,19 +76,16 @@ def kv_pool_spec(c, pages: int, page_size: int, kernel: str) -> dict:
     return {"kv": ((pages, page_size, 2 * c.num_kv_heads, dh), KV_POOL_AXES)}
 
 
-def store_and_attend(kernel: str, scale: float, first_page, q, k, v, positions, pages, pool: dict):
+def store_and_attend(kernel: str, scale: float, first_page, q, k, v, positions, pages: LayerPages, pool: dict):
     """One device's requests and pages: writes k, v: [B, T, H_kv, Dh] at positions [B, T]
-    through `pages` (LayerPages into this device's pages first_page.. of the run's pools, or a
-    table [B, P] into one pool; global page ids) and attends q: [B, T, H, Dh] over them with
-    `kernel` -> (out [B, T, H, Dh], pool)."""
+    through `pages` (global page ids; this device holds pages first_page.. of the run's pools
+    [layers, n, ...]) and attends q: [B, T, H, Dh] over them with `kernel` -> (out [B, T, H, Dh], pool)."""
     shapes = {name: a.shape for name, a in pool.items()}
-    lead, table = _at(pages)
-    layers, n = next(iter(pool.values())).shape[:2] if lead else (1, next(iter(pool.values())).shape[0])
-    table = table - first_page
+    layers, n = next(iter(shapes.values()))[:2]
+    table = pages.table - first_page
     # The run's pools as one pool of layers * n pages (a bitcast): the kernels read no layer axis.
-    layer = lead[0] if lead else 0
-    table = jnp.where((table >= 0) & (table < n), table + layer * n, layers * n)  # another device's page, or none
-    pool = {name: a.reshape(layers * n, *a.shape[len(lead) + 1:]) for name, a in pool.items()}
+    table = jnp.where((table >= 0) & (table < n), table + pages.layer * n, layers * n)  # another device's page, or none
+    pool = {name: a.reshape(layers * n, *a.shape[2:]) for name, a in pool.items()}
     if kernels.combined(kernel):
         b, t, h, dh = k.shape
         kv = jnp.stack([k, v], axis=3).reshape(b, t, 2 * h, dh)  # k0 v0 k1 v1 ..
