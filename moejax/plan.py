@@ -18,6 +18,7 @@ shards each device holds.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import time
@@ -127,10 +128,19 @@ def _rows(placement, b: int):
     return jax.ShapeDtypeStruct((b,), jnp.int32, sharding=placement.sharding(("batch",), (b,)))
 
 
+def _scanned(config: Config) -> Config:
+    """The program an accelerator runs at full size: each run of layers one scan over its stacked
+    (here abstract) weights; XLA:CPU's unrolled short runs are a CPU speed choice, not the plan's."""
+    if config.engine.layer_loop == "unroll":
+        raise UsageError("plan compiles each run of layers as a scan over its stacked weights; "
+                         "engine.layer_loop unroll is not planned")
+    return dataclasses.replace(config, engine=dataclasses.replace(config.engine, layer_loop="scan"))
+
+
 def decode_program(config: Config, batch: int, context: int, platform: str | None = None, page_size: int = 0):
     """(placement, the decode step bound to it, its abstract arguments) for `platform`: over a
     contiguous cache, or (`page_size`) a page pool of the same positions and its block tables."""
-    placement = make_placement(config, platform)
+    placement = make_placement(_scanned(config), platform)
     multiple = placement.batch_multiple()
     if batch % multiple:
         raise UsageError(f"--batch {batch} must be a multiple of {multiple} (requests split over the devices)")
