@@ -21,7 +21,7 @@ import time
 import jax
 import numpy as np
 
-from moejax.engine.engine import forced, to_host
+from moejax.engine.engine import to_host
 from moejax.serving.request import sampling_rows
 from moejax.serving.slot_programs import decode_slots, fork_slots, prefill_slots, put_pages, take_pages
 from moejax.serving.step_plan import Call, flat, nested
@@ -231,17 +231,17 @@ class ProgramCalls:
             for pw in self.kv.widths():
                 for w in self.decode_widths():
                     sampling, _ = sampling_rows([], w, extras=extras)
+                    picks = self._forced("decode", np.zeros(w, bool)).get("forced")  # host picks, as a real call's
                     _, _, self.cache, _ = self._decode(self.engine.params, self.cache, np.full((w, pw), none, np.int32),
                                                        np.zeros(w, np.int32), np.full(w, self.max_len, np.int32),
-                                                       sampling, forced=forced(self.dealer, "decode", np.zeros(w, bool)),
-                                                       greedy_only=greedy, extras=extras)
+                                                       sampling, forced=picks, greedy_only=greedy, extras=extras)
                 for echo in (False, True) if extras else (False,):
                     sampling, _ = sampling_rows([], p, extras=extras)
                     zeros = np.zeros(p, np.int32)
                     out, _, logits, self.prefill_into, _ = self._prefill(
                         self.prefill_engine.params, self.prefill_into, np.full((p, pw), none, np.int32),
                         np.zeros((p, self.chunk), np.int32), zeros, zeros, zeros, sampling,
-                        forced=forced(self.dealer, "prefill", np.zeros(p * self.chunk, bool)),
+                        forced=self._forced("prefill", np.zeros(p * self.chunk, bool)).get("forced"),
                         greedy_only=greedy, extras=extras, prompt_logprobs=echo)
                     out.block_until_ready()
         sampling, _ = sampling_rows([], n, extras=True)
