@@ -56,6 +56,7 @@ class KVPages:
         self.max_pages = pages_for(max_len, page_size)  # the longest block table
         # Positions a request may reach: the context allowed, and what the whole pool holds.
         self.limit = min(max_len, num_pages * page_size)
+        self._widths = self._table_widths()
 
     @property
     def num_pages(self) -> int:
@@ -116,6 +117,8 @@ class KVPages:
             self.release(found)
             return None
         own = len(fresh) - forks
+        if self.prefix is not None and cached:
+            self.prefix.count(len(seq) - 1, len(found) * self.page_size)
         return found + fresh[:own], keys, len(found) * self.page_size, fresh[own:]
 
     def needed(self, end: int) -> int:
@@ -129,6 +132,9 @@ class KVPages:
                 self.prefix.register(page, key)
 
     def widths(self) -> list[int]:
+        return self._widths
+
+    def _table_widths(self) -> list[int]:
         """Block-table widths the programs compile for: MIN_TABLE_POSITIONS' pages times 1,
         TABLE_STEP, TABLE_STEP^2, ... and the longest request's pages (a power of two): a step
         reads about the pages its longest request holds, not every request's whole context."""
@@ -141,7 +147,7 @@ class KVPages:
     def table(self, rows: list[list[int]], batch: int, positions: int) -> np.ndarray:
         """Block tables [batch, W] of `rows`' pages, W the narrowest width holding `positions`."""
         need = pages_for(max(positions, 1), self.page_size)
-        width = min([w for w in self.widths() if w >= need] or [self.widths()[-1]])
+        width = next((w for w in self._widths if w >= need), self._widths[-1])  # widths ascend
         return self.allocator.table([r[:width] for r in rows], batch, width)
 
     def chunk_pages(self, pages: np.ndarray, start: np.ndarray, chunk: int) -> np.ndarray:

@@ -30,7 +30,7 @@ class PrefixCache:
         self.page_of: dict[bytes, int] = {}
         self.key_of: dict[int, bytes] = {}
         self.unheld: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self.queries = self.hits = 0  # prompt positions looked up, and found cached
+        self.queries = self.hits = 0  # admitted prompts' positions looked up, and found cached
 
     @property
     def evictable(self) -> int:
@@ -44,9 +44,12 @@ class PrefixCache:
             if key not in self.page_of:
                 break
             pages.append(self.page_of[key])
-        self.queries += len(tokens)
-        self.hits += len(pages) * self.page_size
         return pages, keys
+
+    def count(self, looked_up: int, found: int) -> None:
+        """An admitted request's lookup (one retried while the pool was short counts once)."""
+        self.queries += looked_up
+        self.hits += found
 
     def register(self, page: int, key: bytes) -> None:
         """A held page now holds the full page of tokens `key` names (the first such page keeps the key)."""
