@@ -164,6 +164,21 @@ class MeshPlacement(Placement, abc.ABC):
                              out_specs=(pool_spec, P(rows)) if view else pool_spec,
                              check_vma=False)(pool, new, positions, table, layer)
 
+    def copy_pages(self, cache, source, target):
+        """Under DP attention each device copies the pairs on its own pages (a pair never spans ranks)."""
+        specs = [{k: self.spec(axes[k], v.shape) for k, v in run.items()}
+                 for run, axes in zip(cache, self.cache_axes(cache, pool=True))]
+        if any(spec[1] is None for run in specs for spec in run.values()):  # the pages axis is not split
+            return super().copy_pages(cache, source, target)
+        n = jax.tree.leaves(cache)[0].shape[1] // self.devices  # each device's pages
+
+        def per_device(cache, source, target):
+            first = jax.lax.axis_index(rules.ALL) * n
+            return Placement.copy_pages(self, cache, paged.local(source, first, n), paged.local(target, first, n))
+
+        return jax.shard_map(per_device, mesh=self.mesh, in_specs=(specs, P(), P()), out_specs=specs,
+                             check_vma=False)(cache, source, target)
+
     def batch_multiple(self) -> int:
         return self.devices if self.rows_sharded else 1
 

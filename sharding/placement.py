@@ -113,6 +113,12 @@ class Placement:
         -> (pool, the rows' pages as a contiguous view) or, `view` False, the pool."""
         return paged.store(jnp.int32(0), pool, new, positions, pages, seq_axis, view)
 
+    def copy_pages(self, cache: list[dict], source, target) -> list[dict]:
+        """Page pools [layers, pages, ...] with the pages `source` [F] copied into `target` [F]
+        (global ids, each pair on one rank; id N: none)."""
+        return [{k: v.at[:, target].set(v.at[:, source].get(mode="fill", fill_value=0), mode="drop")
+                 for k, v in run.items()} for run in cache]
+
     # ------------------------------------------------------------------ the MoE exchange
     # MoE layers ahead that a placement moving weights to the rows gathers them (the decoder's
     # layer scan carries that many gathered layers); 0 gathers each layer's weights at its use.

@@ -14,7 +14,6 @@ from jax.experimental.pallas.ops.tpu import ragged_paged_attention as tpu_module
 
 from moejax.config import Config, ConfigError, EngineConfig, LayoutConfig, preset
 from moejax.engine.engine import Engine
-from moejax.errors import UsageError
 from moejax.loading import load_params
 from moejax.model import attention, paged
 from pallas_kernels import paged_attention as kernels

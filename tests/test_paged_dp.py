@@ -23,7 +23,7 @@ from moejax.plan import kv_pages
 from moejax.serving.kv_pages import KVPages
 from moejax.serving.request import Request, sampling_rows
 from moejax.serving.scheduler import Scheduler
-from moejax.serving.slot_programs import decode_slots
+from moejax.serving.slot_programs import decode_slots, fork_slots
 from moejax.serving.speculative import spec_decode_slots
 from moejax.serving.stopping import Stopper
 from sharding import make_placement
@@ -60,15 +60,25 @@ def tables(n: int, pages: int, ranks: int = 4) -> jax.Array:
     return jnp.asarray([[r * per, r * per + 1] for r in (i * ranks // n for i in range(n))], jnp.int32)
 
 
-def test_a_gqa_decode_step_under_dp_attention_moves_no_pages():
-    engine = engine_on(preset("tiny-qwen3-moe"), DP4)
+MODEL = preset("tiny-qwen3-moe")
+
+
+@pytest.fixture(scope="module")
+def dp_engine():
+    """GQA on 4 DP ranks; prefill calls of 8 positions."""
+    return engine_on(MODEL, DP4, chunk=8)
+
+
+def test_a_gqa_decode_step_under_dp_attention_moves_no_pages(dp_engine):
+    engine = dp_engine
     pool = engine.new_pool(16, PS)
     step = jax.jit(functools.partial(decode_slots, c=engine.c, placement=engine.placement, greedy_only=True,
                                      extras=False), donate_argnums=1)
     hlo = step.lower(engine.params, pool, tables(4, 16), jnp.ones(4, jnp.int32), jnp.asarray([4, 2, 5, 1]),
                      sampling_rows([None] * 4, 4)[0]).compile().as_text()
     assert COLLECTIVE.search(hlo)  # the step has its MoE exchange
-    assert not moved_pages(hlo, pool)
+    moved = moved_pages(hlo, pool)
+    assert not moved, moved
 
 
 def test_a_speculative_decode_step_on_mla_dsa_and_the_mtp_pool_moves_no_pages():
@@ -81,7 +91,18 @@ def test_a_speculative_decode_step_on_mla_dsa_and_the_mtp_pool_moves_no_pages():
     hlo = step.lower(engine.params, mtp, pool, mtp_pool, tables(4, 16), jnp.ones(4, jnp.int32), jnp.ones(4, jnp.int32),
                      jnp.asarray([1, 2, 3, 1])).compile().as_text()
     assert any("index_k" in run for run in pool) and "index_k" in mtp_pool
-    assert not moved_pages(hlo, [pool, mtp_pool])
+    moved = moved_pages(hlo, [pool, mtp_pool])
+    assert not moved, moved
+
+
+def test_forking_samples_under_dp_attention_moves_no_pages(dp_engine):
+    pool = dp_engine.new_pool(16, PS)
+    step = jax.jit(functools.partial(fork_slots, placement=dp_engine.placement), donate_argnums=0)
+    pairs = jnp.asarray([1, 5, 16, 16], jnp.int32), jnp.asarray([2, 6, 16, 16], jnp.int32)  # pages on ranks 0 and 1
+    hlo = step.lower(pool, *pairs, jnp.zeros(dp_engine.c.vocab_size), sampling_rows([], 4, extras=True)[0],
+                     jnp.zeros(4, jnp.int32)).compile().as_text()
+    moved = moved_pages(hlo, pool)
+    assert not moved, moved
 
 
 # ---------------------------------------------------------------------------------- host side
@@ -117,7 +138,6 @@ def test_admission_skips_a_rank_without_the_pages():
 PROMPTS = [[5, 17, 45, 2, 88, 61, 9, 30, 12], [7, 3], [40] * 13, [9, 8, 7, 6, 5], [60, 61, 62, 63, 64, 65, 66],
            [11, 12, 13], [90, 91, 92, 93, 94, 95]]
 NEW = 10
-MODEL = preset("tiny-qwen3-moe")
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +147,10 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def dp():
+def dp(dp_engine):
     """4 DP ranks of 2 slots, 6 pages of 4 positions each (fewer than two long requests want),
     prefill calls of 4 rows (one per rank)."""
-    return Scheduler(engine_on(MODEL, DP4, chunk=8), slots=8, max_len=32, prefill_rows=4, page_size=4, kv_tokens=96)
+    return Scheduler(dp_engine, slots=8, max_len=32, prefill_rows=4, page_size=4, kv_tokens=96)
 
 
 def run(s, prompts, new=NEW, **kw):

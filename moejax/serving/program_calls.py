@@ -38,7 +38,7 @@ class ProgramCalls:
                                donate_argnums=1, static_argnames=("greedy_only", "extras"))
         self._prefill = jax.jit(functools.partial(prefill_slots, c=c, placement=self.prefill_engine.placement),
                                 donate_argnums=1, static_argnames=("greedy_only", "extras", "prompt_logprobs"))
-        self._fork_program = jax.jit(fork_slots, donate_argnums=0)
+        self._fork_program = jax.jit(functools.partial(fork_slots, placement=self.engine.placement), donate_argnums=0)
         if self.apart:
             self._take = jax.jit(take_pages)
             self._put = jax.jit(put_pages, donate_argnums=0)
