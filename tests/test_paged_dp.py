@@ -24,7 +24,7 @@ from moejax.serving.kv_pages import KVPages
 from moejax.serving.request import Request, sampling_rows
 from moejax.serving.scheduler import Scheduler
 from moejax.serving.slot_programs import decode_slots, fork_slots
-from moejax.serving.speculative import spec_decode_slots
+from moejax.serving.speculative import SpecScheduler, spec_decode_slots
 from moejax.serving.stopping import Stopper
 from sharding import make_placement
 
@@ -199,6 +199,15 @@ def test_prefill_and_decode_apart_over_other_rank_counts_is_refused(dp):
     prefill = engine_on(MODEL, dataclasses.replace(DP4, devices=2), chunk=8, first=4)
     with pytest.raises(UsageError, match="over 2 and 4 DP ranks"):
         Scheduler(dp.engine, slots=8, max_len=32, page_size=4, kv_tokens=96, prefill_engine=prefill)
+
+
+def test_mtp_drafts_on_dp_ranks_give_the_single_device_tokens():
+    """MLA and DSA pages and the MTP layer's pool on 4 ranks: plain greedy tokens, drafts or not."""
+    one_layer = dataclasses.replace(preset("tiny-glm5"), num_layers=1, dense_layers=(), dsa_shared_layers=())
+    engine = engine_on(one_layer, DP4, chunk=8)
+    s = SpecScheduler(engine, load_mtp(engine.config, engine.placement), slots=4, max_len=32, page_size=4)
+    prompts = PROMPTS[:5]
+    assert [r.tokens for r in run(s, prompts, 8)] == engine_on(one_layer).generate(prompts, 8).tokens
 
 
 # ---------------------------------------------------------------------------------- kernels, sizing
