@@ -1,7 +1,8 @@
 """A scheduler's KV pages on the host: the pool's size, who holds each page (a count: n samples
 of a prompt and prefix-cache hits share pages), each request's pages at admission (those of a
-cached prefix, then fresh ones), the block tables its programs read, and the prefix cache. The
-pool's arrays live on the devices; the scheduler owns them (`scheduler.py`)."""
+cached prefix, then fresh ones), the block tables its programs read, and the prefix cache; under
+DP attention each rank's own. The pool's arrays live on the devices; the scheduler owns them
+(`scheduler.py`)."""
 
 from __future__ import annotations
 

@@ -23,6 +23,10 @@ with P one of a few widths holding the longest row's pages (`KVPages.widths`), s
 the pages its requests hold, not `max_len` positions per slot, and after `warm_up` no request
 compiles anything.
 
+Under DP attention each rank is a pool of its own (`KVPages`): slot s runs on rank s % ranks, in
+its rank's block of every batch's rows (`row`), and holds only that rank's pages; admission,
+preemption and n samples stay within a rank.
+
 Greedy tokens of a request do not depend on its neighbours: every row's attention sees only its
 own pages, and the MoE placements compute each row's experts independently.
 """
