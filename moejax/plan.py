@@ -37,6 +37,7 @@ from moejax.engine.sampling import Sampling
 from moejax.errors import UsageError
 from moejax.factory import ensure_devices
 from moejax.model.attention import cache_specs
+from moejax.model.mtp import init_mtp_pool
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_dtype, param_specs
 from moejax.platform import run_dtype
 from moejax.vocab import ATTENTION_KERNELS, ATTENTION_MODES, DTYPES, EXPERT_FORMATS
@@ -98,13 +99,24 @@ def abstract_pool(config: Config, placement, pages: int, page_size: int) -> list
             for run, axes in zip(pool, placement.cache_axes(pool, pool=True))]
 
 
-def kv_pages(config: Config, placement, free_bytes: float, page_size: int, prompt_len: int, output_len: int) -> dict:
+def abstract_mtp_pool(config: Config, placement, pages: int, page_size: int) -> dict:
+    """The MTP layer's page pool (MTP drafts: as many pages as the model's), sharded as the model's."""
+    pool = jax.eval_shape(functools.partial(init_mtp_pool, config.model, pages, page_size,
+                                            jnp.dtype(run_dtype(config.engine.dtype))))
+    axes = placement.cache_axes([pool], pool=True)[0]
+    return {k: _sharded(v, placement, axes[k]) for k, v in pool.items()}
+
+
+def kv_pages(config: Config, placement, free_bytes: float, page_size: int, prompt_len: int, output_len: int,
+             mtp: bool = False) -> dict:
     """The page pool that `free_bytes` per device hold, and the requests of prompt_len +
     output_len positions it fits: under DP attention each device (a rank) holds whole pages of
     its own requests; under TP attention every device holds its slice of every page's heads
-    (all of MLA's latent: it has no heads)."""
+    (all of MLA's latent: it has no heads). `mtp`: MTP drafts, whose layer has a pool of as many
+    pages."""
     ranks = placement.batch_multiple()  # DP attention: each device its own pool
-    probe = abstract_pool(config, placement, ranks, page_size)  # one page per rank
+    probe = [abstract_pool(config, placement, ranks, page_size)]  # one page per rank
+    probe += [abstract_mtp_pool(config, placement, ranks, page_size)] if mtp else []
     page_bytes = bytes_per_device(probe)  # what a page costs the device holding it (its share of one)
     pages = int(max(0.0, free_bytes) // page_bytes)
     per_request = pages_for(prompt_len + output_len, page_size)
@@ -201,7 +213,7 @@ def export_decode(config: Config, batch: int, context: int, platform: str, page_
 
 def plan_placement(config: Config, batch: int, context: int, prefill_chunk: int, hbm_gb: float,
                    export: tuple[str, ...] = (), page_size: int = PAGE_SIZE, prompt_len: int = PROMPT_LEN,
-                   output_len: int = OUTPUT_LEN) -> dict:
+                   output_len: int = OUTPUT_LEN, mtp: bool = False) -> dict:
     """One placement's per-device bytes and compile time (`config.layout` names it), the page
     pool the memory left after the weights and temporaries holds (`kv_pages`), and whether its
     decode step over pages of `page_size` lowers for each platform of `export`."""
@@ -232,7 +244,8 @@ def plan_placement(config: Config, batch: int, context: int, prefill_chunk: int,
         "exchange_buffer_bytes_per_device": buffers,
         "total_bytes_per_device": int(total), "fits": bool(total <= hbm_gb * GB),
         "compile_s": round(decode_s + prefill_s, 1),
-        "kv_pages": kv_pages(config, placement, hbm_gb * GB - param_bytes - temp, page_size, prompt_len, output_len),
+        "kv_pages": kv_pages(config, placement, hbm_gb * GB - param_bytes - temp, page_size, prompt_len, output_len,
+                             mtp),
         **({"export": [export_decode(config, batch, context, platform, page_size) for platform in export]}
            if export else {}),
     }
@@ -261,7 +274,8 @@ def cmd_plan(args) -> int:
     if unknown:
         raise UsageError(f"--export {unknown[0]}: not one of {', '.join(EXPORT_PLATFORMS)}")
     rows = [plan_placement(with_placement(config, name, args.devices), args.batch, args.context, args.prefill_chunk,
-                           args.hbm_gb, export, args.page_size, args.prompt_len, args.output_len) for name in chosen]
+                           args.hbm_gb, export, args.page_size, args.prompt_len, args.output_len,
+                           args.speculative == "mtp") for name in chosen]
     if args.json:
         print(json.dumps({"model": args.preset, "devices": args.devices, "batch": args.batch, "context": args.context,
                           "prefill_chunk": args.prefill_chunk, "hbm_gb": args.hbm_gb, "placements": rows}))
@@ -321,6 +335,7 @@ def register(sub) -> None:
     p.add_argument("--page-size", type=int, default=PAGE_SIZE, help="positions per KV cache page")
     p.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help="prompt positions of the requests the pages fit")
     p.add_argument("--output-len", type=int, default=OUTPUT_LEN, help="new tokens of the requests the pages fit")
+    p.add_argument("--speculative", choices=("mtp",), help="serving with MTP drafts: the MTP layer's page pool shares the memory")
     p.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default="auto",
                    help="the exported decode step's paged attention (auto: by its platform)")
     p.add_argument("--export", metavar="PLATFORMS",

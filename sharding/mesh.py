@@ -110,8 +110,8 @@ class MeshPlacement(Placement, abc.ABC):
         return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape))
 
     def on_pages(self, fn, q, k, v, positions, pages, pool: dict):
-        """Under shard_map: each device its requests (DP attention; their pages are on its rank)
-        or its heads (TP attention, where the pool's kv heads slice; else every head on every
+        """Under shard_map: each device its requests (DP attention; their pages are on its rank;
+        rows too few to split run on every device, answered by the rank of their pages) or its heads (TP attention, where the pool's kv heads slice; else every head on every
         device), the run's pools [layers, pages, ...] as they lie."""
         axes = self.cache_axes([pool], pool=True)[0]
         pool_specs = {name: self.spec(axes[name], a.shape) for name, a in pool.items()}
@@ -124,7 +124,11 @@ class MeshPlacement(Placement, abc.ABC):
 
         def per_device(q, k, v, positions, pages, pool):
             first = jax.lax.axis_index(rules.ALL) * local_pages if split else jnp.int32(0)
-            return fn(first, q, k, v, positions, pages, pool)
+            out, pool = fn(first, q, k, v, positions, pages, pool)
+            if split and rows is None:  # every device runs every row: the rank holding a row's pages answers
+                own = jnp.any(paged.local(pages.table, first, local_pages) < local_pages, axis=1)  # [B]
+                out = jax.lax.psum(jnp.where(own[:, None, None, None], out, 0), rules.ALL)
+            return out, pool
 
         heads_spec, rows_spec = P(rows, None, heads, None), P(rows, None)
         pages_spec = paged.LayerPages(rows_spec, P())
@@ -132,6 +136,48 @@ class MeshPlacement(Placement, abc.ABC):
         return jax.shard_map(per_device, mesh=self.mesh,
                              in_specs=(heads_spec, heads_spec, heads_spec, rows_spec, pages_spec, pool_specs),
                              out_specs=(heads_spec, pool_specs), check_vma=False)(q, k, v, positions, pages, pool)
+
+    def store_pages(self, pool, new, positions, pages, seq_axis, view=True):
+        """Under DP attention (the pool's pages axis split over every device) under shard_map: each
+        rank writes and reads only its own pages (a plain gather on the split pool had XLA move
+        pages between devices every layer). Rows replicated (a prefill call of fewer rows than
+        ranks): each device reads its own pages of every row, zeros for the rest, and the views
+        are summed over the devices (the rows' pages, never the pool)."""
+        lead = 1 if isinstance(pages, paged.LayerPages) else 0
+        n = pool.shape[lead]
+        if self.table["pages"] is None or n % self.devices:
+            return super().store_pages(pool, new, positions, pages, seq_axis, view)
+        local_pages = n // self.devices
+        rows = self.spec(("batch",), new.shape[:1])[0]
+        pool_spec = P(*[None] * lead, rules.ALL)
+        table = pages.table if lead else pages
+        layer = jnp.asarray(pages.layer, jnp.int32) if lead else jnp.int32(0)
+
+        def per_device(pool, new, positions, table, layer):
+            at = paged.LayerPages(table, layer) if lead else table
+            out = paged.store(jax.lax.axis_index(rules.ALL) * local_pages, pool, new, positions, at, seq_axis, view)
+            if view and rows is None:
+                return out[0], jax.lax.psum(out[1], rules.ALL)
+            return out
+
+        return jax.shard_map(per_device, mesh=self.mesh, in_specs=(pool_spec, P(rows), P(rows), P(rows), P()),
+                             out_specs=(pool_spec, P(rows)) if view else pool_spec,
+                             check_vma=False)(pool, new, positions, table, layer)
+
+    def copy_pages(self, cache, source, target):
+        """Under DP attention each device copies the pairs on its own pages (a pair never spans ranks)."""
+        specs = [{k: self.spec(axes[k], v.shape) for k, v in run.items()}
+                 for run, axes in zip(cache, self.cache_axes(cache, pool=True))]
+        if any(spec[1] is None for run in specs for spec in run.values()):  # the pages axis is not split
+            return super().copy_pages(cache, source, target)
+        n = jax.tree.leaves(cache)[0].shape[1] // self.devices  # each device's pages
+
+        def per_device(cache, source, target):
+            first = jax.lax.axis_index(rules.ALL) * n
+            return Placement.copy_pages(self, cache, paged.local(source, first, n), paged.local(target, first, n))
+
+        return jax.shard_map(per_device, mesh=self.mesh, in_specs=(specs, P(), P()), out_specs=specs,
+                             check_vma=False)(cache, source, target)
 
     def batch_multiple(self) -> int:
         return self.devices if self.rows_sharded else 1

@@ -107,6 +107,18 @@ class Placement:
         page ids) into the run's pools [layers, pages, ...]; first_page: the first page this device holds."""
         return fn(jnp.int32(0), q, k, v, positions, pages, pool)
 
+    def store_pages(self, pool: jax.Array, new, positions, pages, seq_axis: int, view: bool = True):
+        """`paged.store` on each device's own pages of one pool entry ([pages, ...], or a run's
+        [layers, pages, ...] with `paged.LayerPages`): new [B, T, ...] at positions [B, T]
+        -> (pool, the rows' pages as a contiguous view) or, `view` False, the pool."""
+        return paged.store(jnp.int32(0), pool, new, positions, pages, seq_axis, view)
+
+    def copy_pages(self, cache: list[dict], source, target) -> list[dict]:
+        """Page pools [layers, pages, ...] with the pages `source` [F] copied into `target` [F]
+        (global ids, each pair on one rank; id N: none)."""
+        return [{k: v.at[:, target].set(v.at[:, source].get(mode="fill", fill_value=0), mode="drop")
+                 for k, v in run.items()} for run in cache]
+
     # ------------------------------------------------------------------ the MoE exchange
     # MoE layers ahead that a placement moving weights to the rows gathers them (the decoder's
     # layer scan carries that many gathered layers); 0 gathers each layer's weights at its use.
@@ -163,14 +175,12 @@ class Placement:
 
 def paged_kernel(config: Config, platform: str) -> str:
     """The paged-attention kernel of `config.attention_kernel` on `platform`. "auto" takes the XLA
-    path where the kernels cannot read the model's cache, and under DP attention over several
-    devices, where a kernel reads only a rank's own pages and the server's scheduler hands pages
-    out from one list for all ranks (`Engine.new_pool`); a kernel named for a model it cannot
-    read is refused with the reason."""
+    path where the kernels cannot read the model's cache (under DP attention too: each rank's
+    requests hold the rank's own pages, which its kernel reads); a kernel named for a model it
+    cannot read is refused with the reason."""
     name = attention_kernel(config.attention_kernel, platform)
     refusal = None if name == "xla" else paged.kernel_refusal(config.model)
     if refusal and config.attention_kernel != "auto":
         raise ConfigError(f"attention kernel {name}: {refusal}; this model reads its pages through XLA "
                           "(--attention-kernel xla or auto)")
-    ranks = config.layout.attention == "dp" and config.layout.devices > 1
-    return "xla" if refusal or (ranks and config.attention_kernel == "auto") else name
+    return "xla" if refusal else name

@@ -14,7 +14,6 @@ from jax.experimental.pallas.ops.tpu import ragged_paged_attention as tpu_module
 
 from moejax.config import Config, ConfigError, EngineConfig, LayoutConfig, preset
 from moejax.engine.engine import Engine
-from moejax.errors import UsageError
 from moejax.loading import load_params
 from moejax.model import attention, paged
 from pallas_kernels import paged_attention as kernels
@@ -115,14 +114,3 @@ def test_auto_reads_sinks_and_windows_through_xla():
     config = Config(model=preset("tiny-gpt-oss")).validate()
     assert make_placement(config, platform="tpu").attention_kernel == "xla"
     assert make_placement(Config(model=C).validate(), platform="tpu").attention_kernel == "pallas_tpu"
-
-
-def test_auto_under_dp_attention_over_devices_reads_through_xla_and_a_shared_page_list_is_refused():
-    """A DP rank's kernel reads only the rank's pages; the server's scheduler hands pages out
-    from one list: "auto" keeps XLA there, and a kernel named is refused by the pool it asks for."""
-    layout = LayoutConfig(placement="expert_sharded", devices=2, attention="dp")
-    assert make_placement(Config(model=C, layout=layout).validate(), platform="tpu").attention_kernel == "xla"
-    config = Config(model=C, layout=layout, attention_kernel="interpret_gpu").validate()
-    live = make_placement(config)
-    with pytest.raises(UsageError, match="reads only a rank's own pages"):
-        Engine(config, load_params(config, live), live).new_pool(8, 4)

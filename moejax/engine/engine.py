@@ -186,15 +186,11 @@ class Engine:
     def new_cache(self, batch: int, max_len: int) -> list[dict]:
         return self.placement.place_cache(init_cache(self.c, batch, max_len, self.dtype))
 
-    def new_pool(self, pages: int, page_size: int, rank_pages: bool = False) -> list[dict]:
-        """A page pool in the layout the attention kernel reads. `rank_pages`: the caller hands each
-        DP rank's requests pages of the rank's own share, as a Pallas kernel (per device) needs."""
-        kernel = self.placement.attention_kernel
-        if kernel != "xla" and self.placement.batch_multiple() > 1 and not rank_pages:
-            raise UsageError(f"--attention-kernel {kernel} under DP attention reads only a rank's own pages, and "
-                             "this scheduler hands pages out from one list for all ranks; use --attention-kernel xla "
-                             "(or auto)")
-        pool = init_pool(self.c, pages, page_size, self.dtype, kernel)
+    def new_pool(self, pages: int, page_size: int) -> list[dict]:
+        """A page pool in the layout the attention kernel reads. Under DP attention each rank
+        holds an equal share of the pages, and its requests' tables name only those (every
+        device reads and writes its own: `store_pages`, `on_pages`)."""
+        pool = init_pool(self.c, pages, page_size, self.dtype, self.placement.attention_kernel)
         return self.placement.place_cache(pool, pool=True)
 
     def _paged_cache(self, batch: int, max_len: int):
@@ -211,7 +207,7 @@ class Engine:
             for i, row in enumerate(rows):
                 rank = i * ranks // batch
                 row += [rank * share + page for page in allocators[rank].allocate(1)]
-        return self.new_pool(ranks * share, ps, rank_pages=True), jnp.asarray(np.asarray(rows, np.int32))
+        return self.new_pool(ranks * share, ps), jnp.asarray(np.asarray(rows, np.int32))
 
     def chunk_for(self, prompts: list[list[int]]) -> int:
         """Positions per prefill call for these prompts: the longest prompt's power-of-two bucket

@@ -38,11 +38,13 @@ def init_pool(c: ModelConfig, pages: int, page_size: int, dtype, kernel: str = "
     ]
 
 
-def page_bytes(c: ModelConfig, page_size: int, dtype, kernel: str = "xla") -> int:
-    """Bytes one page holds over every layer and entry."""
+def page_bytes(c: ModelConfig, page_size: int, dtype, kernel: str = "xla", mtp: bool = False) -> int:
+    """Bytes one page holds over every layer and entry; `mtp`: and the MTP layer's own pool's
+    page (MTP drafts, `model/mtp.py`: the XLA layout, an indexer of its own)."""
     size = jnp.dtype(dtype).itemsize
-    return sum(run.count * size * int(np.prod(shape)) for run in layer_runs(c)
-               for shape, _ in pool_specs(c, 1, page_size, run.first, kernel).values())
+    runs = [(run.count, pool_specs(c, 1, page_size, run.first, kernel)) for run in layer_runs(c)]
+    runs += [(1, pool_specs(c, 1, page_size, c.num_layers))] if mtp else []
+    return sum(count * size * int(np.prod(shape)) for count, specs in runs for shape, _ in specs.values())
 
 
 def _seq_axes(c: ModelConfig, cache: list[dict]) -> list[dict]:

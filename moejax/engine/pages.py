@@ -1,12 +1,9 @@
-"""The host side of a paged KV cache: which pages of the pool are free, and each request's block
-table (its pages in order). The pool's arrays live on the devices (`kv_cache.init_pool`); this
-only hands out page ids."""
+"""The host side of a paged KV cache: which pages of the pool are free. The pool's arrays live on
+the devices (`kv_cache.init_pool`); this only hands out page ids (block tables: `serving/kv_pages.py`)."""
 
 from __future__ import annotations
 
 import collections
-
-import numpy as np
 
 
 def pages_for(positions: int, page_size: int) -> int:
@@ -34,11 +31,3 @@ class PageAllocator:
 
     def release(self, ids: list[int]) -> None:
         self.free.extend(ids)
-
-    def table(self, rows: list[list[int]], batch: int, width: int) -> np.ndarray:
-        """Block tables [batch, width] of `rows` (one list of page ids per request; missing rows
-        and entries: no page)."""
-        out = np.full((batch, width), self.num_pages, np.int32)
-        for i, ids in enumerate(rows):
-            out[i, : len(ids)] = ids[:width]
-        return out

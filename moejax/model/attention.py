@@ -47,14 +47,14 @@ def _write(cache: jax.Array, new: jax.Array, positions: jax.Array, seq_axis: int
     return cache.at[index].set(new.astype(cache.dtype), mode="drop")
 
 
-def _store(cache: dict, name: str, new: jax.Array, positions: jax.Array, pages, seq_axis: int = 1):
+def _store(cache: dict, name: str, new: jax.Array, positions: jax.Array, pages, placement, seq_axis: int = 1):
     """Writes `new` into entry `name` -> (cache, the entry as a contiguous [B, ..., S, ...] view:
-    the whole cache, or the pages of the block table `pages`)."""
+    the whole cache, or the pages of the block table `pages`, each device on its own pages)."""
     if pages is None:
         written = _write(cache[name], new, positions, seq_axis)
         return {**cache, name: written}, written
-    pool = paged.write(cache[name], new, positions, pages, seq_axis)
-    return {**cache, name: pool}, paged.read(pool, pages, seq_axis)
+    pool, view = placement.store_pages(cache[name], new, positions, pages, seq_axis)
+    return {**cache, name: pool}, view
 
 
 def _causal_mask(positions: jax.Array, max_len: int, window=0) -> jax.Array:
@@ -99,8 +99,8 @@ def gqa(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: Mo
 def _gqa_xla(p: dict, q, k, v, positions, cache: dict, c: ModelConfig, placement, window, pages):
     """q: [B, T, H, Dh], k, v: [B, T, H_kv, Dh] -> (out [B, T, H, Dh], cache): masked attention
     over the contiguous cache, or the view of the request's pages."""
-    cache, keys = _store(cache, "k", k, positions, pages, seq_axis=2)
-    cache, values = _store(cache, "v", v, positions, pages, seq_axis=2)
+    cache, keys = _store(cache, "k", k, positions, pages, placement, seq_axis=2)
+    cache, values = _store(cache, "v", v, positions, pages, placement, seq_axis=2)
     keys = placement.constrain(keys, KV_AXES)  # [B, H_kv, S, Dh]
     values = placement.constrain(values, KV_AXES)
     b, t, h, dh = q.shape
@@ -131,13 +131,14 @@ def mla(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: Mo
     cos, sin = cos_sin
     q_rope = apply_rope(q_rope, cos, sin, c.rope_interleave)
     k_rope = apply_rope(k_rope, cos, sin, c.rope_interleave)[:, :, 0]
-    cache, lat = _store(cache, "latent", latent, positions, pages)
-    cache, kr = _store(cache, "k_rope", k_rope, positions, pages)
+    cache, lat = _store(cache, "latent", latent, positions, pages, placement)
+    cache, kr = _store(cache, "k_rope", k_rope, positions, pages, placement)
     lat = placement.constrain(lat, ("batch", "cache_seq", None))
     kr = placement.constrain(kr, ("batch", "cache_seq", None))
     visible = _causal_mask(positions, lat.shape[1])  # [B, T, S]
     if "indexer" in p:
-        cache, keys = _store(cache, "index_k", dsa.index_keys(p["indexer"], x, cos_sin), positions, pages)
+        cache, keys = _store(cache, "index_k", dsa.index_keys(p["indexer"], x, cos_sin), positions, pages,
+                             placement)
         keys = placement.constrain(keys, ("batch", "cache_seq", None))
         selected = dsa.select(p["indexer"], x, q_lat, cos_sin, keys, visible, c)
     if selected is not None:

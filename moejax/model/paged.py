@@ -76,15 +76,32 @@ def kv_pool_spec(c, pages: int, page_size: int, kernel: str) -> dict:
     return {"kv": ((pages, page_size, 2 * c.num_kv_heads, dh), KV_POOL_AXES)}
 
 
+def local(table: jax.Array, first_page, n: int) -> jax.Array:
+    """A device's view of block tables of global page ids: its pages first_page .. first_page + n - 1
+    as 0 .. n - 1, any other page (another rank's, or none) as n (none here: reads zeros, writes dropped)."""
+    table = table - first_page
+    return jnp.where((table >= 0) & (table < n), table, n)
+
+
+def store(first_page, pool: jax.Array, new: jax.Array, positions: jax.Array, pages, seq_axis: int, view: bool = True):
+    """One device's `write` of new [B, T, ...] through `pages` (global page ids; this device holds
+    pages first_page.. of `pool`) and, `view` True, its `read` back -> (pool, view) or pool."""
+    lead, table = _at(pages)
+    table = local(table, first_page, pool.shape[len(lead)])
+    pages = LayerPages(table, pages.layer) if lead else table
+    pool = write(pool, new, positions, pages, seq_axis)
+    return (pool, read(pool, pages, seq_axis)) if view else pool
+
+
 def store_and_attend(kernel: str, scale: float, first_page, q, k, v, positions, pages: LayerPages, pool: dict):
     """One device's requests and pages: writes k, v: [B, T, H_kv, Dh] at positions [B, T]
     through `pages` (global page ids; this device holds pages first_page.. of the run's pools
     [layers, n, ...]) and attends q: [B, T, H, Dh] over them with `kernel` -> (out [B, T, H, Dh], pool)."""
     shapes = {name: a.shape for name, a in pool.items()}
     layers, n = next(iter(shapes.values()))[:2]
-    table = pages.table - first_page
     # The run's pools as one pool of layers * n pages (a bitcast): the kernels read no layer axis.
-    table = jnp.where((table >= 0) & (table < n), table + pages.layer * n, layers * n)  # another device's page, or none
+    table = local(pages.table, first_page, n)
+    table = jnp.where(table < n, table + pages.layer * n, layers * n)  # another device's page, or none
     pool = {name: a.reshape(layers * n, *a.shape[2:]) for name, a in pool.items()}
     if kernels.combined(kernel):
         b, t, h, dh = k.shape

@@ -38,7 +38,7 @@ class ProgramCalls:
                                donate_argnums=1, static_argnames=("greedy_only", "extras"))
         self._prefill = jax.jit(functools.partial(prefill_slots, c=c, placement=self.prefill_engine.placement),
                                 donate_argnums=1, static_argnames=("greedy_only", "extras", "prompt_logprobs"))
-        self._fork_program = jax.jit(fork_slots, donate_argnums=0)
+        self._fork_program = jax.jit(functools.partial(fork_slots, placement=self.engine.placement), donate_argnums=0)
         if self.apart:
             self._take = jax.jit(take_pages)
             self._put = jax.jit(put_pages, donate_argnums=0)
@@ -54,15 +54,21 @@ class ProgramCalls:
             multiple *= 2
         return sorted(widths)
 
-    def _decode_step(self, decoding: list[int]) -> None:
+    def _decode_rows(self, decoding: list[int]) -> tuple[int, dict[int, int]]:
+        """(the decode batch's width, each decoding slot's row in it: in its rank's block)."""
         width = min(w for w in self.decode_widths() if w > max(decoding))
+        return width, {s: self.row(s, width) for s in decoding}
+
+    def _decode_step(self, decoding: list[int]) -> None:
+        width, row = self._decode_rows(decoding)
+        at = {i: s for s, i in row.items()}  # row -> slot
         tokens = np.zeros(width, np.int32)
         positions = np.full(width, self.max_len, np.int32)  # idle: no pages, writes dropped
         for s in decoding:
-            tokens[s], positions[s] = self.slots[s].token, self.slots[s].pos
-        pages = self.kv.table([self.slots[s].pages if s in decoding else [] for s in range(width)], width,
+            tokens[row[s]], positions[row[s]] = self.slots[s].token, self.slots[s].pos
+        pages = self.kv.table([self.slots[at[i]].pages if i in at else [] for i in range(width)], width,
                               max(self.slots[s].pos + 1 for s in decoding))
-        sampling, flags = sampling_rows([self.slots[s].request if s in decoding else None for s in range(width)], width)
+        sampling, flags = sampling_rows([self.slots[at[i]].request if i in at else None for i in range(width)], width)
         live = positions < self.max_len
         arrays = dict(pages=pages, tokens=tokens, positions=positions, **flat("sampling", sampling),
                       **self._forced("decode", live))
@@ -72,39 +78,43 @@ class ProgramCalls:
         for s in decoding:
             slot = self.slots[s]
             slot.pos += 1
-            slot.request.record(lp, s)
-            self._emit(s, int(out[s]), now)
+            slot.request.record(lp, row[s])
+            self._emit(s, int(out[row[s]]), now)
 
-    def _prefill_inputs(self, rows: list[int], reach: int = 0):
+    def _prefill_inputs(self, rows: list[int | None], reach: int = 0):
         """A prefill call's (block tables [P, W], tokens [P, C], start [P], last [P], after [P],
-        valid [P, C]) for the slots `rows` (padding rows: no pages, nothing valid); the tables hold
-        `reach` positions past the chunk too (the MTP writes one)."""
+        valid [P, C]) for the slots `rows` (None: a padding row, no pages, nothing valid); the
+        tables hold `reach` positions past the chunk too (the MTP writes one)."""
         p, c = self.prefill_rows, self.chunk
         tokens, valid = np.zeros((p, c), np.int32), np.zeros((p, c), bool)
         start, last, after = np.zeros(p, np.int32), np.zeros(p, np.int32), np.zeros(p, np.int32)
         for i, s in enumerate(rows):
+            if s is None:
+                continue
             slot = self.slots[s]
             piece = slot.seq[slot.done : slot.done + c]
             start[i], last[i] = slot.done, len(slot.seq) - 1
             after[i] = slot.seq[slot.done + c] if slot.done + c < len(slot.seq) else 0
             tokens[i, : len(piece)] = piece
             valid[i, : len(piece)] = True
-        pages = self.kv.table([self.slots[s].pages for s in rows], p, int(start.max()) + c + reach)
+        pages = self.kv.table([self.slots[s].pages if s is not None else [] for s in rows], p,
+                              int(start.max()) + c + reach)
         return pages, tokens, start, last, after, valid
 
-    def _prefill_call(self, rows: list[int]) -> None:
+    def _prefill_call(self, rows: list[int | None]) -> None:
         pages, tokens, start, last, after, valid = self._prefill_inputs(rows)
-        requests = [self.slots[s].request for s in rows]
+        requests = [self.slots[s].request if s is not None else None for s in rows]
         sampling, flags = sampling_rows(requests, self.prefill_rows)
-        echo = any(r.echo_logprobs and not r.tokens for r in requests)  # every position's logits: only when needed
-        forks = any(other is not None and other.leader in rows for other in self.slots)
+        # every position's logits: only when needed
+        echo = any(r is not None and r.echo_logprobs and not r.tokens for r in requests)
+        forks = any(other is not None and other.leader is not None and other.leader in rows for other in self.slots)
         arrays = dict(pages=pages, tokens=tokens, start=start, last=last, after=after, **flat("sampling", sampling),
                       **self._forced("prefill", valid.reshape(-1)))
         out, lp, logits, picks = self._run(Call("prefill", arrays, dict(
             flags, prompt_logprobs=echo, observe=bool(self.pick_observers), logits=forks)))
         self._observe("prefill", picks, valid.reshape(-1))
         for i, r in enumerate(requests):
-            if r.echo_logprobs and not r.tokens:  # position t's entry is the logprob of prompt token t + 1
+            if r is not None and r.echo_logprobs and not r.tokens:  # position t's entry is the logprob of prompt token t + 1
                 r.record(lp["prompt"], i, prompt=True, at=slice(0, min(self.chunk, last[i] - start[i])))
         now = time.perf_counter()
         for i, s in self._advance_prefill(rows, self.chunk):

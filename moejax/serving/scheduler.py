@@ -23,6 +23,10 @@ with P one of a few widths holding the longest row's pages (`KVPages.widths`), s
 the pages its requests hold, not `max_len` positions per slot, and after `warm_up` no request
 compiles anything.
 
+Under DP attention each rank is a pool of its own (`KVPages`): slot s runs on rank s % ranks, in
+its rank's block of every batch's rows (`row`), and holds only that rank's pages; admission,
+preemption and n samples stay within a rank.
+
 Greedy tokens of a request do not depend on its neighbours: every row's attention sees only its
 own pages, and the MoE placements compute each row's experts independently.
 """
@@ -77,6 +81,7 @@ class Scheduler(ProgramCalls):
     `submit` from any."""
 
     writes_per_step = 1  # positions a decode step writes per request, from its `pos`
+    mtp_pool = False  # whether the MTP layer has a page pool of the same pages (`speculative.py`)
 
     def __init__(self, engine, slots: int = 16, max_len: int = 0, prefill_rows: int = 1, token_budget: int = 0,
                  max_queue: int = 1024, prefill_engine=None, longest: int = 0, kv_tokens: int = 0, kv_gb: float = 0.0,
@@ -114,8 +119,16 @@ class Scheduler(ProgramCalls):
         self.notes: list[str] = []  # one line each: what the server runs otherwise than asked
         if prefix_cache and self.dealer is not None:
             self.notes.append("the prefix cache is off under a routing override (its picks follow the computed positions)")
-        pages = pool_pages(engine, page_size, kv_tokens, kv_gb, multiple)
-        self.kv = KVPages(pages, page_size, self.max_len, prefix_cache and self.dealer is None)
+        # DP attention: slot s runs on rank s % ranks, each rank from its own pages (`KVPages`).
+        self.ranks = multiple
+        if self.apart and prefill_multiple > 1 and prefill_multiple != multiple:
+            raise UsageError(f"prefill and decode apart split requests over {prefill_multiple} and {multiple} DP ranks: "
+                             "each rank's pages must be the same on both meshes; use as many DP ranks for both, or "
+                             "TP attention for prefill")
+        # A prefill call's rows split over the ranks only when they divide (else every device runs every row).
+        self.prefill_ranks = prefill_multiple if self.prefill_rows % prefill_multiple == 0 else 1
+        pages = pool_pages(engine, page_size, kv_tokens, kv_gb, multiple, mtp=self.mtp_pool)
+        self.kv = KVPages(pages, page_size, self.max_len, prefix_cache and self.dealer is None, self.ranks)
         # Tokens per step: by default every slot's decode token plus one prefill call.
         self.token_budget = token_budget or slots + prefill_rows * self.chunk
         self.max_queue = max_queue
@@ -140,6 +153,9 @@ class Scheduler(ProgramCalls):
     def check(self, request: Request) -> None:
         """Raises UsageError for a request that can never run (the HTTP side answers 400)."""
         check_request(request, self.engine.c.vocab_size, self.max_len, self.num_slots)
+        if 1 + len(request.samples) > self.num_slots // self.ranks:
+            raise UsageError(f"n={1 + len(request.samples)} samples share their prompt's pages on one of {self.ranks} "
+                             f"DP ranks, which has {self.num_slots // self.ranks} slots")
         self.kv.check(len(request.prompt))
 
     def submit(self, request: Request) -> None:
@@ -209,11 +225,34 @@ class Scheduler(ProgramCalls):
         chunks = max(1, (self.token_budget - len(decoding)) // self.chunk)
         self.mixed_steps += bool(decoding and self.prefilling)
         while self.prefilling and chunks > 0:
-            rows = list(self.prefilling)[: min(chunks, self.prefill_rows)]
+            rows = self._prefill_rows(chunks)
             self._prefill_call(rows)
-            chunks -= len(rows)
+            chunks -= sum(s is not None for s in rows)
 
     # ------------------------------------------------------------------ host-side policy
+    def rank(self, s: int) -> int:
+        """The DP rank slot s runs on (its pages are that rank's)."""
+        return s % self.ranks
+
+    def row(self, s: int, width: int) -> int:
+        """Slot s's row in a batch of `width` rows (a multiple of the ranks): each rank runs a block
+        of width / ranks rows, and slots taken lowest first fill every rank's first rows."""
+        return self.rank(s) * (width // self.ranks) + s // self.ranks
+
+    def _prefill_rows(self, most: int) -> list[int | None]:
+        """A prefill call's slots by row (None: a padding row): the oldest prefilling ones, at most
+        `most`; with rows split over the ranks, each in a row of its own rank's block."""
+        p, ranks = self.prefill_rows, self.prefill_ranks
+        rows: list[int | None] = [None] * p
+        used = [0] * ranks
+        for s in list(self.prefilling)[: p if ranks == 1 else len(self.prefilling)]:
+            rank = self.rank(s) if ranks > 1 else 0
+            if most > 0 and used[rank] < p // ranks:
+                rows[rank * (p // ranks) + used[rank]] = s
+                used[rank] += 1
+                most -= 1
+        return rows
+
     def _admit(self) -> None:
         """Cancelled requests out; then the oldest waiting requests into free slots while the pool
         has the pages of what they prefill, their first new token and a page per forked sample."""
@@ -223,21 +262,27 @@ class Scheduler(ProgramCalls):
             for s, slot in enumerate(self.slots):
                 if slot is not None and slot.request.cancelled:
                     self._free(s)
-            free = [s for s in range(self.num_slots) if self.slots[s] is None]
+            free = [[] for _ in range(self.ranks)]  # each rank's free slots, lowest first
+            for s in range(self.num_slots):
+                if self.slots[s] is None:
+                    free[self.rank(s)].append(s)
             while self.waiting:
                 r = self.waiting[0]
                 samples = [] if r.tokens else r.samples  # tokens out: preempted, its samples forked already
                 seq = r.prompt + r.tokens[:-1]
-                got = self.kv.admit(seq, len(samples), cached=not r.echo_logprobs) if len(free) > len(samples) else None
+                # Ranks with a slot for the request and one for each sample (forks share its pages' rank).
+                ranks = sorted((rank for rank in range(self.ranks) if len(free[rank]) > len(samples)),
+                               key=lambda rank: free[rank][0])
+                got = self.kv.admit(seq, len(samples), cached=not r.echo_logprobs, ranks=ranks) if ranks else None
                 if got is None:
                     break
                 self.waiting.popleft()
-                pages, keys, done, fork_pages = got
-                s = free.pop(0)
+                rank, pages, keys, done, fork_pages = got
+                s = free[rank].pop(0)
                 self.slots[s] = _Slot(r, seq, self.admitted, pages, keys, done)
                 self.prefilling.append(s)
                 for sample, page in zip(samples, fork_pages):
-                    self.slots[free.pop(0)] = _Slot(sample, sample.prompt, self.admitted, [page], leader=s)
+                    self.slots[free[rank].pop(0)] = _Slot(sample, sample.prompt, self.admitted, [page], leader=s)
                 self.admitted += 1
 
     def _free(self, s: int) -> None:
@@ -251,15 +296,17 @@ class Scheduler(ProgramCalls):
     def _grow(self, decoding: list[int]) -> list[int]:
         """Pages for the positions each decoding slot writes next, oldest request first; when the
         pool runs out, the newest running request gives its pages back and waits to be computed
-        again (vLLM's preemption by recompute) -> the slots that still decode."""
+        again (vLLM's preemption by recompute; the newest on the slot's rank: only its pages
+        serve there) -> the slots that still decode."""
         for s in sorted(decoding, key=lambda s: self.slots[s].admitted):
             while self.slots[s] is not None and len(self.slots[s].pages) < self.kv.needed(
                     self.slots[s].pos + self.writes_per_step):
-                page = self.kv.take(1)
+                page = self.kv.take(1, self.rank(s))
                 if page is not None:
                     self.slots[s].pages += page
                     continue
-                victim = max((v for v, other in enumerate(self.slots) if other is not None and other.leader is None),
+                victim = max((v for v, other in enumerate(self.slots)
+                              if other is not None and other.leader is None and self.rank(v) == self.rank(s)),
                              key=lambda v: self.slots[v].admitted)
                 r = self.slots[victim].request
                 if not r.tokens:
@@ -270,11 +317,13 @@ class Scheduler(ProgramCalls):
                 self.preemptions += 1
         return [s for s in decoding if self.slots[s] is not None]
 
-    def _advance_prefill(self, rows: list[int], c: int) -> list[tuple[int, int]]:
-        """After a prefill call of `c` positions for the slots `rows`: (row, slot) of those whose
-        seq is now whole; the others' next chunks wait behind the rest's (round robin)."""
+    def _advance_prefill(self, rows: list[int | None], c: int) -> list[tuple[int, int]]:
+        """After a prefill call of `c` positions for the slots `rows` (None: padding): (row, slot)
+        of those whose seq is now whole; the others' next chunks wait behind the rest's (round robin)."""
         finished = []
         for i, s in enumerate(rows):
+            if s is None:
+                continue
             slot = self.slots[s]
             self.prefilled_tokens += min(c, len(slot.seq) - slot.done)
             slot.done = min(slot.done + c, len(slot.seq))

@@ -23,7 +23,6 @@ import numpy as np
 
 from moejax.engine.engine import to_host
 from moejax.errors import UsageError
-from moejax.model import paged
 from moejax.model.mtp import init_mtp_pool, mtp_forward
 from moejax.model.transformer import forward, lm_head
 from moejax.serving.scheduler import Request, Scheduler
@@ -34,7 +33,7 @@ def _greedy(params, h, c):
     return jnp.argmax(lm_head(params, h, c), axis=-1).astype(jnp.int32)
 
 
-def _zero_first(mtp_cache: dict, pages: jax.Array, start: jax.Array) -> dict:
+def _zero_first(mtp_cache: dict, pages: jax.Array, start: jax.Array, placement) -> dict:
     """The MTP writes from position 1 on: rows starting a request (start 0) set its position 0 to
     zeros, what a fresh contiguous cache reads there (a page from the pool holds what it held)."""
     far = jnp.iinfo(jnp.int32).max // 2  # past every table: the write is dropped
@@ -43,7 +42,8 @@ def _zero_first(mtp_cache: dict, pages: jax.Array, start: jax.Array) -> dict:
     for name, pool in mtp_cache.items():  # [N, H, ps, Dh] or [N, ps, R]
         seq_axis = pool.ndim - 2
         rest = pool.shape[1:seq_axis] + pool.shape[seq_axis + 1:]
-        out[name] = paged.write(pool, jnp.zeros((start.shape[0], 1, *rest), pool.dtype), positions, pages, seq_axis)
+        out[name] = placement.store_pages(pool, jnp.zeros((start.shape[0], 1, *rest), pool.dtype), positions, pages,
+                                          seq_axis, view=False)
     return out
 
 
@@ -60,7 +60,7 @@ def spec_prefill_slots(params, mtp, cache, mtp_cache, pages, tokens, start, last
     # The MTP sees (hidden at i, token at i + 1) at position i + 1.
     following = jnp.concatenate([tokens[:, 1:], after[:, None]], axis=1)
     following = jnp.where(positions == last[:, None], first[:, None], following)
-    mh, mtp_cache = mtp_forward(mtp, params, _zero_first(mtp_cache, pages, start), h, following, positions + 1, c,
+    mh, mtp_cache = mtp_forward(mtp, params, _zero_first(mtp_cache, pages, start, placement), h, following, positions + 1, c,
                                 placement, pages)
     draft = _greedy(params, mh[at_last], c)
     return first, draft, cache, mtp_cache
@@ -83,6 +83,7 @@ def spec_decode_slots(params, mtp, cache, mtp_cache, pages, token, draft, pos, *
 
 class SpecScheduler(Scheduler):
     writes_per_step = 3  # the target at pos and pos + 1, the MTP at pos + 1 and pos + 2
+    mtp_pool = True
 
     def __init__(self, engine, mtp: dict, prefix_cache: bool = True, **kw):
         super().__init__(engine, prefix_cache=False, **kw)
@@ -106,23 +107,24 @@ class SpecScheduler(Scheduler):
                              "max_tokens 0 are served without --speculative only")
 
     def _decode_step(self, decoding: list[int]) -> None:
-        width = min(w for w in self.decode_widths() if w > max(decoding))
+        width, row = self._decode_rows(decoding)
+        at = {i: s for s, i in row.items()}  # row -> slot
         token, draft = np.zeros(width, np.int32), np.zeros(width, np.int32)
         pos = np.full(width, self.max_len, np.int32)  # idle: no pages, writes dropped
         for s in decoding:
-            token[s], draft[s], pos[s] = self.slots[s].token, self.slots[s].draft, self.slots[s].pos
-        pages = self.kv.table([self.slots[s].pages if s in decoding else [] for s in range(width)], width,
+            token[row[s]], draft[row[s]], pos[row[s]] = self.slots[s].token, self.slots[s].draft, self.slots[s].pos
+        pages = self.kv.table([self.slots[at[i]].pages if i in at else [] for i in range(width)], width,
                               max(self.slots[s].pos + self.writes_per_step for s in decoding))
         emitted, accepted, next_draft = self._run(Call("spec_decode", dict(pages=pages, token=token, draft=draft,
                                                                            pos=pos)))
         now = time.perf_counter()
         for s in decoding:
-            slot, n = self.slots[s], int(accepted[s])
+            slot, n = self.slots[s], int(accepted[row[s]])
             self.drafts, self.accepted = self.drafts + 1, self.accepted + n
-            slot.draft = int(next_draft[s])
+            slot.draft = int(next_draft[row[s]])
             for j in range(1 + n):
                 slot.pos += 1
-                self._emit(s, int(emitted[s, j]), now)
+                self._emit(s, int(emitted[row[s], j]), now)
                 if self.slots[s] is None:  # stopped: the second token is not its
                     break
 
