@@ -73,9 +73,9 @@ def prefill_slots(params, cache, pages, tokens, start, last, after, sampling, fo
 def fork_slots(cache, source, target, logits, sampling, positions, *, placement):
     """n samples of one prompt, prefilled once: the pages `source` [F] copied into `target` [F]
     (each sample's copy of the prompt's partly written last page, on the prompt's rank; id N:
-    none, dropped), and each one's first token drawn from the prompt's logits at its last
+    none, dropped; `paged.Tables` of ids with page groups), and each one's first token drawn from the prompt's logits at its last
     position [V] with its own seed -> (tokens [F], logprobs, cache)."""
     cache = placement.copy_pages(cache, source, target)
-    logits = jnp.broadcast_to(logits, (target.shape[0], logits.shape[-1]))
+    logits = jnp.broadcast_to(logits, (jax.tree.leaves(target)[0].shape[0], logits.shape[-1]))
     token, lp = choose(logits, sampling, positions, greedy_only=False, extras=True)
     return token, lp, cache
