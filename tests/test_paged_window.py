@@ -17,6 +17,7 @@ from moejax.config import Config, EngineConfig, LayoutConfig, preset
 from moejax.engine.engine import Engine
 from moejax.engine.kv_cache import init_pool, page_bytes
 from moejax.engine.pages import pages_for
+from moejax.errors import UsageError
 from moejax.loading import load_mtp, load_params
 from moejax.plan import kv_pages
 from moejax.serving.kv_pages import pool_pages, window_held
@@ -99,7 +100,12 @@ def test_a_window_pool_too_small_without_freeing_gives_the_ample_pools_tokens(en
     small = serve(engine, window_pages=2 * HELD)
     assert pages_for(len(PROMPTS[0]) + NEW - 1, PS) > small.window_kv.num_pages
     assert [r.tokens for r in run(small, PROMPTS)] == reference
-    assert small.window_kv.usage == 0 and small.running == 0
+    assert small.preemptions > 0 and small.window_kv.usage == 0 and small.running == 0
+
+
+def test_a_window_pool_short_of_one_requests_window_is_refused_in_one_line(engine):
+    with pytest.raises(UsageError, match="hold less than one request's window"):
+        serve(engine, window_pages=HELD - 1)
 
 
 def test_n_samples_share_and_copy_window_pages(served, reference):

@@ -50,7 +50,7 @@ import numpy as np
 from moejax.engine.engine import MIN_POSITIONS, bucket
 from moejax.errors import UsageError
 from moejax.engine.pages import pages_for
-from moejax.serving.kv_pages import PAGE_SIZE, KVPages, pool_pages, window_pool_pages
+from moejax.serving.kv_pages import PAGE_SIZE, KVPages, pool_pages, window_held, window_pool_pages
 from moejax.serving.program_calls import ProgramCalls
 from moejax.serving.request import Request, check_request
 
@@ -146,6 +146,10 @@ class Scheduler(ProgramCalls):
         self.kv = KVPages(pages, page_size, self.max_len, prefix_cache and self.dealer is None, self.ranks)
         # The sliding-window layers' pages (None: a model without them), per rank as the full ones.
         self.window_kv = KVPages(window_pages, page_size, self.max_len, False, self.ranks) if c.sliding_layers else None
+        held = window_held(c, page_size, self.chunk, self.max_len)
+        if self.window_kv is not None and self.window_kv.rank_pages < held:
+            raise UsageError(f"a rank's {self.window_kv.rank_pages} sliding-window pages hold less than one "
+                             f"request's window and prefill chunk ({held} pages)")
         # Tokens per step: by default every slot's decode token plus one prefill call.
         self.token_budget = token_budget or slots + prefill_rows * self.chunk
         self.max_queue = max_queue
