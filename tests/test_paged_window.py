@@ -94,6 +94,16 @@ def test_the_window_pool_is_a_slots_share_and_the_prefix_cache_is_off(served):
     assert served.kv.prefix is None and any("prefix cache is off" in n for n in served.notes)
 
 
+def test_metrics_report_the_window_pool(served):
+    from prometheus_client import generate_latest
+
+    from moejax.serving.metrics import Metrics
+
+    text = generate_latest(Metrics(served).registry).decode()
+    assert f"moejax_kv_window_pages_total {float(served.window_kv.num_pages)}" in text
+    assert "moejax_kv_window_cache_usage 0.0" in text
+
+
 def test_a_window_pool_too_small_without_freeing_gives_the_ample_pools_tokens(engine, reference):
     """Two requests' windows for four slots, fewer pages than the longest request alone writes:
     requests wait or are preempted, none is lost."""
