@@ -71,8 +71,8 @@ class ProgramCalls:
         pages = self.kv.table([self.slots[at[i]].pages if i in at else [] for i in range(width)], width, reach)
         sampling, flags = sampling_rows([self.slots[at[i]].request if i in at else None for i in range(width)], width)
         live = positions < self.max_len
-        arrays = dict(pages=pages, **self._window_table([at.get(i) for i in range(width)], reach), tokens=tokens, positions=positions, **flat("sampling", sampling),
-                      **self._forced("decode", live))
+        arrays = dict(pages=pages, **self._window_table([at.get(i) for i in range(width)], reach), tokens=tokens,
+                      positions=positions, **flat("sampling", sampling), **self._forced("decode", live))
         out, lp, picks = self._run(Call("decode", arrays, dict(flags, observe=bool(self.pick_observers))))
         self._observe("decode", picks, live)
         now = time.perf_counter()
