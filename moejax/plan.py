@@ -32,6 +32,7 @@ from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, pre
 from moejax.engine.engine import decode_step, prefill
 from moejax.engine.expert_placement import wants_slots
 from moejax.engine.kv_cache import init_cache, init_pool
+from moejax.model import paged
 from moejax.engine.pages import pages_for
 from moejax.engine.sampling import Sampling
 from moejax.errors import UsageError
@@ -91,10 +92,12 @@ def abstract_cache(config: Config, placement, batch: int, context: int) -> list[
     return [{k: _sharded(v, placement, ("layers",) + axes[k]) for k, v in run.items()} for run in cache]
 
 
-def abstract_pool(config: Config, placement, pages: int, page_size: int) -> list[dict]:
-    """A page pool of `pages` pages, in the layout the placement's attention kernel reads, sharded."""
+def abstract_pool(config: Config, placement, pages: int, page_size: int, window_pages: int = 0) -> list[dict]:
+    """A page pool of `pages` pages (and `window_pages` of sliding-window layers'), in the layout
+    the placement's attention kernel reads, sharded."""
     pool = jax.eval_shape(functools.partial(init_pool, config.model, pages, page_size,
-                                            jnp.dtype(run_dtype(config.engine.dtype)), placement.attention_kernel))
+                                            jnp.dtype(run_dtype(config.engine.dtype)), placement.attention_kernel,
+                                            window_pages))
     return [{k: _sharded(v, placement, axes[k]) for k, v in run.items()}
             for run, axes in zip(pool, placement.cache_axes(pool, pool=True))]
 
@@ -113,16 +116,36 @@ def kv_pages(config: Config, placement, free_bytes: float, page_size: int, promp
     output_len positions it fits: under DP attention each device (a rank) holds whole pages of
     its own requests; under TP attention every device holds its slice of every page's heads
     (all of MLA's latent: it has no heads). `mtp`: MTP drafts, whose layer has a pool of as many
-    pages."""
+    pages. Sliding-window layers' pages are a group of their own: a request holds at most
+    `kv_pages.window_held` of them, so the requests that fit pay for both groups' pages and the
+    full group's pages are what the window group's leave."""
+    from moejax.serving.kv_pages import window_held
+    from moejax.serving.scheduler import SERVE_PREFILL_CHUNK
+
     ranks = placement.batch_multiple()  # DP attention: each device its own pool
-    probe = [abstract_pool(config, placement, ranks, page_size)]  # one page per rank
+    pool = abstract_pool(config, placement, ranks, page_size, ranks)  # one page per rank in each group
+    group = lambda window: [{k: a for k, a in run.items() if paged.in_window(k) == window} for run in pool]
+    probe = [group(False)]
     probe += [abstract_mtp_pool(config, placement, ranks, page_size)] if mtp else []
     page_bytes = bytes_per_device(probe)  # what a page costs the device holding it (its share of one)
-    pages = int(max(0.0, free_bytes) // page_bytes)
-    per_request = pages_for(prompt_len + output_len, page_size)
-    return {"page_size": page_size, "page_bytes_per_device": page_bytes, "pages_per_device": pages,
-            "pages_per_request": per_request, "ranks": ranks, "requests_per_rank": pages // per_request,
-            "requests": ranks * (pages // per_request)}
+    length = prompt_len + output_len
+    per_request = pages_for(length, page_size)
+    free = max(0.0, free_bytes)
+    out = {"page_size": page_size, "page_bytes_per_device": page_bytes, "pages_per_request": per_request,
+           "ranks": ranks}
+    if not config.model.sliding_layers:
+        pages = int(free // page_bytes)
+        return {**out, "pages_per_device": pages, "requests_per_rank": pages // per_request,
+                "requests": ranks * (pages // per_request)}
+    window_bytes = bytes_per_device(group(True))
+    window_per_request = window_held(config.model, page_size, config.engine.prefill_chunk or SERVE_PREFILL_CHUNK,
+                                     length)
+    fit = int(free // (per_request * page_bytes + window_per_request * window_bytes))  # requests per rank
+    window_pages = fit * window_per_request
+    pages = int((free - window_pages * window_bytes) // page_bytes)
+    return {**out, "pages_per_device": pages, "requests_per_rank": fit, "requests": ranks * fit,
+            "window_page_bytes_per_device": window_bytes, "window_pages_per_device": window_pages,
+            "window_pages_per_request": window_per_request}
 
 
 def bytes_per_device(tree) -> int:
@@ -299,6 +322,9 @@ def cmd_plan(args) -> int:
         kv = r["kv_pages"]
         print(f"{r['name']:<16}{kv['page_bytes_per_device'] / 1e6:>9.2f}{kv['pages_per_device']:>14}"
               f"{kv['requests_per_rank']:>10}{kv['requests']:>10}")
+        if "window_pages_per_device" in kv:
+            print(f"{'':<16}and the sliding-window layers' own pages: {kv['window_page_bytes_per_device'] / 1e6:.2f} "
+                  f"MB/page, {kv['window_pages_per_device']} per device ({kv['window_pages_per_request']} per request)")
     for r in rows:
         buffers = r["exchange_buffer_bytes_per_device"]
         if any(buffers.values()):

@@ -94,7 +94,9 @@ class MeshPlacement(Placement, abc.ABC):
             # The interleaved k/v pool slices by whole heads (a k and its v), or not at all.
             whole = c.num_kv_heads % self.devices == 0
             axes["kv"] = tuple(n if whole or n != "kv_heads" else None for n in paged.KV_POOL_AXES)
-        return [{k: ("layers",) * (v.ndim - len(axes[k])) + axes[k] for k, v in layer.items()} for layer in cache]
+        # A window group's entries (`paged.WINDOW`) lie as the full group's.
+        return [{k: ("layers",) * (v.ndim - len(axes[paged.base(k)])) + axes[paged.base(k)] for k, v in layer.items()}
+                for layer in cache]
 
     def place_cache(self, cache, pool: bool = False):
         """Cache dicts (or page pools) from the host onto the devices."""
@@ -170,13 +172,15 @@ class MeshPlacement(Placement, abc.ABC):
                  for run, axes in zip(cache, self.cache_axes(cache, pool=True))]
         if any(spec[1] is None for run in specs for spec in run.values()):  # the pages axis is not split
             return super().copy_pages(cache, source, target)
-        n = jax.tree.leaves(cache)[0].shape[1] // self.devices  # each device's pages
 
         def per_device(cache, source, target):
-            first = jax.lax.axis_index(rules.ALL) * n
-            return Placement.copy_pages(self, cache, paged.local(source, first, n), paged.local(target, first, n))
+            rank = jax.lax.axis_index(rules.ALL)  # each entry's pages here: its group's share
+            return [{k: paged.copy(v, paged.local(paged.ids_for(source, k), rank * v.shape[1], v.shape[1]),
+                                   paged.local(paged.ids_for(target, k), rank * v.shape[1], v.shape[1]))
+                     for k, v in run.items()} for run in cache]
 
-        return jax.shard_map(per_device, mesh=self.mesh, in_specs=(specs, P(), P()), out_specs=specs,
+        return jax.shard_map(per_device, mesh=self.mesh, in_specs=(specs, jax.tree.map(lambda _: P(), source),
+                                                                     jax.tree.map(lambda _: P(), target)), out_specs=specs,
                              check_vma=False)(cache, source, target)
 
     def batch_multiple(self) -> int:

@@ -115,9 +115,9 @@ class Placement:
 
     def copy_pages(self, cache: list[dict], source, target) -> list[dict]:
         """Page pools [layers, pages, ...] with the pages `source` [F] copied into `target` [F]
-        (global ids, each pair on one rank; id N: none)."""
-        return [{k: v.at[:, target].set(v.at[:, source].get(mode="fill", fill_value=0), mode="drop")
-                 for k, v in run.items()} for run in cache]
+        (global ids, each pair on one rank; id N: none; `paged.Tables` of ids with page groups)."""
+        return [{k: paged.copy(v, paged.ids_for(source, k), paged.ids_for(target, k)) for k, v in run.items()}
+                for run in cache]
 
     # ------------------------------------------------------------------ the MoE exchange
     # MoE layers ahead that a placement moving weights to the rows gathers them (the decoder's

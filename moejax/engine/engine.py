@@ -41,7 +41,7 @@ def prefill(params, cache, tokens, start, last, forced=None, pages=None, *, c: M
     positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
     if pages is not None:
         if visible:
-            pages = pages[:, : pages_for(visible, paged.page_size_of(cache))]
+            pages = paged.narrow(pages, pages_for(visible, paged.page_size_of(cache)))
         h, cache, picks = forward(params, cache, tokens, positions, c, placement, forced, pages)
     elif visible:
         h, seen, picks = forward(params, leading(c, cache, visible), tokens, positions, c, placement, forced)
@@ -186,11 +186,12 @@ class Engine:
     def new_cache(self, batch: int, max_len: int) -> list[dict]:
         return self.placement.place_cache(init_cache(self.c, batch, max_len, self.dtype))
 
-    def new_pool(self, pages: int, page_size: int) -> list[dict]:
-        """A page pool in the layout the attention kernel reads. Under DP attention each rank
-        holds an equal share of the pages, and its requests' tables name only those (every
-        device reads and writes its own: `store_pages`, `on_pages`)."""
-        pool = init_pool(self.c, pages, page_size, self.dtype, self.placement.attention_kernel)
+    def new_pool(self, pages: int, page_size: int, window_pages: int = 0) -> list[dict]:
+        """A page pool in the layout the attention kernel reads (and, with sliding-window layers,
+        their own pool of `window_pages`). Under DP attention each rank holds an equal share of
+        the pages, and its requests' tables name only those (every device reads and writes its
+        own: `store_pages`, `on_pages`)."""
+        pool = init_pool(self.c, pages, page_size, self.dtype, self.placement.attention_kernel, window_pages)
         return self.placement.place_cache(pool, pool=True)
 
     def _paged_cache(self, batch: int, max_len: int):
@@ -207,7 +208,10 @@ class Engine:
             for i, row in enumerate(rows):
                 rank = i * ranks // batch
                 row += [rank * share + page for page in allocators[rank].allocate(1)]
-        return self.new_pool(ranks * share, ps), jnp.asarray(np.asarray(rows, np.int32))
+        table = jnp.asarray(np.asarray(rows, np.int32))
+        if self.c.sliding_layers:  # the window group: as many pages, the same tables (nothing freed here)
+            return self.new_pool(ranks * share, ps, ranks * share), paged.Tables(table, table)
+        return self.new_pool(ranks * share, ps), table
 
     def chunk_for(self, prompts: list[list[int]]) -> int:
         """Positions per prefill call for these prompts: the longest prompt's power-of-two bucket
@@ -232,7 +236,7 @@ class Engine:
         last = jnp.asarray(lens - 1)
         outs, picks = [], []
         # every contiguous entry's positions precede one last axis
-        cache_len = jax.tree.leaves(cache)[0].shape[-2] if pages is None else paged.page_size_of(cache) * pages.shape[1]
+        cache_len = jax.tree.leaves(cache)[0].shape[-2] if pages is None else paged.page_size_of(cache) * paged.width(pages)
         for start in range(0, tokens.shape[1], chunk):
             valid = valid_rows(prompt_lens, tokens.shape[0], chunk, start)
             # Attention over the positions this chunk can see, not the whole cache; in buckets,

@@ -30,20 +30,37 @@ def pool_specs(c: ModelConfig, pages: int, page_size: int, layer: int | None = N
     return {k: paged.pool_spec(shape, axes, pages, page_size) for k, (shape, axes) in cache_specs(c, 1, 1, layer).items()}
 
 
-def init_pool(c: ModelConfig, pages: int, page_size: int, dtype, kernel: str = "xla") -> list[dict]:
-    return [
-        {k: jnp.zeros((run.count, *shape), dtype)
-         for k, (shape, _) in pool_specs(c, pages, page_size, run.first, kernel).items()}
-        for run in layer_runs(c)
-    ]
+def group_counts(c: ModelConfig, run) -> tuple[int, int]:
+    """(full-attention layers, sliding-window layers) of a run: each group's pools' layers."""
+    window = sum(i in c.sliding_layers for i in run.layers)
+    return run.count - window, window
 
 
-def page_bytes(c: ModelConfig, page_size: int, dtype, kernel: str = "xla", mtp: bool = False) -> int:
+def init_pool(c: ModelConfig, pages: int, page_size: int, dtype, kernel: str = "xla", window_pages: int = 0) -> list[dict]:
+    """Per run, its full-attention layers' pools [layers, pages, ...] and, for a model with
+    sliding-window layers, theirs [layers, window_pages, ...] (entries `paged.WINDOW` + name)."""
+    out = []
+    for run in layer_runs(c):
+        full, window = group_counts(c, run)
+        pools = {k: jnp.zeros((full, *shape), dtype) for k, (shape, _) in
+                 pool_specs(c, pages, page_size, run.first, kernel).items()} if full else {}
+        if window:
+            pools |= {paged.WINDOW + k: jnp.zeros((window, *shape), dtype)
+                      for k, (shape, _) in pool_specs(c, window_pages, page_size, run.first, kernel).items()}
+        out.append(pools)
+    return out
+
+
+def page_bytes(c: ModelConfig, page_size: int, dtype, kernel: str = "xla", mtp: bool = False,
+               window: bool | None = None) -> int:
     """Bytes one page holds over every layer and entry; `mtp`: and the MTP layer's own pool's
-    page (MTP drafts, `model/mtp.py`: the XLA layout, an indexer of its own)."""
+    page (MTP drafts, `model/mtp.py`: the XLA layout, an indexer of its own). `window` False:
+    a page of the full-attention layers' group only (with `mtp`, and its page); True: of the
+    sliding-window layers' (their own page group, `init_pool`)."""
     size = jnp.dtype(dtype).itemsize
-    runs = [(run.count, pool_specs(c, 1, page_size, run.first, kernel)) for run in layer_runs(c)]
-    runs += [(1, pool_specs(c, 1, page_size, c.num_layers))] if mtp else []
+    count = lambda run: run.count if window is None else group_counts(c, run)[int(window)]
+    runs = [(count(run), pool_specs(c, 1, page_size, run.first, kernel)) for run in layer_runs(c)]
+    runs += [(1, pool_specs(c, 1, page_size, c.num_layers))] if mtp and not window else []
     return sum(count * size * int(np.prod(shape)) for count, specs in runs for shape, _ in specs.values())
 
 

@@ -98,9 +98,24 @@ def gqa(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: Mo
 
 def _gqa_xla(p: dict, q, k, v, positions, cache: dict, c: ModelConfig, placement, window, pages):
     """q: [B, T, H, Dh], k, v: [B, T, H_kv, Dh] -> (out [B, T, H, Dh], cache): masked attention
-    over the contiguous cache, or the view of the request's pages."""
-    cache, keys = _store(cache, "k", k, positions, pages, placement, seq_axis=2)
-    cache, values = _store(cache, "v", v, positions, pages, placement, seq_axis=2)
+    over the contiguous cache, or the view of the request's pages (with page groups, `GroupPages`:
+    its own group's pool and tables; in a scan over mixed layers `lax.cond` picks the group, so a
+    layer reads one group's pool, not both)."""
+    if isinstance(pages, paged.GroupPages):
+        def in_group(window_group: bool, cache: dict):
+            prefix, layer_pages = pages.group(window_group)
+            return _gqa_xla_in(p, q, k, v, positions, cache, c, placement, window, layer_pages, prefix)
+
+        if isinstance(pages.window, bool):
+            return in_group(pages.window, cache)
+        return jax.lax.cond(pages.window, functools.partial(in_group, True), functools.partial(in_group, False), cache)
+    return _gqa_xla_in(p, q, k, v, positions, cache, c, placement, window, pages)
+
+
+def _gqa_xla_in(p: dict, q, k, v, positions, cache: dict, c: ModelConfig, placement, window, pages, prefix: str = ""):
+    """`_gqa_xla` over the cache entries prefix + "k" and prefix + "v" (a page group's)."""
+    cache, keys = _store(cache, prefix + "k", k, positions, pages, placement, seq_axis=2)
+    cache, values = _store(cache, prefix + "v", v, positions, pages, placement, seq_axis=2)
     keys = placement.constrain(keys, KV_AXES)  # [B, H_kv, S, Dh]
     values = placement.constrain(values, KV_AXES)
     b, t, h, dh = q.shape

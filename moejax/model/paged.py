@@ -10,6 +10,12 @@ names no page: reads there are zeros, writes are dropped (padding rows, unwritte
 A run of layers stacks its pools [layers, pages, ...]; a layer writes and reads its own through
 its index (`LayerPages`), in place.
 
+A model with sliding-window layers keeps two page groups (vLLM's hybrid KV-cache manager): its
+full-attention layers' pools and block tables, and its window layers' own pools (entries named
+WINDOW + name, sized apart) and tables (`Tables`). A window table is indexed as a full one (page
+p // page_size) but names no page where every position fell out of the window: those pages went
+back to the window pool. Each layer reads and writes its own group's pool (`GroupPages`).
+
 Attention writes a step's keys through the table and reads back the view of the request's
 P pages as a contiguous [B, ..., P * page_size, ...] cache, so the masked attention after it
 is the contiguous cache's, over the request's live pages only. With a Pallas paged-attention
@@ -39,6 +45,58 @@ class LayerPages(NamedTuple):
 
     table: jax.Array
     layer: jax.Array | int
+
+
+WINDOW = "window_"  # the name prefix of a sliding-window layer's pool entries (its own page group)
+
+
+class Tables(NamedTuple):
+    """A model with sliding-window layers' block tables [B, P] (or page ids [K]) per page group:
+    its full-attention layers' and its window layers' (their own pool; none out of the window)."""
+
+    full: jax.Array
+    window: jax.Array
+
+
+class GroupPages(NamedTuple):
+    """One layer of a model with window layers: both groups' tables, the layer's index in its own
+    group's pools [layers, pages, ...], and whether it is a window layer (a Python bool where the
+    loop knows it, else traced: a scan over mixed layers)."""
+
+    tables: Tables
+    layer: jax.Array | int
+    window: jax.Array | bool
+
+    def group(self, window: bool) -> tuple[str, LayerPages]:
+        """(the entries' name prefix, the layer's pages) in the window group or the full one."""
+        return (WINDOW, LayerPages(self.tables.window, self.layer)) if window else \
+            ("", LayerPages(self.tables.full, self.layer))
+
+
+def in_window(name: str) -> bool:
+    return name.startswith(WINDOW)
+
+
+def base(name: str) -> str:
+    """A pool entry's name without its group's prefix (both groups' entries lie alike)."""
+    return name[len(WINDOW):] if in_window(name) else name
+
+
+def ids_for(ids, name: str):
+    """Page ids (or tables) of entry `name`'s group: a `Tables`' window or full ones, or `ids` itself."""
+    if isinstance(ids, Tables):
+        return ids.window if in_window(name) else ids.full
+    return ids
+
+
+def width(pages) -> int:
+    """P of block tables [B, P] (a bare table, or a `Tables`' both)."""
+    return (pages.full if isinstance(pages, Tables) else pages).shape[1]
+
+
+def narrow(pages, n: int):
+    """Block tables' first n pages (every group's)."""
+    return jax.tree.map(lambda t: t[:, :n], pages)
 
 
 def _at(pages) -> tuple[tuple, jax.Array]:
@@ -81,6 +139,11 @@ def local(table: jax.Array, first_page, n: int) -> jax.Array:
     as 0 .. n - 1, any other page (another rank's, or none) as n (none here: reads zeros, writes dropped)."""
     table = table - first_page
     return jnp.where((table >= 0) & (table < n), table, n)
+
+
+def copy(pool: jax.Array, source: jax.Array, target: jax.Array) -> jax.Array:
+    """A run's pool [layers, pages, ...] with pages `source` [F] copied into `target` [F] (id N: none)."""
+    return pool.at[:, target].set(pool.at[:, source].get(mode="fill", fill_value=0), mode="drop")
 
 
 def store(first_page, pool: jax.Array, new: jax.Array, positions: jax.Array, pages, seq_axis: int, view: bool = True):

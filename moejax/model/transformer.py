@@ -32,7 +32,8 @@ def decoder_layer(lp: dict, experts, x: jax.Array, positions, cos_sin, cache: di
     `experts`: the MoE layer's expert weights as the placement computes with them; `selected`:
     the DSA selection of the layer before; `window`: its sliding window (0: full attention);
     `forced`: int32 [B*T, k] picks replacing the router's (None: the router's own); `pages`: the
-    block table [B, P] of a paged cache (None: contiguous)."""
+    block table [B, P] of a paged cache (`paged.LayerPages`, or `paged.GroupPages` with page groups;
+    None: contiguous)."""
     h = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
     with jax.named_scope("attention"):  # for `moejax trace`
         a, cache, selected = attention(lp["attn"], h, positions, cos_sin, cache, c, placement, selected, window, pages)
@@ -55,12 +56,27 @@ def run_layers(run: Run, loop, run_params, run_cache: dict, x, selected, positio
     count = run.count
     # Sliding-window and full-attention layers share their parameters' shape: the window is
     # a per-layer input of the scan.
-    windows = jnp.asarray([c.sliding_window if i in c.sliding_layers else 0 for i in run.layers], jnp.int32)
+    kinds = [i in c.sliding_layers for i in run.layers]
+    windows = jnp.asarray([c.sliding_window if w else 0 for w in kinds], jnp.int32)
+    # Page groups (`paged.Tables`): each layer's index in its own group's pools.
+    groups = isinstance(pages, paged.Tables)
+    index = [kinds[:i].count(w) for i, w in enumerate(kinds)]
+    uniform = kinds[0] if len(set(kinds)) == 1 else None  # the run's one kind, else chosen per layer
     moe = run.is_moe(c)
     at_rest = loop.part(run_params, "moe", "experts") if moe else None  # the run's experts as they rest on the devices
     depth = min(placement.prefetch_depth, count) if moe else 0
     gather = lambda i: placement.gather_experts(loop.layer(at_rest, i))
     ahead = tuple(gather(j) for j in range(depth))  # the first `depth` layers' experts, before the loop
+
+    def layer_pages(i, window):
+        if pages is None:
+            return None
+        if not groups:
+            return paged.LayerPages(pages, i)
+        if isinstance(i, int):  # unrolled: the kind is known
+            return paged.GroupPages(pages, index[i], kinds[i])
+        kind = uniform if uniform is not None else window > 0
+        return paged.GroupPages(pages, jnp.asarray(index, jnp.int32)[i], kind)
 
     def body(carry, xs):
         # The run's cache rides in the carry and each layer updates its own slice in place (as
@@ -79,7 +95,7 @@ def run_layers(run: Run, loop, run_params, run_cache: dict, x, selected, positio
         with jax.named_scope("moe_layers" if moe else "dense_layers"):
             x, layer_cache, selected, ids = decoder_layer(lp, experts, x, positions, cos_sin, layer_cache, selected, c,
                                                           placement, window, layer_forced,
-                                                          None if pages is None else paged.LayerPages(pages, i))
+                                                          layer_pages(i, window))
         run_cache = layer_cache if pages is not None else jax.tree.map(
             lambda whole, new: jax.lax.dynamic_update_index_in_dim(whole, new, i, 0), run_cache, layer_cache)
         return (x, selected, ahead, run_cache), ids
@@ -101,7 +117,7 @@ def forward(params: dict, cache: list, tokens: jax.Array, positions: jax.Array, 
     cos_sin = rope_cos_sin(c, positions)
     b, t = tokens.shape
     # DSA: the selection a layer without an indexer reuses (layer 0 always has its own).
-    seq = jax.tree.leaves(cache)[0].shape[-2] if pages is None else pages.shape[1] * paged.page_size_of(cache)
+    seq = jax.tree.leaves(cache)[0].shape[-2] if pages is None else paged.width(pages) * paged.page_size_of(cache)
     selected = jnp.ones((b, t, seq), bool) if c.is_dsa else None
     new_cache, picks = [], []
     for run, loop, run_params, run_cache in zip(layer_runs(c), placement.loops, params["layers"], cache):

@@ -26,23 +26,39 @@ MIN_TABLE_POSITIONS = 128
 TABLE_STEP = 4
 
 
+def window_held(c, page_size: int, chunk: int, max_len: int) -> int:
+    """The most sliding-window pages a request holds at once: a prefill chunk's positions and the
+    window before its first (one page more where they straddle a page), or all it ever writes."""
+    return min(pages_for(c.sliding_window - 1 + chunk, page_size) + 1, pages_for(max_len, page_size))
+
+
+def window_pool_pages(c, page_size: int, chunk: int, max_len: int, slots: int) -> int:
+    """The sliding-window layers' own pool (0: a model without them): every slot's `window_held`,
+    so window pages never run short while the full group's pages last."""
+    return slots * window_held(c, page_size, chunk, max_len) if c.sliding_layers else 0
+
+
 def pool_pages(engine, page_size: int, kv_tokens: int = 0, kv_gb: float = 0.0, multiple: int = 1,
-               mtp: bool = False) -> int:
-    """Pages of the pool: `kv_tokens` positions, or `kv_gb` GB, or the platform's default
-    (`platform.kv_cache_bytes`), rounded up to a multiple of `multiple` (with DP attention each
-    rank holds an equal share). `mtp`: the MTP layer's pool of as many pages shares the bytes."""
+               mtp: bool = False, window_pages: int = 0) -> int:
+    """Pages of the (full-attention layers') pool: `kv_tokens` positions, or `kv_gb` GB, or the
+    platform's default (`platform.kv_cache_bytes`), rounded up to a multiple of `multiple` (with DP
+    attention each rank holds an equal share). `mtp`: the MTP layer's pool of as many pages shares
+    the bytes; `window_pages`: the sliding-window layers' pool takes its bytes first."""
     if page_size < 1 or kv_tokens < 0 or kv_gb < 0:
         raise UsageError(f"--page-size {page_size}, --kv-cache-tokens {kv_tokens} and --kv-cache-gb {kv_gb} "
                          f"must be positive")
     if kv_tokens and kv_gb:
         raise UsageError("give --kv-cache-tokens or --kv-cache-gb, not both")
     # The pool's layout is the attention kernel's (the TPU kernel's pads head_dim to 128 lanes).
-    per_page = page_bytes(engine.c, page_size, engine.dtype, engine.placement.attention_kernel, mtp)
+    kernel = engine.placement.attention_kernel
+    per_page = page_bytes(engine.c, page_size, engine.dtype, kernel, mtp, window=False)
     if kv_tokens:
         pages = pages_for(kv_tokens, page_size)
     else:
         size = kv_gb * 1e9 or platform.kv_cache_bytes(list(jax.tree.leaves(engine.params)[0].devices()))
-        pages = int(size // per_page) if size else pages_for(platform.CPU_KV_CACHE_TOKENS, page_size)
+        window_bytes = window_pages * page_bytes(engine.c, page_size, engine.dtype, kernel, window=True)
+        pages = int(max(0.0, size - window_bytes) // per_page) if size else \
+            pages_for(platform.CPU_KV_CACHE_TOKENS, page_size)
         if size and not kv_gb and jax.process_count() > 1:  # each read its own free memory: all take the least
             from jax.experimental import multihost_utils
 

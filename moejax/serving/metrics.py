@@ -94,6 +94,12 @@ class Metrics:
         Gauge("moejax_kv_cache_usage", "fraction of the KV cache's pages that requests hold", registry=r).set_function(
             lambda: kv.usage)
         Gauge("moejax_kv_pages_total", "pages in the KV cache's pool", registry=r).set(kv.num_pages)
+        window_kv = scheduler.window_kv
+        if window_kv is not None:  # sliding-window layers' own pages
+            Gauge("moejax_kv_window_cache_usage", "fraction of the sliding-window layers' pages that requests hold",
+                  registry=r).set_function(lambda: window_kv.usage)
+            Gauge("moejax_kv_window_pages_total", "pages in the sliding-window layers' pool", registry=r).set(
+                window_kv.num_pages)
         Gauge("moejax_preemptions", "running requests that gave their pages to older ones, to be computed again",
               registry=r).set_function(lambda: scheduler.preemptions)
         if kv.prefix is not None:

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from moejax.engine.engine import to_host
+from moejax.model import paged
 from moejax.serving.request import sampling_rows
 from moejax.serving.slot_programs import decode_slots, fork_slots, prefill_slots, put_pages, take_pages
 from moejax.serving.step_plan import Call, flat, nested
@@ -66,12 +67,12 @@ class ProgramCalls:
         positions = np.full(width, self.max_len, np.int32)  # idle: no pages, writes dropped
         for s in decoding:
             tokens[row[s]], positions[row[s]] = self.slots[s].token, self.slots[s].pos
-        pages = self.kv.table([self.slots[at[i]].pages if i in at else [] for i in range(width)], width,
-                              max(self.slots[s].pos + 1 for s in decoding))
+        reach = max(self.slots[s].pos + 1 for s in decoding)
+        pages = self.kv.table([self.slots[at[i]].pages if i in at else [] for i in range(width)], width, reach)
         sampling, flags = sampling_rows([self.slots[at[i]].request if i in at else None for i in range(width)], width)
         live = positions < self.max_len
-        arrays = dict(pages=pages, tokens=tokens, positions=positions, **flat("sampling", sampling),
-                      **self._forced("decode", live))
+        arrays = dict(pages=pages, **self._window_table([at.get(i) for i in range(width)], reach), tokens=tokens,
+                      positions=positions, **flat("sampling", sampling), **self._forced("decode", live))
         out, lp, picks = self._run(Call("decode", arrays, dict(flags, observe=bool(self.pick_observers))))
         self._observe("decode", picks, live)
         now = time.perf_counter()
@@ -101,6 +102,25 @@ class ProgramCalls:
                               int(start.max()) + c + reach)
         return pages, tokens, start, last, after, valid
 
+    def _window_table(self, rows: list[int | None], positions: int) -> dict:
+        """{"window_pages": the sliding-window layers' block tables [len(rows), W] of slots `rows`
+        (None: no page), W as the full tables' for `positions`}, or {} for a model without them."""
+        if self.window_kv is None:
+            return {}
+        return {"window_pages": self.window_kv.table([self.slots[s].window if s is not None else [] for s in rows],
+                                                     len(rows), positions)}
+
+    def _tables(self, a: dict):
+        """A call's block tables as the programs take them: the full one, or both groups' (`paged.Tables`)."""
+        return paged.Tables(a["pages"], a["window_pages"]) if "window_pages" in a else a["pages"]
+
+    def _idle(self, rows: int, width: int):
+        """Block tables [rows, width] that name no page (a warm-up's), in every group."""
+        full = np.full((rows, width), self.kv.num_pages, np.int32)
+        if self.window_kv is None:
+            return full
+        return paged.Tables(full, np.full((rows, width), self.window_kv.num_pages, np.int32))
+
     def _prefill_call(self, rows: list[int | None]) -> None:
         pages, tokens, start, last, after, valid = self._prefill_inputs(rows)
         requests = [self.slots[s].request if s is not None else None for s in rows]
@@ -108,7 +128,8 @@ class ProgramCalls:
         # every position's logits: only when needed
         echo = any(r is not None and r.echo_logprobs and not r.tokens for r in requests)
         forks = any(other is not None and other.leader is not None and other.leader in rows for other in self.slots)
-        arrays = dict(pages=pages, tokens=tokens, start=start, last=last, after=after, **flat("sampling", sampling),
+        arrays = dict(pages=pages, **self._window_table(rows, int(start.max()) + self.chunk), tokens=tokens,
+                      start=start, last=last, after=after, **flat("sampling", sampling),
                       **self._forced("prefill", valid.reshape(-1)))
         out, lp, logits, picks = self._run(Call("prefill", arrays, dict(
             flags, prompt_logprobs=echo, observe=bool(self.pick_observers), logits=forks)))
@@ -141,13 +162,25 @@ class ProgramCalls:
         if length % ps:
             src[: len(forks)] = leader.pages[length // ps]
             dst[: len(forks)] = [self.slots[s].pages[0] for s in forks]
+        windows = {}
+        if self.window_kv is not None:  # the same in the window group: held pages, and a copy of the last
+            wnone = self.window_kv.num_pages
+            window = leader.window[: length // ps]
+            wsrc, wdst = np.full(n, wnone, np.int32), np.full(n, wnone, np.int32)
+            if length % ps:
+                wsrc[: len(forks)] = leader.window[length // ps]
+                wdst[: len(forks)] = [self.slots[s].window[0] for s in forks]
+            windows = dict(window_src=wsrc, window_dst=wdst)
         requests = [self.slots[s].request for s in forks]
         sampling, _ = sampling_rows(requests, n, extras=True)
-        out, lp = self._run(Call("fork", dict(src=src, dst=dst, logits=logits, positions=np.full(n, length, np.int32),
-                                              **flat("sampling", sampling))))
+        out, lp = self._run(Call("fork", dict(src=src, dst=dst, **windows, logits=logits,
+                                              positions=np.full(n, length, np.int32), **flat("sampling", sampling))))
         for i, s in enumerate(forks):
             slot, r = self.slots[s], requests[i]
             self.kv.hold(full)
+            if self.window_kv is not None:
+                self.window_kv.hold([p for p in window if p != wnone])
+                slot.window = window + slot.window
             slot.pages, slot.leader, slot.done, slot.pos = full + slot.pages, None, length, length
             r.prompt_logprobs = leader.request.prompt_logprobs
             if r.max_tokens == 0:
@@ -172,7 +205,7 @@ class ProgramCalls:
 
     def _do_decode(self, a: dict, greedy_only: bool, extras: bool, observe: bool):
         """-> (tokens [W], logprobs, picks [L, W, k] or None)."""
-        out, lp, self.cache, picks = self._decode(self.engine.params, self.cache, a["pages"], a["tokens"],
+        out, lp, self.cache, picks = self._decode(self.engine.params, self.cache, self._tables(a), a["tokens"],
                                                   a["positions"], nested(a, "sampling"), forced=a.get("forced"),
                                                   greedy_only=greedy_only, extras=extras)
         return to_host(out), {k: to_host(v) for k, v in lp.items()}, self._picks(picks, observe)
@@ -181,16 +214,19 @@ class ProgramCalls:
                     logits: bool):
         """-> (tokens [P], logprobs, the last logits [P, V] if `logits` else None, picks or None)."""
         out, lp, last, self.prefill_into, picks = self._prefill(
-            self.prefill_engine.params, self.prefill_into, a["pages"], a["tokens"], a["start"], a["last"], a["after"],
+            self.prefill_engine.params, self.prefill_into, self._tables(a), a["tokens"], a["start"], a["last"], a["after"],
             nested(a, "sampling"), forced=a.get("forced"), greedy_only=greedy_only, extras=extras,
             prompt_logprobs=prompt_logprobs)
         out, lp = to_host(out), jax.tree.map(to_host, lp)
         if self.apart:
-            self.handover_bytes += self._hand_over(a["pages"], a["start"])
+            self.handover_bytes += self._hand_over(self._tables(a), a["start"])
         return out, lp, to_host(last) if logits else None, self._picks(picks, observe)
 
     def _do_fork(self, a: dict):
-        out, lp, self.cache = self._fork_program(self.cache, a["src"], a["dst"], a["logits"], nested(a, "sampling"),
+        src, dst = a["src"], a["dst"]
+        if "window_src" in a:
+            src, dst = paged.Tables(src, a["window_src"]), paged.Tables(dst, a["window_dst"])
+        out, lp, self.cache = self._fork_program(self.cache, src, dst, a["logits"], nested(a, "sampling"),
                                                  a["positions"])
         return to_host(out), {k: to_host(v) for k, v in lp.items()}
 
@@ -209,13 +245,17 @@ class ProgramCalls:
         else:
             self.cache = cache
 
-    def _hand_over(self, pages: np.ndarray, start: np.ndarray) -> int:
-        """Prefill apart: the pages a prefill call wrote (those of block tables `pages` [P, W]
-        holding chunk positions from `start` [P]) from the prefill pool into the decode pool,
-        streamed call by call in a fixed shape -> bytes that changed device."""
+    def _hand_over(self, pages, start: np.ndarray) -> int:
+        """Prefill apart: the pages a prefill call wrote (those of block tables `pages` [P, W], or
+        both groups' `paged.Tables`, holding chunk positions from `start` [P]) from the prefill
+        pool into the decode pool, streamed call by call in a fixed shape -> bytes that changed device."""
         from moejax.engine.disaggregated import move_cache
 
-        ids = self.kv.chunk_pages(pages, start, self.chunk)
+        if isinstance(pages, paged.Tables):
+            ids = paged.Tables(self.kv.chunk_pages(pages.full, start, self.chunk),
+                               self.window_kv.chunk_pages(pages.window, start, self.chunk))
+        else:
+            ids = self.kv.chunk_pages(pages, start, self.chunk)
         pieces, moved = move_cache(self._take(self.prefill_cache, ids), self.engine.placement,
                                    list(self.prefill_engine.placement.mesh.devices.flat), pool=True)
         self.cache = self._put(self.cache, ids, pieces)
@@ -236,28 +276,29 @@ class ProgramCalls:
         """Compiles every program a request can use (greedy, sampled, with logprobs / bias, with
         prompt logprobs, at every block-table width; the fork of n samples) on idle rows, which
         name no page and so write nothing. Every process runs it alike: all hold the same set."""
-        p, n, none = self.prefill_rows, self.num_slots, self.kv.num_pages
+        p, n = self.prefill_rows, self.num_slots
         for greedy, extras in ((True, False), (False, False), (False, True)):
             for pw in self.kv.widths():
                 for w in self.decode_widths():
                     sampling, _ = sampling_rows([], w, extras=extras)
                     picks = self._forced("decode", np.zeros(w, bool)).get("forced")  # host picks, as a real call's
-                    _, _, self.cache, _ = self._decode(self.engine.params, self.cache, np.full((w, pw), none, np.int32),
+                    _, _, self.cache, _ = self._decode(self.engine.params, self.cache, self._idle(w, pw),
                                                        np.zeros(w, np.int32), np.full(w, self.max_len, np.int32),
                                                        sampling, forced=picks, greedy_only=greedy, extras=extras)
                 for echo in (False, True) if extras else (False,):
                     sampling, _ = sampling_rows([], p, extras=extras)
                     zeros = np.zeros(p, np.int32)
                     out, _, logits, self.prefill_into, _ = self._prefill(
-                        self.prefill_engine.params, self.prefill_into, np.full((p, pw), none, np.int32),
+                        self.prefill_engine.params, self.prefill_into, self._idle(p, pw),
                         np.zeros((p, self.chunk), np.int32), zeros, zeros, zeros, sampling,
                         forced=self._forced("prefill", np.zeros(p * self.chunk, bool)).get("forced"),
                         greedy_only=greedy, extras=extras, prompt_logprobs=echo)
                     out.block_until_ready()
         sampling, _ = sampling_rows([], n, extras=True)
-        nothing = np.full(n, none, np.int32)
+        nothing = self._idle(1, n)
+        nothing = jax.tree.map(lambda t: t[0], nothing)  # ids [n] that name no page
         out, _, self.cache = self._fork_program(self.cache, nothing, nothing, to_host(logits)[0], sampling,
                                                 np.zeros(n, np.int32))
         out.block_until_ready()
         if self.apart:  # compiles the pages' move (padding rows only: nothing written)
-            self._hand_over(np.full((p, 1), none, np.int32), np.zeros(p, np.int32))
+            self._hand_over(self._idle(p, 1), np.zeros(p, np.int32))

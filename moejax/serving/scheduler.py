@@ -27,6 +27,13 @@ Under DP attention each rank is a pool of its own (`KVPages`): slot s runs on ra
 its rank's block of every batch's rows (`row`), and holds only that rank's pages; admission,
 preemption and n samples stay within a rank.
 
+A model with sliding-window layers keeps their pages apart (`window_kv`, vLLM's hybrid KV-cache
+manager): a request holds a window page only while some position of it may still be read, those
+before (next position - window) go back to the pool as prefill chunks and decoding advance, and
+its window table names no page there. Window pages are taken per chunk and per step as full ones
+are, and a rank short of either preempts its newest request. The prefix cache is off for such a
+model: a cached prefix would need the window pages of its last positions kept too.
+
 Greedy tokens of a request do not depend on its neighbours: every row's attention sees only its
 own pages, and the MoE placements compute each row's experts independently.
 """
@@ -42,7 +49,8 @@ import numpy as np
 
 from moejax.engine.engine import MIN_POSITIONS, bucket
 from moejax.errors import UsageError
-from moejax.serving.kv_pages import PAGE_SIZE, KVPages, pool_pages
+from moejax.engine.pages import pages_for
+from moejax.serving.kv_pages import PAGE_SIZE, KVPages, pool_pages, window_held, window_pool_pages
 from moejax.serving.program_calls import ProgramCalls
 from moejax.serving.request import Request, check_request
 
@@ -63,6 +71,7 @@ class _Slot:
     seq: list[int]
     admitted: int  # admission order: the newest running request is preempted first
     pages: list[int] = dataclasses.field(default_factory=list)  # its block table: pages in order
+    window: list[int] = dataclasses.field(default_factory=list)  # sliding-window layers' table (none: freed)
     keys: list[bytes] = dataclasses.field(default_factory=list)  # prefix cache: its full pages' keys
     done: int = 0  # seq positions prefilled (or found in the prefix cache)
     pos: int = 0  # decode: the position of `token`, fed in the next step
@@ -85,7 +94,7 @@ class Scheduler(ProgramCalls):
 
     def __init__(self, engine, slots: int = 16, max_len: int = 0, prefill_rows: int = 1, token_budget: int = 0,
                  max_queue: int = 1024, prefill_engine=None, longest: int = 0, kv_tokens: int = 0, kv_gb: float = 0.0,
-                 page_size: int = PAGE_SIZE, prefix_cache: bool = True):
+                 page_size: int = PAGE_SIZE, prefix_cache: bool = True, window_pages: int = 0):
         """`prefill_engine`: prefill chunks run there instead (another placement and mesh, a
         pool of its own with the same page ids), and the pages each call wrote go over to
         `engine`'s pool right after it (prefill and decode apart, `engine/disaggregated.py`).
@@ -93,7 +102,8 @@ class Scheduler(ProgramCalls):
         new tokens) allowed, 0: `longest` (that of the requests it will hold, when known), else
         the model's context, at most 2048; `kv_tokens` / `kv_gb`: the page pool's positions or
         GB (neither: the platform's default, `kv_pages.pool_pages`); `page_size`: positions per
-        page; `prefix_cache`: a request reuses the pages of the longest prompt prefix computed
+        page; `window_pages`: the sliding-window layers' pool (0: `kv_pages.window_pool_pages`);
+        `prefix_cache`: a request reuses the pages of the longest prompt prefix computed
         before (off under a routing override, whose picks are dealt per computed position, and
         for requests that want every prompt position's logprobs; `notes` says so)."""
         self.engine = engine
@@ -127,8 +137,19 @@ class Scheduler(ProgramCalls):
                              "TP attention for prefill")
         # A prefill call's rows split over the ranks only when they divide (else every device runs every row).
         self.prefill_ranks = prefill_multiple if self.prefill_rows % prefill_multiple == 0 else 1
-        pages = pool_pages(engine, page_size, kv_tokens, kv_gb, multiple, mtp=self.mtp_pool)
+        if prefix_cache and c.sliding_layers:
+            self.notes.append("the prefix cache is off for sliding-window layers (their cached prefix's window "
+                              "pages are freed)")
+            prefix_cache = False
+        window_pages = window_pages or window_pool_pages(c, page_size, self.chunk, self.max_len, slots)
+        pages = pool_pages(engine, page_size, kv_tokens, kv_gb, multiple, mtp=self.mtp_pool, window_pages=window_pages)
         self.kv = KVPages(pages, page_size, self.max_len, prefix_cache and self.dealer is None, self.ranks)
+        # The sliding-window layers' pages (None: a model without them), per rank as the full ones.
+        self.window_kv = KVPages(window_pages, page_size, self.max_len, False, self.ranks) if c.sliding_layers else None
+        held = window_held(c, page_size, self.chunk, self.max_len)
+        if self.window_kv is not None and self.window_kv.rank_pages < held:
+            raise UsageError(f"a rank's {self.window_kv.rank_pages} sliding-window pages hold less than one "
+                             f"request's window and prefill chunk ({held} pages)")
         # Tokens per step: by default every slot's decode token plus one prefill call.
         self.token_budget = token_budget or slots + prefill_rows * self.chunk
         self.max_queue = max_queue
@@ -139,8 +160,8 @@ class Scheduler(ProgramCalls):
         self.preemptions = 0  # running requests whose pages went to older ones (recomputed later)
         self.prefilled_tokens = 0  # positions prefilled (a prefix-cache hit's and n samples' once: not again)
         self.mixed_steps = 0  # steps that decoded and prefilled (continuous batching at work)
-        self.cache = engine.new_pool(pages, page_size)
-        self.prefill_cache = self.prefill_engine.new_pool(pages, page_size) if self.apart else None
+        self.cache = engine.new_pool(pages, page_size, window_pages)
+        self.prefill_cache = self.prefill_engine.new_pool(pages, page_size, window_pages) if self.apart else None
         self.handover_bytes = 0  # prefill apart: cache bytes that changed device
         self.pick_observers: list[Callable[[str, np.ndarray, np.ndarray], None]] = []  # (kind, ids [L,R,k], valid [R])
         self.between_steps: list[Callable[[], None]] = []  # run on the engine thread before each step (expert moves)
@@ -226,8 +247,10 @@ class Scheduler(ProgramCalls):
         self.mixed_steps += bool(decoding and self.prefilling)
         while self.prefilling and chunks > 0:
             rows = self._prefill_rows(chunks)
-            self._prefill_call(rows)
             chunks -= sum(s is not None for s in rows)
+            rows = self._window_for_prefill(rows)
+            if any(s is not None for s in rows):
+                self._prefill_call(rows)
 
     # ------------------------------------------------------------------ host-side policy
     def rank(self, s: int) -> int:
@@ -273,22 +296,32 @@ class Scheduler(ProgramCalls):
                 # Ranks with a slot for the request and one for each sample (forks share its pages' rank).
                 ranks = sorted((rank for rank in range(self.ranks) if len(free[rank]) > len(samples)),
                                key=lambda rank: free[rank][0])
+                # Window pages: its first chunk's and one per sample (later chunks take theirs as they go).
+                window_need = pages_for(min(len(seq), self.chunk), self.kv.page_size) + len(samples)
+                if self.window_kv is not None:
+                    ranks = [rank for rank in ranks if self.window_kv.available(rank) >= window_need]
                 got = self.kv.admit(seq, len(samples), cached=not r.echo_logprobs, ranks=ranks) if ranks else None
                 if got is None:
                     break
                 self.waiting.popleft()
                 rank, pages, keys, done, fork_pages = got
+                window = self.window_kv.take(window_need, rank) if self.window_kv is not None else []
+                own = window_need - len(samples)
+                fork_windows = [[page] for page in window[own:]] if window else [[] for _ in samples]
                 s = free[rank].pop(0)
-                self.slots[s] = _Slot(r, seq, self.admitted, pages, keys, done)
+                self.slots[s] = _Slot(r, seq, self.admitted, pages, window[:own], keys, done)
                 self.prefilling.append(s)
-                for sample, page in zip(samples, fork_pages):
-                    self.slots[free[rank].pop(0)] = _Slot(sample, sample.prompt, self.admitted, [page], leader=s)
+                for sample, page, fork_window in zip(samples, fork_pages, fork_windows):
+                    self.slots[free[rank].pop(0)] = _Slot(sample, sample.prompt, self.admitted, [page], fork_window,
+                                                          leader=s)
                 self.admitted += 1
 
     def _free(self, s: int) -> None:
         """Slot s's request out, and the samples waiting to fork from it: their pages back to the pool."""
         for f in [s] + [f for f, other in enumerate(self.slots) if other is not None and other.leader == s]:
             self.kv.release(self.slots[f].pages)
+            if self.window_kv is not None:
+                self.window_kv.release([p for p in self.slots[f].window if p != self.window_kv.num_pages])
             self.slots[f] = None
         if s in self.prefilling:
             self.prefilling.remove(s)
@@ -299,23 +332,59 @@ class Scheduler(ProgramCalls):
         again (vLLM's preemption by recompute; the newest on the slot's rank: only its pages
         serve there) -> the slots that still decode."""
         for s in sorted(decoding, key=lambda s: self.slots[s].admitted):
-            while self.slots[s] is not None and len(self.slots[s].pages) < self.kv.needed(
-                    self.slots[s].pos + self.writes_per_step):
-                page = self.kv.take(1, self.rank(s))
-                if page is not None:
-                    self.slots[s].pages += page
-                    continue
-                victim = max((v for v, other in enumerate(self.slots)
-                              if other is not None and other.leader is None and self.rank(v) == self.rank(s)),
-                             key=lambda v: self.slots[v].admitted)
-                r = self.slots[victim].request
-                if not r.tokens:
-                    r.prompt_logprobs.clear()  # computed again with the prompt
-                with self._cv:
-                    self.waiting.appendleft(r)
-                    self._free(victim)
-                self.preemptions += 1
+            while self.slots[s] is not None and not self._take_pages(s, self.slots[s].pos,
+                                                                     self.slots[s].pos + self.writes_per_step):
+                self._preempt(self.rank(s))
         return [s for s in decoding if self.slots[s] is not None]
+
+    def _preempt(self, rank: int) -> None:
+        """The newest running request on `rank` gives its pages back and waits to be computed again."""
+        victim = max((v for v, other in enumerate(self.slots)
+                      if other is not None and other.leader is None and self.rank(v) == rank),
+                     key=lambda v: self.slots[v].admitted)
+        r = self.slots[victim].request
+        if not r.tokens:
+            r.prompt_logprobs.clear()  # computed again with the prompt
+        with self._cv:
+            self.waiting.appendleft(r)
+            self._free(victim)
+        self.preemptions += 1
+
+    def _take_pages(self, s: int, start: int, end: int) -> bool:
+        """Slot s's pages for the positions start .. end - 1 it writes next (its window pages from
+        start - window + 1 on, the earlier ones back to the pool): False when its rank has too few
+        (what it could take, it keeps)."""
+        slot, rank = self.slots[s], self.rank(s)
+        need = self.kv.needed(end) - len(slot.pages)
+        if need > 0:
+            pages = self.kv.take(need, rank)
+            if pages is None:
+                return False
+            slot.pages += pages
+        if self.window_kv is None:
+            return True
+        none, first = self.window_kv.num_pages, start - self.engine.c.sliding_window + 1
+        gone = max(0, first) // self.kv.page_size  # pages whose every position precedes `first`
+        self.window_kv.release([p for p in slot.window[:gone] if p != none])
+        slot.window[:gone] = [none] * min(gone, len(slot.window))
+        need = self.kv.needed(end) - len(slot.window)
+        if need > 0:
+            pages = self.window_kv.take(need, rank)
+            if pages is None:
+                return False
+            slot.window += pages
+        return True
+
+    def _window_for_prefill(self, rows: list[int | None]) -> list[int | None]:
+        """A prefill call's rows with the window pages of their chunks (a rank short of them
+        preempts its newest request; a row preempted so is a padding row)."""
+        if self.window_kv is None:
+            return rows
+        for s in rows:
+            while s is not None and self.slots[s] is not None and not self._take_pages(
+                    s, self.slots[s].done, min(self.slots[s].done + self.chunk, len(self.slots[s].seq))):
+                self._preempt(self.rank(s))
+        return [s if s is not None and self.slots[s] is not None else None for s in rows]
 
     def _advance_prefill(self, rows: list[int | None], c: int) -> list[tuple[int, int]]:
         """After a prefill call of `c` positions for the slots `rows` (None: padding): (row, slot)

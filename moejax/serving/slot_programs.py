@@ -11,17 +11,20 @@ import jax.numpy as jnp
 
 from moejax.engine.logprobs import biased, logprobs_of
 from moejax.engine.sampling import sample_rows
+from moejax.model import paged
 from moejax.model.transformer import forward, lm_head
 
 
 def take_pages(cache: list[dict], ids: jax.Array) -> list[dict]:
-    """The pages `ids` [K] of page pools [layers, pages, ...] -> [layers, K, ...] (id N: zeros)."""
-    return [{k: v.at[:, ids].get(mode="fill", fill_value=0) for k, v in run.items()} for run in cache]
+    """The pages `ids` [K] (`paged.Tables` of them with page groups) of page pools
+    [layers, pages, ...] -> [layers, K, ...] (id N: zeros)."""
+    return [{k: v.at[:, paged.ids_for(ids, k)].get(mode="fill", fill_value=0) for k, v in run.items()} for run in cache]
 
 
 def put_pages(cache: list[dict], ids: jax.Array, pieces: list[dict]) -> list[dict]:
     """Pools with `take_pages`' pieces written back at `ids` (id N: dropped)."""
-    return [{k: v.at[:, ids].set(piece[k], mode="drop") for k, v in run.items()} for run, piece in zip(cache, pieces)]
+    return [{k: v.at[:, paged.ids_for(ids, k)].set(piece[k], mode="drop") for k, v in run.items()}
+            for run, piece in zip(cache, pieces)]
 
 
 def choose(logits, sampling: dict, positions, *, greedy_only: bool, extras: bool):
@@ -70,9 +73,9 @@ def prefill_slots(params, cache, pages, tokens, start, last, after, sampling, fo
 def fork_slots(cache, source, target, logits, sampling, positions, *, placement):
     """n samples of one prompt, prefilled once: the pages `source` [F] copied into `target` [F]
     (each sample's copy of the prompt's partly written last page, on the prompt's rank; id N:
-    none, dropped), and each one's first token drawn from the prompt's logits at its last
+    none, dropped; `paged.Tables` of ids with page groups), and each one's first token drawn from the prompt's logits at its last
     position [V] with its own seed -> (tokens [F], logprobs, cache)."""
     cache = placement.copy_pages(cache, source, target)
-    logits = jnp.broadcast_to(logits, (target.shape[0], logits.shape[-1]))
+    logits = jnp.broadcast_to(logits, (jax.tree.leaves(target)[0].shape[0], logits.shape[-1]))
     token, lp = choose(logits, sampling, positions, greedy_only=False, extras=True)
     return token, lp, cache

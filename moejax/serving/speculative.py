@@ -7,7 +7,9 @@ when it equals the target's own greedy token, and emits one or two tokens per sl
 again inside the same step. A rejected draft's cache entries at pos + 1 are invisible to every
 later query until overwritten (causal mask), as in the static speculative engine. A slot holds
 the pages of every position a step writes (the MTP's reach pos + 2). No prefix cache: a cached
-prefix lacks the MTP's entry just after it (written from its last position).
+prefix lacks the MTP's entry just after it (written from its last position). With sliding-window
+layers the target reads both page groups' tables (`paged.Tables`); the MTP layer, a full-attention
+one, reads the full group's.
 
 Greedy only: acceptance compares with the target's argmax, so tokens equal plain greedy decoding.
 """
@@ -23,6 +25,7 @@ import numpy as np
 
 from moejax.engine.engine import to_host
 from moejax.errors import UsageError
+from moejax.model import paged
 from moejax.model.mtp import init_mtp_pool, mtp_forward
 from moejax.model.transformer import forward, lm_head
 from moejax.serving.scheduler import Request, Scheduler
@@ -55,6 +58,7 @@ def spec_prefill_slots(params, mtp, cache, mtp_cache, pages, tokens, start, last
     p, chunk = tokens.shape
     positions = start[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
     h, cache, _ = forward(params, cache, tokens, positions, c, placement, pages=pages)
+    pages = pages.full if isinstance(pages, paged.Tables) else pages  # the MTP layer's group
     at_last = (jnp.arange(p), jnp.clip(last - start, 0, chunk - 1))
     first = _greedy(params, h[at_last], c)
     # The MTP sees (hidden at i, token at i + 1) at position i + 1.
@@ -75,6 +79,7 @@ def spec_decode_slots(params, mtp, cache, mtp_cache, pages, token, draft, pos, *
     h, cache, _ = forward(params, cache, jnp.stack([token, draft], axis=1), positions, c, placement, pages=pages)
     target = _greedy(params, h, c)  # [W, 2]: the tokens after `token` and after `draft`
     accepted = target[:, 0] == draft
+    pages = pages.full if isinstance(pages, paged.Tables) else pages  # the MTP layer's group
     mh, mtp_cache = mtp_forward(mtp, params, mtp_cache, h, target, positions + 1, c, placement, pages)
     n = accepted.astype(jnp.int32)
     next_draft = _greedy(params, mh[rows, n], c)
@@ -113,10 +118,11 @@ class SpecScheduler(Scheduler):
         pos = np.full(width, self.max_len, np.int32)  # idle: no pages, writes dropped
         for s in decoding:
             token[row[s]], draft[row[s]], pos[row[s]] = self.slots[s].token, self.slots[s].draft, self.slots[s].pos
-        pages = self.kv.table([self.slots[at[i]].pages if i in at else [] for i in range(width)], width,
-                              max(self.slots[s].pos + self.writes_per_step for s in decoding))
-        emitted, accepted, next_draft = self._run(Call("spec_decode", dict(pages=pages, token=token, draft=draft,
-                                                                           pos=pos)))
+        reach = max(self.slots[s].pos + self.writes_per_step for s in decoding)
+        pages = self.kv.table([self.slots[at[i]].pages if i in at else [] for i in range(width)], width, reach)
+        window = self._window_table([at.get(i) for i in range(width)], reach)
+        emitted, accepted, next_draft = self._run(Call("spec_decode", dict(pages=pages, **window, token=token,
+                                                                           draft=draft, pos=pos)))
         now = time.perf_counter()
         for s in decoding:
             slot, n = self.slots[s], int(accepted[row[s]])
@@ -130,8 +136,9 @@ class SpecScheduler(Scheduler):
 
     def _prefill_call(self, rows: list[int]) -> None:
         pages, tokens, start, last, after, _ = self._prefill_inputs(rows, reach=1)
-        first, draft = self._run(Call("spec_prefill", dict(pages=pages, tokens=tokens, start=start, last=last,
-                                                           after=after)))
+        window = self._window_table(rows, int(start.max()) + self.chunk + 1)
+        first, draft = self._run(Call("spec_prefill", dict(pages=pages, **window, tokens=tokens, start=start,
+                                                           last=last, after=after)))
         now = time.perf_counter()
         for i, s in self._advance_prefill(rows, self.chunk):
             self.slots[s].draft = int(draft[i])
@@ -140,26 +147,26 @@ class SpecScheduler(Scheduler):
     def _do_spec_decode(self, a: dict):
         """-> (emitted [W, 2], accepted [W], next draft [W])."""
         emitted, accepted, next_draft, self.cache, self.mtp_cache = self._spec_decode(
-            self.engine.params, self.mtp, self.cache, self.mtp_cache, a["pages"], a["token"], a["draft"], a["pos"])
+            self.engine.params, self.mtp, self.cache, self.mtp_cache, self._tables(a), a["token"], a["draft"], a["pos"])
         return to_host(emitted), to_host(accepted), to_host(next_draft)
 
     def _do_spec_prefill(self, a: dict):
         """-> (first new token [P], its draft [P])."""
         first, draft, self.cache, self.mtp_cache = self._spec_prefill(
-            self.engine.params, self.mtp, self.cache, self.mtp_cache, a["pages"], a["tokens"], a["start"], a["last"],
+            self.engine.params, self.mtp, self.cache, self.mtp_cache, self._tables(a), a["tokens"], a["start"], a["last"],
             a["after"])
         return to_host(first), to_host(draft)
 
     def warm_up(self) -> None:
-        p, none = self.prefill_rows, self.kv.num_pages
+        p = self.prefill_rows
         for pw in self.kv.widths():
             for w in self.decode_widths():
                 zeros = np.zeros(w, np.int32)
                 *_, self.cache, self.mtp_cache = self._spec_decode(
-                    self.engine.params, self.mtp, self.cache, self.mtp_cache, np.full((w, pw), none, np.int32), zeros,
+                    self.engine.params, self.mtp, self.cache, self.mtp_cache, self._idle(w, pw), zeros,
                     zeros, np.full(w, self.max_len, np.int32))
             zeros = np.zeros(p, np.int32)
             first, _, self.cache, self.mtp_cache = self._spec_prefill(
-                self.engine.params, self.mtp, self.cache, self.mtp_cache, np.full((p, pw), none, np.int32),
+                self.engine.params, self.mtp, self.cache, self.mtp_cache, self._idle(p, pw),
                 np.zeros((p, self.chunk), np.int32), zeros, zeros, zeros)
             first.block_until_ready()
