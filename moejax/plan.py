@@ -149,8 +149,10 @@ def kv_pages(config: Config, placement, free_bytes: float, page_size: int, promp
 
 
 def bytes_per_device(tree) -> int:
-    """Bytes of one device's shards (the largest, where shards differ)."""
-    return sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+    """Bytes of one device's shards (the largest, where shards differ); a single device's
+    abstract arrays carry no sharding and are held whole."""
+    return sum(int(np.prod(a.shape if a.sharding is None else a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
+               for a in jax.tree.leaves(tree))
 
 
 def _compiled(fn, *args):
@@ -292,6 +294,8 @@ def cmd_plan(args) -> int:
     chosen = [n for n in names() if not (args.two_batch_overlap and placement_class(n).rows_stay_home)
               and not (args.redundant_experts and placement_class(n).holds_every_expert)] \
         if args.placement == "all" else [args.placement]
+    if args.devices == 1:  # every placement is the single device there
+        chosen = chosen[:1]
     export = tuple(p for p in (args.export or "").split(",") if p)
     unknown = [p for p in export if p not in EXPORT_PLATFORMS]
     if unknown:

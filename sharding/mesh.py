@@ -14,7 +14,6 @@ from jax.sharding import PartitionSpec as P
 
 from moejax.config import Config, ConfigError, LayoutConfig
 from moejax.model import paged
-from moejax.model.attention import cache_specs
 from pallas_kernels import layered
 from sharding import rules
 from sharding.placement import Placement
@@ -84,19 +83,6 @@ class MeshPlacement(Placement, abc.ABC):
         host = np.asarray(array)
         return jax.make_array_from_callback(host.shape, self.sharding(axes, host.shape), lambda index: host[index])
 
-    def cache_axes(self, cache, pool: bool = False) -> list[dict]:
-        """Logical axes of each array of cache dicts (a run's, with a leading layers axis, or one
-        layer's); `pool`: page pools (`model/paged.py`) rather than contiguous rows."""
-        c = self.config.model
-        axes = {k: a for k, (_, a) in cache_specs(c, 1, 1).items()}
-        if pool:
-            axes = {k: tuple(paged.CONTIGUOUS_TO_PAGED.get(n, n) for n in a) for k, a in axes.items()}
-            # The interleaved k/v pool slices by whole heads (a k and its v), or not at all.
-            whole = c.num_kv_heads % self.devices == 0
-            axes["kv"] = tuple(n if whole or n != "kv_heads" else None for n in paged.KV_POOL_AXES)
-        # A window group's entries (`paged.WINDOW`) lie as the full group's.
-        return [{k: ("layers",) * (v.ndim - len(axes[paged.base(k)])) + axes[paged.base(k)] for k, v in layer.items()}
-                for layer in cache]
 
     def place_cache(self, cache, pool: bool = False):
         """Cache dicts (or page pools) from the host onto the devices."""

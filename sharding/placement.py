@@ -15,6 +15,7 @@ import numpy as np
 
 from moejax.config import Config, ConfigError
 from moejax.model import paged
+from moejax.model.attention import cache_specs
 from moejax.model.layer_loop import layer_loops
 from moejax.model.params import ParamSpec, expert_axis, is_expert_stack
 from moejax.platform import attention_kernel, backend, kernel, unrolls
@@ -66,6 +67,20 @@ class Placement:
     def sharding(self, axes: tuple, shape: tuple):
         """Where an array with these logical axes lives (None: the default device)."""
         return None
+
+    def cache_axes(self, cache, pool: bool = False) -> list[dict]:
+        """Logical axes of each array of cache dicts (a run's, with a leading layers axis, or one
+        layer's); `pool`: page pools (`model/paged.py`) rather than contiguous rows."""
+        c = self.config.model
+        axes = {k: a for k, (_, a) in cache_specs(c, 1, 1).items()}
+        if pool:
+            axes = {k: tuple(paged.CONTIGUOUS_TO_PAGED.get(n, n) for n in a) for k, a in axes.items()}
+            # The interleaved k/v pool slices by whole heads (a k and its v), or not at all.
+            whole = c.num_kv_heads % self.devices == 0
+            axes["kv"] = tuple(n if whole or n != "kv_heads" else None for n in paged.KV_POOL_AXES)
+        # A window group's entries (`paged.WINDOW`) lie as the full group's.
+        return [{k: ("layers",) * (v.ndim - len(axes[paged.base(k)])) + axes[paged.base(k)] for k, v in layer.items()}
+                for layer in cache]
 
     def k_slices(self, spec: ParamSpec) -> int:
         """K-slices a 4-bit expert stack is packed in: its reduction axis is sliced tp ways."""

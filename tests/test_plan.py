@@ -37,9 +37,17 @@ def test_plan_of_glm_reports_calcs_expert_bytes_per_device(capsys):
     assert row["exchange_buffer_bytes_per_device"]["decode"] == sum(want.values())
 
 
-@pytest.mark.parametrize("placement,fmt", [("hybrid", "nvfp4"), ("expert_sharded", "unquantized")])
-def test_plan_bytes_are_those_a_live_run_allocates(placement, fmt):
-    config = Config(model=preset("tiny"), layout=LayoutConfig(placement=placement, devices=8),
+def test_plan_of_one_device_reports_it_once(capsys):
+    """On one device every placement is the same single device: one row."""
+    assert main(["plan", "--preset", "tiny", "--devices", "1", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["placements"]
+    assert row["fits"]
+
+
+@pytest.mark.parametrize("placement,fmt,devices", [("hybrid", "nvfp4", 8), ("expert_sharded", "unquantized", 8),
+                                                    ("expert_sharded", "unquantized", 1)])
+def test_plan_bytes_are_those_a_live_run_allocates(placement, fmt, devices):
+    config = Config(model=preset("tiny"), layout=LayoutConfig(placement=placement, devices=devices),
                     weights=WeightsConfig(fmt)).validate()
     planned = plan_placement(config, batch=16, context=64, prefill_chunk=64, hbm_gb=1.0)
     live = make_placement(config)
@@ -48,7 +56,7 @@ def test_plan_bytes_are_those_a_live_run_allocates(placement, fmt):
     assert planned["param_bytes_per_device"] == param_bytes_per_device(engine.params)
     assert planned["kv_cache_bytes_per_device"] == max(
         sum(s.data.nbytes for leaf in jax.tree.leaves(cache) for s in leaf.addressable_shards if s.device == d)
-        for d in jax.devices()[:8])
+        for d in jax.devices()[:devices])
 
 
 # A small model whose 4-bit expert matrices fill the TPU kernel's tiles (a K tile of 512).
