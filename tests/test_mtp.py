@@ -145,8 +145,9 @@ def test_sampled_generation_follows_the_target_distribution():
     prompt, n = [1, 5, 2], 1024
     gen = spec.generate([prompt] * n, 2, Sampling(temperature=1.0), seed=7)
     assert 0.1 < gen.acceptance_rate < 0.9  # both the accept and the resample paths ran
-    first = jax.nn.softmax(engine.score([prompt])[0][-1])
-    second = jax.nn.softmax(np.stack([x[-1] for x in engine.score([prompt + [t] for t in range(8)])]), axis=-1)
+    scores = engine.score([prompt] + [prompt + [t] for t in range(8)])  # one prefill program for both laws
+    first = jax.nn.softmax(scores[0][-1])
+    second = jax.nn.softmax(np.stack([x[-1] for x in scores[1:]]), axis=-1)
     expected = np.asarray(first, np.float64)[:, None] * np.asarray(second, np.float64)  # [t1, t2]
     expected /= expected.sum()
     observed = np.zeros((8, 8))

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,8 @@ from moejax.cli import main
 
 pytestmark = pytest.mark.slow  # starts moejax processes
 
+RUNNER = Path(__file__).parent / "multihost_runs.py"
+MARK = "moejax run: "  # the runner's line before each run's output
 ARGS = ["generate", "--preset", "tiny", "--devices", "8", "--prompt-ids", "1,2,3", "--prompt-ids", "4,5",
         "--max-new-tokens", "4", "--json"]
 
@@ -38,21 +41,34 @@ RUNS = {
 }
 
 
-@pytest.mark.parametrize("run", RUNS)
-def test_two_processes_give_the_tokens_of_one(run, capsys):
-    assert main(ARGS + RUNS[run]) == 0
-    expected = json.loads(capsys.readouterr().out)["tokens"]
+@pytest.fixture(scope="module")
+def two_processes() -> list[dict]:
+    """Each process's tokens of every run: the runs in turn, in one start-up of the two processes."""
     coordinator = f"127.0.0.1:{free_port()}"
     # Each process makes its own 4 devices; the suite's other XLA flags (cheap compiles) stay.
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     env = dict(os.environ, XLA_FLAGS=" ".join(flags))
     procs = [
-        subprocess.Popen([sys.executable, "-m", "moejax", *ARGS, *RUNS[run], "--num-processes", "2",
-                          "--process-id", str(i), "--coordinator", coordinator],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        subprocess.Popen([sys.executable, str(RUNNER), json.dumps([
+            [run, ARGS + flags_ + ["--num-processes", "2", "--process-id", str(i), "--coordinator", coordinator]]
+            for run, flags_ in RUNS.items()])], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         for i in range(2)
     ]
-    outs = [p.communicate(timeout=600) for p in procs]
+    outs = [p.communicate(timeout=1200) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
-    # gloo logs its connections on stdout too; the result is the last line
-    assert all(json.loads(out.strip().splitlines()[-1])["tokens"] == expected for out, _ in outs)
+    tokens = [{} for _ in outs]
+    for got, (out, _) in zip(tokens, outs):
+        run = None
+        for line in out.splitlines():  # gloo logs its connections on stdout too
+            if line.startswith(MARK):
+                run = line[len(MARK):]
+            elif line.startswith("{"):
+                got[run] = json.loads(line)["tokens"]
+    return tokens
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_two_processes_give_the_tokens_of_one(run, two_processes, capsys):
+    assert main(ARGS + RUNS[run]) == 0
+    expected = json.loads(capsys.readouterr().out)["tokens"]
+    assert [out[run] for out in two_processes] == [expected, expected]

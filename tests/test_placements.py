@@ -94,18 +94,22 @@ def adversarial_params(config, placement, key=0):
     return params
 
 
+@functools.cache
+def adversarial_run(layout_cfg: LayoutConfig):
+    """The adversarial routing's run on one layout (the single-device one shared by every placement's test)."""
+    model = dataclasses.replace(preset("tiny"), num_experts_per_tok=2, n_group=1, topk_group=1)
+    config = Config(model=model, layout=layout_cfg).validate()
+    placement = make_placement(config)
+    engine = Engine(config, adversarial_params(config, placement), placement)
+    return engine.generate(PROMPTS, 3, return_logits=True, record=True)
+
+
 @pytest.mark.parametrize("name", ["expert_sharded", "ragged_a2a", "weight_prefetch", "tensor_sliced"])
 def test_adversarial_routing_drops_nothing(name):
-    model = dataclasses.replace(preset("tiny"), num_experts_per_tok=2, n_group=1, topk_group=1)
-    outs = []
-    for lay in (LayoutConfig(), layout(name)):
-        config = Config(model=model, layout=lay).validate()
-        placement = make_placement(config)
-        engine = Engine(config, adversarial_params(config, placement), placement)
-        outs.append(engine.generate(PROMPTS, 3, return_logits=True, record=True))
-    assert all((np.asarray(p) < 2).all() for step in outs[1].picks for p in step)  # the routing is as built
-    assert outs[1].tokens == outs[0].tokens
-    np.testing.assert_allclose(outs[1].logits, outs[0].logits, rtol=0, atol=1e-4 * np.abs(outs[0].logits).max())
+    ref, got = adversarial_run(LayoutConfig()), adversarial_run(layout(name))
+    assert all((np.asarray(p) < 2).all() for step in got.picks for p in step)  # the routing is as built
+    assert got.tokens == ref.tokens
+    np.testing.assert_allclose(got.logits, ref.logits, rtol=0, atol=1e-4 * np.abs(ref.logits).max())
 
 
 @pytest.mark.parametrize("name", ["expert_sharded", "ragged_a2a", "weight_prefetch", "hybrid"])

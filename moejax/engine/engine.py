@@ -171,6 +171,9 @@ class Engine:
         self._decode_block = jax.jit(functools.partial(decode_steps, **bind), donate_argnums=1,
                                      static_argnames=("block", "sampling"))
         self.decode_block = config.engine.decode_block  # `moejax trace` sets 1: a program per step
+        # The first tokens placed as a decode step leaves its own (rows over the batch axis): the
+        # first step then runs the program every later step runs, rather than compiling its own.
+        self._as_decoded = jax.jit(lambda tok: placement.constrain(tok, ("batch",)))
 
     # ------------------------------------------------------------------ helpers
     def check_prompts(self, prompts: list[list[int]]) -> None:
@@ -300,7 +303,7 @@ class Engine:
         logits, cache, picks = self._run_prefill(cache, tokens, lens, all_logits=False, record=record, dealer=dealer,
                                                  prompt_lens=prompt_lens, pages=pages)
         seeds = seed_rows(seed, tokens.shape[0])
-        tok = sample(logits, sampling, seeds, lens).block_until_ready()
+        tok = self._as_decoded(sample(logits, sampling, seeds, lens)).block_until_ready()
         t1 = compile_clock.now()
         return Prefilled(prompts, cache, tok, logits, lens, max_len, tokens.shape[1], seeds, dealer, picks,
                          prefill_ms=compile_clock.run_ms(t0, t1), pages=pages)

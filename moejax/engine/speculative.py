@@ -179,6 +179,8 @@ class SpeculativeEngine:
             e.params, self.mtp, cache, mtp_cache, jnp.asarray(tokens), jnp.asarray(lens - 1), seed_rows(seed, len(lens)),
             sampling=sampling,
         )
+        # The counts placed as a step leaves them: the first step runs the later steps' program.
+        state = state._replace(count=e._as_decoded(state.count))
         first = to_host(state.token)  # waits for the prefill (its timing)
         t1 = compile_clock.now()
         return SpecPrefilled(prompts, state, cache, mtp_cache, first, max_len, tokens.shape[1],
