@@ -99,8 +99,9 @@ class MeshPlacement(Placement, abc.ABC):
 
     def on_pages(self, fn, q, k, v, positions, pages, pool: dict):
         """Under shard_map: each device its requests (DP attention; their pages are on its rank;
-        rows too few to split run on every device, answered by the rank of their pages) or its heads (TP attention, where the pool's kv heads slice; else every head on every
-        device), the run's pools [layers, pages, ...] as they lie."""
+        rows too few to split run on every device, answered by the rank of their pages) or its
+        heads (TP attention, where the pool's kv heads slice; else every head on every device),
+        the run's pools [layers, pages, ...] as they lie."""
         axes = self.cache_axes([pool], pool=True)[0]
         pool_specs = {name: self.spec(axes[name], a.shape) for name, a in pool.items()}
         name = next(iter(pool))

@@ -332,9 +332,8 @@ class Scheduler(ProgramCalls):
         again (vLLM's preemption by recompute; the newest on the slot's rank: only its pages
         serve there) -> the slots that still decode."""
         for s in sorted(decoding, key=lambda s: self.slots[s].admitted):
-            while self.slots[s] is not None and not self._take_pages(s, self.slots[s].pos,
-                                                                     self.slots[s].pos + self.writes_per_step):
-                self._preempt(self.rank(s))
+            if self.slots[s] is not None:  # not preempted for an older one
+                self._hold(s, self.slots[s].pos, self.slots[s].pos + self.writes_per_step)
         return [s for s in decoding if self.slots[s] is not None]
 
     def _preempt(self, rank: int) -> None:
@@ -355,35 +354,40 @@ class Scheduler(ProgramCalls):
         start - window + 1 on, the earlier ones back to the pool): False when its rank has too few
         (what it could take, it keeps)."""
         slot, rank = self.slots[s], self.rank(s)
-        need = self.kv.needed(end) - len(slot.pages)
-        if need > 0:
-            pages = self.kv.take(need, rank)
-            if pages is None:
-                return False
-            slot.pages += pages
+        if not self._extend(self.kv, slot.pages, end, rank):
+            return False
         if self.window_kv is None:
             return True
         none, first = self.window_kv.num_pages, start - self.engine.c.sliding_window + 1
         gone = max(0, first) // self.kv.page_size  # pages whose every position precedes `first`
         self.window_kv.release([p for p in slot.window[:gone] if p != none])
         slot.window[:gone] = [none] * min(gone, len(slot.window))
-        need = self.kv.needed(end) - len(slot.window)
+        return self._extend(self.window_kv, slot.window, end, rank)
+
+    def _extend(self, kv, held: list[int], end: int, rank: int) -> bool:
+        """`held` (a slot's pages of `kv`'s group, in place) grown to hold positions up to `end`:
+        False when the rank has too few."""
+        need = self.kv.needed(end) - len(held)
         if need > 0:
-            pages = self.window_kv.take(need, rank)
+            pages = kv.take(need, rank)
             if pages is None:
                 return False
-            slot.window += pages
+            held += pages
         return True
+
+    def _hold(self, s: int, start: int, end: int) -> None:
+        """Slot s's pages for positions start .. end - 1, preempting the newest request on its rank
+        until they are there (slot s itself, when it is the newest: then it is gone)."""
+        while self.slots[s] is not None and not self._take_pages(s, start, end):
+            self._preempt(self.rank(s))
 
     def _window_for_prefill(self, rows: list[int | None]) -> list[int | None]:
         """A prefill call's rows with the window pages of their chunks (a rank short of them
         preempts its newest request; a row preempted so is a padding row)."""
         if self.window_kv is None:
             return rows
-        for s in rows:
-            while s is not None and self.slots[s] is not None and not self._take_pages(
-                    s, self.slots[s].done, min(self.slots[s].done + self.chunk, len(self.slots[s].seq))):
-                self._preempt(self.rank(s))
+        for s in (s for s in rows if s is not None and self.slots[s] is not None):
+            self._hold(s, self.slots[s].done, min(self.slots[s].done + self.chunk, len(self.slots[s].seq)))
         return [s if s is not None and self.slots[s] is not None else None for s in rows]
 
     def _advance_prefill(self, rows: list[int | None], c: int) -> list[tuple[int, int]]:
