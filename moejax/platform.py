@@ -25,6 +25,11 @@ PREFILL_CHUNK_OTHER = 512
 # The grouped-GEMM backend kernel "auto" stands for, by platform (else the plain XLA loop).
 AUTO_KERNEL = {"cpu": "xla", "tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
 
+# XLA compiler options of decode programs, by platform. A decode step's dots are small (a few
+# rows per expert, a batch of rows through the LM head): on XLA:CPU its own dot emitter runs them
+# faster than its YNN fusions, which a prefill's large dots gain from (A/B in docs/cpu-host.md).
+DECODE_COMPILER_OPTIONS = {"cpu": {"xla_cpu_experimental_ynn_fusion_type": ""}}
+
 # The paged-attention kernel "auto" stands for, by platform (else the XLA gather).
 AUTO_ATTENTION_KERNEL = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
 
@@ -81,6 +86,12 @@ def prefill_chunk(chunk: int, platform: str | None = None) -> int:
 def kernel(name: str, platform: str | None = None) -> str:
     """The grouped-GEMM backend kernel `name` stands for on `platform` ("auto": by platform)."""
     return AUTO_KERNEL.get(backend(platform), "xla") if name == "auto" else name
+
+
+def compiler_options(program: str, platform: str | None = None) -> dict | None:
+    """XLA compiler options of a jitted `program` ("prefill" or "decode") on `platform` (None: XLA's
+    defaults)."""
+    return DECODE_COMPILER_OPTIONS.get(backend(platform)) if program == "decode" else None
 
 
 def kv_cache_bytes(devices: list) -> int:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from hf_reference import FAMILIES, build_hf_model, hf_greedy, hf_logits
 from moejax.config import Config, EngineConfig
-from moejax.engine.engine import Engine
+from moejax.engine.engine import Engine, decode_steps
 from moejax.engine.sampling import Sampling
 from moejax.loading import load_params, with_hf_model
 from sharding import make_placement
@@ -131,6 +133,20 @@ def test_top_k_samples_only_among_the_k_best(tiny_engine):
     gen = tiny_engine.generate([PROMPT], 8, Sampling(temperature=5.0, top_k=3), seed=0, return_logits=True)
     for step, token in enumerate(gen.tokens[0]):
         assert token in np.argsort(gen.logits[step, 0])[-3:]
+
+
+def test_decode_compiles_with_its_platforms_options(tiny_engine):
+    """On XLA:CPU a decode step's small dots run through XLA's own dot emitter: the engine's decode
+    block holds no YNN fusion, where the same function under XLA's defaults holds several."""
+    state = tiny_engine.start([PROMPT], 9)
+    args = (tiny_engine.params, state.cache, state.tok, jnp.asarray(state.lens), state.seeds, 1, 8, state.pages)
+    defaults = jax.jit(functools.partial(decode_steps, c=tiny_engine.c, placement=tiny_engine.placement),
+                       static_argnames=("block", "sampling"))
+
+    def ynn_fusions(f) -> int:
+        return f.lower(*args, block=8, sampling=Sampling()).compile().as_text().count("__ynn_fusion")
+
+    assert ynn_fusions(tiny_engine._decode_block) == 0 < ynn_fusions(defaults)
 
 
 def compiled(engine) -> tuple[int, ...]:

@@ -24,6 +24,13 @@ def test_auto_unrolls_short_runs_of_layers_on_the_cpu_only():
     assert platform.unrolls("unroll", 78) and not platform.unrolls("scan", 4)
 
 
+def test_decode_programs_leave_ynn_fusions_on_the_cpu_only():
+    """A decode program's compiler options: XLA:CPU's YNN fusions off; a prefill and other
+    platforms keep XLA's defaults."""
+    assert platform.compiler_options("decode") == {"xla_cpu_experimental_ynn_fusion_type": ""}
+    assert platform.compiler_options("prefill") is None and platform.compiler_options("decode", "tpu") is None
+
+
 def test_prefill_chunk_default_by_platform_and_an_explicit_one_kept():
     assert platform.prefill_chunk(0) == 1024 and platform.prefill_chunk(0, "gpu") == 512
     assert platform.prefill_chunk(64, "gpu") == 64

@@ -167,9 +167,11 @@ class Engine:
         bind = dict(c=self.c, placement=placement)
         self._prefill = jax.jit(functools.partial(prefill, **bind), donate_argnums=1,
                                 static_argnames=("all_logits", "record", "visible"))
-        self._decode = jax.jit(functools.partial(decode_step, **bind), donate_argnums=1, static_argnames=("sampling", "record"))
+        decoding = platform.compiler_options("decode")
+        self._decode = jax.jit(functools.partial(decode_step, **bind), donate_argnums=1, static_argnames=("sampling", "record"),
+                               compiler_options=decoding)
         self._decode_block = jax.jit(functools.partial(decode_steps, **bind), donate_argnums=1,
-                                     static_argnames=("block", "sampling"))
+                                     static_argnames=("block", "sampling"), compiler_options=decoding)
         self.decode_block = config.engine.decode_block  # `moejax trace` sets 1: a program per step
         # The first tokens placed as a decode step leaves its own (rows over the batch axis): the
         # first step then runs the program every later step runs, rather than compiling its own.

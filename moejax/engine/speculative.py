@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax import platform
 from moejax.engine import compile_clock
 from moejax.engine.engine import MIN_POSITIONS, Engine, bucket, seed_rows, to_host
 from moejax.engine.sampling import Sampling, draw, row_keys, sample, sampling_logits
@@ -149,7 +150,8 @@ class SpeculativeEngine:
         self.placement = engine.placement
         bind = dict(c=engine.c, placement=engine.placement)
         self._prefill = jax.jit(functools.partial(spec_prefill, **bind), donate_argnums=(2, 3), static_argnames="sampling")
-        self._step = jax.jit(functools.partial(spec_step, **bind), donate_argnums=(2, 3), static_argnames="sampling")
+        self._step = jax.jit(functools.partial(spec_step, **bind), donate_argnums=(2, 3), static_argnames="sampling",
+                             compiler_options=platform.compiler_options("decode"))
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
                  seed: int = 0) -> SpecGeneration:

@@ -21,6 +21,7 @@ import time
 import jax
 import numpy as np
 
+from moejax import platform
 from moejax.engine.engine import to_host
 from moejax.model import paged
 from moejax.serving.request import sampling_rows
@@ -36,7 +37,8 @@ class ProgramCalls:
     def _jit_programs(self) -> None:
         c = self.engine.c
         self._decode = jax.jit(functools.partial(decode_slots, c=c, placement=self.engine.placement),
-                               donate_argnums=1, static_argnames=("greedy_only", "extras"))
+                               donate_argnums=1, static_argnames=("greedy_only", "extras"),
+                               compiler_options=platform.compiler_options("decode"))
         self._prefill = jax.jit(functools.partial(prefill_slots, c=c, placement=self.prefill_engine.placement),
                                 donate_argnums=1, static_argnames=("greedy_only", "extras", "prompt_logprobs"))
         self._fork_program = jax.jit(functools.partial(fork_slots, placement=self.engine.placement), donate_argnums=0)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax import platform
 from moejax.engine.engine import to_host
 from moejax.errors import UsageError
 from moejax.model import paged
@@ -101,7 +102,8 @@ class SpecScheduler(Scheduler):
         self.drafts = self.accepted = 0  # drafts checked and accepted (acceptance rate)
         bind = dict(c=c, placement=engine.placement)
         self._spec_prefill = jax.jit(functools.partial(spec_prefill_slots, **bind), donate_argnums=(2, 3))
-        self._spec_decode = jax.jit(functools.partial(spec_decode_slots, **bind), donate_argnums=(2, 3))
+        self._spec_decode = jax.jit(functools.partial(spec_decode_slots, **bind), donate_argnums=(2, 3),
+                                    compiler_options=platform.compiler_options("decode"))
 
     def check(self, request: Request) -> None:
         super().check(request)
