@@ -120,11 +120,14 @@ def _gqa_xla_in(p: dict, q, k, v, positions, cache: dict, c: ModelConfig, placem
     values = placement.constrain(values, KV_AXES)
     b, t, h, dh = q.shape
     groups = h // c.num_kv_heads
-    q = q.reshape(b, t, c.num_kv_heads, groups, dh)
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, keys) * c.softmax_scale
+    # q as [B, H_kv, G, T, Dh]: the scores [B, H_kv, G, T, S] then come out of their dot as laid
+    # out, where from [B, T, H_kv, G, Dh] XLA:CPU transposes every score (T rows x S) once more.
+    q = q.reshape(b, t, c.num_kv_heads, groups, dh).transpose(0, 2, 3, 1, 4)
+    scores = jnp.einsum("bkgtd,bksd->bkgts", q, keys) * c.softmax_scale
     sinks = p["sinks"].reshape(c.num_kv_heads, groups, 1, 1) if c.attention_sinks else None
     probs = _softmax(scores, _causal_mask(positions, keys.shape[2], window)[:, None, None], sinks).astype(values.dtype)
-    return jnp.einsum("bkgts,bksd->btkgd", probs, values).reshape(b, t, h, dh), cache
+    out = jnp.einsum("bkgts,bksd->bkgtd", probs, values)  # [B, H_kv, G, T, Dh]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh), cache
 
 
 def mla(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: ModelConfig, placement, selected=None,
