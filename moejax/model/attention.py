@@ -161,11 +161,13 @@ def mla(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: Mo
         selected = dsa.select(p["indexer"], x, q_lat, cos_sin, keys, visible, c)
     if selected is not None:
         visible = visible & selected
-    q_abs = jnp.einsum("bthk,rhk->bthr", q_nope, p["w_uk"])  # query in the latent space
-    scores = jnp.einsum("bthr,bsr->bhts", q_abs, lat) + jnp.einsum("bthk,bsk->bhts", q_rope, kr)
+    # Queries as [B, H, T, .]: the scores [B, H, T, S] come out of their dots as laid out (as GQA's).
+    q_abs = jnp.einsum("bthk,rhk->bhtr", q_nope, p["w_uk"])  # query in the latent space
+    q_rope = q_rope.transpose(0, 2, 1, 3)
+    scores = jnp.einsum("bhtr,bsr->bhts", q_abs, lat) + jnp.einsum("bhtk,bsk->bhts", q_rope, kr)
     probs = _softmax(scores * c.softmax_scale, visible[:, None]).astype(lat.dtype)
-    out_lat = jnp.einsum("bhts,bsr->bthr", probs, lat)
-    out = jnp.einsum("bthr,rhv->bthv", out_lat, p["w_uv"])
+    out_lat = jnp.einsum("bhts,bsr->bhtr", probs, lat)
+    out = jnp.einsum("bhtr,rhv->bthv", out_lat, p["w_uv"])
     return jnp.einsum("bthv,hvd->btd", out, p["o"]), cache, selected
 
 
