@@ -27,7 +27,7 @@ AUTO_KERNEL = {"cpu": "xla", "tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "
 
 # XLA compiler options of decode programs, by platform. A decode step's dots are small (a few
 # rows per expert, a batch of rows through the LM head): on XLA:CPU its own dot emitter runs them
-# faster than its YNN fusions, which a prefill's large dots gain from (A/B in docs/cpu-host.md).
+# faster than its YNN fusions, which a prefill's large dots gain from (docs/cpu-host.md).
 DECODE_COMPILER_OPTIONS = {"cpu": {"xla_cpu_experimental_ynn_fusion_type": ""}}
 
 # The paged-attention kernel "auto" stands for, by platform (else the XLA gather).
@@ -88,10 +88,10 @@ def kernel(name: str, platform: str | None = None) -> str:
     return AUTO_KERNEL.get(backend(platform), "xla") if name == "auto" else name
 
 
-def compiler_options(program: str, platform: str | None = None) -> dict | None:
-    """XLA compiler options of a jitted `program` ("prefill" or "decode") on `platform` (None: XLA's
-    defaults)."""
-    return DECODE_COMPILER_OPTIONS.get(backend(platform)) if program == "decode" else None
+def decode_compiler_options(platform: str | None = None) -> dict | None:
+    """XLA compiler options of a jitted decode program on `platform` (None: XLA's defaults, which
+    every other program keeps)."""
+    return DECODE_COMPILER_OPTIONS.get(backend(platform))
 
 
 def kv_cache_bytes(devices: list) -> int:

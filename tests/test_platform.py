@@ -25,10 +25,10 @@ def test_auto_unrolls_short_runs_of_layers_on_the_cpu_only():
 
 
 def test_decode_programs_leave_ynn_fusions_on_the_cpu_only():
-    """A decode program's compiler options: XLA:CPU's YNN fusions off; a prefill and other
-    platforms keep XLA's defaults."""
-    assert platform.compiler_options("decode") == {"xla_cpu_experimental_ynn_fusion_type": ""}
-    assert platform.compiler_options("prefill") is None and platform.compiler_options("decode", "tpu") is None
+    """A decode program's compiler options: XLA:CPU's YNN fusions off; other platforms keep
+    XLA's defaults (as every prefill does: it is compiled without options)."""
+    assert platform.decode_compiler_options() == {"xla_cpu_experimental_ynn_fusion_type": ""}
+    assert platform.decode_compiler_options("tpu") is None
 
 
 def test_prefill_chunk_default_by_platform_and_an_explicit_one_kept():

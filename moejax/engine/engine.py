@@ -167,7 +167,7 @@ class Engine:
         bind = dict(c=self.c, placement=placement)
         self._prefill = jax.jit(functools.partial(prefill, **bind), donate_argnums=1,
                                 static_argnames=("all_logits", "record", "visible"))
-        decoding = platform.compiler_options("decode")
+        decoding = platform.decode_compiler_options()
         self._decode = jax.jit(functools.partial(decode_step, **bind), donate_argnums=1, static_argnames=("sampling", "record"),
                                compiler_options=decoding)
         self._decode_block = jax.jit(functools.partial(decode_steps, **bind), donate_argnums=1,

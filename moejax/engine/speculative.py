@@ -151,7 +151,7 @@ class SpeculativeEngine:
         bind = dict(c=engine.c, placement=engine.placement)
         self._prefill = jax.jit(functools.partial(spec_prefill, **bind), donate_argnums=(2, 3), static_argnames="sampling")
         self._step = jax.jit(functools.partial(spec_step, **bind), donate_argnums=(2, 3), static_argnames="sampling",
-                             compiler_options=platform.compiler_options("decode"))
+                             compiler_options=platform.decode_compiler_options())
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
                  seed: int = 0) -> SpecGeneration:

@@ -38,7 +38,7 @@ class ProgramCalls:
         c = self.engine.c
         self._decode = jax.jit(functools.partial(decode_slots, c=c, placement=self.engine.placement),
                                donate_argnums=1, static_argnames=("greedy_only", "extras"),
-                               compiler_options=platform.compiler_options("decode"))
+                               compiler_options=platform.decode_compiler_options())
         self._prefill = jax.jit(functools.partial(prefill_slots, c=c, placement=self.prefill_engine.placement),
                                 donate_argnums=1, static_argnames=("greedy_only", "extras", "prompt_logprobs"))
         self._fork_program = jax.jit(functools.partial(fork_slots, placement=self.engine.placement), donate_argnums=0)

@@ -103,7 +103,7 @@ class SpecScheduler(Scheduler):
         bind = dict(c=c, placement=engine.placement)
         self._spec_prefill = jax.jit(functools.partial(spec_prefill_slots, **bind), donate_argnums=(2, 3))
         self._spec_decode = jax.jit(functools.partial(spec_decode_slots, **bind), donate_argnums=(2, 3),
-                                    compiler_options=platform.compiler_options("decode"))
+                                    compiler_options=platform.decode_compiler_options())
 
     def check(self, request: Request) -> None:
         super().check(request)
