@@ -38,22 +38,50 @@ def _to_f32(a: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _group_matmul(rhs, g: jax.Array):
-    """Loads group g of rhs (possibly a `layered.LayerOf`) once; returns apply(x [rows, K] f32) -> [rows, N] f32.
+def _group_matmul(rhs, g: jax.Array, tm: int):
+    """Group g of rhs (an array or QuantizedArray stack, a `layered.LayerOf` or `layered.Groups`
+    one) as apply(x [tm, K] f32) -> [tm, N] f32, its weights loaded once for all its chunks.
 
-    A 4-bit rhs is decoded for this group only, as the two K-halves its bytes hold, so the
-    product is x[:, :K/2] @ lo + x[:, K/2:] @ hi with no interleave. Math is f32: XLA:CPU's
-    bf16 dots are several times slower than its f32 ones, and the reference stays exact.
+    Row at a time (tm 1) on a group held in its own f32 buffer, each product reads the buffer
+    where it lies (`lax.switch` to the group's branch): the first row streams the weights from
+    memory, the next find them in cache. Otherwise the group is loaded once, as the f32
+    operands its products read (a copy of it, or its 4-bit bytes decoded), and every chunk
+    multiplies those.
     """
-    w = layered.group(rhs, g)
+    if isinstance(rhs, layered.Groups):
+        if tm == 1 and all(a.dtype == jnp.float32 for a in jax.tree.leaves(rhs.groups[0])):
+            branches = [lambda x, w=w: _product(_load(w), x) for w in rhs.groups]
+            return lambda x: lax.switch(g, branches, x)
+        ops = lax.switch(g, [lambda w=w: _load(w) for w in rhs.groups])
+    else:
+        # Tying rhs to the loop-varying g keeps XLA from hoisting the convert / decode of the
+        # whole [G, K, N] out of the group loop (XLA:CPU moves converts above the dynamic-slice),
+        # which would read every group's weights on every call.
+        ops = _load(layered.group(*lax.optimization_barrier((rhs, g))))
+    return lambda x: _product(ops, x)
+
+
+def _load(w) -> tuple:
+    """A group's [K, N] weights as the f32 operands of its product: (w,), or for 4-bit weights the
+    two K-halves its bytes hold, decoded, and its tensor scale if it has one (so that the product is
+    x[:, :K/2] @ lo + x[:, K/2:] @ hi with no interleave). Math is f32: XLA:CPU's bf16 dots are
+    several times slower than its f32 ones, and the reference stays exact."""
     if not isinstance(w, formats.QuantizedArray):
-        w = _to_f32(w)  # [K, N]
-        return lambda x: jnp.dot(x, w)
+        return (_to_f32(w),)  # [K, N]
     kh, block = w.values.shape[0], w.spec.block
     bits = lax.bitcast_convert_type(w.scales, jnp.uint8)  # [K/B, N]
     lo, hi = decode.decode_tile(w.values, bits[: kh // block], bits[kh // block :], block, w.fmt)
-    scale = 1.0 if w.tensor_scale is None else w.tensor_scale  # [1, 1], or [1, N] column-wise
-    return lambda x: (jnp.dot(x[:, :kh], lo) + jnp.dot(x[:, kh:], hi)) * scale
+    return (lo, hi) if w.tensor_scale is None else (lo, hi, w.tensor_scale)  # scale [1, 1], or [1, N] column-wise
+
+
+def _product(ops: tuple, x: jax.Array) -> jax.Array:
+    """x [rows, K] f32 @ a group's loaded operands (`_load`) -> [rows, N] f32."""
+    if len(ops) == 1:
+        return jnp.dot(x, ops[0])
+    lo, hi, *scale = ops
+    kh = lo.shape[0]
+    y = jnp.dot(x[:, :kh], lo) + jnp.dot(x[:, kh:], hi)
+    return y * scale[0] if scale else y
 
 
 def _gathered(lhs, rhs, group_sizes, group_offset) -> jax.Array:
@@ -73,7 +101,8 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = Non
     group_sizes [G] -> [M, N]."""
     m, n = lhs.shape[0], rhs.shape[2]
     g_local = rhs.shape[0]
-    if m <= GATHER_ROWS and not isinstance(layered.stored(rhs), formats.QuantizedArray):
+    if (m <= GATHER_ROWS and not isinstance(rhs, layered.Groups)
+            and not isinstance(layered.stored(rhs), formats.QuantizedArray)):
         return _gathered(lhs, rhs, group_sizes, group_offset).astype(out_dtype)
     tm = tm or _pick_tm(m, group_sizes.shape[0])
     lhs32 = _to_f32(lhs)  # [M, K], once rather than per chunk
@@ -82,11 +111,7 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = Non
     def group_body(i, out):  # out: [M, N] f32
         g = active[i]
         start, end = starts[g], starts[g] + sizes[g]
-        # Group g's weights, loaded and decoded once here for all its chunks (the chunk loop
-        # carries them without copies). Tying rhs to the loop-varying g keeps XLA from hoisting
-        # the convert / decode of the whole [G, K, N] out of this loop (XLA:CPU moves converts
-        # above the dynamic-slice), which would read every group's weights on every call.
-        matmul = _group_matmul(*lax.optimization_barrier((rhs, g)))
+        matmul = _group_matmul(rhs, g, tm)  # loaded here once for all its chunks
 
         def chunk(j, out):
             pos = start + j * tm
@@ -100,5 +125,5 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = Non
         return lax.fori_loop(0, (sizes[g] + tm - 1) // tm, chunk, out)
 
     # f32 out [M, N] in the loop: XLA:CPU handles a bf16 loop carry through f32 round trips.
-    out = lax.fori_loop(0, num_active, group_body, varying_zeros((m, n), jnp.float32, lhs, rhs, group_sizes))
+    out = lax.fori_loop(0, num_active, group_body, varying_zeros((m, n), jnp.float32, lhs, rhs, group_sizes, group_offset))
     return out.astype(out_dtype)

@@ -1,4 +1,5 @@
-"""One layer of a stack of expert weights, left unsliced until a kernel reads a group of it.
+"""How a kernel meets one layer of expert weights: left in its run's stack until a group of it
+is read (`LayerOf`), or held as one buffer per group (`Groups`).
 
 A run of identical layers keeps its experts stacked [L, G, K, N] and scans over L. On XLA:CPU,
 slicing layer i out of the stack materializes it: a copy of every expert of the layer (192 MB
@@ -8,6 +9,11 @@ layer i straight from the stack. This module is its one home: a placement asks `
 layer as its kernel reads it (a view only for a kernel that reads groups out of a stack, so no
 other kernel meets one), shard_map specs come from `specs`, and the XLA kernel reads through
 `group` and `take`.
+
+Even a layer of its own is a stack [G, K, N], and the group loop's slice of group g is a copy on
+XLA:CPU (a dot reads whole buffers): the weights read once from memory, written, and read again.
+An unrolled run on XLA:CPU therefore holds each group of its experts in its own buffer
+(`Groups`), and the XLA kernel multiplies the group `lax.switch` picks where it lies.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any
 import flax.struct
 import jax
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 
 @flax.struct.dataclass
@@ -35,8 +42,30 @@ class LayerOf:
         return len(self.shape)
 
 
-# The grouped-GEMM kernels that read a group straight out of a layer stack (a `LayerOf`).
+@flax.struct.dataclass
+class Groups:
+    """A layer's [G, K, N] expert matrix as G buffers: `groups`, each [K, N] (array or QuantizedArray)."""
+
+    groups: tuple
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.groups), *self.groups[0].shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+# The grouped-GEMM kernels that read a group straight out of a layer stack (a `LayerOf`), and
+# those that take a layer's experts a buffer per group (`Groups`).
 READS_STACK = ("xla",)
+READS_GROUPS = ("xla",)
+
+
+def split(w) -> Groups:
+    """A [G, K, N] array or QuantizedArray -> its groups as `Groups` (under jit: a buffer each)."""
+    return Groups(tuple(jax.tree.map(lambda a: a[g], w) for g in range(w.shape[0])))
 
 
 def layer_of(stack: dict, i, kernel: str, matrices: tuple) -> dict:
@@ -53,6 +82,10 @@ def specs(rhs, stored_specs, index_spec):
     axes ahead of the layer's own), a LayerOf's index `index_spec`."""
     if isinstance(rhs, LayerOf):
         return LayerOf(stored_specs(rhs.stack, ("layers",)), index_spec)
+    if isinstance(rhs, Groups):  # each group as its stack would lie, less the groups axis (whole on every device)
+        stack = jax.tree.map(lambda a: jax.ShapeDtypeStruct((len(rhs.groups), *a.shape), a.dtype), rhs.groups[0])
+        group = jax.tree.map(lambda s: P(*s[1:]), stored_specs(stack, ()), is_leaf=lambda s: isinstance(s, P))
+        return Groups((group,) * len(rhs.groups))
     return stored_specs(rhs, ())
 
 
@@ -71,7 +104,10 @@ def group(rhs, g: jax.Array):
 
 
 def stored(rhs):
-    """The array or QuantizedArray rhs is read from: its stack for a LayerOf, else itself."""
+    """The array or QuantizedArray rhs is read from: its stack for a LayerOf, its first group
+    for Groups, else itself."""
+    if isinstance(rhs, Groups):
+        return rhs.groups[0]
     return rhs.stack if isinstance(rhs, LayerOf) else rhs
 
 

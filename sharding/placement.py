@@ -50,7 +50,11 @@ class Placement:
         self.attention_kernel = paged_kernel(config, self.platform)
         # How each run of layers executes there (a scan, or unrolled): the engine arranges its
         # parameters by these, and the decoder runs them so (`moejax/model/layer_loop.py`).
-        self.loops = layer_loops(config.model, lambda layers: unrolls(config.engine.layer_loop, layers, self.platform))
+        # Unrolled, a placement that holds every expert hands a kernel that multiplies a group where
+        # it lies each group in its own buffer (`pallas_kernels/layered.py`).
+        groups = GEMM_WEIGHTS if self.holds_every_expert and self.kernel in layered.READS_GROUPS else ()
+        self.loops = layer_loops(config.model, lambda layers: unrolls(config.engine.layer_loop, layers, self.platform),
+                                 groups)
         self.set_slots(config.model.num_experts)
 
     def set_slots(self, num_logical: int) -> None:

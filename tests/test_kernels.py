@@ -16,7 +16,7 @@ import pallas_kernels as pk
 from pallas_kernels import gmm_blackwell
 from pallas_kernels.gmm_pallas_gpu import gmm_pallas_gpu
 from pallas_kernels.gmm_pallas_tpu import gmm_pallas_tpu
-from pallas_kernels.layered import LayerOf
+from pallas_kernels.layered import LayerOf, split
 from moejax.model.layers import ClampedSwiGLU, silu_glu
 
 
@@ -124,6 +124,21 @@ def test_xla_reads_groups_of_a_layer_stack(fmt, m):
                                rtol=1e-5, atol=1e-5)
     hlo = f.lower(lhs, w, sizes, jnp.int32(1)).compile().as_text()
     assert not re.search(r"= \w+\[6,(128|64),80\]", hlo)
+
+
+@pytest.mark.parametrize("fmt", ["dense", "nvfp4"])
+@pytest.mark.parametrize("m", ROWS)
+def test_xla_multiplies_groups_held_a_buffer_each(fmt, m):
+    """A layer held a buffer per group (`Groups`): the stack's result; and row at a time (12 rows
+    over 6 groups), no group's [K, N] is copied out of its buffer before its products."""
+    lhs, rhs, sizes, _ = make_case(8, "ragged", jnp.float32, m=m, n=80, groups=6)
+    w, w_f32 = weights(rhs, fmt, jnp.float32)
+    groups = jax.jit(split)(w)  # a buffer per group, as an engine holds them
+    f = jax.jit(lambda l, w, s: pk.grouped_gemm(l, w, s, backend="xla"))
+    np.testing.assert_allclose(f(lhs, groups, sizes), reference(lhs, w_f32, sizes, 0), rtol=1e-5, atol=1e-5)
+    if fmt == "dense" and m < 6 * 4:
+        hlo = f.lower(lhs, groups, sizes).compile().as_text()
+        assert not re.search(r"= f32\[(\d+,)*128,80\]\S* (copy|fusion|gather|dynamic-slice|slice)\(", hlo)
 
 
 def test_xla_decode_and_prefill_chunking():

@@ -7,6 +7,7 @@ import pytest
 from moejax import platform
 from moejax.config import Config, EngineConfig, LayoutConfig, preset
 from sharding import make_placement
+from sharding.placement import GEMM_WEIGHTS
 
 
 def test_auto_dtype_is_float32_on_the_cpu_reference():
@@ -51,6 +52,17 @@ def test_a_placement_runs_layers_and_the_exchange_as_its_platform_does(target, s
     placement = make_placement(config, platform=target)
     assert [loop.stacked for loop in placement.loops] == [stacked] * len(placement.loops)
     assert placement.use_ragged == ragged
+
+
+@pytest.mark.parametrize("name, target, groups", [("tensor_sliced", "cpu", GEMM_WEIGHTS), ("expert_sharded", "cpu", ()),
+                                                   ("tensor_sliced", "tpu", None)])
+def test_unrolled_experts_a_buffer_per_group_where_every_device_holds_every_expert_on_the_cpu(name, target, groups):
+    """XLA:CPU copies a group sliced out of a stack: a placement that keeps every expert on every
+    device holds an unrolled run's experts a buffer per group; one that splits them over devices
+    keeps its stacks, and a scanned run (other platforms) has none to split."""
+    config = Config(model=preset("tiny"), layout=LayoutConfig(placement=name, devices=2)).validate()
+    placement = make_placement(config, platform=target)
+    assert [getattr(loop, "groups", None) for loop in placement.loops] == [groups] * len(placement.loops)
 
 
 def test_host_cores_without_an_affinity_mask(monkeypatch):

@@ -9,10 +9,13 @@ one layer go through them: no code asks which form a run's parameters have.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from moejax.model.params import layer_runs
+from pallas_kernels import layered
 from pallas_kernels.layered import layer_slice
 
 
@@ -53,12 +56,19 @@ class Scan:
 
 
 class Unrolled:
-    """A run held as a tuple of per-layer trees, run as a Python loop (one program body per layer)."""
+    """A run held as a tuple of per-layer trees, run as a Python loop (one program body per layer).
+
+    `groups`: the expert matrices ("moe" / "experts" / name) each layer holds a buffer per group
+    (`layered.Groups`), for a kernel that multiplies a group where it lies.
+    """
 
     stacked = False
 
+    def __init__(self, groups: tuple = ()):
+        self.groups = groups
+
     def arrange(self, stack):
-        return _layers_of(stack)
+        return _layers_of(stack, self.groups)
 
     def count(self, run) -> int:
         return len(run)
@@ -84,9 +94,10 @@ class Unrolled:
         return carry, ys
 
 
-def layer_loops(c, unrolls) -> tuple:
-    """One loop per run of `c`'s layers: `Unrolled` where `unrolls(layers)`, else `Scan`."""
-    return tuple(Unrolled() if unrolls(run.count) else Scan() for run in layer_runs(c))
+def layer_loops(c, unrolls, groups: tuple = ()) -> tuple:
+    """One loop per run of `c`'s layers: `Unrolled` (its experts' `groups` a buffer per group)
+    where `unrolls(layers)`, else `Scan`."""
+    return tuple(Unrolled(groups) if unrolls(run.count) else Scan() for run in layer_runs(c))
 
 
 def stacked(c) -> tuple:
@@ -105,8 +116,14 @@ def _replace(tree: dict, keys: tuple, value) -> dict:
     return {**tree, head: _replace(tree[head], tuple(rest), value) if rest else value}
 
 
-@jax.jit
-def _layers_of(run):
-    """A run's stacked tree [layers, ...] -> a tuple of per-layer trees, in one program (eager
-    slices would be a program per leaf shape for a start-up to compile or fetch)."""
-    return tuple(layer_slice(run, i) for i in range(jax.tree.leaves(run)[0].shape[0]))
+@functools.partial(jax.jit, static_argnums=1)
+def _layers_of(run, groups: tuple):
+    """A run's stacked tree [layers, ...] -> a tuple of per-layer trees, the expert matrices
+    `groups` split a buffer per group, in one program (eager slices would be a program per leaf
+    shape for a start-up to compile or fetch)."""
+    layers = [layer_slice(run, i) for i in range(jax.tree.leaves(run)[0].shape[0])]
+    if groups and "moe" in run:
+        layers = [_replace(layer, ("moe", "experts"), {
+            name: layered.split(w) if name in groups else w for name, w in layer["moe"]["experts"].items()})
+            for layer in layers]
+    return tuple(layers)
