@@ -12,7 +12,7 @@ import pytest
 
 from hf_reference import FAMILIES, build_hf_model, hf_greedy, hf_logits
 from moejax.config import Config, EngineConfig
-from moejax.engine.engine import Engine, decode_steps
+from moejax.engine.engine import Engine, decode_steps, decode_visible
 from moejax.engine.sampling import Sampling
 from moejax.loading import load_params, with_hf_model
 from sharding import make_placement
@@ -147,6 +147,25 @@ def test_decode_compiles_with_its_platforms_options(tiny_engine):
         return f.lower(*args, block=8, sampling=Sampling()).compile().as_text().count("__ynn_fusion")
 
     assert ynn_fusions(tiny_engine._decode_block) == 0 < ynn_fusions(defaults)
+
+
+def test_decode_visible_rounds_up_to_an_eighth_of_the_next_power_of_two():
+    assert [decode_visible(n) for n in (1, 128, 129, 545, 1000, 5000)] == [128, 128, 256, 640, 1024, 5120]
+
+
+def test_a_decode_block_reads_the_positions_it_reaches_and_decodes_as_steps_over_the_whole_cache():
+    """A 280-token prompt's cache holds 512 positions; its decode blocks attend to the first 384
+    (`decode_visible`), and give the tokens of single steps that read all 512."""
+    engine = make_engine(GOLDEN / "deepseek_v3")
+    prompt = (PROMPT * 40)[:280]
+    state = engine.start([prompt], 9)
+    assert jax.tree.leaves(state.cache)[0].shape[-2] == 512 and decode_visible(280 + 8) == 384
+    blocks = engine.decode(state, 9).tokens
+    engine.decode_block = 1
+    try:
+        assert engine.generate([prompt], 9).tokens == blocks
+    finally:
+        engine.decode_block = EngineConfig().decode_block
 
 
 def compiled(engine) -> tuple[int, ...]:

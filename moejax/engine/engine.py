@@ -19,7 +19,7 @@ import numpy as np
 from moejax import platform
 from moejax.config import Config, ModelConfig
 from moejax.engine import compile_clock
-from moejax.engine.kv_cache import init_cache, init_pool, leading, put_leading
+from moejax.engine.kv_cache import init_cache, init_pool, leading, per_layer, put_leading, restack
 from moejax.engine.pages import PageAllocator, pages_for
 from moejax.engine.routing import Routing, valid_rows
 from moejax.engine.sampling import Sampling, sample
@@ -68,11 +68,12 @@ def decode_step(params, cache, tokens, lens, seeds, step, forced=None, pages=Non
 
 
 def decode_steps(params, cache, tokens, lens, seeds, first, count, pages=None, *, block: int, c: ModelConfig,
-                 placement, sampling: Sampling):
+                 placement, sampling: Sampling, visible: int = 0):
     """Decode steps first .. first + count - 1 (count <= block), each a `decode_step`, in one
     program -> (their tokens [block, B], rows past count zero; the last tokens [B]; cache).
     A program per step leaves the devices waiting on the host between steps, and each other
-    in the step's first collective."""
+    in the step's first collective. visible (static): with a contiguous cache, the steps write
+    and attend to its first `visible` positions only (0: all of them)."""
     def step(i, carry):
         tok, cache, out = carry
         tok, _, cache, _ = decode_step(params, cache, tok, lens, seeds, first + i, pages=pages, c=c, placement=placement,
@@ -80,8 +81,13 @@ def decode_steps(params, cache, tokens, lens, seeds, first, count, pages=None, *
         return tok, cache, out.at[i].set(tok)
 
     out = jnp.zeros((block, tokens.shape[0]), tokens.dtype)
-    tok, cache, out = lax.fori_loop(0, count, step, (tokens, cache, out))
-    return out, tok, cache
+    if pages is not None:
+        tok, cache, out = lax.fori_loop(0, count, step, (tokens, cache, out))
+        return out, tok, cache
+    # A contiguous cache: the positions the block sees, each unrolled layer's its own buffers.
+    seen = per_layer(leading(c, cache, visible) if visible else cache, placement.loops)
+    tok, seen, out = lax.fori_loop(0, count, step, (tokens, seen, out))
+    return out, tok, put_leading(c, cache, restack(seen)) if visible else restack(seen)
 
 
 def to_host(x: jax.Array) -> np.ndarray:
@@ -112,6 +118,17 @@ MIN_POSITIONS = 16
 def bucket(n: int, minimum: int = 1) -> int:
     """n rounded up to a power of two, at least `minimum`."""
     return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+# A decode block attends to its cache's first positions rounded up to a multiple of an eighth of
+# the next power of two, and of at least this: few programs, and at most 1/8 read past the rows.
+DECODE_VISIBLE_STEP = 128
+
+
+def decode_visible(n: int) -> int:
+    """The cache positions a decode block reaching position n - 1 reads (545 -> 640, 1000 -> 1024)."""
+    step = max(DECODE_VISIBLE_STEP, bucket(n) // 8)
+    return -(-n // step) * step
 
 
 @dataclasses.dataclass
@@ -171,7 +188,7 @@ class Engine:
         self._decode = jax.jit(functools.partial(decode_step, **bind), donate_argnums=1, static_argnames=("sampling", "record"),
                                compiler_options=decoding)
         self._decode_block = jax.jit(functools.partial(decode_steps, **bind), donate_argnums=1,
-                                     static_argnames=("block", "sampling"), compiler_options=decoding)
+                                     static_argnames=("block", "sampling", "visible"), compiler_options=decoding)
         self.decode_block = config.engine.decode_block  # `moejax trace` sets 1: a program per step
         # The first tokens placed as a decode step leaves its own (rows over the batch axis): the
         # first step then runs the program every later step runs, rather than compiling its own.
@@ -325,8 +342,12 @@ class Engine:
         if blocks:
             for step in range(1, max_new_tokens, self.decode_block):
                 count = min(self.decode_block, max_new_tokens - step)
+                visible = decode_visible(int(np.max(state.lens)) + step + count - 1)
+                if state.pages is not None or visible >= jax.tree.leaves(cache)[0].shape[-2]:
+                    visible = 0
                 toks, tok, cache = self._decode_block(self.params, cache, tok, lens, state.seeds, step, count,
-                                                      state.pages, block=self.decode_block, sampling=sampling)
+                                                      state.pages, block=self.decode_block, sampling=sampling,
+                                                      visible=visible)
                 out.append((toks, count))
         else:
             for step in range(1, max_new_tokens):
