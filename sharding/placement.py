@@ -50,8 +50,8 @@ class Placement:
         self.attention_kernel = paged_kernel(config, self.platform)
         # How each run of layers executes there (a scan, or unrolled): the engine arranges its
         # parameters by these, and the decoder runs them so (`moejax/model/layer_loop.py`).
-        # Unrolled, a placement that holds every expert hands a kernel that multiplies a group where
-        # it lies each group in its own buffer (`pallas_kernels/layered.py`).
+        # Where every device holds every expert and the kernel multiplies a group where it lies, an
+        # unrolled run holds each group of its experts in its own buffers (`pallas_kernels/layered.py`).
         groups = GEMM_WEIGHTS if self.holds_every_expert and self.kernel in layered.READS_GROUPS else ()
         self.loops = layer_loops(config.model, lambda layers: unrolls(config.engine.layer_loop, layers, self.platform),
                                  groups)

@@ -87,7 +87,7 @@ def decode_steps(params, cache, tokens, lens, seeds, first, count, pages=None, *
     # A contiguous cache: the positions the block sees, each unrolled layer's its own buffers.
     seen = per_layer(leading(c, cache, visible) if visible else cache, placement.loops)
     tok, seen, out = lax.fori_loop(0, count, step, (tokens, seen, out))
-    return out, tok, put_leading(c, cache, restack(seen)) if visible else restack(seen)
+    return out, tok, put_leading(c, cache, restack(seen))
 
 
 def to_host(x: jax.Array) -> np.ndarray:

@@ -4,7 +4,6 @@ arrays stacked on a leading layers axis: contiguous rows [layers, B, ...], or pa
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -12,8 +11,8 @@ from jax import lax
 from moejax.config import ModelConfig
 from moejax.model import paged
 from moejax.model.attention import cache_specs
+from moejax.model.layer_loop import split_layers, stack_layers
 from moejax.model.params import layer_runs
-from pallas_kernels.layered import layer_slice
 from pallas_kernels.paged_attention import combined
 
 
@@ -22,13 +21,12 @@ def per_layer(cache: list[dict], loops: tuple) -> list:
     layer's arrays their own buffers: a decoder layer reads and writes its own in place, where a
     layer sliced out of the run's [layers, ...] and put back is two copies of it per step on
     XLA:CPU. A program of several decode steps splits once and `restack`s once."""
-    return [run if loop.stacked else tuple(layer_slice(run, i) for i in range(jax.tree.leaves(run)[0].shape[0]))
-            for run, loop in zip(cache, loops)]
+    return [run if loop.stacked else split_layers(run) for run, loop in zip(cache, loops)]
 
 
 def restack(cache: list) -> list[dict]:
     """`per_layer`'s cache back as [layers, ...] per run."""
-    return [jax.tree.map(lambda *a: jnp.stack(a), *run) if isinstance(run, tuple) else run for run in cache]
+    return [stack_layers(run) if isinstance(run, tuple) else run for run in cache]
 
 
 def init_cache(c: ModelConfig, batch: int, max_len: int, dtype) -> list[dict]:

@@ -116,12 +116,34 @@ def _replace(tree: dict, keys: tuple, value) -> dict:
     return {**tree, head: _replace(tree[head], tuple(rest), value) if rest else value}
 
 
+def split_layers(stack) -> tuple:
+    """A stacked tree [layers, ...] -> a tuple of per-layer trees (under jit: each its own buffers)."""
+    return tuple(layer_slice(stack, i) for i in range(jax.tree.leaves(stack)[0].shape[0]))
+
+
+def stack_layers(layers: tuple):
+    """`split_layers` undone: per-layer trees -> one tree [layers, ...]."""
+    return jax.tree.map(lambda *a: jnp.stack(a), *layers)
+
+
+def cache_layer(run, i):
+    """Layer i of a run's contiguous cache, held [layers, ...] or as per-layer trees (`split_layers`)."""
+    return run[i] if isinstance(run, tuple) else layer_slice(run, i)
+
+
+def with_cache_layer(run, i, layer):
+    """`run` (as `cache_layer` takes it) with layer i replaced: in place where donated."""
+    if isinstance(run, tuple):
+        return run[:i] + (layer,) + run[i + 1:]
+    return jax.tree.map(lambda whole, new: jax.lax.dynamic_update_index_in_dim(whole, new, i, 0), run, layer)
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _layers_of(run, groups: tuple):
     """A run's stacked tree [layers, ...] -> a tuple of per-layer trees, the expert matrices
     `groups` split a buffer per group, in one program (eager slices would be a program per leaf
     shape for a start-up to compile or fetch)."""
-    layers = [layer_slice(run, i) for i in range(jax.tree.leaves(run)[0].shape[0])]
+    layers = split_layers(run)
     if groups and "moe" in run:
         layers = [_replace(layer, ("moe", "experts"), {
             name: layered.split(w) if name in groups else w for name, w in layer["moe"]["experts"].items()})

@@ -21,7 +21,7 @@ from moejax.model.layers import rms_norm, rope_cos_sin, swiglu
 from moejax.model.moe import moe_block
 from moejax.model import layer_loop
 from moejax.model.params import Run, layer_runs
-from pallas_kernels.layered import layer_slice
+from moejax.model.layer_loop import cache_layer, with_cache_layer
 
 ROWS = ("batch", "seq", "embed")
 
@@ -84,10 +84,7 @@ def run_layers(run: Run, loop, run_params, run_cache: dict, x, selected, positio
         # pools are read and written whole through the layer's index (`paged.LayerPages`).
         x, selected, ahead, run_cache = carry
         lp, i, window, layer_forced = xs
-        if pages is not None or isinstance(run_cache, tuple):  # a pool, or a layer's own buffers (`kv_cache.per_layer`)
-            layer_cache = run_cache if pages is not None else run_cache[i]
-        else:
-            layer_cache = layer_slice(run_cache, i)
+        layer_cache = run_cache if pages is not None else cache_layer(run_cache, i)
         if not moe:
             experts = None
         elif depth:  # computed with weights gathered `depth` iterations ago; the next gather goes out now
@@ -99,13 +96,7 @@ def run_layers(run: Run, loop, run_params, run_cache: dict, x, selected, positio
             x, layer_cache, selected, ids = decoder_layer(lp, experts, x, positions, cos_sin, layer_cache, selected, c,
                                                           placement, window, layer_forced,
                                                           layer_pages(i, window))
-        if pages is not None:
-            run_cache = layer_cache
-        elif isinstance(run_cache, tuple):
-            run_cache = run_cache[:i] + (layer_cache,) + run_cache[i + 1:]
-        else:
-            run_cache = jax.tree.map(lambda whole, new: jax.lax.dynamic_update_index_in_dim(whole, new, i, 0),
-                                     run_cache, layer_cache)
+        run_cache = layer_cache if pages is not None else with_cache_layer(run_cache, i, layer_cache)
         return (x, selected, ahead, run_cache), ids
 
     (x, selected, _, run_cache), picks = loop.loop(body, (x, selected, ahead, run_cache), run_params, windows, forced)
