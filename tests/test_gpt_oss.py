@@ -80,6 +80,13 @@ def test_prefill_logits_match_transformers(gpt_oss):
     assert_close_relative(engine(directory).score([PROMPT])[0], hf_logits(model, PROMPT))
 
 
+def test_long_prompt_in_blocks_of_queries_matches_transformers(gpt_oss):
+    """Blocks of queries skip the key blocks before their window and still count the sinks."""
+    model, directory = gpt_oss
+    prompt = (PROMPT * 34)[:300]
+    assert_close_relative(engine(directory).score([prompt])[0], hf_logits(model, prompt))
+
+
 def test_greedy_tokens_match_transformers(gpt_oss):
     model, directory = gpt_oss
     assert generation(directory).tokens[0] == hf_greedy(model, PROMPT, NEW)

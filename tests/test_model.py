@@ -78,6 +78,14 @@ def test_chunked_prefill_equals_one_shot(hf):
     assert_close_relative(chunked, one_shot, rel=1e-5)
 
 
+def test_long_prompt_in_blocks_of_queries_matches_transformers(hf):
+    """A 300-token prompt in chunks of 256: each chunk's queries attend a block of 128 at a time
+    over blocks of 128 keys up to the block's last position; the second chunk's from 256 on."""
+    model, directory = hf
+    prompt = (PROMPT * 34)[:300]
+    assert_close_relative(make_engine(directory, prefill_chunk=256).score([prompt])[0], hf_logits(model, prompt))
+
+
 def test_bfloat16_logits_close_to_float32(hf):
     _, directory = hf
     f32 = make_engine(directory).score([PROMPT])[0]

@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from moejax.config import ModelConfig
 from moejax.model import dsa, paged
@@ -20,6 +21,10 @@ from moejax.model.layers import apply_rope, rms_norm
 from pallas_kernels import paged_attention as kernels
 
 KV_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")  # GQA cache: [B, H_kv, S, Dh]
+# A prefill chunk longer than QUERY_BLOCK attends a block of queries at a time over blocks of
+# KEY_BLOCK keys (`_attend`).
+QUERY_BLOCK = 128
+KEY_BLOCK = 128
 
 
 def cache_specs(c: ModelConfig, batch: int, max_len: int, layer: int | None = None) -> dict:
@@ -57,21 +62,67 @@ def _store(cache: dict, name: str, new: jax.Array, positions: jax.Array, pages, 
     return {**cache, name: pool}, view
 
 
-def _causal_mask(positions: jax.Array, max_len: int, window=0) -> jax.Array:
-    """[B, T, S]: key position s is visible to the query at position p when s <= p (and, with a
-    sliding `window` > 0, s > p - window). `window` may be traced: a layer scan's per-layer input."""
-    s, p = jnp.arange(max_len)[None, None, :], positions[:, :, None]
+def _causal_mask(positions: jax.Array, max_len: int, window=0, first=0) -> jax.Array:
+    """[B, T, max_len]: key position s (first, first + 1, ...) is visible to the query at position
+    p when s <= p (and, with a sliding `window` > 0, s > p - window). `window` may be traced: a
+    layer scan's per-layer input; `first` too."""
+    s, p = first + jnp.arange(max_len)[None, None, :], positions[:, :, None]
     return (s <= p) & ((window == 0) | (s > p - window))
 
 
-def _softmax(scores: jax.Array, mask: jax.Array, sinks: jax.Array | None = None) -> jax.Array:
-    """Softmax over the last axis; `sinks` (broadcast against scores[..., :1]) are logits that
-    join the normalisation but attend to nothing (gpt-oss's attention sinks)."""
-    scores = jnp.where(mask, scores.astype(jnp.float32), -jnp.inf)
-    if sinks is None:
-        return jax.nn.softmax(scores, axis=-1)
-    sinks = jnp.broadcast_to(sinks.astype(jnp.float32), scores[..., :1].shape)
-    return jax.nn.softmax(jnp.concatenate([scores, sinks], axis=-1), axis=-1)[..., :-1]
+def _slice(x: jax.Array, start, size: int, axis: int) -> jax.Array:
+    """x[start : start + size] along axis (x itself when that is all of it)."""
+    return x if size == x.shape[axis] else lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+def _attend(scores, weigh, mask, positions: jax.Array, s: int, out_shape: tuple, t_axis: int, window=0,
+            sinks=None) -> jax.Array:
+    """softmax(scores) @ values of the T = out_shape[t_axis] queries at `positions` [B, T] over s
+    cached keys, from closures over one attention's layout: scores(q0, tq, k0, tk) -> float
+    [..., tq, tk] of queries q0.. against keys k0..; mask(q0, tq, k0, tk) -> bool, broadcast
+    against them; weigh(w [..., tq, tk], k0, tk) -> [..., tq, Dv] the weights times those keys'
+    values. `sinks` (broadcast against [..., tq, 1]) are logits that join the softmax's sum but
+    attend to nothing (gpt-oss's attention sinks).
+
+    Decode (and a short chunk) is one block. A prefill chunk of T > QUERY_BLOCK goes a block of
+    queries at a time, each over the blocks of KEY_BLOCK keys from the first its window sees to
+    the last its latest position reaches, with flash attention's running softmax: the scores
+    above the causal diagonal are never computed, and the loops keep the program the size of one
+    block (XLA:CPU sets up each of a program's fused dots on its first run)."""
+    t = out_shape[t_axis]
+
+    def step(q0, tq, k0, tk, carry):  # carry: running max and sum [..., tq, 1], weighted values [..., tq, Dv]
+        top, total, acc = carry
+        sc = jnp.where(mask(q0, tq, k0, tk), scores(q0, tq, k0, tk).astype(jnp.float32), -jnp.inf)
+        new_top = jnp.maximum(top, sc.max(-1, keepdims=True))
+        base = jnp.where(new_top == -jnp.inf, 0.0, new_top)  # rows that have seen no key yet
+        w, kept = jnp.exp(sc - base), jnp.exp(top - base)
+        return new_top, total * kept + w.sum(-1, keepdims=True), acc * kept + weigh(w, k0, tk)
+
+    def block(q0, tq, k_blocks):
+        shape = out_shape[:t_axis] + (tq,) + out_shape[t_axis + 1 :]
+        carry = (jnp.full(shape[:-1] + (1,), -jnp.inf), jnp.zeros(shape[:-1] + (1,)), jnp.zeros(shape))
+        if k_blocks is None:
+            top, total, acc = step(q0, tq, 0, s, carry)
+        else:
+            top, total, acc = lax.fori_loop(*k_blocks, lambda j, c: step(q0, tq, j * KEY_BLOCK, KEY_BLOCK, c), carry)
+        if sinks is not None:
+            new_top = jnp.maximum(top, sinks)
+            kept = jnp.exp(top - new_top)
+            total, acc = total * kept + jnp.exp(sinks - new_top), acc * kept
+        return acc / total
+
+    if t <= QUERY_BLOCK or t % QUERY_BLOCK or s % KEY_BLOCK:
+        return block(0, t, None)
+
+    def query_block(i, out):
+        q0 = i * QUERY_BLOCK
+        p = lax.dynamic_slice_in_dim(positions, q0, QUERY_BLOCK, 1)
+        first = jnp.where(window > 0, jnp.maximum(p.min() - window + 1, 0) // KEY_BLOCK, 0)
+        end = jnp.minimum(p.max() // KEY_BLOCK + 1, s // KEY_BLOCK)
+        return lax.dynamic_update_slice_in_dim(out, block(q0, QUERY_BLOCK, (first, end)).astype(out.dtype), q0, t_axis)
+
+    return lax.fori_loop(0, t // QUERY_BLOCK, query_block, jnp.zeros(out_shape, jnp.float32))
 
 
 def gqa(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: ModelConfig, placement, window=0,
@@ -123,10 +174,14 @@ def _gqa_xla_in(p: dict, q, k, v, positions, cache: dict, c: ModelConfig, placem
     # q as [B, H_kv, G, T, Dh]: the scores [B, H_kv, G, T, S] then come out of their dot as laid
     # out, where from [B, T, H_kv, G, Dh] XLA:CPU transposes every score (T rows x S) once more.
     q = q.reshape(b, t, c.num_kv_heads, groups, dh).transpose(0, 2, 3, 1, 4)
-    scores = jnp.einsum("bkgtd,bksd->bkgts", q, keys) * c.softmax_scale
     sinks = p["sinks"].reshape(c.num_kv_heads, groups, 1, 1) if c.attention_sinks else None
-    probs = _softmax(scores, _causal_mask(positions, keys.shape[2], window)[:, None, None], sinks).astype(values.dtype)
-    out = jnp.einsum("bkgts,bksd->bkgtd", probs, values)  # [B, H_kv, G, T, Dh]
+    out = _attend(
+        lambda q0, tq, k0, tk: jnp.einsum("bkgtd,bksd->bkgts", _slice(q, q0, tq, 3), _slice(keys, k0, tk, 2))
+        * c.softmax_scale,
+        lambda w, k0, tk: jnp.einsum("bkgts,bksd->bkgtd", w.astype(values.dtype), _slice(values, k0, tk, 2)),
+        lambda q0, tq, k0, tk: _causal_mask(_slice(positions, q0, tq, 1), tk, window, k0)[:, None, None],
+        positions, keys.shape[2], q.shape, 3, window, sinks,
+    ).astype(values.dtype)  # [B, H_kv, G, T, Dh]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh), cache
 
 
@@ -153,20 +208,28 @@ def mla(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: Mo
     cache, kr = _store(cache, "k_rope", k_rope, positions, pages, placement)
     lat = placement.constrain(lat, ("batch", "cache_seq", None))
     kr = placement.constrain(kr, ("batch", "cache_seq", None))
-    visible = _causal_mask(positions, lat.shape[1])  # [B, T, S]
     if "indexer" in p:
         cache, keys = _store(cache, "index_k", dsa.index_keys(p["indexer"], x, cos_sin), positions, pages,
                              placement)
         keys = placement.constrain(keys, ("batch", "cache_seq", None))
-        selected = dsa.select(p["indexer"], x, q_lat, cos_sin, keys, visible, c)
-    if selected is not None:
-        visible = visible & selected
+        selected = dsa.select(p["indexer"], x, q_lat, cos_sin, keys, _causal_mask(positions, lat.shape[1]), c)
+
+    def mask(q0, tq, k0, tk):  # [B, 1, tq, tk]
+        visible = _causal_mask(_slice(positions, q0, tq, 1), tk, 0, k0)
+        if selected is not None:
+            visible = visible & _slice(_slice(selected, q0, tq, 1), k0, tk, 2)
+        return visible[:, None]
+
     # Queries as [B, H, T, .]: the scores [B, H, T, S] come out of their dots as laid out (as GQA's).
     q_abs = jnp.einsum("bthk,rhk->bhtr", q_nope, p["w_uk"])  # query in the latent space
     q_rope = q_rope.transpose(0, 2, 1, 3)
-    scores = jnp.einsum("bhtr,bsr->bhts", q_abs, lat) + jnp.einsum("bhtk,bsk->bhts", q_rope, kr)
-    probs = _softmax(scores * c.softmax_scale, visible[:, None]).astype(lat.dtype)
-    out_lat = jnp.einsum("bhts,bsr->bhtr", probs, lat)
+    out_lat = _attend(
+        lambda q0, tq, k0, tk: (jnp.einsum("bhtr,bsr->bhts", _slice(q_abs, q0, tq, 2), _slice(lat, k0, tk, 1))
+                                + jnp.einsum("bhtk,bsk->bhts", _slice(q_rope, q0, tq, 2), _slice(kr, k0, tk, 1)))
+        * c.softmax_scale,
+        lambda w, k0, tk: jnp.einsum("bhts,bsr->bhtr", w.astype(lat.dtype), _slice(lat, k0, tk, 1)),
+        mask, positions, lat.shape[1], q_abs.shape, 2,
+    ).astype(lat.dtype)  # [B, H, T, R]
     out = jnp.einsum("bhtr,rhv->bthv", out_lat, p["w_uv"])
     return jnp.einsum("bthv,hvd->btd", out, p["o"]), cache, selected
 
