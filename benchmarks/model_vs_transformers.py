@@ -8,6 +8,9 @@ tokens/s at batch 1 and 16, and the ratio moejax / transformers. Decode is also 
 the weight-read bound: bytes a step must read (attention, router, touched experts, head) over
 this machine's measured read bandwidth.
 
+Prefill is a prompt's forward up to the logits of its last position on both sides (what
+`generate` computes before the first new token; transformers' `logits_to_keep=1`).
+
 Both sides run as a user gets them: moejax at its default settings (prefill chunk, buckets,
 XLA flags), transformers in its fastest standard configuration: every expert implementation
 it offers on the CPU runs in every round, and each measure keeps its fastest one over all
@@ -72,9 +75,9 @@ def hf_runner(model, prompt_len: int, steps: int, experts: str):
             cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
         return (time.perf_counter() - t) / steps
 
-    def prefill() -> float:
+    def prefill() -> float:  # as `generate` prefills: the last position's logits only, as moejax's prefill
         t = time.perf_counter()
-        model(long)
+        model(long, logits_to_keep=1)
         return time.perf_counter() - t
 
     @torch.no_grad()
