@@ -161,9 +161,9 @@ def test_decode_visible_rounds_up_to_an_eighth_of_the_next_power_of_two():
     assert [decode_visible(n) for n in (1, 128, 129, 545, 1000, 5000)] == [128, 128, 256, 640, 1024, 5120]
 
 
-def test_a_decode_block_reads_the_positions_it_reaches_and_decodes_as_steps_over_the_whole_cache():
+def test_decode_blocks_read_the_positions_the_generation_reaches_and_decode_as_steps_over_the_whole_cache():
     """A 280-token prompt's cache holds 512 positions; its decode blocks attend to the first 384
-    (`decode_visible`), and give the tokens of single steps that read all 512."""
+    (`decode_visible` of its last position), and give the tokens of single steps that read all 512."""
     engine = make_engine(GOLDEN / "deepseek_v3")
     prompt = (PROMPT * 40)[:280]
     state = engine.start([prompt], 9)
@@ -174,6 +174,22 @@ def test_a_decode_block_reads_the_positions_it_reaches_and_decodes_as_steps_over
         assert engine.generate([prompt], 9).tokens == blocks
     finally:
         engine.decode_block = EngineConfig().decode_block
+
+
+def test_a_generate_decodes_with_one_block_program_as_its_rows_grow(monkeypatch):
+    """Rows growing past a multiple of the visible step mid-generate (positions 120 .. 139) keep
+    the program of the first block, which reads what the last step reaches, rather than compile
+    or load another one (a CLI generate runs each of its programs once)."""
+    engine = make_engine(GOLDEN / "deepseek_v3")
+    block, visible = engine._decode_block, []
+
+    def recording(*args, **kwargs):
+        visible.append(kwargs["visible"])
+        return block(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_decode_block", recording)
+    engine.generate([(PROMPT * 14)[:120]], 20)
+    assert len(visible) == 3 and len(set(visible)) == 1
 
 
 def compiled(engine) -> tuple[int, ...]:

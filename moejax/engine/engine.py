@@ -340,11 +340,13 @@ class Engine:
         # override (picks fed per step from the host) go step by step.
         blocks = self.decode_block > 1 and not (record or return_logits or state.dealer is not None)
         if blocks:
+            # Every block reads the positions the longest request reaches by the last step: one
+            # program for the whole decode, not one more to compile or load as the rows grow.
+            visible = decode_visible(int(np.max(state.lens)) + max_new_tokens - 1)
+            if state.pages is not None or visible >= jax.tree.leaves(cache)[0].shape[-2]:
+                visible = 0
             for step in range(1, max_new_tokens, self.decode_block):
                 count = min(self.decode_block, max_new_tokens - step)
-                visible = decode_visible(int(np.max(state.lens)) + step + count - 1)
-                if state.pages is not None or visible >= jax.tree.leaves(cache)[0].shape[-2]:
-                    visible = 0
                 toks, tok, cache = self._decode_block(self.params, cache, tok, lens, state.seeds, step, count,
                                                       state.pages, block=self.decode_block, sampling=sampling,
                                                       visible=visible)
