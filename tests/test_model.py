@@ -177,9 +177,10 @@ def test_decode_blocks_read_the_positions_the_generation_reaches_and_decode_as_s
 
 
 def test_a_generate_decodes_with_one_block_program_as_its_rows_grow(monkeypatch):
-    """Rows growing past a multiple of the visible step mid-generate (positions 120 .. 139) keep
-    the program of the first block, which reads what the last step reaches, rather than compile
-    or load another one (a CLI generate runs each of its programs once)."""
+    """Rows growing past a multiple of the visible step mid-generate (positions 245 .. 264 cross
+    256) keep the program of the first block, which reads what the last step reaches (384 of the
+    cache's 512 positions), rather than compile or load another one (a CLI generate runs each of
+    its programs once)."""
     engine = make_engine(GOLDEN / "deepseek_v3")
     block, visible = engine._decode_block, []
 
@@ -188,8 +189,8 @@ def test_a_generate_decodes_with_one_block_program_as_its_rows_grow(monkeypatch)
         return block(*args, **kwargs)
 
     monkeypatch.setattr(engine, "_decode_block", recording)
-    engine.generate([(PROMPT * 14)[:120]], 20)
-    assert len(visible) == 3 and len(set(visible)) == 1
+    engine.generate([(PROMPT * 40)[:245]], 20)
+    assert visible == [decode_visible(245 + 20 - 1)] * 3 == [384] * 3
 
 
 def compiled(engine) -> tuple[int, ...]:
