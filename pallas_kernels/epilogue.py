@@ -1,5 +1,6 @@
 """What a grouped GEMM does to its f32 product before writing it: column scales and a bias per
-group, then, for a gate|up product, the gated activation that halves its columns.
+group, then, for a gate|up product, the gated activation that halves its columns; for a down
+product, the sum of each token's picks (`combine`).
 
 A gate_up stack [G, K, 2F] interleaves gate and up (gate in even columns), so any tile of 2f
 adjacent columns holds f whole (gate, up) pairs: the Pallas kernels apply `finish` and `glu`
@@ -36,3 +37,18 @@ def group_rows(table: jax.Array, group_sizes: jax.Array, group_offset, m: int) -
     g = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m), side="right") - group_offset
     mine = (g >= 0) & (g < table.shape[0])
     return jnp.where(mine[:, None], table[jnp.clip(g, 0, table.shape[0] - 1)], 0)
+
+
+def combine(y_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
+    """y_sorted: [T*k, N] in pick-sorted order (`order`: sorted row -> flat pick) -> [T, N], each
+    token's picks weighted and summed.
+
+    Un-sorting and a per-row weighted sum (rather than a scatter-add) keeps the sum order fixed
+    on every backend (an accelerator's scatter-add may add in any order); the rows are un-sorted
+    by a gather through the inverse permutation (scattering rows into a zeroed [T*k, N] costs
+    XLA:CPU several times more: the zeros, then the scatter).
+    """
+    t, k = weights.shape
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    y = y_sorted[inverse].reshape(t, k, -1)
+    return jnp.einsum("tkd,tk->td", y.astype(jnp.float32), weights).astype(y_sorted.dtype)

@@ -96,19 +96,53 @@ def _gathered(lhs, rhs, group_sizes, group_offset) -> jax.Array:
     return jnp.where(mine[:, None], jnp.einsum("mk,mkn->mn", _to_f32(lhs), w), 0.0)
 
 
-def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = None):
+def _gathers(m: int, rhs) -> bool:
+    """Whether m rows take `_gathered`'s one batched product rather than the group loop."""
+    return (m <= GATHER_ROWS and not isinstance(rhs, layered.Groups)
+            and not isinstance(layered.stored(rhs), formats.QuantizedArray))
+
+
+def fuses_combine(m: int, rhs) -> bool:
+    """Whether `gmm_xla` sums the rows into their tokens itself (`combine`): in its group loop."""
+    return not _gathers(m, rhs)
+
+
+def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = None, *, combine=None, bias=None):
     """lhs [M, K], rhs [G_local, K, N] (array or QuantizedArray, or a LayerOf either),
-    group_sizes [G] -> [M, N]."""
+    group_sizes [G] -> [M, N].
+
+    combine = (order [M], weights [T, k]) (where `fuses_combine`): -> [T, N], each chunk's rows
+    (+ their group's row of bias [G_local, N]) weighted and added into their tokens' rows as the
+    loop goes, so the [M, N] product is never written: a token's picks are summed in group order.
+    """
     m, n = lhs.shape[0], rhs.shape[2]
     g_local = rhs.shape[0]
-    if (m <= GATHER_ROWS and not isinstance(rhs, layered.Groups)
-            and not isinstance(layered.stored(rhs), formats.QuantizedArray)):
+    if _gathers(m, rhs):
         return _gathered(lhs, rhs, group_sizes, group_offset).astype(out_dtype)
     tm = tm or _pick_tm(m, group_sizes.shape[0])
     lhs32 = _to_f32(lhs)  # [M, K], once rather than per chunk
     starts, sizes, active, num_active = local_groups(group_sizes, group_offset, g_local, m)
+    like = (lhs, rhs, group_sizes, group_offset, combine, bias)  # what the output varies over
+    if combine is None:
+        out0 = varying_zeros((m, n), jnp.float32, *like)
 
-    def group_body(i, out):  # out: [M, N] f32
+        def write(out, y, p0, in_group, g):  # y [tm, N] into the rows of the group
+            keep = lax.dynamic_slice_in_dim(out, p0, tm, 0)
+            return lax.dynamic_update_slice_in_dim(out, jnp.where(in_group[:, None], y, keep), p0, 0)
+    else:
+        order, weights = combine
+        t, k = weights.shape
+        tokens = order // k  # [M] each sorted row's token
+        scales = weights.reshape(-1)[order].astype(jnp.float32)  # [M] each sorted row's pick weight
+        out0 = varying_zeros((t, n), jnp.float32, *like)
+
+        def write(out, y, p0, in_group, g):  # y [tm, N] weighted into its rows' tokens
+            if bias is not None:
+                y = y + bias[g].astype(jnp.float32)
+            s = jnp.where(in_group, lax.dynamic_slice_in_dim(scales, p0, tm), 0.0)
+            return out.at[lax.dynamic_slice_in_dim(tokens, p0, tm)].add(y * s[:, None])
+
+    def group_body(i, out):  # out: [M or T, N] f32
         g = active[i]
         start, end = starts[g], starts[g] + sizes[g]
         matmul = _group_matmul(rhs, g, tm)  # loaded here once for all its chunks
@@ -117,13 +151,10 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = Non
             pos = start + j * tm
             p0 = jnp.minimum(pos, m - tm)  # the last chunk may hang over the end of lhs
             y = matmul(lax.dynamic_slice_in_dim(lhs32, p0, tm, 0))  # [tm, N]
-            rows = p0 + lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
-            keep = lax.dynamic_slice_in_dim(out, p0, tm, 0)
-            return lax.dynamic_update_slice_in_dim(
-                out, jnp.where((rows >= pos) & (rows < end), y, keep), p0, 0)
+            rows = p0 + lax.iota(jnp.int32, tm)
+            return write(out, y, p0, (rows >= pos) & (rows < end), g)
 
         return lax.fori_loop(0, (sizes[g] + tm - 1) // tm, chunk, out)
 
-    # f32 out [M, N] in the loop: XLA:CPU handles a bf16 loop carry through f32 round trips.
-    out = lax.fori_loop(0, num_active, group_body, varying_zeros((m, n), jnp.float32, lhs, rhs, group_sizes, group_offset))
-    return out.astype(out_dtype)
+    # f32 out in the loop: XLA:CPU handles a bf16 loop carry through f32 round trips.
+    return lax.fori_loop(0, num_active, group_body, out0).astype(out_dtype)

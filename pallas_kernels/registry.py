@@ -82,7 +82,7 @@ def _backend_fn(name: str):
 
 @functools.partial(jax.jit, static_argnames=("backend", "preferred_element_type", "act"))
 def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto",
-                 preferred_element_type=None, bias=None, act=None):
+                 preferred_element_type=None, bias=None, act=None, combine=None):
     """out[r] = lhs[r] @ rhs[g(r) - group_offset] (+ bias[g(r) - group_offset]) for rows r of
     local groups, else 0; with `act`, rhs is a gate|up stack (gate and up interleaved along N)
     and out[r] = act(gate, up) of that product.
@@ -95,12 +95,18 @@ def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto"
     sum(group_sizes) come out zero; groups without rows are never read. bias: [G_local, N].
     act: act(gate, up) -> [.., N/2] (hashable: static); the Pallas kernels apply it, with the
     bias and the column scales, in their epilogue and write [M, N/2] (`epilogue`).
+    combine: (order [M], weights [T, k]), lhs the T tokens' M = T*k picks sorted by group
+    (`order`: sorted row -> flat pick), without act: returns [T, N], each token's picks' rows
+    weighted and summed (`epilogue.combine`; the XLA loop adds each chunk into its tokens' rows
+    as it goes, in group order, and never writes the [M, N] product).
     Returns [M, N] (with act: [M, N/2]) in preferred_element_type (default: lhs.dtype).
     """
     chex.assert_rank([lhs, group_sizes], [2, 1])
     chex.assert_type(group_sizes, jnp.int32)
     if len(rhs.shape) != 3 or rhs.shape[1] != lhs.shape[1]:
         raise ValueError(f"rhs must be [G, K={lhs.shape[1]}, N], got {rhs.shape}")
+    if combine is not None and act is not None:
+        raise ValueError("combine sums a down product's rows; a gate|up product (act) has none to sum")
     stack = layered.stored(rhs)
     if isinstance(stack, formats.QuantizedArray) and stack.axis != -2:
         raise ValueError("a 4-bit rhs must be quantized along K (axis=-2)")
@@ -113,6 +119,8 @@ def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto"
     if not reads_stack and stack is not rhs:
         raise ValueError(f"the {backend} kernel reads a layer as its own [G, K, N], not as a view of its stack")
     columns = None if reads_stack else _column_scales(rhs)
+    if combine is not None and columns is None and _fuses_combine(backend, m, rhs):
+        return _backend_fn(backend)(lhs, rhs, group_sizes, group_offset, out_dtype, combine=combine, bias=bias)
     if act is not None and _fuses(backend, n):
         return _backend_fn(backend)(lhs, _unit_scales(rhs) if columns is not None else rhs, group_sizes,
                                     group_offset, out_dtype, epilogue=(columns, bias, act))
@@ -125,6 +133,8 @@ def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto"
         scale = epilogue.group_rows(columns, group_sizes, group_offset, m)
     rows_bias = None if bias is None else epilogue.group_rows(bias, group_sizes, group_offset, m)
     y = epilogue.finish(out, out_dtype, scale, rows_bias)
+    if combine is not None:
+        return epilogue.combine(y, *combine)
     return y if act is None else epilogue.glu(*epilogue.gate_up_columns(y), act)
 
 
@@ -132,6 +142,12 @@ def _fuses(backend: str, n: int) -> bool:
     """Whether `backend`'s kernel applies the gated activation itself for a gate|up stack of N columns."""
     fuses = getattr(importlib.import_module(f"pallas_kernels.{_IMPLS[backend][0]}"), "fuses_glu", None)
     return bool(fuses and fuses(n))
+
+
+def _fuses_combine(backend: str, m: int, rhs) -> bool:
+    """Whether `backend`'s kernel sums each token's picks itself for m rows of rhs."""
+    fuses = getattr(importlib.import_module(f"pallas_kernels.{_IMPLS[backend][0]}"), "fuses_combine", None)
+    return bool(fuses and fuses(m, rhs))
 
 
 def _unit_scales(rhs):

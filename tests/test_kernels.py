@@ -13,7 +13,7 @@ import pytest
 from jax import export
 
 import pallas_kernels as pk
-from pallas_kernels import gmm_blackwell
+from pallas_kernels import epilogue, gmm_blackwell
 from pallas_kernels.gmm_pallas_gpu import gmm_pallas_gpu
 from pallas_kernels.gmm_pallas_tpu import gmm_pallas_tpu
 from pallas_kernels.layered import LayerOf, split
@@ -234,6 +234,55 @@ def test_glu_epilogue_writes_half_the_columns(backend):
                                                    act=silu_glu, backend=backend))()
     calls = [e for e in jaxpr.eqns[0].params["jaxpr"].eqns if e.primitive.name == "pallas_call"]
     assert [c.outvars[0].aval.shape[1] for c in calls] == [w.shape[2] // 2]
+
+
+def picks_case(seed: int, tokens: int, fmt: str, k=4, groups=8, local=3, d=64, n=48):
+    """T tokens' k picks sorted by expert, as `moe_local` hands them to the down product: lhs
+    [T*k, d], rhs [local, d, n] (experts [offset, offset + local) of `groups`), group sizes,
+    offset, (order [T*k], weights [T, k]), bias [local, n], and the expected [T, n] in numpy."""
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.choice(groups, k, replace=False) for _ in range(tokens)])  # [T, k]
+    order = np.argsort(ids.reshape(-1), kind="stable")
+    rows = rng.standard_normal((tokens * k, d)).astype(np.float32)  # each pick's row, in pick order
+    pick_weights = rng.random((tokens, k)).astype(np.float32)
+    rhs = jnp.asarray(rng.standard_normal((local, d, n)) / np.sqrt(d), jnp.float32)
+    w, w_f32 = weights(rhs, fmt, jnp.float32)
+    bias, offset = rng.standard_normal((local, n)).astype(np.float32), 2
+    expected = np.zeros((tokens, n), np.float32)
+    for t, j in np.ndindex(tokens, k):
+        if offset <= ids[t, j] < offset + local:
+            e = ids[t, j] - offset
+            expected[t] += pick_weights[t, j] * (rows[t * k + j] @ np.asarray(w_f32[e]) + bias[e])
+    sizes = jnp.asarray(np.bincount(ids.reshape(-1), minlength=groups), jnp.int32)
+    combine = (jnp.asarray(order, jnp.int32), jnp.asarray(pick_weights))
+    return jnp.asarray(rows[order]), w, sizes, offset, combine, jnp.asarray(bias), expected
+
+
+@pytest.mark.parametrize("backend", ["xla", *KERNELS])
+@pytest.mark.parametrize("fmt", ["dense", "nvfp4"])
+@pytest.mark.parametrize("tokens", [3, 40])  # a decode step's few picks, a prefill's many (the XLA loop sums them itself)
+def test_combine_sums_each_tokens_weighted_picks(backend, fmt, tokens):
+    """A down product with combine: each token's picks of local experts, plus their bias,
+    weighted and summed into the token's row; picks of other experts add nothing."""
+    lhs, w, sizes, offset, combine, bias, expected = picks_case(zlib.crc32(f"{backend}/{fmt}/{tokens}".encode()),
+                                                                tokens, fmt)
+    out = pk.grouped_gemm(lhs, w, sizes, group_offset=offset, bias=bias, combine=combine, backend=backend)
+    assert out.shape == expected.shape and out.dtype == jnp.float32
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("as_groups", [False, True])  # a layer's stack, or a buffer per group (row at a time)
+def test_xla_loop_sums_picks_without_writing_the_product(as_groups):
+    """The XLA loop adds each chunk into its tokens' rows: no [T*k, N] buffer in its program,
+    and the same sums as the product followed by `epilogue.combine`."""
+    lhs, w, sizes, offset, combine, bias, _ = picks_case(5, 40, "dense")
+    rhs = split(w) if as_groups else w
+    run = jax.jit(lambda l, r, s, c, b: pk.grouped_gemm(l, r, s, group_offset=offset, bias=b, combine=c, backend="xla"))
+    hlo = run.lower(lhs, rhs, sizes, combine, bias).compile().as_text()
+    assert f"f32[{lhs.shape[0]},{w.shape[2]}]" not in hlo and f"f32[40,{w.shape[2]}]" in hlo
+    unfused = pk.grouped_gemm(lhs, w, sizes, group_offset=offset, bias=bias, backend="xla")
+    np.testing.assert_allclose(run(lhs, rhs, sizes, combine, bias), epilogue.combine(unfused, *combine),
+                               rtol=1e-5, atol=1e-5)
 
 
 EXPORTS = {"tpu": ("pallas_tpu", "tpu_custom_call", ()),
