@@ -102,27 +102,33 @@ def _gathers(m: int, rhs) -> bool:
             and not isinstance(layered.stored(rhs), formats.QuantizedArray))
 
 
+GATHERS_ROWS = True  # `gmm_xla` reads its rows through lhs_rows itself, a chunk at a time
+
+
 def fuses_combine(m: int, rhs) -> bool:
     """Whether `gmm_xla` sums the rows into their tokens itself (`combine`): in its group loop."""
     return not _gathers(m, rhs)
 
 
-def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = None, *, combine=None, bias=None):
+def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = None, *, lhs_rows=None,
+            combine=None, bias=None):
     """lhs [M, K], rhs [G_local, K, N] (array or QuantizedArray, or a LayerOf either),
     group_sizes [G] -> [M, N].
 
-    combine = (order [M], weights [T, k]) (where `fuses_combine`): -> [T, N], each chunk's rows
+    lhs_rows [M] (lhs then [T, K]): row r is lhs[lhs_rows[r]], gathered by each chunk as it
+    goes, so the sorted [M, K] rows are never written. combine = (order [M], weights [T, k]) (where `fuses_combine`): -> [T, N], each chunk's rows
     (+ their group's row of bias [G_local, N]) weighted and added into their tokens' rows as the
     loop goes, so the [M, N] product is never written: a token's picks are summed in group order.
     """
-    m, n = lhs.shape[0], rhs.shape[2]
+    m, n = (lhs if lhs_rows is None else lhs_rows).shape[0], rhs.shape[2]
     g_local = rhs.shape[0]
     if _gathers(m, rhs):
+        lhs = lhs if lhs_rows is None else lhs[lhs_rows]
         return _gathered(lhs, rhs, group_sizes, group_offset).astype(out_dtype)
     tm = tm or _pick_tm(m, group_sizes.shape[0])
-    lhs32 = _to_f32(lhs)  # [M, K], once rather than per chunk
+    lhs32 = _to_f32(lhs)  # [M or T, K], once rather than per chunk
     starts, sizes, active, num_active = local_groups(group_sizes, group_offset, g_local, m)
-    like = (lhs, rhs, group_sizes, group_offset, combine, bias)  # what the output varies over
+    like = (lhs, rhs, group_sizes, group_offset, lhs_rows, combine, bias)  # what the output varies over
     if combine is None:
         out0 = varying_zeros((m, n), jnp.float32, *like)
 
@@ -150,7 +156,9 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = Non
         def chunk(j, out):
             pos = start + j * tm
             p0 = jnp.minimum(pos, m - tm)  # the last chunk may hang over the end of lhs
-            y = matmul(lax.dynamic_slice_in_dim(lhs32, p0, tm, 0))  # [tm, N]
+            x = (lax.dynamic_slice_in_dim(lhs32, p0, tm, 0) if lhs_rows is None
+                 else lhs32[lax.dynamic_slice_in_dim(lhs_rows, p0, tm)])  # [tm, K]
+            y = matmul(x)  # [tm, N]
             rows = p0 + lax.iota(jnp.int32, tm)
             return write(out, y, p0, (rows >= pos) & (rows < end), g)
 

@@ -82,7 +82,7 @@ def _backend_fn(name: str):
 
 @functools.partial(jax.jit, static_argnames=("backend", "preferred_element_type", "act"))
 def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto",
-                 preferred_element_type=None, bias=None, act=None, combine=None):
+                 preferred_element_type=None, bias=None, act=None, lhs_rows=None, combine=None):
     """out[r] = lhs[r] @ rhs[g(r) - group_offset] (+ bias[g(r) - group_offset]) for rows r of
     local groups, else 0; with `act`, rhs is a gate|up stack (gate and up interleaved along N)
     and out[r] = act(gate, up) of that product.
@@ -95,7 +95,9 @@ def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto"
     sum(group_sizes) come out zero; groups without rows are never read. bias: [G_local, N].
     act: act(gate, up) -> [.., N/2] (hashable: static); the Pallas kernels apply it, with the
     bias and the column scales, in their epilogue and write [M, N/2] (`epilogue`).
-    combine: (order [M], weights [T, k]), lhs the T tokens' M = T*k picks sorted by group
+    lhs_rows: [M] int32, lhs then [T, K]: row r of the product is lhs[lhs_rows[r]] (the XLA loop
+    reads each chunk's rows through it; other kernels take lhs[lhs_rows] first).
+    combine: (order [M], weights [T, k]), the product's rows the T tokens' M = T*k picks sorted by group
     (`order`: sorted row -> flat pick), without act: returns [T, N], each token's picks' rows
     weighted and summed (`epilogue.combine`; the XLA loop adds each chunk into its tokens' rows
     as it goes, in group order, and never writes the [M, N] product).
@@ -112,7 +114,10 @@ def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto"
         raise ValueError("a 4-bit rhs must be quantized along K (axis=-2)")
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     backend = platform.kernel(backend)  # "auto" for this machine; a placement passes its target's kernel
-    m, n = lhs.shape[0], rhs.shape[2]
+    if lhs_rows is not None and not getattr(_module(backend), "GATHERS_ROWS", False):
+        lhs, lhs_rows = lhs[lhs_rows], None
+    rows = {} if lhs_rows is None else {"lhs_rows": lhs_rows}
+    m, n = (lhs if lhs_rows is None else lhs_rows).shape[0], rhs.shape[2]
     # Only the XLA loop reads a layer's groups out of its stack (and applies column scales
     # itself); a placement hands the other kernels a layer as its own array.
     reads_stack = backend in layered.READS_STACK
@@ -120,16 +125,16 @@ def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto"
         raise ValueError(f"the {backend} kernel reads a layer as its own [G, K, N], not as a view of its stack")
     columns = None if reads_stack else _column_scales(rhs)
     if combine is not None and columns is None and _fuses_combine(backend, m, rhs):
-        return _backend_fn(backend)(lhs, rhs, group_sizes, group_offset, out_dtype, combine=combine, bias=bias)
+        return _backend_fn(backend)(lhs, rhs, group_sizes, group_offset, out_dtype, combine=combine, bias=bias, **rows)
     if act is not None and _fuses(backend, n):
         return _backend_fn(backend)(lhs, _unit_scales(rhs) if columns is not None else rhs, group_sizes,
                                     group_offset, out_dtype, epilogue=(columns, bias, act))
     if columns is None:
-        out = _backend_fn(backend)(lhs, rhs, group_sizes, group_offset, out_dtype)
+        out = _backend_fn(backend)(lhs, rhs, group_sizes, group_offset, out_dtype, **rows)
         scale = None
     else:  # column-wise tensor scales (a gate_up stack's two halves): the kernels scale per group,
         # so they run at scale 1 in f32 and each row takes its group's columns' scales after
-        out = _backend_fn(backend)(lhs, _unit_scales(rhs), group_sizes, group_offset, jnp.float32)
+        out = _backend_fn(backend)(lhs, _unit_scales(rhs), group_sizes, group_offset, jnp.float32, **rows)
         scale = epilogue.group_rows(columns, group_sizes, group_offset, m)
     rows_bias = None if bias is None else epilogue.group_rows(bias, group_sizes, group_offset, m)
     y = epilogue.finish(out, out_dtype, scale, rows_bias)
@@ -138,15 +143,19 @@ def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto"
     return y if act is None else epilogue.glu(*epilogue.gate_up_columns(y), act)
 
 
+def _module(backend: str):
+    return importlib.import_module(f"pallas_kernels.{_IMPLS[backend][0]}")
+
+
 def _fuses(backend: str, n: int) -> bool:
     """Whether `backend`'s kernel applies the gated activation itself for a gate|up stack of N columns."""
-    fuses = getattr(importlib.import_module(f"pallas_kernels.{_IMPLS[backend][0]}"), "fuses_glu", None)
+    fuses = getattr(_module(backend), "fuses_glu", None)
     return bool(fuses and fuses(n))
 
 
 def _fuses_combine(backend: str, m: int, rhs) -> bool:
     """Whether `backend`'s kernel sums each token's picks itself for m rows of rhs."""
-    fuses = getattr(importlib.import_module(f"pallas_kernels.{_IMPLS[backend][0]}"), "fuses_combine", None)
+    fuses = getattr(_module(backend), "fuses_combine", None)
     return bool(fuses and fuses(m, rhs))
 
 

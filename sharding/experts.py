@@ -15,13 +15,13 @@ import pallas_kernels
 from moejax.model.layers import silu_glu
 
 
-def expert_ffn(x: jax.Array, group_sizes: jax.Array, w: dict, *, combine, group_offset=0, kernel: str = "auto",
+def expert_ffn(x: jax.Array, group_sizes: jax.Array, w: dict, *, picks, group_offset=0, kernel: str = "auto",
                first_slice=True) -> jax.Array:
-    """x: [M, D] the picks of T tokens sorted by expert; group_sizes: [E_total]; w: gate_up [E,
+    """x: [T, D] tokens; group_sizes: [E_total] of their T*k picks sorted by expert; w: gate_up [E,
     D, 2F] (gate and up interleaved: one grouped GEMM for both), down [E, F, D], optional biases
     gate_up_bias [E, 2F], down_bias [E, D] and activation `act(gate, up)` (default silu(gate) *
-    up); combine: (order [M], weights [T, k]) -> [T, D], each token's picks weighted and summed
-    by the down product (`pallas_kernels.grouped_gemm`).
+    up); picks: (order [T*k], weights [T, k]) -> [T, D]: the gate|up product reads each sorted
+    pick's token row, the down product weights and sums each token's picks (`pallas_kernels.grouped_gemm`).
 
     Picks of experts outside [group_offset, group_offset + E) and rows past sum(group_sizes)
     contribute zero. Where F is sliced (K-sliced down projections), every slice's output is a
@@ -29,9 +29,11 @@ def expert_ffn(x: jax.Array, group_sizes: jax.Array, w: dict, *, combine, group_
     """
     gmm = functools.partial(pallas_kernels.grouped_gemm, group_sizes=group_sizes, group_offset=group_offset,
                             backend=kernel, preferred_element_type=x.dtype)
-    h = gmm(x, w["gate_up"], bias=w.get("gate_up_bias"), act=w.get("act", silu_glu))  # [M, F]
+    order, weights = picks
+    h = gmm(x, w["gate_up"], bias=w.get("gate_up_bias"), act=w.get("act", silu_glu),
+            lhs_rows=order // weights.shape[1])  # [T*k, F]
     down_bias = w.get("down_bias")
-    return gmm(h, w["down"], bias=None if down_bias is None else jnp.where(first_slice, down_bias, 0), combine=combine)
+    return gmm(h, w["down"], bias=None if down_bias is None else jnp.where(first_slice, down_bias, 0), combine=picks)
 
 
 def sort_picks(ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
@@ -51,7 +53,6 @@ def moe_local(
     them); picks of other experts contribute zero, and cost nothing. `first_slice`: see `expert_ffn`.
     """
     order, group_sizes = sort_picks(ids, num_groups or w["down"].shape[0])
-    rows = order // ids.shape[1]
     with jax.named_scope("experts"):  # `moejax trace`'s expert GEMM time; the rest of the MoE block is dispatch / combine
-        return expert_ffn(x[rows], group_sizes, w, combine=(order, weights), group_offset=group_offset,
+        return expert_ffn(x, group_sizes, w, picks=(order, weights), group_offset=group_offset,
                           kernel=kernel, first_slice=first_slice)

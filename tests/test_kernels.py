@@ -236,6 +236,24 @@ def test_glu_epilogue_writes_half_the_columns(backend):
     assert [c.outvars[0].aval.shape[1] for c in calls] == [w.shape[2] // 2]
 
 
+@pytest.mark.parametrize("backend", ["xla", *KERNELS])
+@pytest.mark.parametrize("m", ROWS)
+def test_lhs_rows_reads_each_rows_token(backend, m):
+    """lhs_rows: a gate|up product (bias, activation) of rows lhs[lhs_rows] without the caller
+    gathering them; the XLA loop gathers each chunk's rows, never the [M, K] they make."""
+    lhs, w, sizes, offset, bias = glu_case("dense", jnp.float32)
+    tokens = lhs[:9]  # [T, K]: rows repeat, as a token's k picks do
+    lhs_rows = jnp.asarray(np.random.default_rng(m).integers(0, 9, m), jnp.int32)
+    sizes = jnp.asarray(np.random.default_rng(0).multinomial(m, np.ones(sizes.shape[0]) / sizes.shape[0]), jnp.int32)
+    run = jax.jit(lambda x, r: pk.grouped_gemm(x, w, sizes, group_offset=offset, bias=bias, act=silu_glu,
+                                               lhs_rows=r, backend=backend))
+    expected = pk.grouped_gemm(tokens[lhs_rows], w, sizes, group_offset=offset, bias=bias, act=silu_glu,
+                               backend=backend)
+    np.testing.assert_allclose(run(tokens, lhs_rows), expected, rtol=1e-6, atol=1e-6)
+    if backend == "xla" and m > 16:  # the group loop (few rows take one batched product)
+        assert f"f32[{m},{lhs.shape[1]}]" not in run.lower(tokens, lhs_rows).compile().as_text()
+
+
 def picks_case(seed: int, tokens: int, fmt: str, k=4, groups=8, local=3, d=64, n=48):
     """T tokens' k picks sorted by expert, as `moe_local` hands them to the down product: lhs
     [T*k, d], rhs [local, d, n] (experts [offset, offset + local) of `groups`), group sizes,

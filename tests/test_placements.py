@@ -188,8 +188,8 @@ def test_ragged_receiver_expands_each_row_to_its_local_picks_only():
     rows = placement.sharding(("batch", None), (t, d))
     args = [jax.device_put(a, rows) for a in (jnp.ones((t, d)), jnp.zeros((t, k), jnp.int32), jnp.ones((t, k)))]
     hlo = jax.jit(placement.moe).lower(*args, experts).compile().as_text()
-    slots = 8 * (t // 8)  # n blocks of T_local slots
-    assert f"f32[{slots * 4},{d}]" in hlo and f"f32[{slots * k},{d}]" not in hlo
+    slots, f = 8 * (t // 8), config.model.moe_intermediate_size  # n blocks of T_local slots
+    assert f"f32[{slots * 4},{f}]" in hlo and f"f32[{slots * k},{f}]" not in hlo  # the picks' activations
     buffers = exchange_buffers(t // 8, 8, k, 4, d, 4, d * 4)
     assert buffers["expert_rows"] == slots * 4 * d * 4
 
