@@ -116,7 +116,8 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = Non
     group_sizes [G] -> [M, N].
 
     lhs_rows [M] (lhs then [T, K]): row r is lhs[lhs_rows[r]], gathered by each chunk as it
-    goes, so the sorted [M, K] rows are never written. combine = (order [M], weights [T, k]) (where `fuses_combine`): -> [T, N], each chunk's rows
+    goes, so the sorted [M, K] rows are never written.
+    combine = (order [M], weights [T, k]) (where `fuses_combine`): -> [T, N], each chunk's rows
     (+ their group's row of bias [G_local, N]) weighted and added into their tokens' rows as the
     loop goes, so the [M, N] product is never written: a token's picks are summed in group order.
     """
