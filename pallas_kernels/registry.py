@@ -124,9 +124,9 @@ def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto"
     if not reads_stack and stack is not rhs:
         raise ValueError(f"the {backend} kernel reads a layer as its own [G, K, N], not as a view of its stack")
     columns = None if reads_stack else _column_scales(rhs)
-    if combine is not None and columns is None and _fuses_combine(backend, m, rhs):
+    if combine is not None and columns is None and _fuses(backend, "fuses_combine", m, rhs):
         return _backend_fn(backend)(lhs, rhs, group_sizes, group_offset, out_dtype, combine=combine, bias=bias, **rows)
-    if act is not None and _fuses(backend, n):
+    if act is not None and _fuses(backend, "fuses_glu", n):
         return _backend_fn(backend)(lhs, _unit_scales(rhs) if columns is not None else rhs, group_sizes,
                                     group_offset, out_dtype, epilogue=(columns, bias, act))
     if columns is None:
@@ -147,16 +147,12 @@ def _module(backend: str):
     return importlib.import_module(f"pallas_kernels.{_IMPLS[backend][0]}")
 
 
-def _fuses(backend: str, n: int) -> bool:
-    """Whether `backend`'s kernel applies the gated activation itself for a gate|up stack of N columns."""
-    fuses = getattr(_module(backend), "fuses_glu", None)
-    return bool(fuses and fuses(n))
-
-
-def _fuses_combine(backend: str, m: int, rhs) -> bool:
-    """Whether `backend`'s kernel sums each token's picks itself for m rows of rhs."""
-    fuses = getattr(_module(backend), "fuses_combine", None)
-    return bool(fuses and fuses(m, rhs))
+def _fuses(backend: str, probe: str, *args) -> bool:
+    """Whether `backend`'s kernel does a step itself, by its module's `probe` of these arguments:
+    fuses_glu(n) (the gated activation of a gate|up stack of N columns), fuses_combine(m, rhs)
+    (the sum of each token's picks over m rows)."""
+    fuses = getattr(_module(backend), probe, None)
+    return bool(fuses and fuses(*args))
 
 
 def _unit_scales(rhs):
