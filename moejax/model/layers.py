@@ -22,8 +22,11 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 def interleave_gate_up(gate, up):
     """gate, up: [..., F] (numpy or jax) -> [..., 2F], gate in even columns."""
-    xp = np if isinstance(gate, np.ndarray) else jnp
-    return xp.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], 2 * gate.shape[-1])
+    if isinstance(gate, np.ndarray):  # two strided writes: np.stack's copy ran 2-20x slower at load
+        out = np.empty((*gate.shape, 2), np.result_type(gate, up))
+        out[..., 0], out[..., 1] = gate, up
+        return out.reshape(*gate.shape[:-1], 2 * gate.shape[-1])
+    return jnp.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], 2 * gate.shape[-1])
 
 
 def silu_glu(gate: jax.Array, up: jax.Array) -> jax.Array:
