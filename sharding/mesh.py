@@ -84,16 +84,6 @@ class MeshPlacement(Placement, abc.ABC):
         return jax.make_array_from_callback(host.shape, self.sharding(axes, host.shape), lambda index: host[index])
 
 
-    def place_cache(self, cache, pool: bool = False):
-        """Cache dicts (or page pools) from the host onto the devices."""
-        return [{k: self.put(v, axes[k]) for k, v in layer.items()}
-                for layer, axes in zip(cache, self.cache_axes(cache, pool))]
-
-    def cache_shardings(self, cache, pool: bool = False) -> list[dict]:
-        """Where this placement keeps each array of cache dicts or page pools (for one placed elsewhere)."""
-        return [{k: self.sharding(axes[k], v.shape) for k, v in layer.items()}
-                for layer, axes in zip(cache, self.cache_axes(cache, pool))]
-
     def constrain(self, x, axes):
         return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape))
 

@@ -9,6 +9,8 @@ cost hooks (`sharding/registry.py` lists the placements).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,8 +110,17 @@ class Placement:
             return self.put(a, rules.leaf_axes(spec.axes, a.ndim))
         return jax.tree.map(put_leaf, value)
 
-    def place_cache(self, cache: list[dict], pool: bool = False) -> list[dict]:
-        return cache
+    def cache_shardings(self, cache, pool: bool = False) -> list[dict]:
+        """Where this placement keeps each array of cache dicts or page pools (for one placed elsewhere)."""
+        return [{k: self.sharding(axes[k], v.shape) for k, v in layer.items()}
+                for layer, axes in zip(cache, self.cache_axes(cache, pool))]
+
+    def zeros_cache(self, init: Callable[[], list[dict]], pool: bool = False) -> list[dict]:
+        """The zero cache dicts (or page pools) `init()` makes, each device making its own block
+        where this placement keeps it (no whole cache on one device, no copy through the host)."""
+        shapes = jax.eval_shape(init)
+        return [{k: jnp.zeros(s.shape, s.dtype, device=where[k]) for k, s in layer.items()}
+                for layer, where in zip(shapes, self.cache_shardings(shapes, pool))]
 
     def batch_multiple(self) -> int:
         """Batch sizes must be a multiple of this (requests split over devices)."""

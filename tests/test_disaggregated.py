@@ -74,7 +74,7 @@ def test_hand_over_moves_only_the_positions_the_prefill_wrote():
     prefill, decode = engine(CYCLE[0][0], 0, 4), engine(CYCLE[0][1], 4, 4)
     filled = jax.tree.map(lambda a: np.arange(a.size, dtype=np.float32).reshape(a.shape) % 7 + 1,
                           init_cache(preset("tiny"), 4, 64, np.float32))
-    cache = prefill.placement.place_cache([{k: v.copy() for k, v in run.items()} for run in filled])
+    cache = jax.device_put(filled, prefill.placement.cache_shardings(filled))
     state = Prefilled(PROMPTS, cache, tok=jnp.zeros(4, jnp.int32), logits=None, lens=np.ones(4, np.int32), max_len=64,
                       written=16, seeds=np.zeros(4, np.int32), dealer=None, picks=[], prefill_ms=0.0)
     moved_state, moved, _ = Disaggregated(prefill, decode).hand_over(state)

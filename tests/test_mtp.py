@@ -161,7 +161,7 @@ def test_jitted_step_has_no_host_transfer(where, sampling):
     spec = _random_draft("tiny-glm5") if where == "single" else _mirror(LayoutConfig(placement="ragged_a2a", devices=8, attention="dp"))
     e = spec.engine
     cache = e.new_cache(8, 64)
-    mtp_cache = e.placement.place_cache([init_mtp_cache(e.c, 8, 64, e.dtype)])[0]
+    mtp_cache = e.placement.zeros_cache(lambda: [init_mtp_cache(e.c, 8, 64, e.dtype)])[0]
     state, cache, mtp_cache = spec._prefill(e.params, spec.mtp, cache, mtp_cache, jax.numpy.ones((8, 16), jax.numpy.int32),
                                             jax.numpy.full((8,), 3), jax.numpy.arange(8), sampling=sampling)
     hlo = spec._step.lower(e.params, spec.mtp, cache, mtp_cache, state, sampling=sampling).compile().as_text()

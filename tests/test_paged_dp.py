@@ -86,7 +86,7 @@ def test_a_speculative_decode_step_on_mla_dsa_and_the_mtp_pool_moves_no_pages():
     engine = engine_on(preset("tiny-glm5"), DP4)
     mtp = load_mtp(engine.config, engine.placement)
     pool = engine.new_pool(16, PS)
-    mtp_pool = engine.placement.place_cache([init_mtp_pool(engine.c, 16, PS, engine.dtype)], pool=True)[0]
+    mtp_pool = engine.placement.zeros_cache(lambda: [init_mtp_pool(engine.c, 16, PS, engine.dtype)], pool=True)[0]
     step = jax.jit(functools.partial(spec_decode_slots, c=engine.c, placement=engine.placement), donate_argnums=(2, 3))
     hlo = step.lower(engine.params, mtp, pool, mtp_pool, tables(4, 16), jnp.ones(4, jnp.int32), jnp.ones(4, jnp.int32),
                      jnp.asarray([1, 2, 3, 1])).compile().as_text()

@@ -206,15 +206,15 @@ class Engine:
                 raise UsageError(f"prompt {i} has token id {bad[0]} outside the vocabulary 0..{self.c.vocab_size - 1}")
 
     def new_cache(self, batch: int, max_len: int) -> list[dict]:
-        return self.placement.place_cache(init_cache(self.c, batch, max_len, self.dtype))
+        return self.placement.zeros_cache(lambda: init_cache(self.c, batch, max_len, self.dtype))
 
     def new_pool(self, pages: int, page_size: int, window_pages: int = 0) -> list[dict]:
         """A page pool in the layout the attention kernel reads (and, with sliding-window layers,
         their own pool of `window_pages`). Under DP attention each rank holds an equal share of
         the pages, and its requests' tables name only those (every device reads and writes its
         own: `store_pages`, `on_pages`)."""
-        pool = init_pool(self.c, pages, page_size, self.dtype, self.placement.attention_kernel, window_pages)
-        return self.placement.place_cache(pool, pool=True)
+        return self.placement.zeros_cache(
+            lambda: init_pool(self.c, pages, page_size, self.dtype, self.placement.attention_kernel, window_pages), pool=True)
 
     def _paged_cache(self, batch: int, max_len: int):
         """engine.page_size: a pool of pages for `batch` rows of `max_len` positions and their

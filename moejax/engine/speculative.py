@@ -175,7 +175,7 @@ class SpeculativeEngine:
             raise UsageError(f"prompt of {longest} tokens does not fit the KV cache of {max_len} positions")
         batch = tokens.shape[0]
         cache = e.new_cache(batch, max_len)
-        mtp_cache = e.placement.place_cache([init_mtp_cache(e.c, batch, max_len, e.dtype)])[0]
+        mtp_cache = e.placement.zeros_cache(lambda: [init_mtp_cache(e.c, batch, max_len, e.dtype)])[0]
         t0 = compile_clock.now()
         state, cache, mtp_cache = self._prefill(
             e.params, self.mtp, cache, mtp_cache, jnp.asarray(tokens), jnp.asarray(lens - 1), seed_rows(seed, len(lens)),

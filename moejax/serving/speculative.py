@@ -97,8 +97,8 @@ class SpecScheduler(Scheduler):
             self.notes.append("the prefix cache is off with MTP drafts (--no-prefix-cache is implied)")
         self.mtp = mtp
         c = engine.c
-        self.mtp_cache = engine.placement.place_cache(
-            [init_mtp_pool(c, self.kv.num_pages, self.kv.page_size, engine.dtype)], pool=True)[0]
+        self.mtp_cache = engine.placement.zeros_cache(
+            lambda: [init_mtp_pool(c, self.kv.num_pages, self.kv.page_size, engine.dtype)], pool=True)[0]
         self.drafts = self.accepted = 0  # drafts checked and accepted (acceptance rate)
         bind = dict(c=c, placement=engine.placement)
         self._spec_prefill = jax.jit(functools.partial(spec_prefill_slots, **bind), donate_argnums=(2, 3))
