@@ -4,7 +4,7 @@ product, the sum of each token's picks (`combine`).
 
 A gate_up stack [G, K, 2F] interleaves gate and up (gate in even columns), so any tile of 2f
 adjacent columns holds f whole (gate, up) pairs: the Pallas kernels apply `finish` and `glu`
-to each tile and write [rows, F]; the XLA path applies the same functions to its whole product.
+to each tile and write [rows, F]; the XLA loop applies the same functions to each chunk of rows.
 """
 
 from __future__ import annotations

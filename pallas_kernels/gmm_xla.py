@@ -15,6 +15,7 @@ from jax import lax
 
 from moejax.platform import GATHER_ROWS
 from pallas_kernels import decode, formats, layered
+from pallas_kernels.epilogue import finish, gate_up_columns, glu, group_rows
 from pallas_kernels.metadata import local_groups, varying_zeros
 
 
@@ -105,13 +106,19 @@ def _gathers(m: int, rhs) -> bool:
 GATHERS_ROWS = True  # `gmm_xla` reads its rows through lhs_rows itself, a chunk at a time
 
 
+def fuses_glu(n: int) -> bool:
+    """Whether `gmm_xla` applies a gate|up product's activation itself (`epilogue`): any N, chunk
+    by chunk in its group loop (its few-row batched product after it)."""
+    return True
+
+
 def fuses_combine(m: int, rhs) -> bool:
     """Whether `gmm_xla` sums the rows into their tokens itself (`combine`): in its group loop."""
     return not _gathers(m, rhs)
 
 
 def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = None, *, lhs_rows=None,
-            combine=None, bias=None):
+            combine=None, bias=None, epilogue=None):
     """lhs [M, K], rhs [G_local, K, N] (array or QuantizedArray, or a LayerOf either),
     group_sizes [G] -> [M, N].
 
@@ -120,20 +127,35 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = Non
     combine = (order [M], weights [T, k]) (where `fuses_combine`): -> [T, N], each chunk's rows
     (+ their group's row of bias [G_local, N]) weighted and added into their tokens' rows as the
     loop goes, so the [M, N] product is never written: a token's picks are summed in group order.
+    epilogue = (None, bias [G_local, N] or None, act) (where `fuses_glu`): rhs a gate|up stack
+    -> [M, N/2], each chunk's rows finished (+ their group's bias) and through act(gate, up) as
+    the loop goes, as `registry.grouped_gemm` does to an unfused product: [M, N] is never written.
     """
     m, n = (lhs if lhs_rows is None else lhs_rows).shape[0], rhs.shape[2]
     g_local = rhs.shape[0]
+    act = None
+    if epilogue is not None:
+        _, bias, act = epilogue  # no column scales: the loop applies a stack's own as it decodes
+
+    def activated(y, bias_rows):  # y [rows, N] f32 -> [rows, N/2] in out_dtype
+        return glu(*gate_up_columns(finish(y, out_dtype, None, bias_rows)), act)
+
     if _gathers(m, rhs):
         lhs = lhs if lhs_rows is None else lhs[lhs_rows]
-        return _gathered(lhs, rhs, group_sizes, group_offset).astype(out_dtype)
+        y = _gathered(lhs, rhs, group_sizes, group_offset)
+        if act is None:
+            return y.astype(out_dtype)
+        return activated(y, None if bias is None else group_rows(bias, group_sizes, group_offset, m))
     tm = tm or _pick_tm(m, group_sizes.shape[0])
     lhs32 = _to_f32(lhs)  # [M or T, K], once rather than per chunk
     starts, sizes, active, num_active = local_groups(group_sizes, group_offset, g_local, m)
     like = (lhs, rhs, group_sizes, group_offset, lhs_rows, combine, bias)  # what the output varies over
     if combine is None:
-        out0 = varying_zeros((m, n), jnp.float32, *like)
+        out0 = varying_zeros((m, n if act is None else n // 2), jnp.float32, *like)
 
-        def write(out, y, p0, in_group, g):  # y [tm, N] into the rows of the group
+        def write(out, y, p0, in_group, g):  # y [tm, N] (activated: [tm, N/2]) into the rows of the group
+            if act is not None:
+                y = activated(y, None if bias is None else bias[g][None]).astype(jnp.float32)
             keep = lax.dynamic_slice_in_dim(out, p0, tm, 0)
             return lax.dynamic_update_slice_in_dim(out, jnp.where(in_group[:, None], y, keep), p0, 0)
     else:

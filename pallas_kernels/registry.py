@@ -128,7 +128,7 @@ def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto"
         return _backend_fn(backend)(lhs, rhs, group_sizes, group_offset, out_dtype, combine=combine, bias=bias, **rows)
     if act is not None and _fuses(backend, "fuses_glu", n):
         return _backend_fn(backend)(lhs, _unit_scales(rhs) if columns is not None else rhs, group_sizes,
-                                    group_offset, out_dtype, epilogue=(columns, bias, act))
+                                    group_offset, out_dtype, epilogue=(columns, bias, act), **rows)
     if columns is None:
         out = _backend_fn(backend)(lhs, rhs, group_sizes, group_offset, out_dtype, **rows)
         scale = None

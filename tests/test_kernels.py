@@ -236,6 +236,23 @@ def test_glu_epilogue_writes_half_the_columns(backend):
     assert [c.outvars[0].aval.shape[1] for c in calls] == [w.shape[2] // 2]
 
 
+@pytest.mark.parametrize("fmt,dtype,act", GLU_CASES)
+def test_xla_loop_activates_each_chunk_without_writing_the_product(fmt, dtype, act):
+    """The XLA group loop finishes each chunk (its group's bias) and applies the activation as it
+    goes: the [M, N/2] of the product with bias and activation applied after it, and no [M, N]."""
+    lhs, w, sizes, offset, bias = glu_case(fmt, dtype)
+    m, n = lhs.shape[0], w.shape[2]
+    run = jax.jit(lambda: pk.grouped_gemm(lhs, w, sizes, group_offset=offset, bias=bias, act=GLU_ACTS[act],
+                                          backend="xla"))
+    product = pk.grouped_gemm(lhs, w, sizes, group_offset=offset, backend="xla")
+    expected = epilogue.glu(*epilogue.gate_up_columns(
+        epilogue.finish(product, dtype, None, epilogue.group_rows(bias, sizes, offset, m))), GLU_ACTS[act])
+    assert run().dtype == dtype
+    np.testing.assert_allclose(np.asarray(run(), np.float32), np.asarray(expected, np.float32),
+                               **(tolerance(dtype) if dtype == jnp.bfloat16 else dict(rtol=1e-6, atol=1e-6)))
+    assert not re.search(rf"\[{m},{n}\]", run.lower().compile().as_text())
+
+
 @pytest.mark.parametrize("backend", ["xla", *KERNELS])
 @pytest.mark.parametrize("m", ROWS)
 def test_lhs_rows_reads_each_rows_token(backend, m):
