@@ -82,11 +82,12 @@ def main(argv: list[str] | None = None) -> None:
         for cmds in runs.values() if not args.smoke else ():  # warm-up: moejax's compile cache, file caches
             for cmd in cmds.values():
                 wall(cmd)
-        best = {(key, side): float("inf") for key in runs for side in ("moejax", "transformers")}
+        walls = {(key, side): [] for key in runs for side in ("moejax", "transformers")}
         for _ in range(args.rounds):
             for side in ("transformers", "moejax"):
                 for key, cmds in runs.items():
-                    best[key, side] = min(best[key, side], wall(cmds[side]))
+                    walls[key, side].append(wall(cmds[side]))
+        best = {k: min(v) for k, v in walls.items()}
     print(f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end; best of {args.rounds} "
           f"alternating rounds; transformers: grouped_mm experts, {os.cpu_count()} threads; moejax: "
           f"`moejax generate --hf DIR` defaults")
@@ -98,6 +99,10 @@ def main(argv: list[str] | None = None) -> None:
         unit = "ms per prompt token" if prefill else "ms per step"
         print(f"{f'{m}, {unit}':<28}{per['transformers'] * 1e3:>14.2f}{per['moejax'] * 1e3:>10.2f}"
               f"{per['transformers'] / per['moejax']:>8.2f}")
+    # Every command's walls, so that a marginal can be checked against the spread it came from.
+    print("wall seconds per round (a marginal is the difference of the fastest):")
+    for (m, length), side in walls:
+        print(f"  {m} {length} {side}: " + " ".join(f"{w:.2f}" for w in walls[(m, length), side]))
 
 
 if __name__ == "__main__":
