@@ -83,7 +83,6 @@ class MeshPlacement(Placement, abc.ABC):
         host = np.asarray(array)
         return jax.make_array_from_callback(host.shape, self.sharding(axes, host.shape), lambda index: host[index])
 
-
     def constrain(self, x, axes):
         return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape))
 
