@@ -24,7 +24,7 @@ from jax.experimental.pallas import triton as pl_triton
 from pallas_kernels import decode, epilogue, formats, metadata, tiling
 
 
-def fuses_glu(n: int) -> bool:
+def fuses_glu(m: int, n: int, rhs) -> bool:
     """Whether the epilogue can halve a gate|up product of N columns (Triton's blocks: a power
     of two of at least 16 output columns)."""
     return n % 32 == 0

@@ -25,7 +25,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import decode, epilogue, formats, metadata, tiling
 
 
-def fuses_glu(n: int) -> bool:
+def fuses_glu(m: int, n: int, rhs) -> bool:
     """Whether the epilogue can halve a gate|up product of N columns: each tn = 256 tile
     writes 128 lanes, the narrowest out block Mosaic takes."""
     return n % 256 == 0
@@ -85,7 +85,7 @@ def gmm_pallas_tpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
 
     tk overrides the K tile (tests use it to run several K steps on small shapes). epilogue:
     (column scales [G_local, N] or None, bias [G_local, N] or None, act): a gate|up rhs
-    (`fuses_glu(N)`), out [M, N/2] = act(gate, up) of the scaled, biased product.
+    (`fuses_glu`), out [M, N/2] = act(gate, up) of the scaled, biased product.
     """
     m, k = lhs.shape
     g_local, _, n = rhs.shape

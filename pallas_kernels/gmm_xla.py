@@ -15,7 +15,7 @@ from jax import lax
 
 from moejax.platform import GATHER_ROWS
 from pallas_kernels import decode, formats, layered
-from pallas_kernels.epilogue import finish, gate_up_columns, glu, group_rows
+from pallas_kernels.epilogue import finish, gate_up_columns, glu
 from pallas_kernels.metadata import local_groups, varying_zeros
 
 
@@ -106,15 +106,13 @@ def _gathers(m: int, rhs) -> bool:
 GATHERS_ROWS = True  # `gmm_xla` reads its rows through lhs_rows itself, a chunk at a time
 
 
-def fuses_glu(n: int) -> bool:
-    """Whether `gmm_xla` applies a gate|up product's activation itself (`epilogue`): any N, chunk
-    by chunk in its group loop (its few-row batched product after it)."""
-    return True
-
-
-def fuses_combine(m: int, rhs) -> bool:
-    """Whether `gmm_xla` sums the rows into their tokens itself (`combine`): in its group loop."""
+def fuses_glu(m: int, n: int, rhs) -> bool:
+    """Whether `gmm_xla` applies a gate|up product's activation (`epilogue`), or sums the rows into
+    their tokens (`combine`), itself: in its group loop, as each chunk is written."""
     return not _gathers(m, rhs)
+
+
+fuses_combine = fuses_glu
 
 
 def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = None, *, lhs_rows=None,
@@ -136,16 +134,9 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = Non
     act = None
     if epilogue is not None:
         _, bias, act = epilogue  # no column scales: the loop applies a stack's own as it decodes
-
-    def activated(y, bias_rows):  # y [rows, N] f32 -> [rows, N/2] in out_dtype
-        return glu(*gate_up_columns(finish(y, out_dtype, None, bias_rows)), act)
-
     if _gathers(m, rhs):
         lhs = lhs if lhs_rows is None else lhs[lhs_rows]
-        y = _gathered(lhs, rhs, group_sizes, group_offset)
-        if act is None:
-            return y.astype(out_dtype)
-        return activated(y, None if bias is None else group_rows(bias, group_sizes, group_offset, m))
+        return _gathered(lhs, rhs, group_sizes, group_offset).astype(out_dtype)
     tm = tm or _pick_tm(m, group_sizes.shape[0])
     lhs32 = _to_f32(lhs)  # [M or T, K], once rather than per chunk
     starts, sizes, active, num_active = local_groups(group_sizes, group_offset, g_local, m)
@@ -154,8 +145,9 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = Non
         out0 = varying_zeros((m, n if act is None else n // 2), jnp.float32, *like)
 
         def write(out, y, p0, in_group, g):  # y [tm, N] (activated: [tm, N/2]) into the rows of the group
-            if act is not None:
-                y = activated(y, None if bias is None else bias[g][None]).astype(jnp.float32)
+            if act is not None:  # as the registry finishes an unfused product: bias, then act(gate, up)
+                y = glu(*gate_up_columns(finish(y, out_dtype, None, None if bias is None else bias[g][None])),
+                        act).astype(jnp.float32)
             keep = lax.dynamic_slice_in_dim(out, p0, tm, 0)
             return lax.dynamic_update_slice_in_dim(out, jnp.where(in_group[:, None], y, keep), p0, 0)
     else:

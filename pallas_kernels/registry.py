@@ -124,9 +124,9 @@ def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto"
     if not reads_stack and stack is not rhs:
         raise ValueError(f"the {backend} kernel reads a layer as its own [G, K, N], not as a view of its stack")
     columns = None if reads_stack else _column_scales(rhs)
-    if combine is not None and columns is None and _fuses(backend, "fuses_combine", m, rhs):
+    if combine is not None and columns is None and _fuses(backend, "fuses_combine", m, n, rhs):
         return _backend_fn(backend)(lhs, rhs, group_sizes, group_offset, out_dtype, combine=combine, bias=bias, **rows)
-    if act is not None and _fuses(backend, "fuses_glu", n):
+    if act is not None and _fuses(backend, "fuses_glu", m, n, rhs):
         return _backend_fn(backend)(lhs, _unit_scales(rhs) if columns is not None else rhs, group_sizes,
                                     group_offset, out_dtype, epilogue=(columns, bias, act), **rows)
     if columns is None:
@@ -147,12 +147,12 @@ def _module(backend: str):
     return importlib.import_module(f"pallas_kernels.{_IMPLS[backend][0]}")
 
 
-def _fuses(backend: str, probe: str, *args) -> bool:
-    """Whether `backend`'s kernel does a step itself, by its module's `probe` of these arguments:
-    fuses_glu(n) (the gated activation of a gate|up stack of N columns), fuses_combine(m, rhs)
-    (the sum of each token's picks over m rows)."""
+def _fuses(backend: str, probe: str, m: int, n: int, rhs) -> bool:
+    """Whether `backend`'s kernel does a step itself for m rows of rhs (N columns), by its module's
+    `probe`: fuses_glu (the gated activation of a gate|up stack), fuses_combine (the sum of each
+    token's picks)."""
     fuses = getattr(_module(backend), probe, None)
-    return bool(fuses and fuses(*args))
+    return bool(fuses and fuses(m, n, rhs))
 
 
 def _unit_scales(rhs):
