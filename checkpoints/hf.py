@@ -31,6 +31,7 @@ from checkpoints.quantization import Tensors, read_scheme
 from checkpoints.safetensors_io import SafetensorsDir
 from moejax.config import ConfigError, ModelConfig
 from moejax.errors import UsageError
+from moejax.model import layer_loop
 from moejax.model.mtp import mtp_specs
 from moejax.model.params import ParamSpec, Run, layer_runs, param_specs
 
@@ -240,10 +241,12 @@ def has_mtp(directory: str | Path, c: ModelConfig) -> bool:
     return f"model.layers.{c.num_layers}.eh_proj.weight" in SafetensorsDir(directory)
 
 
-def load_hf(directory: str | Path, c: ModelConfig, dtype, placement, mtp: bool = False):
+def load_hf(directory: str | Path, c: ModelConfig, dtype, placement, mtp: bool = False, loops: tuple | None = None):
     """Params (with `mtp`: the MTP module's): every tensor read, cast and put on its devices
-    by `placement` before the next one is read."""
+    by `placement` before the next one is read, each run of layers held by its loop of `loops`
+    (default: stacked)."""
+    loops = loops or layer_loop.stacked(c)
     params = jax.tree.map(lambda s: None, mtp_specs(c) if mtp else param_specs(c), is_leaf=lambda x: isinstance(x, ParamSpec))
     for path, spec, array in iter_hf_tensors(directory, c, mtp):
-        set_path(params, path, place_tensor(placement, spec, array, dtype))
-    return params
+        set_path(params, path, place_tensor(placement, spec, array, dtype, layer_loop.holds(loops, path)))
+    return layer_loop.assemble(params, loops)

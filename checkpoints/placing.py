@@ -117,16 +117,22 @@ def is_stacked(spec: ParamSpec) -> bool:
     return spec.axes[:1] == ("layers",)
 
 
-def place_tensor(placement, spec: ParamSpec, source, dtype):
+def place_tensor(placement, spec: ParamSpec, source, dtype, held: str = "stack"):
     """One parameter on its devices, in the run's form. `source`: the array (host or device,
-    or `PackedExperts`); for a run's stacked spec also `Layers`, read one layer at a time."""
+    or `PackedExperts`); for a run's stacked spec also `Layers`, read one layer at a time, and
+    `held` as the run's loop holds it (`layer_loop`): one "stack" [layers, ...], or a tuple of
+    each layer's own arrays ("layers"), or of each layer's experts a buffer each ("groups")."""
     config = placement.config
     form = lambda s, a: host_form(s, a, dtype, config.weights.expert_format, placement.k_slices(spec), config.kernel)
     if not is_stacked(spec):
         return placement.place(spec, form(spec, source))
-    layer_spec, whole = _unstacked(spec), None
+    layer_spec = _unstacked(spec)
+    put = functools.partial(placement.place_groups if held == "groups" else placement.place, layer_spec)
+    if held != "stack":
+        return tuple(put(host) for _, _, host in layer_forms(spec, source, form))
+    whole = None
     for i, count, host in layer_forms(spec, source, form):
-        layer = placement.place(layer_spec, host)
+        layer = put(host)
         whole = _set_layer(_empty_stack(layer, count) if whole is None else whole, layer, np.int32(i))
     return whole
 

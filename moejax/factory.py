@@ -102,11 +102,11 @@ def build_engine(config: Config, hf_dir: str | None, seed: int, checkpoint: str 
     routing.check(config.model)  # before loading weights: a mismatched trace fails fast
     ensure_devices(config.layout.devices)
     placement = registry.make_placement(config, devices=devices)
-    lent = params is not None
-    if not lent:
-        params = load_params(config, placement, hf_dir=hf_dir, checkpoint=checkpoint, seed=seed)
-        params, phy2log = place_experts(params, placement, load_trace)
-    return Engine(config, params, placement, routing, phy2log, arranged=lent)
+    if params is None:
+        # Straight into the placement's loops: an unrolled run's layers never pass through a stack.
+        params = load_params(config, placement, hf_dir=hf_dir, checkpoint=checkpoint, seed=seed, loops=placement.loops)
+        params, phy2log = place_experts(params, placement, load_trace, placement.loops)
+    return Engine(config, params, placement, routing, phy2log, arranged=True)
 
 
 def pd_devices(args, shared: int) -> tuple[list, list]:

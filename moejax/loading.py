@@ -15,6 +15,7 @@ from checkpoints.orbax_io import restore_params
 from checkpoints.placing import Layers, place_tensor
 from moejax.config import Config
 from moejax.errors import UsageError
+from moejax.model import layer_loop
 from moejax.model.mtp import mtp_specs
 from moejax.model.params import ParamSpec, init_param, param_keys, param_specs
 from moejax.platform import run_dtype
@@ -38,31 +39,39 @@ def with_hf_model(config: Config, hf_dir: str | None, checkpoint: str | None = N
                                weights=dataclasses.replace(config.weights, expert_format=manifest.expert_format))
 
 
-def random_params(config: Config, placement, seed: int, specs: dict) -> dict:
+def random_params(config: Config, placement, seed: int, specs: dict, loops: tuple | None = None) -> dict:
     """Random parameters (`init_param`) placed as a checkpoint's would be: drawn on the host's
-    CPU device one layer at a time, so no device holds more than its own share."""
+    CPU device one layer at a time, so no device holds more than its own share; each run of
+    layers held by its loop of `loops` (default: stacked)."""
     c, dtype = config.model, jnp.dtype(run_dtype(config.engine.dtype))
     key = jax.device_put(jax.random.key(seed), jax.local_devices(backend="cpu")[0])
+    runs = loops or layer_loop.stacked(c)
 
-    def place(spec: ParamSpec, k):
+    def place(path, spec: ParamSpec, k):
         if spec.axes[:1] == ("layers",):
             source = Layers(tuple(functools.partial(init_param, spec, k, c, dtype, i) for i in range(spec.shape[0])))
         else:
             source = init_param(spec, k, c, dtype)
-        return place_tensor(placement, spec, source, dtype)
+        keys = tuple(getattr(p, "key", getattr(p, "idx", None)) for p in path)
+        return place_tensor(placement, spec, source, dtype, layer_loop.holds(runs, keys))
 
-    return jax.tree.map(place, specs, param_keys(specs, key), is_leaf=lambda x: isinstance(x, ParamSpec))
+    params = jax.tree_util.tree_map_with_path(place, specs, param_keys(specs, key), is_leaf=lambda x: isinstance(x, ParamSpec))
+    return layer_loop.assemble(params, runs)
 
 
 def load_params(config: Config, placement, *, hf_dir: str | None = None, checkpoint: str | None = None,
-                seed: int = 0) -> dict:
+                seed: int = 0, loops: tuple | None = None) -> dict:
     """Parameters placed by `placement`: read from `hf_dir`, restored from `checkpoint` (each
-    array straight into its sharding), or random from `seed`."""
+    array straight into its sharding), or random from `seed`. Each run of layers is held as its
+    loop of `loops` holds it (`layer_loop`; default: every run stacked, as at rest): an engine's
+    loops (`placement.loops`) take an unrolled run's layers, and its expert groups, straight into
+    their own buffers rather than through a stack."""
+    loops = loops or layer_loop.stacked(config.model)
     if hf_dir is not None:
-        return load_hf(hf_dir, config.model, jnp.dtype(run_dtype(config.engine.dtype)), placement)
+        return load_hf(hf_dir, config.model, jnp.dtype(run_dtype(config.engine.dtype)), placement, loops=loops)
     if checkpoint is not None:
-        return restore_params(checkpoint, config, placement)
-    return random_params(config, placement, seed, param_specs(config.model))
+        return layer_loop.arrange(restore_params(checkpoint, config, placement), loops)
+    return random_params(config, placement, seed, param_specs(config.model), loops)
 
 
 def load_mtp(config: Config, placement, *, hf_dir: str | None = None, checkpoint: str | None = None,

@@ -9,6 +9,7 @@ cost hooks (`sharding/registry.py` lists the placements).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -100,15 +101,24 @@ class Placement:
         """One parameter (an array, or a 4-bit tree of arrays) onto its devices; expert stacks
         padded with empty experts up to `num_logical` (never picked), in checkpoint order
         (`sharding/moves.py` moves them into a placement's slots)."""
-        def put_leaf(a):
-            if is_expert_stack(spec):
-                ax = expert_axis(spec)
-                if a.shape[ax] < self.num_logical:
-                    pad = [(0, 0)] * a.ndim
-                    pad[ax] = (0, self.num_logical - a.shape[ax])
-                    a = np.pad(np.asarray(a), pad)
-            return self.put(a, rules.leaf_axes(spec.axes, a.ndim))
-        return jax.tree.map(put_leaf, value)
+        return jax.tree.map(lambda a: self.put(a, rules.leaf_axes(spec.axes, a.ndim)), self._padded(spec, value))
+
+    def place_groups(self, spec: ParamSpec, value) -> layered.Groups:
+        """One layer's expert matrix [E, K, N] (host array or 4-bit tree) onto its devices as an
+        unrolled run holds it: a buffer per expert (`layered.Groups`), padded as `place` pads."""
+        value, one = self._padded(spec, value), dataclasses.replace(spec, shape=spec.shape[1:], axes=spec.axes[1:])
+        return layered.Groups(tuple(self.place(one, jax.tree.map(lambda a: a[g], value)) for g in range(self.num_logical)))
+
+    def _padded(self, spec: ParamSpec, value):
+        """An expert stack with empty experts appended up to `num_logical`; any other parameter as is."""
+        def pad(a):
+            ax = expert_axis(spec)
+            if a.shape[ax] >= self.num_logical:
+                return a
+            widths = [(0, 0)] * a.ndim
+            widths[ax] = (0, self.num_logical - a.shape[ax])
+            return np.pad(np.asarray(a), widths)
+        return jax.tree.map(pad, value) if is_expert_stack(spec) else value
 
     def cache_shardings(self, cache, pool: bool = False) -> list[dict]:
         """Where this placement keeps each array of cache dicts or page pools (for one placed elsewhere)."""

@@ -11,9 +11,11 @@ import pytest
 
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.loading import load_params
+from moejax.model.layer_loop import arrange
 from moejax.model.params import init_params
 from sharding import make_placement, names
 from sharding.mesh import MeshPlacement
+from sharding.tensor_sliced import TensorSliced
 
 # Experts dominate, as at full size: a whole expert stack on one device is many shares.
 MODEL = dataclasses.replace(preset("tiny"), num_experts=32, moe_intermediate_size=256)
@@ -61,3 +63,30 @@ def test_a_layer_drawn_alone_is_that_layer_of_the_whole():
     for got, want in zip(jax.tree.leaves(placed), jax.tree.leaves(whole)):
         got = np.asarray(got)
         np.testing.assert_array_equal(got[tuple(slice(0, n) for n in want.shape)], np.asarray(want))
+
+
+@pytest.mark.parametrize("fmt", ["unquantized", "nvfp4"])
+def test_an_unrolled_run_loads_straight_into_its_layers_and_expert_groups(fmt, monkeypatch):
+    """Loaded with a placement's loops, an unrolled run holds what the engine's arrangement of the
+    stack holds (each layer's own arrays, each expert group its own buffer: same values, same
+    shardings), and no stack is made on the way: at every put, no device buffer loading made is
+    larger than the largest the engine keeps."""
+    cfg = dataclasses.replace(config(TensorSliced.name, fmt), layout=LayoutConfig(devices=2, placement=TensorSliced.name),
+                              engine=EngineConfig(dtype="bfloat16", layer_loop="unroll")).validate()
+    placement = make_placement(cfg)
+    assert all(loop.groups for loop in placement.loops)
+    want = arrange(load_params(cfg, placement, seed=3), placement.loops)
+    old = {id(a) for a in jax.live_arrays()}
+    seen, put = [], MeshPlacement.put
+
+    def watched(self, array, axes):
+        seen.extend(shard_bytes(a for a in jax.live_arrays() if id(a) not in old))
+        return put(self, array, axes)
+
+    monkeypatch.setattr(MeshPlacement, "put", watched)
+    got = load_params(cfg, placement, seed=3, loops=placement.loops)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.sharding.is_equivalent_to(w.sharding, g.ndim)
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert seen and max(seen) <= max(shard_bytes(jax.tree.leaves(got)))

@@ -49,15 +49,16 @@ def initial_phy2log(placement, load_trace) -> np.ndarray:
     return slots.default_phy2log(moe_layers(c), placement.num_logical, placement.num_experts)
 
 
-def place_experts(params: dict, placement, load_trace) -> tuple[dict, np.ndarray]:
-    """Loaded params (experts in checkpoint order) -> (params with the experts in the layout's
-    placement and its slot tables, that phy2log); unchanged without expert placement."""
+def place_experts(params: dict, placement, load_trace, loops: tuple | None = None) -> tuple[dict, np.ndarray]:
+    """Loaded params (experts in checkpoint order; each run held by its loop of `loops`, default
+    stacked) -> (params with the experts in the layout's placement and its slot tables, that
+    phy2log); unchanged without expert placement."""
     layout = placement.config.layout
     if not wants_slots(layout):
         return params, None
     phy2log = initial_phy2log(placement, load_trace)
     order = eplb.contiguous(phy2log.shape[0], placement.num_logical)
-    params, _ = moves.arrange(placement, params, order, phy2log)
+    params, _ = moves.arrange(placement, params, order, phy2log, loops)
     return params, phy2log
 
 

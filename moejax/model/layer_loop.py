@@ -28,6 +28,14 @@ class Scan:
         """The run's parameters as this loop reads them, from their stack."""
         return stack
 
+    def holds(self, keys: tuple) -> str:
+        """How this loop holds the parameter at `keys` of a layer's tree: one "stack" of every layer."""
+        return "stack"
+
+    def assemble(self, run):
+        """The run from its parameters each loaded as `holds` says (a stack: as is)."""
+        return run
+
     def count(self, run) -> int:
         return jax.tree.leaves(run)[0].shape[0]
 
@@ -70,6 +78,16 @@ class Unrolled:
     def arrange(self, stack):
         return _layers_of(stack, self.groups)
 
+    def holds(self, keys: tuple) -> str:
+        """A tuple of "groups" (a `layered.Groups` a layer) for the expert matrices `groups`, else of "layers"."""
+        return "groups" if len(keys) == 3 and keys[:2] == ("moe", "experts") and keys[2] in self.groups else "layers"
+
+    def assemble(self, run):
+        """The run from a tree whose leaves are tuples of per-layer values (as `holds` loads them)."""
+        leaves = lambda x: isinstance(x, tuple)
+        count = len(jax.tree.leaves(run, is_leaf=leaves)[0])
+        return tuple(jax.tree.map(lambda layers: layers[i], run, is_leaf=leaves) for i in range(count))
+
     def count(self, run) -> int:
         return len(run)
 
@@ -106,8 +124,21 @@ def stacked(c) -> tuple:
 
 
 def arrange(params: dict, loops: tuple) -> dict:
-    """`params` (every run stacked, as loaded) with each run in its loop's form."""
+    """`params` (every run stacked) with each run in its loop's form."""
     return {**params, "layers": [loop.arrange(run) for loop, run in zip(loops, params["layers"])]}
+
+
+def holds(loops: tuple, path: tuple) -> str:
+    """How `loops` hold the parameter at `path` of the params tree ("stack" outside the runs)."""
+    return loops[path[1]].holds(path[2:]) if path[:1] == ("layers",) else "stack"
+
+
+def assemble(params: dict, loops: tuple) -> dict:
+    """`params` loaded as `holds` says, leaf by leaf, with each run in its loop's form (a tree
+    without runs, the MTP module's, as is)."""
+    if "layers" not in params:
+        return params
+    return {**params, "layers": [loop.assemble(run) for loop, run in zip(loops, params["layers"])]}
 
 
 def _replace(tree: dict, keys: tuple, value) -> dict:
@@ -143,9 +174,9 @@ def _layers_of(run, groups: tuple):
     """A run's stacked tree [layers, ...] -> a tuple of per-layer trees, the expert matrices
     `groups` split a buffer per group, in one program (eager slices would be a program per leaf
     shape for a start-up to compile or fetch)."""
-    layers = split_layers(run)
-    if groups and "moe" in run:
+    layers, loop = split_layers(run), Unrolled(groups)
+    if "moe" in run:
         layers = [_replace(layer, ("moe", "experts"), {
-            name: layered.split(w) if name in groups else w for name, w in layer["moe"]["experts"].items()})
-            for layer in layers]
+            name: layered.split(w) if loop.holds(("moe", "experts", name)) == "groups" else w
+            for name, w in layer["moe"]["experts"].items()}) for layer in layers]
     return tuple(layers)
