@@ -138,6 +138,7 @@ def _experts(st: Tensors, pre: str, c: ModelConfig) -> dict[str, Callable[[], np
     f = c.moe_intermediate_size
     names = {"gate": "w1", "up": "w3", "down": "w2"} if c.family == "mixtral" else {p: f"{p}_proj" for p in ("gate", "up", "down")}
     fused = pre + "gate_up_proj" in st
+    linears = lambda part: [f"{pre}{e}.{names[part]}" for e in range(c.num_experts)]
 
     def per_expert(part: str) -> np.ndarray:
         if fused:
@@ -145,9 +146,29 @@ def _experts(st: Tensors, pre: str, c: ModelConfig) -> dict[str, Callable[[], np
                 return st.get(pre + "down_proj").transpose(0, 2, 1)  # [E, D, F] -> [E, F, D]
             w = st.get(pre + "gate_up_proj")  # [E, 2F, D]: gate rows, then up rows
             return (w[:, :f] if part == "gate" else w[:, f:]).transpose(0, 2, 1)
-        return st.experts([f"{pre}{e}.{names[part]}" for e in range(c.num_experts)])
+        return st.experts(linears(part))
 
-    return {"gate_up": lambda: fuse(per_expert("gate"), per_expert("up")), "down": lambda: per_expert("down")}
+    def gate_up():
+        if fused:
+            return fuse(per_expert("gate"), per_expert("up"))
+        return _gate_up(st, linears("gate"), linears("up"))
+
+    return {"gate_up": gate_up, "down": lambda: per_expert("down")}
+
+
+def _gate_up(st: Tensors, gates: list[str], ups: list[str]):
+    """Per-expert gate and up linears -> [E, D, 2F] as `fuse` makes it: floats written into the
+    interleaved buffer as each expert is read (no stack of either half on the way), NVFP4 experts
+    fused from their two stacks."""
+    if st.packed(gates + ups):
+        return fuse(st.experts(gates), st.experts(ups))
+    first = [st.get(names[0] + ".weight") for names in (gates, ups)]
+    (f, d), dtype = first[0].shape, np.result_type(*first)
+    out = np.empty((len(gates), d, f, 2), dtype)
+    for e, names in enumerate(zip(gates, ups)):
+        for half, name in enumerate(names):
+            out[e, :, :, half] = st.get(name + ".weight").T
+    return out.reshape(len(gates), d, 2 * f)
 
 
 def _layer(st: Tensors, i: int, c: ModelConfig) -> dict:

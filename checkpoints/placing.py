@@ -12,8 +12,11 @@ bf16) fits neither the host nor one device, so loading goes layer by layer: a la
 read, brought to its run form on the host (4-bit work runs on a CPU device a few experts at a
 time and comes back as numpy), each device takes its own block of it (`Placement.place`), and
 the block is written into that device's share of the run's stack in place (a donated
-`dynamic_update_index_in_dim`). The host then holds about one layer's tensor and a device never
-more than its own share of a parameter plus one layer of it.
+`dynamic_update_index_in_dim`), or, for a run its loop holds unrolled (`layer_loop.Unrolled`),
+kept as that layer's own arrays, an expert matrix a buffer per expert where the kernel
+multiplies each where it lies (`Placement.place_groups`): never a stack to be split at start-up.
+The host then holds about one layer's tensor and a device never more than its own share of a
+parameter plus one layer of it.
 """
 
 from __future__ import annotations

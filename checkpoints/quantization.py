@@ -211,13 +211,19 @@ class Tensors:
         step = np.repeat(s.astype(np.float32) * s2, 16, axis=1)
         return e2m1_pairs(w) * step
 
-    def experts(self, names: list[str]) -> np.ndarray | PackedExperts:
-        """Linears `names` (one per expert, without `.weight`) -> [E, in, out]: floats, or
-        `PackedExperts` when every one of them is NVFP4."""
+    def packed(self, names: list[str]) -> bool:
+        """Whether linears `names` (without `.weight`) are every one NVFP4 (else every one read as floats)."""
         dtypes = {self._dtype(n + ".weight") for n in names}
         if self.scheme is None or self.scheme.method != "nvfp4" or dtypes != {"U8"}:
             if "U8" in dtypes and len(dtypes) > 1:
                 raise UsageError(f"{self.directory}: experts {names[0]}.. mix NVFP4 and unquantized weights")
+            return False
+        return True
+
+    def experts(self, names: list[str]) -> np.ndarray | PackedExperts:
+        """Linears `names` (one per expert, without `.weight`) -> [E, in, out]: floats, or
+        `PackedExperts` when every one of them is NVFP4."""
+        if not self.packed(names):
             return np.stack([self.get(n + ".weight").T for n in names])
         parts = [self._nvfp4_parts(n) for n in names]
         return PackedExperts(
