@@ -1,4 +1,5 @@
-"""Process start-up settings that must be in place before jax is first imported.
+"""Process start-up settings that must be in place before jax is first imported, or before a
+model is loaded.
 
 jax reads its persistent compile cache settings from the environment when it is imported, so
 the CLI calls `configure_compile_cache` before anything imports jax (building the argument
@@ -34,3 +35,17 @@ def configure_compile_cache() -> str:
         for name in CACHE_ENV:
             jax.config.update(name.lower(), float(os.environ[name]) if "SECS" in name else int(os.environ[name]))
     return os.environ["JAX_COMPILATION_CACHE_DIR"]
+
+
+def host_pages() -> bool:
+    """Numpy's large buffers on the kernel's small pages (numpy asks for 2 MB pages by default),
+    unless NUMPY_MADVISE_HUGEPAGE says otherwise. Returns whether numpy asks for 2 MB pages.
+
+    A load's host buffers (a layer's experts as read, then put on their devices) are written
+    once and dropped: 2 MB pages save them nothing, and on a host where a fresh 2 MB page is
+    slow to come by a start's time spreads by seconds (docs/cpu-host.md)."""
+    from numpy._core import multiarray
+
+    wanted = os.environ.get("NUMPY_MADVISE_HUGEPAGE", "0") != "0"
+    multiarray._set_madvise_hugepage(wanted)
+    return wanted

@@ -1,5 +1,6 @@
-"""`moejax generate` keeps its compiled programs in the persistent cache, so a second identical
-run compiles nothing, and its --json output says where the run's time went."""
+"""A CLI process's start-up settings: numpy's large buffers on small pages unless asked otherwise;
+`moejax generate` keeps its compiled programs in the persistent cache, so a second identical run
+compiles nothing, and its --json output says where the run's time went."""
 
 import json
 import os
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # each test starts moejax processes
+from moejax.startup import host_pages
 
 ARGV = ["generate", "--preset", "tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--json"]
 
@@ -32,6 +33,7 @@ def runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # starts moejax processes
 def test_first_run_fills_the_cache_including_small_programs(runs):
     (_, entries), _ = runs
     assert any(e.startswith("jit_prefill") for e in entries)
@@ -40,14 +42,33 @@ def test_first_run_fills_the_cache_including_small_programs(runs):
     assert len(entries) > 10
 
 
+@pytest.mark.slow
 def test_second_run_compiles_nothing_new_and_gives_the_same_tokens(runs):
     (first, before), (second, after) = runs
     assert after == before
     assert second["tokens"] == first["tokens"]
 
 
+@pytest.mark.slow
 def test_json_reports_timing(runs):
     timing = runs[0][0]["timing"]
     assert set(timing) == {"load_s", "compile_s", "prefill_ms", "decode_step_ms"}
     assert all(v >= 0 for v in timing.values())
     assert timing["compile_s"] > 0
+
+
+@pytest.mark.parametrize("env, huge", [(None, False), ("0", False), ("1", True)])
+def test_numpy_buffers_take_small_pages_unless_the_environment_asks(env, huge, monkeypatch):
+    """numpy asks for 2 MB pages by default; a start asks it not to, and NUMPY_MADVISE_HUGEPAGE wins."""
+    from numpy._core import multiarray
+
+    if env is None:
+        monkeypatch.delenv("NUMPY_MADVISE_HUGEPAGE", raising=False)
+    else:
+        monkeypatch.setenv("NUMPY_MADVISE_HUGEPAGE", env)
+    before = multiarray._set_madvise_hugepage(True)  # numpy's default: on
+    try:
+        assert host_pages() is huge
+        assert multiarray._set_madvise_hugepage(True) is huge  # returns the setting it replaces
+    finally:
+        multiarray._set_madvise_hugepage(before)
