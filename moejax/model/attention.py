@@ -175,14 +175,21 @@ def _gqa_xla_in(p: dict, q, k, v, positions, cache: dict, c: ModelConfig, placem
     # out, where from [B, T, H_kv, G, Dh] XLA:CPU transposes every score (T rows x S) once more.
     q = q.reshape(b, t, c.num_kv_heads, groups, dh).transpose(0, 2, 3, 1, 4)
     sinks = p["sinks"].reshape(c.num_kv_heads, groups, 1, 1) if c.attention_sinks else None
-    out = _attend(
-        lambda q0, tq, k0, tk: jnp.einsum("bkgtd,bksd->bkgts", _slice(q, q0, tq, 3), _slice(keys, k0, tk, 2))
-        * c.softmax_scale,
+    out = _gqa_attend(q, keys, values, positions, window, sinks, scale=c.softmax_scale)  # [B, H_kv, G, T, Dh]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh), cache
+
+
+@functools.partial(jax.jit, static_argnames="scale")
+def _gqa_attend(q, keys, values, positions, window, sinks, scale: float):
+    """q: [B, H_kv, G, T, Dh] over keys, values [B, H_kv, S, Dh] -> [B, H_kv, G, T, Dh]. Its own
+    jit: the layers of a program trace and lower it once for all (unrolled, each layer's attention
+    loops would be traced again)."""
+    return _attend(
+        lambda q0, tq, k0, tk: jnp.einsum("bkgtd,bksd->bkgts", _slice(q, q0, tq, 3), _slice(keys, k0, tk, 2)) * scale,
         lambda w, k0, tk: jnp.einsum("bkgts,bksd->bkgtd", w.astype(values.dtype), _slice(values, k0, tk, 2)),
         lambda q0, tq, k0, tk: _causal_mask(_slice(positions, q0, tq, 1), tk, window, k0)[:, None, None],
         positions, keys.shape[2], q.shape, 3, window, sinks,
-    ).astype(values.dtype)  # [B, H_kv, G, T, Dh]
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh), cache
+    ).astype(values.dtype)
 
 
 def mla(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: ModelConfig, placement, selected=None,
