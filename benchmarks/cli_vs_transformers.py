@@ -12,7 +12,8 @@ moejax runs `moejax generate --hf DIR --prompt-ids ... --max-new-tokens N --igno
 other flag (its compile cache warmed by a first run of each command); transformers runs
 `AutoModelForCausalLM.from_pretrained(DIR)` and `generate` (greedy, exactly N new tokens) under
 its fastest CPU expert implementation of `model_vs_transformers.py`, `grouped_mm`, on every core.
-Sides alternate over rounds and each command keeps its fastest wall time.
+Sides alternate over rounds and each command keeps its fastest wall time; the ratio of the
+marginals of the median walls is printed beside.
 """
 
 from __future__ import annotations
@@ -87,18 +88,21 @@ def main(argv: list[str] | None = None) -> None:
             for side in ("transformers", "moejax"):
                 for key, cmds in runs.items():
                     walls[key, side].append(wall(cmds[side]))
-        best = {k: min(v) for k, v in walls.items()}
-    print(f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end; best of {args.rounds} "
+    print(f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end; {args.rounds} "
           f"alternating rounds; transformers: grouped_mm experts, {os.cpu_count()} threads; moejax: "
           f"`moejax generate --hf DIR` defaults")
-    print(f"{'measure (marginal)':<28}{'transformers':>14}{'moejax':>10}{'ratio':>8}")
+    # The fastest walls are the measure; the medians' marginals beside them show how much one
+    # process's luck moved it.
+    print(f"{'measure (marginal)':<28}{'transformers':>14}{'moejax':>10}{'ratio':>8}{'of medians':>12}")
     for m, (count, (short_p, short_n), (long_p, long_n)) in measures.items():
         prefill = m == "prefill"
         work = (long_p - short_p) if prefill else (long_n - short_n)
-        per = {side: (best[(m, "long"), side] - best[(m, "short"), side]) / work for side in ("moejax", "transformers")}
+        per = {(side, pick): (pick(walls[(m, "long"), side]) - pick(walls[(m, "short"), side])) / work
+               for side in ("moejax", "transformers") for pick in (min, np.median)}
         unit = "ms per prompt token" if prefill else "ms per step"
-        print(f"{f'{m}, {unit}':<28}{per['transformers'] * 1e3:>14.2f}{per['moejax'] * 1e3:>10.2f}"
-              f"{per['transformers'] / per['moejax']:>8.2f}")
+        ratio = lambda pick: per["transformers", pick] / per["moejax", pick]
+        print(f"{f'{m}, {unit}':<28}{per['transformers', min] * 1e3:>14.2f}{per['moejax', min] * 1e3:>10.2f}"
+              f"{ratio(min):>8.2f}{ratio(np.median):>12.2f}")
     # Every command's walls, so that a marginal can be checked against the spread it came from.
     print("wall seconds per round (a marginal is the difference of the fastest):")
     for (m, length), side in walls:
