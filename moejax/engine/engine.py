@@ -168,8 +168,8 @@ class Engine:
 
     def __init__(self, config: Config, params: dict, placement, routing: Routing = Routing(), phy2log=None,
                  arranged: bool = False):
-        """`params` as loaded (every run stacked), or `arranged` already for this placement's
-        loops (another engine's, lent)."""
+        """`params` with every run stacked, or `arranged` already for this placement's loops
+        (loaded with them, or another engine's, lent)."""
         self.config = config
         self.phy2log = phy2log  # int[MoE layers, slots]: the experts' placement (None: checkpoint order)
         self.c = config.model
