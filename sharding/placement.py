@@ -106,8 +106,8 @@ class Placement:
     def place_groups(self, spec: ParamSpec, value) -> layered.Groups:
         """One layer's expert matrix [E, K, N] (host array or 4-bit tree) onto its devices as an
         unrolled run holds it: a buffer per expert (`layered.Groups`), padded as `place` pads."""
-        value, one = self._padded(spec, value), dataclasses.replace(spec, shape=spec.shape[1:], axes=spec.axes[1:])
-        return layered.Groups(tuple(self.place(one, jax.tree.map(lambda a: a[g], value)) for g in range(self.num_logical)))
+        one = dataclasses.replace(spec, shape=spec.shape[1:], axes=spec.axes[1:])
+        return layered.Groups(tuple(self.place(one, w) for w in layered.split(self._padded(spec, value)).groups))
 
     def _padded(self, spec: ParamSpec, value):
         """An expert stack with empty experts appended up to `num_logical`; any other parameter as is."""

@@ -80,7 +80,7 @@ class Unrolled:
 
     def holds(self, keys: tuple) -> str:
         """A tuple of "groups" (a `layered.Groups` a layer) for the expert matrices `groups`, else of "layers"."""
-        return "groups" if len(keys) == 3 and keys[:2] == ("moe", "experts") and keys[2] in self.groups else "layers"
+        return "groups" if keys in [("moe", "experts", name) for name in self.groups] else "layers"
 
     def assemble(self, run):
         """The run from a tree whose leaves are tuples of per-layer values (as `holds` loads them)."""
