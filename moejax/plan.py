@@ -174,10 +174,12 @@ def _scanned(config: Config) -> Config:
     return dataclasses.replace(config, engine=dataclasses.replace(config.engine, layer_loop="scan"))
 
 
-def decode_program(config: Config, batch: int, context: int, platform: str | None = None, page_size: int = 0):
+def decode_program(config: Config, batch: int, context: int, platform: str | None = None, page_size: int = 0,
+                   devices: list | None = None):
     """(placement, the decode step bound to it, its abstract arguments) for `platform`: over a
-    contiguous cache, or (`page_size`) a page pool of the same positions and its block tables."""
-    placement = make_placement(_scanned(config), platform)
+    contiguous cache, or (`page_size`) a page pool of the same positions and its block tables;
+    on `devices` (default: this machine's; a target's compile-only devices, `moejax.targets`)."""
+    placement = make_placement(_scanned(config), platform, devices)
     multiple = placement.batch_multiple()
     if batch % multiple:
         raise UsageError(f"--batch {batch} must be a multiple of {multiple} (requests split over the devices)")
