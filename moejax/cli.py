@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from moejax.config import ConfigError
-from moejax.startup import configure_compile_cache, host_pages
+from moejax.startup import configure_compile_cache, host_pages, jax_platforms
 
 # Modules that define `register(subparsers)`; each subparser sets `func(args) -> int`.
 VERB_MODULES = ("moejax.commands", "moejax.compare", "moejax.plan", "moejax.analysis.commands", "checkpoints.commands",
@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     # Compiled programs persist between runs: XLA:CPU compiles are most of a short run's time.
     # Before build_parser, whose verb modules import jax.
     configure_compile_cache()
+    jax_platforms()
     host_pages()
     args = build_parser().parse_args(argv)
     try:

@@ -1,18 +1,21 @@
 """`moejax plan`: the full-size model on N devices, compiled without the hardware.
 
 Lowers and compiles the decode step (a batch of `--batch` requests over a KV cache of
-`--context` positions) and one prefill chunk (`--prefill-chunk` tokens over the devices) on N
-virtual CPU devices, with abstract weights: `jax.ShapeDtypeStruct`s carrying their
-`NamedSharding`s, so nothing is allocated. Reports per placement and device the parameter
-bytes, the KV-cache bytes and the compiled programs' temporary bytes
-(`compiled.memory_analysis()`), their total against `--hbm-gb`, and the compile time.
+`--context` positions), a decode block (`engine.decode_block` steps in one program) and one
+prefill chunk (`--prefill-chunk` tokens over the devices) with abstract weights:
+`jax.ShapeDtypeStruct`s carrying their `NamedSharding`s, so nothing is allocated. Reports per
+placement and device the parameter bytes, the KV-cache bytes and the compiled programs'
+temporary bytes (`compiled.memory_analysis()`), their total against the device's memory, whether
+each program compiled, and the compile time.
 
-Temporaries are those of the XLA:CPU compilation: the same program, but another compiler's
-buffer assignment than a GPU's or TPU's. In particular XLA:CPU computes bf16 dots in f32 and
-hoists the weights' converts out of the layer loop, so in bf16 about twice the non-expert
-parameter bytes show up as temporaries (glm-5.3 on 8 devices, decode: 73 GB in bf16, 14 GB in
-f32); a GPU or TPU compile has no such converts. Parameters and KV cache are exact: they are the
-shards each device holds.
+`--target h100` (`moejax.targets`: h100, h200, b200, v5e, v6e) compiles on compile-only devices
+of that accelerator with its own compiler (XLA:GPU and its Triton lowering through jax's CUDA
+plugin, the TPU compiler and Mosaic through libtpu): the programs, kernels, collectives and
+temporaries are the target's. Without one, the programs compile for N virtual CPU devices:
+the same programs, but XLA:CPU's buffer assignment, which computes bf16 dots in f32 and hoists
+the weights' converts out of the layer loop, so in bf16 about twice the non-expert parameter
+bytes show up as temporaries (glm-5.3 on 8 devices, decode: 73 GB in bf16, 14 GB in f32).
+Parameters and KV cache are exact either way: they are the shards each device holds.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ import numpy as np
 
 import pallas_kernels
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
-from moejax.engine.engine import decode_step, prefill
+from moejax import targets
+from moejax.engine.engine import decode_step, decode_steps, prefill
 from moejax.engine.expert_placement import wants_slots
 from moejax.engine.kv_cache import init_cache, init_pool
 from moejax.model import paged
@@ -40,7 +44,7 @@ from moejax.factory import ensure_devices
 from moejax.model.attention import cache_specs
 from moejax.model.mtp import init_mtp_pool
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_dtype, param_specs
-from moejax.platform import run_dtype
+from moejax.platform import decode_compiler_options, run_dtype
 from moejax.vocab import ATTENTION_KERNELS, ATTENTION_MODES, DTYPES, EXPERT_FORMATS
 from sharding import make_placement, names, placement_class, rules, with_placement
 
@@ -54,6 +58,7 @@ EXPORT_TPU = "TPU_V6E"  # the TPU an export lowers for (Trillium), a jax.experim
 # The page pool's figures: positions per page, and the requests it is asked to fit (the load
 # "How a Row Meets Its Experts" measures: 1,000-token prompts, 150 new tokens).
 PAGE_SIZE, PROMPT_LEN, OUTPUT_LEN = 16, 1000, 150
+DEFAULT_HBM_GB = 288.0  # a B300's
 
 
 def _sharded(a, placement, axes: tuple):
@@ -155,10 +160,14 @@ def bytes_per_device(tree) -> int:
                for a in jax.tree.leaves(tree))
 
 
-def _compiled(fn, *args):
+def compile_program(fn, args, compiler_options=None) -> tuple:
+    """(the compiled program or None, seconds, the first line of why it did not compile or None)."""
     t0 = time.perf_counter()
-    compiled = jax.jit(fn, donate_argnums=1).lower(*args).compile()
-    return compiled, time.perf_counter() - t0
+    try:
+        compiled = jax.jit(fn, donate_argnums=1, compiler_options=compiler_options).lower(*args).compile()
+    except Exception as e:  # whether it compiles is the answer; the reason is the report
+        return None, time.perf_counter() - t0, (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    return compiled, time.perf_counter() - t0, None
 
 
 def _rows(placement, b: int):
@@ -238,39 +247,73 @@ def export_decode(config: Config, batch: int, context: int, platform: str, page_
             "ragged_all_to_all": "custom_call @ragged_all_to_all(" in text, "export_s": round(time.perf_counter() - t0, 1)}
 
 
-def plan_placement(config: Config, batch: int, context: int, prefill_chunk: int, hbm_gb: float,
-                   export: tuple[str, ...] = (), page_size: int = PAGE_SIZE, prompt_len: int = PROMPT_LEN,
-                   output_len: int = OUTPUT_LEN, mtp: bool = False) -> dict:
-    """One placement's per-device bytes and compile time (`config.layout` names it), the page
-    pool the memory left after the weights and temporaries holds (`kv_pages`), and whether its
-    decode step over pages of `page_size` lowers for each platform of `export`."""
-    placement, step, (params, cache, *rest) = decode_program(config, batch, context)
+def programs(config: Config, batch: int, context: int, prefill_chunk: int, platform: str | None = None,
+             devices: list | None = None, page_size: int = 0) -> tuple:
+    """(placement, {program: (function, its abstract arguments, XLA compiler options)}) of the
+    engine's programs at full size for `platform` on `devices`: "decode" (one step of `batch`
+    requests over `context` positions, a contiguous cache or pages of `page_size`), "decode block"
+    (`engine.decode_block` steps in one program) and "prefill" (a chunk of `prefill_chunk` tokens
+    over the devices: one request per device under DP attention)."""
+    placement, step, (params, cache, tokens, lens, seeds, first, *paged_rest) = decode_program(
+        config, batch, context, platform, page_size, devices)
     bind = dict(c=config.model, placement=placement)
     multiple = placement.batch_multiple()
-    rows = functools.partial(_rows, placement)
-    decode, decode_s = _compiled(step, params, cache, *rest)
-    # A prefill chunk: prefill_chunk tokens, one request per device under DP attention.
     per_row = -(-prefill_chunk // multiple)
-    chunk_cache = abstract_cache(config, placement, multiple, context)
-    tokens = jax.ShapeDtypeStruct((multiple, per_row), jnp.int32,
-                                  sharding=placement.sharding(("batch", "seq"), (multiple, per_row)))
-    pre, prefill_s = _compiled(functools.partial(prefill, all_logits=False, record=False, **bind), params, chunk_cache,
-                               tokens, jax.ShapeDtypeStruct((), jnp.int32), rows(multiple))
+    chunk_tokens = jax.ShapeDtypeStruct((multiple, per_row), jnp.int32,
+                                        sharding=placement.sharding(("batch", "seq"), (multiple, per_row)))
+    if page_size:  # the chunk's requests' pages: a pool of as many and their block tables
+        per_request = pages_for(context, page_size)
+        chunk_cache = abstract_pool(config, placement, multiple * per_request, page_size)
+        chunk_pages = [jax.ShapeDtypeStruct((multiple, per_request), jnp.int32,
+                                            sharding=placement.sharding(("batch", None), (multiple, per_request)))]
+    else:
+        chunk_cache, chunk_pages = abstract_cache(config, placement, multiple, context), []
+    block = functools.partial(decode_steps, block=config.engine.decode_block, sampling=Sampling(), **bind)
+    decoding = decode_compiler_options(placement.platform)
+    pages = paged_rest[1:]  # the block table, after decode_step's `forced` (None)
+    return placement, {
+        "decode": (step, (params, cache, tokens, lens, seeds, first, *paged_rest), decoding),
+        "decode block": (block, (params, cache, tokens, lens, seeds, first, first, *pages), decoding),
+        "prefill": (functools.partial(prefill, all_logits=False, record=False, **bind),
+                    (params, chunk_cache, chunk_tokens, first, _rows(placement, multiple), None, *chunk_pages), None),
+    }
+
+
+def plan_placement(config: Config, batch: int, context: int, prefill_chunk: int, hbm_gb: float,
+                   export: tuple[str, ...] = (), page_size: int = PAGE_SIZE, prompt_len: int = PROMPT_LEN,
+                   output_len: int = OUTPUT_LEN, mtp: bool = False, target: str | None = None) -> dict:
+    """One placement's per-device bytes and compile times (`config.layout` names it), for
+    `target`'s compile-only devices (else this machine's), the page pool the memory left after
+    the weights and temporaries holds (`kv_pages`), and whether its decode step over pages of
+    `page_size` lowers for each platform of `export`."""
+    t = targets.target(target) if target else None
+    devices = list(targets.devices(t.name, config.layout.devices)) if t else None
+    placement, progs = programs(config, batch, context, prefill_chunk, t and t.platform, devices)
+    params, cache = progs["decode"][1][:2]
+    compiled = {}
+    for name, (fn, args, options) in progs.items():
+        program, seconds, error = compile_program(fn, args, options)
+        compiled[name] = {"compiled": program is not None, "compile_s": round(seconds, 1),
+                          "temp_bytes": int(program.memory_analysis().temp_size_in_bytes) if program else None,
+                          **({"error": error} if error else {})}
     param_bytes, kv_bytes = bytes_per_device(params), bytes_per_device(cache)
-    temp = max(decode.memory_analysis().temp_size_in_bytes, pre.memory_analysis().temp_size_in_bytes)
+    temp = max((p["temp_bytes"] for p in compiled.values() if p["compiled"]), default=0)
     total = param_bytes + kv_bytes + temp
     experts = [leaf for run in params["layers"] if "moe" in run for leaf in jax.tree.leaves(run["moe"]["experts"])]
     act_bytes = jnp.dtype(run_dtype(config.engine.dtype)).itemsize
+    multiple = placement.batch_multiple()
     buffers = {phase: sum(placement.exchange_buffer_bytes(rows, config.model.hidden_size, act_bytes).values())
-               for phase, rows in (("decode", batch), ("prefill", multiple * per_row))}
+               for phase, rows in (("decode", batch), ("prefill", multiple * -(-prefill_chunk // multiple)))}
     return {
         "name": placement.name, "ep": placement.ep, "tp": placement.tp,
+        "kernel": placement.kernel,
         "param_bytes_per_device": param_bytes, "expert_bytes_per_device": bytes_per_device(experts),
         "kv_cache_bytes_per_device": kv_bytes, "temp_bytes_per_device": int(temp),
         # The exchange's own buffers of one MoE layer (part of temp): sized for the worst case.
         "exchange_buffer_bytes_per_device": buffers,
         "total_bytes_per_device": int(total), "fits": bool(total <= hbm_gb * GB),
-        "compile_s": round(decode_s + prefill_s, 1),
+        "programs": compiled, "compiled": all(p["compiled"] for p in compiled.values()),
+        "compile_s": round(sum(p["compile_s"] for p in compiled.values()), 1),
         "kv_pages": kv_pages(config, placement, hbm_gb * GB - param_bytes - temp, page_size, prompt_len, output_len,
                              mtp),
         **({"export": [export_decode(config, batch, context, platform, page_size) for platform in export]}
@@ -279,7 +322,12 @@ def plan_placement(config: Config, batch: int, context: int, prefill_chunk: int,
 
 
 def cmd_plan(args) -> int:
-    ensure_devices(args.devices)
+    target = targets.target(args.target) if args.target else None
+    if target:
+        targets.devices(target.name, args.devices)  # the compiler is there and has that many
+    else:
+        ensure_devices(args.devices)
+    hbm_gb = args.hbm_gb or (target.hbm_gb if target else DEFAULT_HBM_GB)
     model = preset(args.preset)
     if args.redundant_experts < 0:
         raise UsageError(f"--redundant-experts must not be negative, got {args.redundant_experts}")
@@ -303,22 +351,31 @@ def cmd_plan(args) -> int:
     if unknown:
         raise UsageError(f"--export {unknown[0]}: not one of {', '.join(EXPORT_PLATFORMS)}")
     rows = [plan_placement(with_placement(config, name, args.devices), args.batch, args.context, args.prefill_chunk,
-                           args.hbm_gb, export, args.page_size, args.prompt_len, args.output_len,
-                           args.speculative == "mtp") for name in chosen]
+                           hbm_gb, export, args.page_size, args.prompt_len, args.output_len,
+                           args.speculative == "mtp", args.target) for name in chosen]
+    where = f"{args.devices} {target.name} ({target.device_kind})" if target else f"{args.devices} CPU"
     if args.json:
-        print(json.dumps({"model": args.preset, "devices": args.devices, "batch": args.batch, "context": args.context,
-                          "prefill_chunk": args.prefill_chunk, "hbm_gb": args.hbm_gb, "placements": rows}))
-        return 0
-    print(f"{args.preset} on {args.devices} devices ({args.dtype}, experts {args.expert_format}): decode batch "
-          f"{args.batch} x {args.context} positions, prefill chunk {args.prefill_chunk}; GB per device of {args.hbm_gb:g}")
-    print(f"{'placement':<16}{'ep x tp':>8}{'params':>9}{'experts':>9}{'KV cache':>10}{'temp':>8}{'total':>8}"
-          f"{'fits':>6}{'compile s':>11}")
+        print(json.dumps({"model": args.preset, "target": args.target or "cpu", "devices": args.devices,
+                          "batch": args.batch, "context": args.context, "prefill_chunk": args.prefill_chunk,
+                          "hbm_gb": hbm_gb, "placements": rows}))
+        return 0 if all(r["compiled"] for r in rows) else 1
+    print(f"{args.preset} on {where} devices ({args.dtype}, experts {args.expert_format}): decode batch "
+          f"{args.batch} x {args.context} positions, prefill chunk {args.prefill_chunk}; GB per device of {hbm_gb:g}")
+    print(f"{'placement':<16}{'ep x tp':>8}{'kernel':>12}{'params':>9}{'experts':>9}{'KV cache':>10}{'temp':>8}"
+          f"{'total':>8}{'fits':>6}{'compiled':>10}{'compile s':>11}")
     for r in rows:
         gb = lambda key: f"{r[key] / GB:.1f}"
-        print(f"{r['name']:<16}{r['ep']:>4} x {r['tp']:<2}{gb('param_bytes_per_device'):>9}"
+        done = f"{sum(p['compiled'] for p in r['programs'].values())}/{len(r['programs'])}"
+        print(f"{r['name']:<16}{r['ep']:>4} x {r['tp']:<2}{r['kernel']:>12}{gb('param_bytes_per_device'):>9}"
               f"{gb('expert_bytes_per_device'):>9}{gb('kv_cache_bytes_per_device'):>10}{gb('temp_bytes_per_device'):>8}"
-              f"{gb('total_bytes_per_device'):>8}{'yes' if r['fits'] else 'no':>6}{r['compile_s']:>11.1f}")
-    print("temp: the compiled programs' temporaries on XLA:CPU (another compiler's buffers than a GPU's or TPU's)")
+              f"{gb('total_bytes_per_device'):>8}{'yes' if r['fits'] else 'no':>6}{done:>10}{r['compile_s']:>11.1f}")
+    compiler = ("XLA:GPU's" if target.platform == "cuda" else "the TPU compiler's") if target else \
+        "XLA:CPU's (another compiler's buffers than a GPU's or TPU's: --target names one)"
+    print(f"temp: the largest of the decode step's, a decode block's and the prefill chunk's temporaries, {compiler}")
+    for r in rows:
+        for name, p in r["programs"].items():
+            if not p["compiled"]:
+                print(f"{r['name']} {name} does not compile: {p['error']}")
     kv = rows[0]["kv_pages"]
     print(f"KV pages of {args.page_size} positions in the memory left per device, and the requests of "
           f"{args.prompt_len} + {args.output_len} positions ({kv['pages_per_request']} pages) they fit "
@@ -342,7 +399,7 @@ def cmd_plan(args) -> int:
                    f"{', ragged_all_to_all' if e['ragged_all_to_all'] else ''}, {e['export_s']:.1f} s)"
                    if e["lowered"] else f"does not lower: {e['error']}")
             print(f"export {r['name']} decode step for {e['platform']}: {how}")
-    return 0
+    return 0 if all(r["compiled"] for r in rows) else 1
 
 
 PAGE_HOLDERS = {"dp": "each device a rank with a pool of whole pages for its own requests",
@@ -363,7 +420,11 @@ def register(sub) -> None:
     p.add_argument("--batch", type=int, default=256, help="decode batch (concurrent requests)")
     p.add_argument("--context", type=int, default=8192, help="KV cache positions per request")
     p.add_argument("--prefill-chunk", type=int, default=4096, help="tokens of one prefill chunk over all devices")
-    p.add_argument("--hbm-gb", type=float, default=288.0, help="memory per device (B300: 288)")
+    p.add_argument("--target", choices=tuple(targets.TARGETS),
+                   help="compile for this accelerator with its own compiler, on compile-only devices (needs the "
+                        "'targets' extra); default: this machine's virtual CPU devices")
+    p.add_argument("--hbm-gb", type=float, default=0.0,
+                   help=f"memory per device (default: the target's, else {DEFAULT_HBM_GB:g}, a B300's)")
     p.add_argument("--page-size", type=int, default=PAGE_SIZE, help="positions per KV cache page")
     p.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help="prompt positions of the requests the pages fit")
     p.add_argument("--output-len", type=int, default=OUTPUT_LEN, help="new tokens of the requests the pages fit")

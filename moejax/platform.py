@@ -9,6 +9,7 @@ a program exported to another (`moejax plan --export`) names its target.
 
 from __future__ import annotations
 
+import glob
 import os
 
 # engine.layer_loop "auto" unrolls runs of at most this many layers on XLA:CPU, where a scan
@@ -45,6 +46,17 @@ GATHER_ROWS = 16
 # and programs).
 CPU_KV_CACHE_TOKENS = 32768
 KV_MEMORY_SHARE = 0.8
+
+
+# Device files of the accelerators jax's plugins drive: NVIDIA GPUs, TPUs (and their VFIO form).
+ACCELERATOR_DEVICES = ("/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*")
+
+
+def attached_accelerator() -> bool:
+    """Whether this host has a GPU or TPU attached. Without one, the compile-only plugins of the
+    `targets` extra (jax's CUDA plugin, libtpu) would each try to start a device at jax's first
+    use and print their failures; the CLI then runs jax on the CPU alone (`startup.jax_platforms`)."""
+    return any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICES)
 
 
 def backend(platform: str | None = None) -> str:

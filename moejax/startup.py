@@ -37,6 +37,16 @@ def configure_compile_cache() -> str:
     return os.environ["JAX_COMPILATION_CACHE_DIR"]
 
 
+def jax_platforms() -> str:
+    """JAX_PLATFORMS for this process: the user's, else "cpu" on a host with no accelerator
+    attached (`platform.attached_accelerator`), else jax's own choice (""). Before jax's import."""
+    from moejax import platform
+
+    if "JAX_PLATFORMS" not in os.environ and not platform.attached_accelerator():
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    return os.environ.get("JAX_PLATFORMS", "")
+
+
 def host_pages() -> bool:
     """Numpy's large buffers on the kernel's small pages (numpy asks for 2 MB pages by default),
     unless NUMPY_MADVISE_HUGEPAGE says otherwise. Returns whether numpy asks for 2 MB pages.

@@ -119,6 +119,9 @@ def devices(name: str, n: int) -> tuple:
             raise UsageError(f"a {t.name} slice has {', '.join(map(str, TPU_SHAPES))} chips, not {n}")
         # A one-chip host for one chip; otherwise libtpu's hosts of 2x2 (v5e: 2x4 where it fits).
         extra = {"chips_per_host_bounds": (1, 1, 1)} if n == 1 else {}
+        # libtpu locks the host's TPU for one process; compiling touches no TPU, and test workers
+        # compile side by side.
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         topo = topologies.get_topology_desc(topology_name=f"{t.chip}:{TPU_SHAPES[n]}", platform="tpu", **extra)
         return tuple(topo.devices)
     if n > GPUS_PER_HOST and n % GPUS_PER_HOST:

@@ -1,0 +1,131 @@
+"""Compiling the engine's programs for accelerator targets in worker processes.
+
+A case names a model, a target (`moejax.targets`), its device count, a placement, a dtype, the
+kernels and a page size; a worker (`python tests/target_compiles.py CASES.json`) compiles each
+case's programs (`moejax.plan.programs`: decode step, decode block, prefill chunk) with the
+target's own compiler and prints one JSON line per case. Workers run in parallel, one per core,
+and an XLA abort (a failed check ends the process, no Python error) costs one case, not the run:
+`run_cases` marks the case a dead worker was compiling and starts another worker on the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Widths no power of two divides past 8 (what small models have and Triton's blocks do not), for
+# GQA and for MLA models; and widths that fill the TPU grouped GEMM's 128-lane tiles.
+ODD_GQA = (("hidden_size", 40), ("moe_intermediate_size", 24), ("intermediate_size", 56), ("head_dim", 24))
+ODD_MLA = (("hidden_size", 40), ("moe_intermediate_size", 24), ("intermediate_size", 56), ("qk_nope_head_dim", 24),
+           ("v_head_dim", 24), ("kv_lora_rank", 48), ("q_lora_rank", 40))
+TILEABLE = (("hidden_size", 512), ("moe_intermediate_size", 512))
+# Custom-call targets of Pallas kernels in an optimized HLO: Mosaic TPU's, Triton's.
+PALLAS_CALLS = ("tpu_custom_call", "__gpu$xla.gpu.triton")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    model: str  # a preset, or "hf:FAMILY": the goldens' transformers model of a family
+    target: str
+    widths: tuple = ()  # (ModelConfig field, value) pairs replacing the model's
+    devices: int = 1
+    placement: str = "expert_sharded"
+    dtype: str = "bfloat16"
+    kernel: str = "auto"
+    attention_kernel: str = "auto"
+    expert_format: str = "unquantized"
+    page_size: int = 0  # a paged cache of this page size (0: contiguous)
+    programs: tuple = ("decode", "decode block", "prefill")
+
+    @property
+    def id(self) -> str:
+        widths = f"-d{self.widths[0][1]}" if self.widths else ""
+        pages = f"-pages{self.page_size}" if self.page_size else ""
+        return (f"{self.model}{widths}-{self.target}x{self.devices}-{self.placement}-{self.dtype}-{self.kernel}-"
+                f"{self.expert_format}{pages}")
+
+
+def model_config(case: Case):
+    """The ModelConfig of a case: its model, with its widths."""
+    from moejax.config import preset
+
+    if case.model.startswith("hf:"):
+        from checkpoints.hf_config import from_hf_config
+        from hf_reference import hf_config
+
+        model = from_hf_config(hf_config(case.model[3:]).to_dict())
+    else:
+        model = preset(case.model)
+    return dataclasses.replace(model, **dict(case.widths))
+
+
+def compile_case(case: Case) -> dict:
+    """{program: {"compiled", "error", "pallas_calls", "ragged_all_to_all", ...}} of one case."""
+    from moejax import targets
+    from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig
+    from moejax.plan import compile_program, programs
+    from sharding import with_placement
+
+    config = Config(model=model_config(case), layout=LayoutConfig(devices=case.devices),
+                    weights=WeightsConfig(case.expert_format), engine=EngineConfig(dtype=case.dtype),
+                    kernel=case.kernel, attention_kernel=case.attention_kernel).validate()
+    config = with_placement(config, case.placement, case.devices)
+    t = targets.target(case.target)
+    placement, progs = programs(config, batch=8, context=64, prefill_chunk=32, platform=t.platform,
+                                devices=list(targets.devices(t.name, case.devices)), page_size=case.page_size)
+    out = {"kernel": placement.kernel, "attention_kernel": placement.attention_kernel, "programs": {}}
+    for name in case.programs:
+        fn, args, options = progs[name]
+        compiled, seconds, error = compile_program(fn, args, options)
+        hlo = compiled.as_text() if compiled else ""
+        out["programs"][name] = {
+            "compiled": compiled is not None, "error": error, "seconds": round(seconds, 1),
+            "pallas_calls": sorted({c for c in PALLAS_CALLS if f'custom_call_target="{c}"' in hlo}),
+            "ragged_all_to_all": "ragged-all-to-all(" in hlo}
+    return out
+
+
+def run_cases(cases: list[Case], workers: int = 2) -> dict[str, dict]:
+    """Every case compiled by `workers` worker processes -> {case id: result}; a case whose worker
+    died compiling it gets {"aborted": the worker's last error lines}."""
+    chunks = [cases[i::workers] for i in range(workers)]
+    with ThreadPoolExecutor(workers) as pool:
+        parts = pool.map(_run_chunk, [c for c in chunks if c])
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def _run_chunk(cases: list[Case]) -> dict[str, dict]:
+    results: dict[str, dict] = {}
+    while len(results) < len(cases):
+        todo = [c for c in cases if c.id not in results]
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump([dataclasses.asdict(c) for c in todo], f)
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+        run = subprocess.run([sys.executable, __file__, f.name], capture_output=True, text=True, env=env, cwd=ROOT)
+        os.unlink(f.name)
+        for line in run.stdout.splitlines():
+            if line.startswith("{"):
+                row = json.loads(line)
+                results[row["id"]] = row["result"]
+        if run.returncode != 0 and len(results) < len(cases):  # the next case is the one it died on
+            dead = next(c for c in todo if c.id not in results)
+            why = [ln for ln in run.stderr.splitlines() if ln.startswith("F") or "Error" in ln][-3:]
+            results[dead.id] = {"aborted": why or run.stderr.splitlines()[-3:]}
+    return results
+
+
+def main(path: str) -> None:
+    for raw in json.loads(Path(path).read_text()):
+        case = Case(**{**raw, "programs": tuple(raw["programs"]), "widths": tuple(map(tuple, raw["widths"]))})
+        print(json.dumps({"id": case.id, "result": compile_case(case)}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

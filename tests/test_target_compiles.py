@@ -1,0 +1,65 @@
+"""The engine's programs compiled by the accelerators' own compilers, on this CPU machine.
+
+Every family (the tiny presets, the goldens' transformers models, and models whose widths are no
+power of two) x decode step, paged decode step, decode block, prefill chunk x bfloat16 and float32
+x kernels `auto` and `xla` compile for an H100 (XLA:GPU with its Triton lowering); every placement
+compiles for 8 H100s and for a v5e slice of 8 chips with the Pallas kernels the target's `auto`
+picks. The whole matrix compiles once, in worker processes running side by side
+(`target_compiles.py`), so that an XLA abort fails its case instead of ending the run.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hf_reference import FAMILIES
+from target_compiles import ODD_GQA, ODD_MLA, TILEABLE, Case, run_cases
+
+from moejax.config.presets import PRESETS
+from sharding import names
+
+# The tiny presets, each once under its first name.
+TINY = tuple({id(model): name for name, model in reversed(PRESETS.items()) if name.startswith("tiny")}.values())
+MODELS = [(name, ()) for name in TINY] + [(f"hf:{family}", ()) for family in FAMILIES] \
+    + [("tiny-qwen3-moe", ODD_GQA), ("tiny", ODD_MLA)]
+DTYPES = ("bfloat16", "float32")
+KERNELS = ("auto", "xla")
+PAGE_SIZE = 16
+
+FAMILY_CASES = [case for model, widths in MODELS for dtype in DTYPES for kernel in KERNELS for case in (
+    Case(model, "h100", widths, dtype=dtype, kernel=kernel),
+    Case(model, "h100", widths, dtype=dtype, kernel=kernel, page_size=PAGE_SIZE, programs=("decode",)))]
+# 4-bit experts on widths the TPU grouped GEMM tiles; pages, for the paged-attention kernels.
+TARGET_DEVICES = {"h100": 8, "v5e": 8}
+PLACEMENT_CASES = [Case("tiny-qwen3-moe", target, TILEABLE, devices=n, placement=name, expert_format="nvfp4",
+                        page_size=PAGE_SIZE) for target, n in TARGET_DEVICES.items() for name in names()]
+# The Pallas custom call each target's grouped GEMM is (`auto` picks pallas_gpu, pallas_tpu).
+KERNEL_CALL = {"h100": "__gpu$xla.gpu.triton", "v5e": "tpu_custom_call"}
+
+
+@pytest.fixture(scope="session")
+def compiled() -> dict[str, dict]:
+    return run_cases(FAMILY_CASES + PLACEMENT_CASES)
+
+
+def _programs(result: dict) -> dict:
+    assert "aborted" not in result, f"the compiler aborted: {result['aborted']}"
+    failed = {name: p["error"] for name, p in result["programs"].items() if not p["compiled"]}
+    assert not failed, failed
+    return result["programs"]
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES, ids=lambda c: c.id)
+def test_every_family_compiles_for_an_h100(compiled, case):
+    programs = _programs(compiled[case.id])
+    assert set(programs) == set(case.programs)
+
+
+@pytest.mark.parametrize("case", PLACEMENT_CASES, ids=lambda c: c.id)
+def test_every_placement_compiles_for_a_target_with_its_kernels(compiled, case):
+    result = compiled[case.id]
+    programs = _programs(result)
+    assert result["kernel"] == {"h100": "pallas_gpu", "v5e": "pallas_tpu"}[case.target]
+    for name, program in programs.items():
+        assert KERNEL_CALL[case.target] in program["pallas_calls"], name
+    if case.placement == "ragged_a2a":  # the exchange is the target's own ragged all-to-all
+        assert all(p["ragged_all_to_all"] for p in programs.values())
