@@ -4,6 +4,9 @@ import os
 import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# `pytest -m gpu` runs the GPU module on the host's GPU (tests/test_gpu.py); every other run, or a
+# user's JAX_PLATFORMS, keeps jax on the virtual CPU devices.
+_PLATFORMS_GIVEN = "JAX_PLATFORMS" in os.environ
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests check results, not speed: cheaper LLVM code generation halves XLA:CPU compile times,
 # which are most of the suite's time.
@@ -18,6 +21,11 @@ import gc  # noqa: E402
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    if config.option.markexpr == "gpu" and not _PLATFORMS_GIVEN:
+        jax.config.update("jax_platforms", None)  # jax's own choice: the GPU where one is attached
 
 
 @pytest.fixture(autouse=True, scope="module")
