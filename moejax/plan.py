@@ -20,7 +20,6 @@ Parameters and KV cache are exact either way: they are the shards each device ho
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -49,12 +48,6 @@ from moejax.vocab import ATTENTION_KERNELS, ATTENTION_MODES, DTYPES, EXPERT_FORM
 from sharding import make_placement, names, placement_class, rules, with_placement
 
 GB = 1e9
-EXPORT_PLATFORMS = ("tpu", "cuda")
-# Custom-call targets of Pallas kernels: Mosaic TPU, Triton and Mosaic GPU (Blackwell).
-KERNEL_CALLS = ("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu", "mosaic_gpu_v2")
-# The paged-attention kernels' names in their custom calls (Mosaic TPU's, Triton's).
-PAGED_KERNEL_NAMES = ("ragged_paged_attention_kernel", "paged_attention_block_h")
-EXPORT_TPU = "TPU_V6E"  # the TPU an export lowers for (Trillium), a jax.experimental.pallas.tpu.ChipVersion
 # The page pool's figures: positions per page, and the requests it is asked to fit (the load
 # "How a Row Meets Its Experts" measures: 1,000-token prompts, 150 new tokens).
 PAGE_SIZE, PROMPT_LEN, OUTPUT_LEN = 16, 1000, 150
@@ -204,49 +197,6 @@ def decode_program(config: Config, batch: int, context: int, platform: str | Non
                              *rows, None, table)
 
 
-@contextlib.contextmanager
-def target_device(platform: str):
-    """The context an export to `platform` lowers in. Mosaic TPU asks the device it lowers for
-    what TPU it is (the ragged paged-attention kernel's integer divisions), and inside the
-    placement's shard_map that is this host's CPU: for the export, the CPU answers as a TPU
-    (JAX's own table of TPU kinds; its answers are cached, so the cache goes with the entry)."""
-    if platform != "tpu":
-        yield
-        return
-    from jax._src.pallas.mosaic import tpu_info
-    from jax.experimental.pallas import tpu as pltpu
-
-    kind = jax.devices()[0].device_kind
-    tpu_info.registry[kind] = lambda: pltpu.get_tpu_info_for_chip(pltpu.ChipVersion[EXPORT_TPU], 1)
-    try:
-        yield
-    finally:
-        del tpu_info.registry[kind]
-        pltpu.get_tpu_info.cache_clear()
-
-
-def export_decode(config: Config, batch: int, context: int, platform: str, page_size: int = 0) -> dict:
-    """Whether the decode step lowers for `platform` (its own kernels and collectives), without
-    the hardware: `jax.export` with the same abstract, sharded arguments; `page_size`: over a
-    page pool, read by the platform's paged-attention kernel."""
-    t0 = time.perf_counter()
-    try:
-        placement, step, args = decode_program(config, batch, context, platform, page_size)
-        # The Pallas kernels' and ragged_all_to_all's custom calls carry no serialization
-        # guarantee: fine, as the exported program is looked at here, not kept.
-        checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in (*KERNEL_CALLS, "ragged_all_to_all")]
-        with target_device(platform):
-            text = jax.export.export(jax.jit(step, donate_argnums=1), platforms=[platform],
-                                     disabled_checks=checks)(*args).mlir_module()
-    except Exception as e:  # the answer is whether it lowers; the reason is the report
-        return {"platform": platform, "lowered": False, "error": str(e).strip().splitlines()[0][:300]}
-    return {"platform": platform, "lowered": True, "kernel": placement.kernel,
-            "attention_kernel": placement.attention_kernel if page_size else None,
-            "pallas_kernel": any(f"custom_call @{t}(" in text for t in KERNEL_CALLS),
-            "paged_attention": any(name in text for name in PAGED_KERNEL_NAMES),
-            "ragged_all_to_all": "custom_call @ragged_all_to_all(" in text, "export_s": round(time.perf_counter() - t0, 1)}
-
-
 def programs(config: Config, batch: int, context: int, prefill_chunk: int, platform: str | None = None,
              devices: list | None = None, page_size: int = 0) -> tuple:
     """(placement, {program: (function, its abstract arguments, XLA compiler options)}) of the
@@ -280,12 +230,11 @@ def programs(config: Config, batch: int, context: int, prefill_chunk: int, platf
 
 
 def plan_placement(config: Config, batch: int, context: int, prefill_chunk: int, hbm_gb: float,
-                   export: tuple[str, ...] = (), page_size: int = PAGE_SIZE, prompt_len: int = PROMPT_LEN,
-                   output_len: int = OUTPUT_LEN, mtp: bool = False, target: str | None = None) -> dict:
+                   page_size: int = PAGE_SIZE, prompt_len: int = PROMPT_LEN, output_len: int = OUTPUT_LEN,
+                   mtp: bool = False, target: str | None = None) -> dict:
     """One placement's per-device bytes and compile times (`config.layout` names it), for
-    `target`'s compile-only devices (else this machine's), the page pool the memory left after
-    the weights and temporaries holds (`kv_pages`), and whether its decode step over pages of
-    `page_size` lowers for each platform of `export`."""
+    `target`'s compile-only devices (else this machine's), and the page pool of `page_size`
+    positions the memory left after the weights and temporaries holds (`kv_pages`)."""
     t = targets.target(target) if target else None
     devices = list(targets.devices(t.name, config.layout.devices)) if t else None
     placement, progs = programs(config, batch, context, prefill_chunk, t and t.platform, devices)
@@ -316,8 +265,6 @@ def plan_placement(config: Config, batch: int, context: int, prefill_chunk: int,
         "compile_s": round(sum(p["compile_s"] for p in compiled.values()), 1),
         "kv_pages": kv_pages(config, placement, hbm_gb * GB - param_bytes - temp, page_size, prompt_len, output_len,
                              mtp),
-        **({"export": [export_decode(config, batch, context, platform, page_size) for platform in export]}
-           if export else {}),
     }
 
 
@@ -346,12 +293,8 @@ def cmd_plan(args) -> int:
         if args.placement == "all" else [args.placement]
     if args.devices == 1:  # every placement is the single device there
         chosen = chosen[:1]
-    export = tuple(p for p in (args.export or "").split(",") if p)
-    unknown = [p for p in export if p not in EXPORT_PLATFORMS]
-    if unknown:
-        raise UsageError(f"--export {unknown[0]}: not one of {', '.join(EXPORT_PLATFORMS)}")
     rows = [plan_placement(with_placement(config, name, args.devices), args.batch, args.context, args.prefill_chunk,
-                           hbm_gb, export, args.page_size, args.prompt_len, args.output_len,
+                           hbm_gb, args.page_size, args.prompt_len, args.output_len,
                            args.speculative == "mtp", args.target) for name in chosen]
     where = f"{args.devices} {target.name} ({target.device_kind})" if target else f"{args.devices} CPU"
     if args.json:
@@ -393,12 +336,6 @@ def cmd_plan(args) -> int:
         if any(buffers.values()):
             print(f"{r['name']}: exchange buffers per MoE layer, worst case (every row picks one device): "
                   f"decode {buffers['decode'] / GB:.2f} GB, prefill chunk {buffers['prefill'] / GB:.2f} GB")
-        for e in r.get("export", []):
-            how = (f"lowers (kernel {e['kernel']}{' as a Pallas call' if e['pallas_kernel'] else ''}, attention "
-                   f"{e['attention_kernel']}{' as a Pallas call' if e['paged_attention'] else ''}"
-                   f"{', ragged_all_to_all' if e['ragged_all_to_all'] else ''}, {e['export_s']:.1f} s)"
-                   if e["lowered"] else f"does not lower: {e['error']}")
-            print(f"export {r['name']} decode step for {e['platform']}: {how}")
     return 0 if all(r["compiled"] for r in rows) else 1
 
 
@@ -430,10 +367,7 @@ def register(sub) -> None:
     p.add_argument("--output-len", type=int, default=OUTPUT_LEN, help="new tokens of the requests the pages fit")
     p.add_argument("--speculative", choices=("mtp",), help="serving with MTP drafts: the MTP layer's page pool shares the memory")
     p.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default="auto",
-                   help="the exported decode step's paged attention (auto: by its platform)")
-    p.add_argument("--export", metavar="PLATFORMS",
-                   help=f"also lower the decode step over pages for these platforms (comma-separated: "
-                        f"{', '.join(EXPORT_PLATFORMS)})")
+                   help="the paged attention of the decode step over pages (auto: by the platform it compiles for)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 

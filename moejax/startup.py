@@ -44,7 +44,27 @@ def jax_platforms() -> str:
 
     if "JAX_PLATFORMS" not in os.environ and not platform.attached_accelerator():
         os.environ["JAX_PLATFORMS"] = "cpu"
+    if os.environ.get("JAX_PLATFORMS") == "cpu":
+        _load_plugins_quietly()
     return os.environ.get("JAX_PLATFORMS", "")
+
+
+def _load_plugins_quietly() -> None:
+    """Import jax and load its PJRT plugins with the process's stderr shut. On a host without a
+    GPU, the CUDA plugin of the `targets` extra (which only compiles here) logs its missing driver
+    from C++ as jax imports and loads it, six lines on every command."""
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        from jax._src import xla_bridge
+
+        xla_bridge._discover_and_register_pjrt_plugins()
+    except (ImportError, AttributeError):  # another jax: it loads them at its backends' start
+        pass
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def host_pages() -> bool:

@@ -26,8 +26,10 @@ ODD_GQA = (("hidden_size", 40), ("moe_intermediate_size", 24), ("intermediate_si
 ODD_MLA = (("hidden_size", 40), ("moe_intermediate_size", 24), ("intermediate_size", 56), ("qk_nope_head_dim", 24),
            ("v_head_dim", 24), ("kv_lora_rank", 48), ("q_lora_rank", 40))
 TILEABLE = (("hidden_size", 512), ("moe_intermediate_size", 512))
-# Custom-call targets of Pallas kernels in an optimized HLO: Mosaic TPU's, Triton's.
+# Custom-call targets of Pallas kernels in an optimized HLO: Mosaic TPU's, Triton's; and the names
+# JAX's paged-attention kernels have in them (TPU's ragged paged attention, the Triton one).
 PALLAS_CALLS = ("tpu_custom_call", "__gpu$xla.gpu.triton")
+PAGED_KERNELS = ("ragged_paged_attention_kernel", "paged_attention_block_h")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +90,7 @@ def compile_case(case: Case) -> dict:
         out["programs"][name] = {
             "compiled": compiled is not None, "error": error, "seconds": round(seconds, 1),
             "pallas_calls": sorted({c for c in PALLAS_CALLS if f'custom_call_target="{c}"' in hlo}),
+            "paged_attention": any(name in hlo for name in PAGED_KERNELS),
             "ragged_all_to_all": "ragged-all-to-all(" in hlo}
     return out
 

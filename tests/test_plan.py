@@ -3,10 +3,10 @@ closed form (`calc`) and against the bytes a live run really allocates."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from moejax.analysis import calc
@@ -15,7 +15,7 @@ from moejax.compare import param_bytes_per_device
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import Engine
 from moejax.loading import load_params
-from moejax.plan import EXPORT_PLATFORMS, abstract_params, bytes_per_device, export_decode, kv_pages, plan_placement
+from moejax.plan import abstract_params, bytes_per_device, compile_program, kv_pages, plan_placement
 from sharding import make_placement
 from sharding.ragged_a2a import exchange_buffers
 
@@ -59,32 +59,6 @@ def test_plan_bytes_are_those_a_live_run_allocates(placement, fmt, devices):
         for d in jax.devices()[:devices])
 
 
-# A small model whose 4-bit expert matrices fill the TPU kernel's tiles (a K tile of 512).
-TILEABLE = dataclasses.replace(preset("tiny-qwen3-moe"), hidden_size=512, moe_intermediate_size=512)
-
-
-@pytest.mark.parametrize("platform", EXPORT_PLATFORMS)
-@pytest.mark.parametrize("placement", ["expert_sharded", "ragged_a2a"])
-def test_decode_step_lowers_for_accelerators_with_their_kernels(placement, platform):
-    """Over a page pool: the grouped GEMM's kernel and the paged-attention kernel (TPU's ragged
-    paged attention, GPU's Triton paged attention) both lower as Pallas calls."""
-    kernel = {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}[platform]  # named: "auto" under DP attention is xla
-    config = Config(model=TILEABLE, layout=LayoutConfig(placement=placement, devices=8), weights=WeightsConfig("nvfp4"),
-                    engine=EngineConfig(dtype="bfloat16"), attention_kernel=kernel).validate()
-    report = export_decode(config, batch=16, context=64, platform=platform, page_size=16)
-    assert report["lowered"], report
-    assert report["pallas_kernel"] and report["paged_attention"]
-    assert report["kernel"] == report["attention_kernel"] == kernel
-    assert report["ragged_all_to_all"] == (placement == "ragged_a2a")  # XLA:CPU's own step has none
-
-
-def test_the_xla_path_lowers_no_paged_attention_kernel():
-    config = Config(model=TILEABLE, layout=LayoutConfig(placement="expert_sharded", devices=8),
-                    engine=EngineConfig(dtype="bfloat16"), kernel="xla", attention_kernel="xla").validate()
-    report = export_decode(config, batch=16, context=64, platform="cuda", page_size=16)
-    assert report["lowered"] and not report["paged_attention"]
-
-
 @pytest.mark.parametrize("model", ["glm-5.3", "mixtral-8x7b"])
 def test_kv_pages_per_device_and_the_requests_they_fit_by_attention_mode(model):
     """100 GB free per device on 8, pages of 16, requests of 1,000 + 150 positions (72 pages).
@@ -114,13 +88,12 @@ def test_kv_pages_per_device_and_the_requests_they_fit_by_attention_mode(model):
         assert dp["requests"] == 8 * tp["requests"]
 
 
-def test_a_program_that_does_not_lower_is_reported_with_its_reason():
-    """The tiny preset's 4-bit experts are smaller than a TPU tile: the export says so instead of failing."""
-    config = Config(model=preset("tiny"), layout=LayoutConfig(placement="expert_sharded", devices=8),
-                    weights=WeightsConfig("nvfp4")).validate()
-    report = export_decode(config, batch=16, context=64, platform="tpu")
-    assert not report["lowered"]
-    assert "divisible by 8 and 128" in report["error"]
+def test_a_program_that_does_not_compile_is_reported_with_its_reason():
+    """plan reports a program its target's compiler refuses with the reason's first line, and goes on."""
+    args = (jax.ShapeDtypeStruct((2, 3), jnp.float32), jax.ShapeDtypeStruct((4, 5), jnp.float32))
+    compiled, seconds, error = compile_program(lambda a, b: a @ b, args)
+    assert compiled is None and seconds >= 0
+    assert "dot_general requires contracting dimensions to have the same shape" in error and "\n" not in error
 
 
 def test_spare_slots_grow_expert_bytes_per_device_by_their_share():

@@ -34,11 +34,12 @@ PLACEMENT_CASES = [Case("tiny-qwen3-moe", target, TILEABLE, devices=n, placement
                         page_size=PAGE_SIZE) for target, n in TARGET_DEVICES.items() for name in names()]
 # The Pallas custom call each target's grouped GEMM is (`auto` picks pallas_gpu, pallas_tpu).
 KERNEL_CALL = {"h100": "__gpu$xla.gpu.triton", "v5e": "tpu_custom_call"}
+XLA_ONLY = Case("tiny-qwen3-moe", "h100", kernel="xla", attention_kernel="xla", page_size=PAGE_SIZE, programs=("decode",))
 
 
 @pytest.fixture(scope="session")
 def compiled() -> dict[str, dict]:
-    return run_cases(FAMILY_CASES + PLACEMENT_CASES)
+    return run_cases(FAMILY_CASES + PLACEMENT_CASES + [XLA_ONLY])
 
 
 def _programs(result: dict) -> dict:
@@ -61,5 +62,12 @@ def test_every_placement_compiles_for_a_target_with_its_kernels(compiled, case):
     assert result["kernel"] == {"h100": "pallas_gpu", "v5e": "pallas_tpu"}[case.target]
     for name, program in programs.items():
         assert KERNEL_CALL[case.target] in program["pallas_calls"], name
+    # The pages' attention kernel: the decode step reads them through JAX's kernel where auto picks one.
+    assert programs["decode"]["paged_attention"] == (result["attention_kernel"] != "xla")
     if case.placement == "ragged_a2a":  # the exchange is the target's own ragged all-to-all
         assert all(p["ragged_all_to_all"] for p in programs.values())
+
+
+def test_the_xla_path_compiles_no_pallas_kernel(compiled):
+    program = _programs(compiled[XLA_ONLY.id])["decode"]
+    assert program["pallas_calls"] == [] and not program["paged_attention"]
