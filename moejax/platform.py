@@ -4,7 +4,7 @@ XLA:CPU is a platform of its own for a decode step: it computes bf16 dots in f32
 slower than f32 ones, copies every weight a layer scan slices, and gives one device's program
 one core. The engine, the engine factory and the grouped GEMM ask this module; config objects
 and model code hold no platform choice. `platform` arguments default to this machine's backend;
-a program exported to another (`moejax plan --export`) names its target.
+a program compiled for another (`moejax plan --target`) names its platform.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def head_dim(name: str, dh: int) -> int:
 def unavailable(name: str, platform: str) -> str | None:
     """Why kernel `name` cannot run on `platform`, or None if it can."""
     if name == "pallas_tpu" and platform != "tpu":
-        return f"needs a TPU; this machine's backend is {platform} (plan --export tpu lowers it)"
+        return f"needs a TPU; this machine's backend is {platform} (plan --target v5e compiles for one)"
     if name == "pallas_gpu" and platform not in ("gpu", "cuda"):
         return f"needs an NVIDIA GPU; this machine's backend is {platform} (interpret_gpu runs it interpreted)"
     return None

@@ -47,7 +47,7 @@ class Placement:
     def __init__(self, config: Config, platform: str | None = None):
         self.config = config
         # The platform the programs are built for: this machine's, or another one a program is
-        # exported to (`moejax plan --export`); it picks the kernel "auto" stands for.
+        # compiled for (`moejax plan --target`); it picks the kernel "auto" stands for.
         self.platform = backend(platform)
         self.kernel = kernel(config.kernel, self.platform)
         self.attention_kernel = paged_kernel(config, self.platform)

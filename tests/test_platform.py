@@ -39,7 +39,7 @@ def test_prefill_chunk_default_by_platform_and_an_explicit_one_kept():
 
 @pytest.mark.parametrize("target, kernel", [("cpu", "xla"), ("tpu", "pallas_tpu"), ("cuda", "pallas_gpu")])
 def test_a_placement_resolves_auto_for_the_platform_it_builds_for(target, kernel):
-    """An exported program (`moejax plan --export`) gets its target's kernel, not this machine's."""
+    """A program compiled for a target (`moejax plan --target`) gets its target's kernel, not this machine's."""
     config = Config(model=preset("tiny"), layout=LayoutConfig(devices=1)).validate()
     assert make_placement(config, platform=target).kernel == kernel
 
