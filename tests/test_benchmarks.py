@@ -24,6 +24,8 @@ SMALLEST = {
     "ab_settings.py": ["--smoke", "--rounds", "1", "--decode-steps", "2", "--prompt-len", "16", "plain="],
     "cli_vs_transformers.py": ["--smoke", "--rounds", "1"],
     "compile_depth.py": ["--layers", "1", "--placements", "tensor_sliced", "--devices", "1"],
+    "gpu_decode.py": ["--smoke", "--batches", "1", "--new-tokens", "3", "--prompt-len", "8", "--formats", "bf16", "nvfp4",
+                      "--profile"],
     "grouped_gemm_cpu.py": ["--experts", "8", "--hidden", "64", "--inter", "32", "--topk", "2", "--formats", "bf16",
                             "nvfp4", "--batches", "1", "8", "--steps", "2", "--decode-tokens", "4", "--devices", "2",
                             "--read-mb", "8"],

@@ -1,0 +1,143 @@
+"""Decode on one accelerator against the bound its bytes set: a Qwen3-30B-A3B-shaped model.
+
+The 48-layer Qwen3-30B-A3B shape (128 experts top-8, hidden 2,048, random weights) on one device,
+expert weights bf16, NVFP4 or MXFP4, batches 1, 16 and 64: `Engine.generate` of a 128-token
+prompt and 64 new tokens, its prefill and decode tokens/s, the bytes one decode step must read
+(every weight but the experts, the experts an even router touches at that batch, the KV cache
+the batch has written) over the copy bandwidth measured in the same run, the load's seconds,
+and (`--profile`) the ten largest kernels of a device profile of one generate at the first batch.
+
+    python benchmarks/gpu_decode.py                     # on a GPU (or TPU)
+    python benchmarks/gpu_decode.py --layers 8 --profile
+    python benchmarks/gpu_decode.py --smoke             # a small model on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.analysis import calc
+from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
+from moejax.engine.engine import Engine
+from moejax.loading import load_params
+from sharding import make_placement
+
+FORMATS = {"bf16": "unquantized", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
+# The smoke run's model: the benchmark's shape at a size the CPU runs in seconds.
+SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_layers=2,
+             num_heads=4, num_kv_heads=2, head_dim=16, num_experts=16, num_experts_per_tok=4)
+
+
+def copy_bandwidth(nbytes: int, reps: int = 5) -> float:
+    """Bytes/s of an elementwise pass over `nbytes` (each read once and written once)."""
+    x = jnp.zeros((nbytes // 2,), jnp.bfloat16)
+    step = jax.jit(lambda a: a + jnp.bfloat16(1), donate_argnums=0)
+    x = step(x).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x = step(x).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / min(times)
+
+
+def step_bytes(config: Config, params, batch: int, context: int) -> float:
+    """Bytes one decode step must read: the weights other than the experts, the experts an even
+    router touches at `batch` rows in every MoE layer, and `context` positions of KV cache a row."""
+    c = config.model
+    fmt = config.weights.expert_format
+    per_expert = calc.expert_bytes(c)["bf16" if fmt == "unquantized" else fmt]
+    experts = c.num_experts * len(c.moe_layers) * per_expert
+    rest = sum(a.nbytes for a in jax.tree.leaves(params)) - experts
+    touched = calc.even_touched_fraction(c.num_experts, c.num_experts_per_tok, batch) * experts
+    return rest + touched + batch * context * calc.kv_cache_bytes_per_token(c)
+
+
+def top_kernels(engine: Engine, prompts: list[list[int]], new_tokens: int, n: int = 10) -> list[tuple]:
+    """(name, total ms, count) of the `n` device ops with the most time in a profile of one generate:
+    a GPU's kernels and copies by name, XLA:CPU's ops (threads of the host) by HLO op."""
+    from jax.profiler import ProfileData
+
+    from moejax.analysis.step_trace import device_of
+
+    with tempfile.TemporaryDirectory() as out:
+        with jax.profiler.trace(out):
+            engine.generate(prompts, new_tokens)
+        profile = ProfileData.from_file(str(next(Path(out).rglob("*.xplane.pb"))))
+    total, count = collections.Counter(), collections.Counter()
+    for plane in profile.planes:
+        for line in plane.lines:
+            for e in line.events:
+                stats = dict(e.stats)
+                if plane.name.startswith("/device:"):
+                    name = e.name
+                elif "hlo_op" in stats and device_of(plane.name, stats) is not None:
+                    name = stats["hlo_op"]
+                else:
+                    continue
+                total[name] += e.duration_ns / 1e6
+                count[name] += 1
+    return [(name, ms, count[name]) for name, ms in total.most_common(n)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--kernel", default="auto")
+    p.add_argument("--copy-mb", type=int, default=4096, help="bytes of the copy-bandwidth measure")
+    p.add_argument("--profile", action="store_true", help="the ten largest kernels of one generate")
+    p.add_argument("--smoke", action="store_true", help="a small model on this machine's first device (CI)")
+    args = p.parse_args(argv)
+    model = dataclasses.replace(preset("qwen3-moe-30b-a3b"), num_layers=args.layers)
+    if args.smoke:
+        model = dataclasses.replace(model, **SMOKE, dense_layers=())
+        args.copy_mb = min(args.copy_mb, 64)
+    bandwidth = copy_bandwidth(args.copy_mb << 20)
+    device = jax.devices()[0]
+    print(f"{device.device_kind}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; {model.family} {model.num_layers} layers, "
+          f"{model.num_experts} experts top-{model.num_experts_per_tok}, hidden {model.hidden_size}; prompt "
+          f"{args.prompt_len}, {args.new_tokens} new tokens, kernel {args.kernel}")
+    print(f"{'experts':>8}{'batch':>7}{'prefill ms':>12}{'prefill tok/s':>15}{'decode ms':>11}{'tok/s':>9}"
+          f"{'GB/step':>9}{'bound tok/s':>13}{'% bound':>9}{'load s':>8}")
+    rng = np.random.default_rng(0)
+    for name in args.formats:
+        config = Config(model=model, layout=LayoutConfig(devices=1), weights=WeightsConfig(FORMATS[name]),
+                        engine=EngineConfig(dtype="bfloat16"), kernel=args.kernel).validate()
+        placement = make_placement(config)
+        t0 = time.perf_counter()
+        params = jax.block_until_ready(load_params(config, placement))
+        load_s = time.perf_counter() - t0
+        engine = Engine(config, params, placement)
+        for batch in args.batches:
+            prompts = rng.integers(1, model.vocab_size, (batch, args.prompt_len)).tolist()
+            engine.generate(prompts, args.new_tokens)  # compiles
+            run = engine.generate(prompts, args.new_tokens)
+            need = step_bytes(config, engine.params, batch, args.prompt_len + args.new_tokens // 2)
+            bound = batch * bandwidth / need
+            tok_s = batch / (run.decode_step_ms / 1e3)
+            print(f"{name:>8}{batch:>7}{run.prefill_ms:>12.1f}{batch * args.prompt_len / (run.prefill_ms / 1e3):>15.0f}"
+                  f"{run.decode_step_ms:>11.2f}{tok_s:>9.0f}{need / 1e9:>9.2f}{bound:>13.0f}{100 * tok_s / bound:>9.1f}"
+                  f"{load_s:>8.1f}")
+        if args.profile:
+            prompts = rng.integers(1, model.vocab_size, (args.batches[0], args.prompt_len)).tolist()
+            print(f"-- the ten largest kernels of one generate, {name} batch {args.batches[0]}:")
+            for kernel, ms, count in top_kernels(engine, prompts, args.new_tokens):
+                print(f"   {ms:9.2f} ms  x{count:<6} {kernel}")
+        del engine, params
+
+
+if __name__ == "__main__":
+    main()
