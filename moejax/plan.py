@@ -153,13 +153,19 @@ def bytes_per_device(tree) -> int:
                for a in jax.tree.leaves(tree))
 
 
-def compile_program(fn, args, compiler_options=None) -> tuple:
-    """(the compiled program or None, seconds, the first line of why it did not compile or None)."""
+def compile_program(fn, args, compiler_options=None, persist: bool = True) -> tuple:
+    """(the compiled program or None, seconds, the first line of why it did not compile or None).
+    `persist`: through jax's persistent compile cache; a compile-only target's program cannot be
+    loaded back from it (it has no devices to load onto), so its compiles do not go there."""
     t0 = time.perf_counter()
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", was and persist)
     try:
         compiled = jax.jit(fn, donate_argnums=1, compiler_options=compiler_options).lower(*args).compile()
     except Exception as e:  # whether it compiles is the answer; the reason is the report
         return None, time.perf_counter() - t0, (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
     return compiled, time.perf_counter() - t0, None
 
 
@@ -241,7 +247,7 @@ def plan_placement(config: Config, batch: int, context: int, prefill_chunk: int,
     params, cache = progs["decode"][1][:2]
     compiled = {}
     for name, (fn, args, options) in progs.items():
-        program, seconds, error = compile_program(fn, args, options)
+        program, seconds, error = compile_program(fn, args, options, persist=t is None)
         compiled[name] = {"compiled": program is not None, "compile_s": round(seconds, 1),
                           "temp_bytes": int(program.memory_analysis().temp_size_in_bytes) if program else None,
                           **({"error": error} if error else {})}

@@ -85,7 +85,7 @@ def compile_case(case: Case) -> dict:
     out = {"kernel": placement.kernel, "attention_kernel": placement.attention_kernel, "programs": {}}
     for name in case.programs:
         fn, args, options = progs[name]
-        compiled, seconds, error = compile_program(fn, args, options)
+        compiled, seconds, error = compile_program(fn, args, options, persist=False)
         hlo = compiled.as_text() if compiled else ""
         out["programs"][name] = {
             "compiled": compiled is not None, "error": error, "seconds": round(seconds, 1),

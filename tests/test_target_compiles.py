@@ -17,9 +17,11 @@ from target_compiles import ODD_GQA, ODD_MLA, TILEABLE, Case, run_cases
 from moejax.config.presets import PRESETS
 from sharding import names
 
-# The tiny presets, each once under its first name.
-TINY = tuple({id(model): name for name, model in reversed(PRESETS.items()) if name.startswith("tiny")}.values())
-MODELS = [(name, ()) for name in TINY] + [(f"hf:{family}", ()) for family in FAMILIES] \
+# Every family once: the goldens' transformers models (the ones that met a GPU first), then a tiny
+# preset of each family they lack; and GQA and MLA models of widths no power of two divides.
+TINY = {model.family: name for name, model in reversed(PRESETS.items()) if name.startswith("tiny")}
+MODELS = [(f"hf:{family}", ()) for family in FAMILIES] \
+    + [(name, ()) for family, name in TINY.items() if family not in FAMILIES] \
     + [("tiny-qwen3-moe", ODD_GQA), ("tiny", ODD_MLA)]
 DTYPES = ("bfloat16", "float32")
 KERNELS = ("auto", "xla")
