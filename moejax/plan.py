@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
+from moejax import jaxcompat
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import decode_step, prefill
 from moejax.engine.expert_placement import wants_slots
@@ -51,6 +52,9 @@ KERNEL_CALLS = ("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu", "mosaic
 # The paged-attention kernels' names in their custom calls (Mosaic TPU's, Triton's).
 PAGED_KERNEL_NAMES = ("ragged_paged_attention_kernel", "paged_attention_block_h")
 EXPORT_TPU = "TPU_V6E"  # the TPU an export lowers for (Trillium), a jax.experimental.pallas.tpu.ChipVersion
+# The GPU an export lowers Triton kernels for (sm_90, what jax 0.10 takes without a GPU), a
+# jax.experimental.pallas.triton.GpuVersion.
+EXPORT_GPU = "H100"
 # The page pool's figures: positions per page, and the requests it is asked to fit (the load
 # "How a Row Meets Its Experts" measures: 1,000-token prompts, 150 new tokens).
 PAGE_SIZE, PROMPT_LEN, OUTPUT_LEN = 16, 1000, 150
@@ -198,22 +202,31 @@ def decode_program(config: Config, batch: int, context: int, platform: str | Non
 @contextlib.contextmanager
 def target_device(platform: str):
     """The context an export to `platform` lowers in. Mosaic TPU asks the device it lowers for
-    what TPU it is (the ragged paged-attention kernel's integer divisions), and inside the
-    placement's shard_map that is this host's CPU: for the export, the CPU answers as a TPU
-    (JAX's own table of TPU kinds; its answers are cached, so the cache goes with the entry)."""
-    if platform != "tpu":
+    what TPU it is (the ragged paged-attention kernel's integer divisions), and Triton (jax 0.11
+    on) what GPU; inside the placement's shard_map that is this host's CPU: for the export, the
+    CPU answers as a TPU or a GPU (JAX's own tables of them; its answers are cached, so the
+    cache goes with the entry)."""
+    if platform == "tpu":
+        from jax._src.pallas.mosaic import tpu_info
+        from jax.experimental.pallas import tpu as pltpu
+
+        registry, cached = tpu_info.registry, pltpu.get_tpu_info
+        info = functools.partial(pltpu.get_tpu_info_for_chip, pltpu.ChipVersion[EXPORT_TPU], 1)
+    elif platform == "cuda" and (registry := jaxcompat.triton_gpu_registry()) is not None:
+        from jax.experimental.pallas import triton as pl_triton
+
+        cached = pl_triton.get_gpu_info
+        info = functools.partial(pl_triton.get_gpu_info_from_version, pl_triton.GpuVersion[EXPORT_GPU])
+    else:
         yield
         return
-    from jax._src.pallas.mosaic import tpu_info
-    from jax.experimental.pallas import tpu as pltpu
-
     kind = jax.devices()[0].device_kind
-    tpu_info.registry[kind] = lambda: pltpu.get_tpu_info_for_chip(pltpu.ChipVersion[EXPORT_TPU], 1)
+    registry[kind] = info
     try:
         yield
     finally:
-        del tpu_info.registry[kind]
-        pltpu.get_tpu_info.cache_clear()
+        del registry[kind]
+        cached.cache_clear()
 
 
 def export_decode(config: Config, batch: int, context: int, platform: str, page_size: int = 0) -> dict:

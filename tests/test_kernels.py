@@ -18,6 +18,7 @@ from pallas_kernels.gmm_pallas_gpu import gmm_pallas_gpu
 from pallas_kernels.gmm_pallas_tpu import gmm_pallas_tpu
 from pallas_kernels.layered import LayerOf, split
 from moejax.model.layers import ClampedSwiGLU, silu_glu
+from moejax.plan import target_device
 
 
 def make_case(seed: int, scenario: str, dtype, m=45, k=128, n=256, groups=6, local=None):
@@ -335,9 +336,10 @@ def exported_gemm(platform: str, fmt: str, m: int = 256, k: int = 2048, n: int =
         w = jax.eval_shape(lambda a: pk.quantize_experts(a, fmt.split()[0], gated=fmt.endswith("gate_up")), w)
     bias = jnp.zeros((8, n), jnp.bfloat16) if act is not None else None
     f = jax.jit(lambda l, w, s, o: pk.grouped_gemm(l, w, s, group_offset=o, backend=backend, bias=bias, act=act))
-    return export.export(f, platforms=[platform], disabled_checks=checks)(
-        jax.ShapeDtypeStruct((m, k), jnp.bfloat16), w,
-        jax.ShapeDtypeStruct((32,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32)).mlir_module()
+    with target_device(platform):
+        return export.export(f, platforms=[platform], disabled_checks=checks)(
+            jax.ShapeDtypeStruct((m, k), jnp.bfloat16), w,
+            jax.ShapeDtypeStruct((32,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32)).mlir_module()
 
 
 @pytest.mark.parametrize("platform", list(EXPORTS))
