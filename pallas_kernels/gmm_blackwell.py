@@ -105,10 +105,8 @@ def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, w_scale, x_scale,
 
         @pl.when(wg == 0)
         def _():
-            @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
-            def _():
-                warp = lax.axis_index("warp")
-
+            @plgpu.warp_map
+            def _(warp):
                 @pl.when(warp == 0)
                 def _tma():
                     def load(ki, _):
@@ -137,7 +135,7 @@ def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, w_scale, x_scale,
                         plgpu.async_copy_scales_to_tmem(a_sc_smem.at[slot], a_sc_tmem)
                         plgpu.async_copy_scales_to_tmem(b_sc_smem.at[slot], b_sc_tmem)
                         plgpu.tcgen05_mma(acc_tmem, a_smem.at[slot],
-                                          plgpu.transpose_ref(b_smem.at[slot], (1, 0)),
+                                          b_smem.at[slot].transpose((1, 0)),
                                           consumed_barrier.at[slot], a_scale=a_sc_tmem,
                                           b_scale=b_sc_tmem, accumulate=ki > 0)
 

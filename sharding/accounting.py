@@ -32,7 +32,7 @@ def _num(experts: dict) -> int:
 
 _COLLECTIVE = re.compile(
     r"= (?P<out>.*?) (?P<op>all-gather|reduce-scatter|all-reduce|all-to-all|ragged-all-to-all)"
-    r"(?:-start)?\(.*?replica_groups=(?P<groups>\S+)"
+    r"(?:-start)?\(.*?replica_groups=(?P<groups>mesh\[[^\]]*\] \{[^}]*\}|\S+)"
 )
 _SHAPE = re.compile(r"(pred|s8|u8|s32|u32|f32|bf16|f16|s64|f64|f8e4m3fn|f4e2m1fn|f8e8m0fnu)\[([\d,]*)\]")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s32": 4, "u32": 4, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "f64": 8,
@@ -44,6 +44,12 @@ def _shape_bytes(text: str) -> float:
 
 
 def _group_size(groups: str) -> int:
+    """Devices per replica group, as XLA prints them: iota ([2,4]<=[8]), lists ({{0,1},{2,3}}),
+    or a mesh's axes (mesh['ep'=4,'tp'=2] {'tp'}: the product of the named axes' sizes)."""
+    if groups.startswith("mesh["):
+        mesh, axes = groups.split("] ", 1)
+        sizes = {name: int(size) for name, size in re.findall(r"'([^']+)'=(\d+)", mesh)}
+        return int(np.prod([sizes[name] for name in re.findall(r"'([^']+)'", axes)]))
     m = re.match(r"\[(\d+),(\d+)\]", groups)
     if m:
         return int(m.group(2))

@@ -222,13 +222,13 @@ def _instructions(computation: list[str]) -> dict[str, tuple[str, set[str]]]:
     return out
 
 
-def _computations(hlo: str) -> list[list[str]]:
-    comps, current = [], None
+def _computations(hlo: str) -> dict[str, list[str]]:
+    """name -> lines of each HLO computation."""
+    comps, current = {}, None
     for line in hlo.splitlines():
         if line.endswith("{") and not line.startswith(" "):
-            current = []
-        elif line == "}" and current is not None:
-            comps.append(current)
+            current = comps.setdefault(re.search(r"%[\w.\-]+", line).group(), [])
+        elif line == "}":
             current = None
         elif current is not None:
             current.append(line)
@@ -239,10 +239,18 @@ def expert_loops_fed_by_gathers(hlo: str, gathered: tuple[str, ...]) -> tuple[in
     """In the layer scan's body (the computation that holds both the full-expert all-gathers and
     the expert loops, whiles over full experts): (expert loops, of them fed by a gather of that
     same computation, following operands)."""
-    for comp in _computations(hlo):
+    comps = _computations(hlo)
+    # XLA:CPU may call a loop as a computation of its own, whose root is the while (jax 0.11 on).
+    wrapped = {name for name, lines in comps.items() if any(" while(" in l for l in lines if l.lstrip().startswith("ROOT "))}
+
+    def loop(rhs: str) -> bool:
+        call = re.search(r" call\(.*to_apply=(%[\w.\-]+)", rhs)
+        return (" while(" in rhs or (call is not None and call.group(1) in wrapped)) and any(g in rhs for g in gathered)
+
+    for comp in comps.values():
         ins = _instructions(comp)
         gathers = [n for n, (rhs, _) in ins.items() if " all-gather(" in f" {rhs}" and rhs.startswith(gathered)]
-        loops = [n for n, (rhs, _) in ins.items() if " while(" in rhs and any(g in rhs for g in gathered)]
+        loops = [n for n, (rhs, _) in ins.items() if loop(rhs)]
         if gathers and loops:
             fed, frontier = set(gathers), list(gathers)
             users = {n: [m for m, (_, deps) in ins.items() if n in deps] for n in ins}
