@@ -13,6 +13,7 @@ import pytest
 from jax import export
 
 import pallas_kernels as pk
+from moejax import targets
 from pallas_kernels import epilogue, gmm_blackwell
 from pallas_kernels.gmm_pallas_gpu import gmm_pallas_gpu
 from pallas_kernels.gmm_pallas_tpu import gmm_pallas_tpu
@@ -234,6 +235,52 @@ def test_glu_epilogue_writes_half_the_columns(backend):
                                                    act=silu_glu, backend=backend))()
     calls = [e for e in jaxpr.eqns[0].params["jaxpr"].eqns if e.primitive.name == "pallas_call"]
     assert [c.outvars[0].aval.shape[1] for c in calls] == [w.shape[2] // 2]
+
+
+# Widths no Triton block (a power of two) divides: (K, N, format, dtype, activation). The Triton
+# kernel masks its edge tiles: K 40 in one masked tile of 64, N 24 in one of 32, gate|up N 48 as
+# 24 pairs in one tile of 32; NVFP4 K 96 as two K-halves of 48 in one masked tile of 64 (its
+# scale blocks masked with them); MXFP4 K 64 (a whole tile) and N 40.
+ODD_WIDTHS = [(40, 24, "dense", jnp.bfloat16, None), (40, 24, "dense", jnp.float32, None),
+              (40, 24, "dense", jnp.bfloat16, "swiglu"), (40, 48, "dense", jnp.float32, "swiglu"),
+              (96, 40, "nvfp4", jnp.bfloat16, "swiglu"), (64, 40, "mxfp4", jnp.float32, None)]
+
+
+@pytest.mark.parametrize("k,n,fmt,dtype,act", ODD_WIDTHS)
+def test_gpu_kernel_takes_any_width(k, n, fmt, dtype, act):
+    """The Triton kernel (interpreted) at widths its blocks do not divide equals the XLA path:
+    rows over two row tiles, local groups at an offset, a bias and column scales (NVFP4 gate|up:
+    a tensor scale per half) in the epilogue; rows of no local group stay zero."""
+    lhs, rhs, sizes, offset = make_case(zlib.crc32(f"odd/{k}/{n}/{fmt}".encode()), "offset", dtype, m=70, k=k,
+                                        n=n, local=3)
+    w = rhs.astype(dtype) if fmt == "dense" else pk.quantize_experts(rhs, fmt, gated=act is not None)
+    bias = jnp.asarray(np.random.default_rng(2).standard_normal((3, n)), dtype) if act else None
+    run = functools.partial(pk.grouped_gemm, lhs, w, sizes, group_offset=offset, bias=bias, act=GLU_ACTS.get(act))
+    out, expected = run(backend="interpret_gpu"), run(backend="xla")
+    assert out.shape == expected.shape == (70, n // 2 if act else n) and out.dtype == expected.dtype
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32), **tolerance(dtype))
+    np.testing.assert_array_equal(np.asarray(out, np.float32)[int(sizes.sum()):], 0.0)
+
+
+def on_h100(shape, dtype) -> jax.ShapeDtypeStruct:
+    """An abstract array on a compile-only H100 (`moejax.targets`): a jit over it runs XLA:GPU's
+    own Triton lowering."""
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(targets.devices("h100", 1)[0]))
+
+
+@pytest.mark.parametrize("k,n,fmt,act", [(40, 24, "dense", None), (40, 48, "dense", "swiglu"), (96, 40, "nvfp4", "swiglu")])
+def test_gpu_kernel_compiles_for_h100_at_any_width(k, n, fmt, act):
+    """Triton takes only power-of-two blocks: the kernel compiles for an H100 at widths none
+    divides (whole-width tiles were refused: "Encountered an array of shape (32, 40)")."""
+    w = on_h100((8, k, n), jnp.bfloat16)
+    if fmt != "dense":
+        w = jax.tree.map(lambda a: on_h100(a.shape, a.dtype),
+                         jax.eval_shape(lambda a: pk.quantize_experts(a, fmt, gated=act is not None), w))
+    f = jax.jit(lambda l, w, s, o, b: pk.grouped_gemm(l, w, s, group_offset=o, bias=b, act=GLU_ACTS.get(act),
+                                                      backend="pallas_gpu"))
+    hlo = f.lower(on_h100((12, k), jnp.bfloat16), w, on_h100((8,), jnp.int32), on_h100((), jnp.int32),
+                  on_h100((8, n), jnp.bfloat16) if act else None).compile().as_text()
+    assert "__gpu$xla.gpu.triton" in hlo and f"bf16[12,{n // 2 if act else n}]" in hlo
 
 
 @pytest.mark.parametrize("fmt,dtype,act", GLU_CASES)
