@@ -13,12 +13,12 @@ import pytest
 from jax import export
 
 import pallas_kernels as pk
-from moejax import targets
 from pallas_kernels import epilogue, gmm_blackwell
 from pallas_kernels.gmm_pallas_gpu import gmm_pallas_gpu
 from pallas_kernels.gmm_pallas_tpu import gmm_pallas_tpu
 from pallas_kernels.layered import LayerOf, split
 from moejax.model.layers import ClampedSwiGLU, silu_glu
+from compile_only import on_h100
 
 
 def make_case(seed: int, scenario: str, dtype, m=45, k=128, n=256, groups=6, local=None):
@@ -260,12 +260,6 @@ def test_gpu_kernel_takes_any_width(k, n, fmt, dtype, act):
     assert out.shape == expected.shape == (70, n // 2 if act else n) and out.dtype == expected.dtype
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32), **tolerance(dtype))
     np.testing.assert_array_equal(np.asarray(out, np.float32)[int(sizes.sum()):], 0.0)
-
-
-def on_h100(shape, dtype) -> jax.ShapeDtypeStruct:
-    """An abstract array on a compile-only H100 (`moejax.targets`): a jit over it runs XLA:GPU's
-    own Triton lowering."""
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(targets.devices("h100", 1)[0]))
 
 
 @pytest.mark.parametrize("k,n,fmt,act", [(40, 24, "dense", None), (40, 48, "dense", "swiglu"), (96, 40, "nvfp4", "swiglu")])
