@@ -16,18 +16,23 @@ The weights' columns are read as pairs [.., N/2, 2] (a reshape, no copy): with a
 activation (`epilogue`), a program reads its tn / 2 (gate, up) column pairs as two loads, the
 gate and the up columns, into two accumulators, and its epilogue applies the column scales,
 the bias and act(gate, up) and writes [tm, tn/2]; without, the columns are [.., N, 1].
+
+One layer of a run's stack (`layered.LayerOf`) is read where it lies: the kernel takes the stack
+with its groups as one axis [L * G, ..] (`layered.flat`, a bitcast) and the layer's first group
+there, so a scanned decode step copies no layer's experts out of the stack.
 """
 
 from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels import decode, epilogue, formats, metadata, tiling
+from pallas_kernels import decode, epilogue, formats, layered, metadata, tiling
 
 
 def fuses_glu(m: int, n: int, rhs) -> bool:
@@ -48,11 +53,12 @@ def _load(ref, *masks):
     return pl_triton.load(ref, mask=functools.reduce(jnp.logical_and, masks), other=0)
 
 
-def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, tscale, *refs, quantized, fmt,
+def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, first, tscale, *refs, quantized, fmt,
             block, tm, tk, tn, k, n, pairs, cdtype, tables, act):
     """One (active m tile, n tile) program; loops over K. Refs are whole arrays in HBM:
-    lhs [M_pad, K], rhs (weights [G_local, K, N/p, p], or bytes [G_local, K/2, N/p, p] and
-    scale bits [G_local, K/B, N/p, p]; p = `pairs`: 2 with act, the gate and up columns), the
+    lhs [M_pad, K], rhs (weights [G', K, N/p, p], or bytes [G', K/2, N/p, p] and scale bits
+    [G', K/B, N/p, p]; p = `pairs`: 2 with act, the gate and up columns) and tscale [G'], whose
+    local groups are first[0] + [0, G_local) (G': a stack's every layer's groups), the
     epilogue's column scales and bias [G_local, 1, N/p, p] where `tables` says so, out
     [M_pad, N/p]."""
     *ins, out_ref = refs
@@ -64,6 +70,7 @@ def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, tscale, *refs, qu
     def _():
         g = group_ids[t]
         local, m0 = g - offset[0], m_tile_ids[t] * tm
+        at = first[0] + local  # the group's weights
         dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
         rows = pl.ds(m0, tm)
         width, out_cols = tn // pairs, n // pairs  # this program's output columns (column pairs), of out_cols
@@ -81,15 +88,15 @@ def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, tscale, *refs, qu
                 x_ref, v_ref, s_ref = ins
                 sb, s_in = kt // block, in_k(k0, kt // block, block, 0)
                 w_lo, w_hi = decode.decode_tile(
-                    _load(v_ref.at[local, pl.ds(k0, kt), cols, i], in_k(k0, kt, 1, 0), in_n),
-                    _load(s_ref.at[local, pl.ds(k0 // block, sb), cols, i], s_in, in_n),
-                    _load(s_ref.at[local, pl.ds((kk + k0) // block, sb), cols, i], s_in, in_n), block, fmt)
+                    _load(v_ref.at[at, pl.ds(k0, kt), cols, i], in_k(k0, kt, 1, 0), in_n),
+                    _load(s_ref.at[at, pl.ds(k0 // block, sb), cols, i], s_in, in_n),
+                    _load(s_ref.at[at, pl.ds((kk + k0) // block, sb), cols, i], s_in, in_n), block, fmt)
                 return (dot(_load(x_ref.at[rows, pl.ds(k0, kt)], in_k(k0, kt, 1, 1)).astype(cdtype), w_lo.astype(cdtype))
                         + dot(_load(x_ref.at[rows, pl.ds(kk + k0, kt)], in_k(k0, kt, 1, 1)).astype(cdtype),
                               w_hi.astype(cdtype)))
             x_ref, w_ref = ins
             return dot(_load(x_ref.at[rows, pl.ds(k0, kt)], in_k(k0, kt, 1, 1)).astype(cdtype),
-                       _load(w_ref.at[local, pl.ds(k0, kt), cols, i], in_k(k0, kt, 1, 0), in_n).astype(cdtype))
+                       _load(w_ref.at[at, pl.ds(k0, kt), cols, i], in_k(k0, kt, 1, 0), in_n).astype(cdtype))
 
         # The column sets (all columns, or the gate and the up ones) as array indices: interpret
         # mode's masked loads take no Python int.
@@ -100,7 +107,7 @@ def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, tscale, *refs, qu
 
         accs = lax.fori_loop(0, pl.cdiv(kk, kt), step, tuple(jnp.zeros((tm, width), jnp.float32) for _ in range(pairs)))
         ys = [epilogue.finish(acc, out_ref.dtype,
-                              tscale[local] * (1.0 if cols_ref is None else _load(cols_ref.at[local, :, cols, i], in_n)),
+                              tscale[at] * (1.0 if cols_ref is None else _load(cols_ref.at[local, :, cols, i], in_n)),
                               None if bias_ref is None else _load(bias_ref.at[local, :, cols, i], in_n))
               for i, acc in zip(sets, accs)]
         # Triton has no bf16 division (the sigmoid's): the activation's math is f32.
@@ -117,9 +124,13 @@ def _column_pairs(a, pairs: int):
 
 def gmm_pallas_gpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret: bool = False,
                    tk: int | None = None, epilogue=None):
-    """The Triton twin of `gmm_pallas_tpu`: the same arguments, epilogue and result."""
+    """The Triton twin of `gmm_pallas_tpu`: the same arguments, epilogue and result; rhs may also
+    be one layer of a stack (`layered.LayerOf`)."""
     m, k = lhs.shape
     g_local, _, n = rhs.shape
+    # The layer's weights as abstract arrays: what the call reads, for its cost.
+    layer = jax.eval_shape(layered.layer_slice, rhs.stack, 0) if isinstance(rhs, layered.LayerOf) else rhs
+    rhs, first = layered.flat(rhs)
     quantized = isinstance(rhs, formats.QuantizedArray)
     # Triton blocks are powers of two, and tl.dot wants every dim >= 16; the edge tiles are masked.
     tm = min(64, max(16, 1 << (m - 1).bit_length()))
@@ -134,7 +145,7 @@ def gmm_pallas_gpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
         tscale, fmt, block = tiling.tensor_scales(rhs), rhs.fmt, rhs.spec.block
     else:
         operands = (lhs_p, _column_pairs(rhs, pairs))
-        tscale, fmt, block = jnp.ones((g_local,), jnp.float32), None, 1
+        tscale, fmt, block = jnp.ones(rhs.shape[:1], jnp.float32), None, 1
     kernel = functools.partial(
         _kernel, quantized=quantized, fmt=fmt, block=block, tm=tm, tk=tk, tn=tn, k=k, n=n, pairs=pairs,
         cdtype=tiling.compute_dtype(lhs.dtype, rhs), tables=has, act=act)
@@ -145,7 +156,7 @@ def gmm_pallas_gpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
         grid=(group_ids.shape[0], pl.cdiv(n, tn)),
         compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
-        cost_estimate=tiling.cost_estimate(lhs, rhs, lhs_p.shape[0], out_dtype, glu=act is not None),
-    )(num_tiles.reshape(1), group_ids, m_tile_ids, offsets, offset, tscale, *operands,
+        cost_estimate=tiling.cost_estimate(lhs, layer, lhs_p.shape[0], out_dtype, glu=act is not None),
+    )(num_tiles.reshape(1), group_ids, m_tile_ids, offsets, offset, first, tscale, *operands,
       *(_column_pairs(t, pairs) for t in tables))
     return tiling.zero_foreign_rows(out, offsets, offset[0], g_local, m)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import zlib
@@ -13,6 +14,9 @@ import pytest
 from jax import export
 
 import pallas_kernels as pk
+from moejax import targets
+from moejax.config import Config, EngineConfig, LayoutConfig, preset
+from moejax.plan import decode_program
 from pallas_kernels import epilogue, gmm_blackwell
 from pallas_kernels.gmm_pallas_gpu import gmm_pallas_gpu
 from pallas_kernels.gmm_pallas_tpu import gmm_pallas_tpu
@@ -125,6 +129,38 @@ def test_xla_reads_groups_of_a_layer_stack(fmt, m):
                                rtol=1e-5, atol=1e-5)
     hlo = f.lower(lhs, w, sizes, jnp.int32(1)).compile().as_text()
     assert not re.search(r"= \w+\[6,(128|64),80\]", hlo)
+
+
+@pytest.mark.parametrize("fmt,act", [("dense", None), ("nvfp4", None), ("nvfp4", "swiglu")])
+def test_gpu_kernel_reads_a_layer_of_a_stack(fmt, act):
+    """One layer of a stack [L, G, K, N] (LayerOf) through the Triton kernel (interpreted), local
+    groups at an offset: the result of the layer as its own array (its weights, block scales,
+    tensor scales and, NVFP4 gate|up, column scales: each layer's its own)."""
+    lhs, rhs, sizes, offset = make_case(9, "offset", jnp.float32, m=40, n=48, groups=6, local=3)
+    stack = jnp.stack([rhs * 2, rhs, rhs * 3])  # [3, G, K, N]
+    w = stack if fmt == "dense" else pk.quantize_experts(stack, fmt, gated=act is not None)
+    bias = jnp.asarray(np.random.default_rng(3).standard_normal((3, 48)), jnp.float32)
+    run = jax.jit(lambda w: pk.grouped_gemm(lhs, w, sizes, group_offset=offset, bias=bias, act=GLU_ACTS.get(act),
+                                            backend="interpret_gpu"))
+    np.testing.assert_array_equal(run(LayerOf(w, jnp.int32(1))), run(jax.tree.map(lambda a: a[1], w)))
+
+
+def test_gpu_decode_step_copies_no_layer_of_experts():
+    """A scanned run's decode step on an H100 hands the Triton kernel each layer's experts where
+    they lie in the run's stack [L, E, K, N]: no instruction of the compiled step makes an array
+    of one layer's [E, K, N] (a dynamic-slice fusion copied each layer out of the stack every step)."""
+    model = dataclasses.replace(preset("tiny-qwen3-moe"), num_layers=4)  # a run of 2 identical MoE layers
+    config = Config(model=model, layout=LayoutConfig(devices=1), engine=EngineConfig(dtype="bfloat16")).validate()
+    placement, step, args = decode_program(config, 8, 64, "cuda", devices=list(targets.devices("h100", 1)))
+    stacks = [a.shape for run in args[0]["layers"] if "moe" in run for a in run["moe"]["experts"].values()]
+    assert placement.kernel == "pallas_gpu" and max(shape[0] for shape in stacks) == 2
+    hlo = jax.jit(step).lower(*args).compile().as_text()
+    layer = "|".join(",".join(map(str, shape[1:])) for shape in stacks)
+    made = [line for line in hlo.splitlines()
+            if (m := re.search(r"= (\(.*?\)|\S+) ([\w-]+)\(", line))
+            and m.group(2) not in ("parameter", "get-tuple-element", "bitcast", "tuple")
+            and re.search(rf"bf16\[(1,)?({layer})\]", m.group(1))]
+    assert not made, made[:3]
 
 
 @pytest.mark.parametrize("fmt", ["dense", "nvfp4"])
