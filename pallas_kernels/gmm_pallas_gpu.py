@@ -7,35 +7,60 @@ active tiles return at once, so untouched groups' weights are never loaded. Prog
 parallel, so an out tile shared by two groups is written with a row mask by each, never
 read-modify-written. 4-bit tiles are decoded in registers, as two K-halves.
 
-With a gated activation (`epilogue`), a program reads its 2 * (tn / 2) weight columns as two
-stride-2 loads, the gate and the up columns, into two accumulators, and its epilogue applies
-the column scales, the bias and act(gate, up) and writes [tm, tn/2].
+Triton's blocks are powers of two (and a dot's dims at least 16); K and N are any widths: a
+tile past the edge of K or N is masked, its loads read zeros there (nothing beyond the arrays
+is read) and its stores write nothing. The masks are built only where a width is not a
+multiple of its tile, so a power-of-two model runs the unmasked kernel.
+
+The weights' columns are read as pairs [.., N/2, 2] (a reshape, no copy): with a gated
+activation (`epilogue`), a program reads its tn / 2 (gate, up) column pairs as two loads, the
+gate and the up columns, into two accumulators, and its epilogue applies the column scales,
+the bias and act(gate, up) and writes [tm, tn/2]; without, the columns are [.., N, 1].
+
+One layer of a run's stack (`layered.LayerOf`) is read where it lies: the kernel takes the stack
+with its groups as one axis [L * G, ..] (`layered.flat`, a bitcast) and the layer's first group
+there, so a scanned decode step copies no layer's experts out of the stack.
 """
 
 from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels import decode, epilogue, formats, metadata, tiling
+from pallas_kernels import decode, epilogue, formats, layered, metadata, tiling
 
 
 def fuses_glu(m: int, n: int, rhs) -> bool:
-    """Whether the epilogue can halve a gate|up product of N columns (Triton's blocks: a power
-    of two of at least 16 output columns)."""
-    return n % 32 == 0
+    """Whether the epilogue can halve a gate|up product of N columns: any whole (gate, up) pairs."""
+    return n % 2 == 0
 
 
-def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, tscale, *refs, quantized, fmt,
-            block, tm, tk, tn, k, cdtype, tables, act):
+def _iota(size: int, axis: int, start=0):
+    """start + [0, size) along `axis` of a 2-D [size, 1] or [1, size] block (int32)."""
+    return start + lax.broadcasted_iota(jnp.int32, (size, 1) if axis == 0 else (1, size), axis)
+
+
+def _load(ref, *masks):
+    """ref's block, zeros where any of `masks` (None: nothing masked) is False."""
+    masks = [m for m in masks if m is not None]
+    if not masks:
+        return ref[...]
+    return pl_triton.load(ref, mask=functools.reduce(jnp.logical_and, masks), other=0)
+
+
+def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, first, tscale, *refs, quantized, fmt,
+            block, tm, tk, tn, k, n, pairs, cdtype, tables, act):
     """One (active m tile, n tile) program; loops over K. Refs are whole arrays in HBM:
-    lhs [M_pad, K], rhs (weights [G_local, K, N], or bytes [G_local, K/2, N] and scale bits
-    [G_local, K/B, N]), the epilogue's column scales and bias [G_local, 1, N] where `tables`
-    says so, out [M_pad, N] ([M_pad, N/2] with act)."""
+    lhs [M_pad, K], rhs (weights [G', K, N/p, p], or bytes [G', K/2, N/p, p] and scale bits
+    [G', K/B, N/p, p]; p = `pairs`: 2 with act, the gate and up columns) and tscale [G'], whose
+    local groups are first[0] + [0, G_local) (G': a stack's every layer's groups), the
+    epilogue's column scales and bias [G_local, 1, N/p, p] where `tables` says so, out
+    [M_pad, N/p]."""
     *ins, out_ref = refs
     cols_ref = ins.pop(len(ins) - sum(tables)) if tables[0] else None
     bias_ref = ins.pop() if tables[1] else None
@@ -44,73 +69,94 @@ def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, tscale, *refs, qu
     @pl.when(t < num_tiles[0])
     def _():
         g = group_ids[t]
-        local, m0, n0 = g - offset[0], m_tile_ids[t] * tm, n_i * tn
+        local, m0 = g - offset[0], m_tile_ids[t] * tm
+        at = first[0] + local  # the group's weights
         dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
         rows = pl.ds(m0, tm)
-        # The weight columns each accumulator reads: the tile, or its gate and its up columns.
-        col_sets = [pl.ds(n0, tn)] if act is None else [pl.ds(n0 + i, tn // 2, stride=2) for i in (0, 1)]
+        width, out_cols = tn // pairs, n // pairs  # this program's output columns (column pairs), of out_cols
+        cols = pl.ds(n_i * width, width)
+        in_n = None if out_cols % width == 0 else _iota(width, 1, n_i * width) < out_cols  # [1, width]
+        # A load's K span: the K-halves' of 4-bit bytes, else K's.
+        kk, kt = (k // 2, tk // 2) if quantized else (k, tk)
 
-        def product(k_i, cols):  # [tm, len(cols)] f32: one K step of the rows times these columns
+        def in_k(k0, size, per, axis):  # [size, 1] or [1, size]: which of `size` units of `per` K rows from k0 lie in K
+            return None if kk % kt == 0 else _iota(size, axis, k0 // per) < kk // per
+
+        def product(k_i, i):  # [tm, width] f32: one K step of the rows times column set i
+            k0 = k_i * kt
             if quantized:
                 x_ref, v_ref, s_ref = ins
-                kh, half = k_i * (tk // 2), k // 2
-                sb = tk // 2 // block
+                sb, s_in = kt // block, in_k(k0, kt // block, block, 0)
                 w_lo, w_hi = decode.decode_tile(
-                    v_ref[local, pl.ds(kh, tk // 2), cols],
-                    s_ref[local, pl.ds(kh // block, sb), cols],
-                    s_ref[local, pl.ds((half + kh) // block, sb), cols], block, fmt)
-                return (dot(x_ref[rows, pl.ds(kh, tk // 2)].astype(cdtype), w_lo.astype(cdtype))
-                        + dot(x_ref[rows, pl.ds(half + kh, tk // 2)].astype(cdtype), w_hi.astype(cdtype)))
+                    _load(v_ref.at[at, pl.ds(k0, kt), cols, i], in_k(k0, kt, 1, 0), in_n),
+                    _load(s_ref.at[at, pl.ds(k0 // block, sb), cols, i], s_in, in_n),
+                    _load(s_ref.at[at, pl.ds((kk + k0) // block, sb), cols, i], s_in, in_n), block, fmt)
+                return (dot(_load(x_ref.at[rows, pl.ds(k0, kt)], in_k(k0, kt, 1, 1)).astype(cdtype), w_lo.astype(cdtype))
+                        + dot(_load(x_ref.at[rows, pl.ds(kk + k0, kt)], in_k(k0, kt, 1, 1)).astype(cdtype),
+                              w_hi.astype(cdtype)))
             x_ref, w_ref = ins
-            return dot(x_ref[rows, pl.ds(k_i * tk, tk)].astype(cdtype),
-                       w_ref[local, pl.ds(k_i * tk, tk), cols].astype(cdtype))
+            return dot(_load(x_ref.at[rows, pl.ds(k0, kt)], in_k(k0, kt, 1, 1)).astype(cdtype),
+                       _load(w_ref.at[at, pl.ds(k0, kt), cols, i], in_k(k0, kt, 1, 0), in_n).astype(cdtype))
 
-        def step(k_i, accs):  # accs: one [tm, tn / len(col_sets)] f32 per column set
-            return tuple(acc + product(k_i, cols) for acc, cols in zip(accs, col_sets))
+        # The column sets (all columns, or the gate and the up ones) as array indices: interpret
+        # mode's masked loads take no Python int.
+        sets = [jnp.int32(i) for i in range(pairs)]
 
-        width = tn // len(col_sets)
-        accs = lax.fori_loop(0, k // tk, step, tuple(jnp.zeros((tm, width), jnp.float32) for _ in col_sets))
+        def step(k_i, accs):  # accs: one [tm, width] f32 per column set
+            return tuple(acc + product(k_i, i) for i, acc in zip(sets, accs))
+
+        accs = lax.fori_loop(0, pl.cdiv(kk, kt), step, tuple(jnp.zeros((tm, width), jnp.float32) for _ in range(pairs)))
         ys = [epilogue.finish(acc, out_ref.dtype,
-                              tscale[local] * (1.0 if cols_ref is None else cols_ref[local, :, cols]),
-                              None if bias_ref is None else bias_ref[local, :, cols])
-              for acc, cols in zip(accs, col_sets)]
+                              tscale[at] * (1.0 if cols_ref is None else _load(cols_ref.at[local, :, cols, i], in_n)),
+                              None if bias_ref is None else _load(bias_ref.at[local, :, cols, i], in_n))
+              for i, acc in zip(sets, accs)]
         # Triton has no bf16 division (the sigmoid's): the activation's math is f32.
         y = ys[0] if act is None else epilogue.glu(*(y.astype(jnp.float32) for y in ys), act).astype(out_ref.dtype)
-        row_ids = m0 + lax.broadcasted_iota(jnp.int32, (tm, width), 0)
+        row_ids = _iota(tm, 0, m0)
         mine = (row_ids >= offsets[g]) & (row_ids < offsets[g + 1])
-        pl_triton.store(out_ref.at[rows, pl.ds(n_i * width, width)], y, mask=mine)
+        pl_triton.store(out_ref.at[rows, cols], y, mask=mine if in_n is None else mine & in_n)
+
+
+def _column_pairs(a, pairs: int):
+    """[..., N] -> [..., N/p, p] (a bitcast): the kernel's view of the weights' columns."""
+    return a.reshape(*a.shape[:-1], a.shape[-1] // pairs, pairs)
 
 
 def gmm_pallas_gpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret: bool = False,
                    tk: int | None = None, epilogue=None):
-    """The Triton twin of `gmm_pallas_tpu`: the same arguments, epilogue and result."""
+    """The Triton twin of `gmm_pallas_tpu`: the same arguments, epilogue and result; rhs may also
+    be one layer of a stack (`layered.LayerOf`)."""
     m, k = lhs.shape
     g_local, _, n = rhs.shape
+    # The layer's weights as abstract arrays: what the call reads, for its cost.
+    layer = jax.eval_shape(layered.layer_slice, rhs.stack, 0) if isinstance(rhs, layered.LayerOf) else rhs
+    rhs, first = layered.flat(rhs)
     quantized = isinstance(rhs, formats.QuantizedArray)
-    # Triton blocks are powers of two, and tl.dot wants every dim >= 16.
+    # Triton blocks are powers of two, and tl.dot wants every dim >= 16; the edge tiles are masked.
     tm = min(64, max(16, 1 << (m - 1).bit_length()))
-    tk = tk or tiling.k_tile(k, rhs, (128, 64) if quantized else (64, 32, 16))
+    tk = tk or tiling.k_tile(k, rhs, (128, 64) if quantized else (64, 32, 16), masked=True)
     tables, has, act = tiling.epilogue_tables(epilogue, g_local)
-    tn = tiling.pick_tile(n, (128, 64, 32) if act is not None else (128, 64, 32, 16))
+    pairs = 1 if act is None else 2
+    tn = tiling.pick_tile(n, (128, 64, 32) if act is not None else (128, 64, 32, 16), masked=True)
     lhs_p, offset, (offsets, group_ids, m_tile_ids), num_tiles = tiling.group_tiles(
         lhs, group_sizes, group_offset, g_local, tm)
     if quantized:
-        operands = (lhs_p, rhs.values, tiling.scale_bits(rhs))
+        operands = (lhs_p, _column_pairs(rhs.values, pairs), _column_pairs(tiling.scale_bits(rhs), pairs))
         tscale, fmt, block = tiling.tensor_scales(rhs), rhs.fmt, rhs.spec.block
     else:
-        operands = (lhs_p, rhs)
-        tscale, fmt, block = jnp.ones((g_local,), jnp.float32), None, 1
+        operands = (lhs_p, _column_pairs(rhs, pairs))
+        tscale, fmt, block = jnp.ones(rhs.shape[:1], jnp.float32), None, 1
     kernel = functools.partial(
-        _kernel, quantized=quantized, fmt=fmt, block=block, tm=tm, tk=tk, tn=tn, k=k,
+        _kernel, quantized=quantized, fmt=fmt, block=block, tm=tm, tk=tk, tn=tn, k=k, n=n, pairs=pairs,
         cdtype=tiling.compute_dtype(lhs.dtype, rhs), tables=has, act=act)
-    out_cols = n // 2 if act is not None else n
     out = pl.pallas_call(
         kernel,
-        out_shape=metadata.varying_struct((lhs_p.shape[0], out_cols), out_dtype, lhs, rhs, group_sizes,
+        out_shape=metadata.varying_struct((lhs_p.shape[0], n // pairs), out_dtype, lhs, rhs, group_sizes,
                                           group_offset),
-        grid=(group_ids.shape[0], n // tn),
+        grid=(group_ids.shape[0], pl.cdiv(n, tn)),
         compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
-        cost_estimate=tiling.cost_estimate(lhs, rhs, lhs_p.shape[0], out_dtype, glu=act is not None),
-    )(num_tiles.reshape(1), group_ids, m_tile_ids, offsets, offset, tscale, *operands, *tables)
+        cost_estimate=tiling.cost_estimate(lhs, layer, lhs_p.shape[0], out_dtype, glu=act is not None),
+    )(num_tiles.reshape(1), group_ids, m_tile_ids, offsets, offset, first, tscale, *operands,
+      *(_column_pairs(t, pairs) for t in tables))
     return tiling.zero_foreign_rows(out, offsets, offset[0], g_local, m)

@@ -104,6 +104,7 @@ def _gathers(m: int, rhs) -> bool:
 
 
 GATHERS_ROWS = True  # `gmm_xla` reads its rows through lhs_rows itself, a chunk at a time
+SCALES_COLUMNS = True  # and applies a 4-bit stack's column-wise tensor scales itself, as it decodes a group
 
 
 def fuses_glu(m: int, n: int, rhs) -> bool:

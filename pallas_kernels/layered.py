@@ -7,8 +7,8 @@ per layer of the benchmark model, on every decode step) before the loop over tou
 reads any of them. `LayerOf` defers the slice, so that the XLA grouped GEMM reads group g of
 layer i straight from the stack. This module is its one home: a placement asks `layer_of` for a
 layer as its kernel reads it (a view only for a kernel that reads groups out of a stack, so no
-other kernel meets one), shard_map specs come from `specs`, and the XLA kernel reads through
-`group` and `take`.
+other kernel meets one), shard_map specs come from `specs`, the XLA kernel reads through
+`group` and `take`, and the Triton kernel through `flat` (the stack's groups as one axis).
 
 Even a layer of its own is a stack [G, K, N], and the group loop's slice of group g is a copy on
 XLA:CPU (a dot reads whole buffers): the weights read once from memory, written, and read again.
@@ -22,6 +22,7 @@ from typing import Any
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -59,7 +60,7 @@ class Groups:
 
 # The grouped-GEMM kernels that read a group straight out of a layer stack (a `LayerOf`), and
 # those that take a layer's experts a buffer per group (`Groups`).
-READS_STACK = ("xla",)
+READS_STACK = ("xla", "pallas_gpu", "interpret_gpu")
 READS_GROUPS = ("xla",)
 
 
@@ -87,6 +88,16 @@ def specs(rhs, stored_specs, index_spec):
         group = jax.tree.map(lambda s: P(*s[1:]), stored_specs(stack, ()), is_leaf=lambda s: isinstance(s, P))
         return Groups((group,) * len(rhs.groups))
     return stored_specs(rhs, ())
+
+
+def flat(rhs):
+    """rhs ([G, K, N] array or QuantizedArray, or a LayerOf either) as a kernel indexes its
+    groups: (a LayerOf's stack [L, G, ...] viewed as [L * G, ...] (a bitcast: no layer is copied
+    out of it), the layer's first group there, index * G: [1] int32), or (rhs, [0])."""
+    if not isinstance(rhs, LayerOf):
+        return rhs, jnp.zeros((1,), jnp.int32)
+    groups = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), rhs.stack)
+    return groups, (jnp.asarray(rhs.index, jnp.int32) * rhs.shape[0]).reshape(1)
 
 
 def layer_slice(stack, i):

@@ -74,10 +74,14 @@ def _load(module: str, name: str):
 
 
 def _backend_fn(name: str):
+    module, kwargs = _IMPLS[_known(name)]
+    return functools.partial(_load(module, module), **kwargs)
+
+
+def _known(name: str) -> str:
     if name not in _IMPLS:
         raise ValueError(f"unknown grouped_gemm backend {name!r}; expected one of {KERNELS}")
-    module, kwargs = _IMPLS[name]
-    return functools.partial(_load(module, module), **kwargs)
+    return name
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "preferred_element_type", "act"))
@@ -118,12 +122,10 @@ def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto"
         lhs, lhs_rows = lhs[lhs_rows], None
     rows = {} if lhs_rows is None else {"lhs_rows": lhs_rows}
     m, n = (lhs if lhs_rows is None else lhs_rows).shape[0], rhs.shape[2]
-    # Only the XLA loop reads a layer's groups out of its stack (and applies column scales
-    # itself); a placement hands the other kernels a layer as its own array.
-    reads_stack = backend in layered.READS_STACK
-    if not reads_stack and stack is not rhs:
+    # A placement hands a kernel that reads no layer out of its stack the layer as its own array.
+    if backend not in layered.READS_STACK and stack is not rhs:
         raise ValueError(f"the {backend} kernel reads a layer as its own [G, K, N], not as a view of its stack")
-    columns = None if reads_stack else _column_scales(rhs)
+    columns = None if getattr(_module(backend), "SCALES_COLUMNS", False) else _column_scales(rhs)
     if combine is not None and columns is None and _fuses(backend, "fuses_combine", m, n, rhs):
         return _backend_fn(backend)(lhs, rhs, group_sizes, group_offset, out_dtype, combine=combine, bias=bias, **rows)
     if act is not None and _fuses(backend, "fuses_glu", m, n, rhs):
@@ -144,7 +146,7 @@ def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto"
 
 
 def _module(backend: str):
-    return importlib.import_module(f"pallas_kernels.{_IMPLS[backend][0]}")
+    return importlib.import_module(f"pallas_kernels.{_IMPLS[_known(backend)][0]}")
 
 
 def _fuses(backend: str, probe: str, m: int, n: int, rhs) -> bool:
@@ -156,15 +158,20 @@ def _fuses(backend: str, probe: str, m: int, n: int, rhs) -> bool:
 
 
 def _unit_scales(rhs):
-    """rhs with its tensor scales taken out (applied by the epilogue, column-wise)."""
+    """rhs (or a LayerOf's stack) with its tensor scales taken out (applied by the epilogue, column-wise)."""
+    if isinstance(rhs, layered.LayerOf):
+        return rhs.replace(stack=_unit_scales(rhs.stack))
     unit = None if isinstance(rhs, formats.QuantizedArray) else jnp.ones(rhs.tensor_scale.shape[:1], jnp.float32)
     return rhs.replace(tensor_scale=unit)
 
 
 def _column_scales(rhs) -> jax.Array | None:
-    """[G, N] column-wise tensor scales of a 4-bit rhs ([G, 1, N], or Blackwell's [G, N]); None
-    where there is one scale per group (or none)."""
-    ts = getattr(rhs, "tensor_scale", None)
-    if ts is None or (ts.ndim == 1 if not isinstance(rhs, formats.QuantizedArray) else ts.shape[-1] == 1):
+    """[G, N] column-wise tensor scales of a 4-bit rhs ([G, 1, N], or Blackwell's [G, N]; a
+    LayerOf's: its layer's); None where there is one scale per group (or none)."""
+    stack = layered.stored(rhs)
+    ts = getattr(stack, "tensor_scale", None)
+    if ts is None or (ts.ndim == 1 if not isinstance(stack, formats.QuantizedArray) else ts.shape[-1] == 1):
         return None
+    if isinstance(rhs, layered.LayerOf):
+        ts = layered.layer_slice(ts, rhs.index)
     return ts.reshape(ts.shape[0], -1)

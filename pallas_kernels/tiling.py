@@ -27,18 +27,23 @@ def round_up(x: int, to: int) -> int:
     return -(-x // to) * to
 
 
-def pick_tile(dim: int, candidates: tuple[int, ...], multiple_of: int = 1) -> int:
-    """The largest candidate dividing dim (and a multiple of `multiple_of`), else dim whole."""
-    for c in candidates:
-        if dim % c == 0 and c % multiple_of == 0:
+def pick_tile(dim: int, candidates: tuple[int, ...], multiple_of: int = 1, masked: bool = False) -> int:
+    """The largest candidate dividing dim (and a multiple of `multiple_of`), else dim whole; or,
+    `masked` (a kernel whose blocks must be candidates, e.g. Triton's powers of two, and that
+    masks the tile past dim's end), the smallest candidate covering dim, else the largest."""
+    fits = [c for c in candidates if c % multiple_of == 0]
+    for c in fits:
+        if dim % c == 0:
             return c
-    return dim
+    if not masked:
+        return dim
+    return min((c for c in fits if c >= dim), default=max(fits))
 
 
-def k_tile(k: int, rhs, candidates: tuple[int, ...]) -> int:
+def k_tile(k: int, rhs, candidates: tuple[int, ...], masked: bool = False) -> int:
     """K tile; a 4-bit rhs also needs tk / 2 to cover whole scale blocks."""
     block = rhs.spec.block if isinstance(rhs, formats.QuantizedArray) else 1
-    return pick_tile(k, candidates, 2 * block)
+    return pick_tile(k, candidates, 2 * block, masked)
 
 
 def group_tiles(lhs: jax.Array, group_sizes: jax.Array, group_offset, g_local: int, tm: int):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import zlib
@@ -13,11 +14,15 @@ import pytest
 from jax import export
 
 import pallas_kernels as pk
+from moejax import targets
+from moejax.config import Config, EngineConfig, LayoutConfig, preset
+from moejax.plan import decode_program
 from pallas_kernels import epilogue, gmm_blackwell
 from pallas_kernels.gmm_pallas_gpu import gmm_pallas_gpu
 from pallas_kernels.gmm_pallas_tpu import gmm_pallas_tpu
 from pallas_kernels.layered import LayerOf, split
 from moejax.model.layers import ClampedSwiGLU, silu_glu
+from compile_only import on_h100
 
 
 def make_case(seed: int, scenario: str, dtype, m=45, k=128, n=256, groups=6, local=None):
@@ -124,6 +129,38 @@ def test_xla_reads_groups_of_a_layer_stack(fmt, m):
                                rtol=1e-5, atol=1e-5)
     hlo = f.lower(lhs, w, sizes, jnp.int32(1)).compile().as_text()
     assert not re.search(r"= \w+\[6,(128|64),80\]", hlo)
+
+
+@pytest.mark.parametrize("fmt,act", [("dense", None), ("nvfp4", None), ("nvfp4", "swiglu")])
+def test_gpu_kernel_reads_a_layer_of_a_stack(fmt, act):
+    """One layer of a stack [L, G, K, N] (LayerOf) through the Triton kernel (interpreted), local
+    groups at an offset: the result of the layer as its own array (its weights, block scales,
+    tensor scales and, NVFP4 gate|up, column scales: each layer's its own)."""
+    lhs, rhs, sizes, offset = make_case(9, "offset", jnp.float32, m=40, n=48, groups=6, local=3)
+    stack = jnp.stack([rhs * 2, rhs, rhs * 3])  # [3, G, K, N]
+    w = stack if fmt == "dense" else pk.quantize_experts(stack, fmt, gated=act is not None)
+    bias = jnp.asarray(np.random.default_rng(3).standard_normal((3, 48)), jnp.float32)
+    run = jax.jit(lambda w: pk.grouped_gemm(lhs, w, sizes, group_offset=offset, bias=bias, act=GLU_ACTS.get(act),
+                                            backend="interpret_gpu"))
+    np.testing.assert_array_equal(run(LayerOf(w, jnp.int32(1))), run(jax.tree.map(lambda a: a[1], w)))
+
+
+def test_gpu_decode_step_copies_no_layer_of_experts():
+    """A scanned run's decode step on an H100 hands the Triton kernel each layer's experts where
+    they lie in the run's stack [L, E, K, N]: no instruction of the compiled step makes an array
+    of one layer's [E, K, N] (a dynamic-slice fusion copied each layer out of the stack every step)."""
+    model = dataclasses.replace(preset("tiny-qwen3-moe"), num_layers=4)  # a run of 2 identical MoE layers
+    config = Config(model=model, layout=LayoutConfig(devices=1), engine=EngineConfig(dtype="bfloat16")).validate()
+    placement, step, args = decode_program(config, 8, 64, "cuda", devices=list(targets.devices("h100", 1)))
+    stacks = [a.shape for run in args[0]["layers"] if "moe" in run for a in run["moe"]["experts"].values()]
+    assert placement.kernel == "pallas_gpu" and max(shape[0] for shape in stacks) == 2
+    hlo = jax.jit(step).lower(*args).compile().as_text()
+    layer = "|".join(",".join(map(str, shape[1:])) for shape in stacks)
+    made = [line for line in hlo.splitlines()
+            if (m := re.search(r"= (\(.*?\)|\S+) ([\w-]+)\(", line))
+            and m.group(2) not in ("parameter", "get-tuple-element", "bitcast", "tuple")
+            and re.search(rf"bf16\[(1,)?({layer})\]", m.group(1))]
+    assert not made, made[:3]
 
 
 @pytest.mark.parametrize("fmt", ["dense", "nvfp4"])
@@ -234,6 +271,46 @@ def test_glu_epilogue_writes_half_the_columns(backend):
                                                    act=silu_glu, backend=backend))()
     calls = [e for e in jaxpr.eqns[0].params["jaxpr"].eqns if e.primitive.name == "pallas_call"]
     assert [c.outvars[0].aval.shape[1] for c in calls] == [w.shape[2] // 2]
+
+
+# Widths no Triton block (a power of two) divides: (K, N, format, dtype, activation). The Triton
+# kernel masks its edge tiles: K 40 in one masked tile of 64, N 24 in one of 32, gate|up N 48 as
+# 24 pairs in one tile of 32; NVFP4 K 96 as two K-halves of 48 in one masked tile of 64 (its
+# scale blocks masked with them); MXFP4 K 64 (a whole tile) and N 40.
+ODD_WIDTHS = [(40, 24, "dense", jnp.bfloat16, None), (40, 24, "dense", jnp.float32, None),
+              (40, 24, "dense", jnp.bfloat16, "swiglu"), (40, 48, "dense", jnp.float32, "swiglu"),
+              (96, 40, "nvfp4", jnp.bfloat16, "swiglu"), (64, 40, "mxfp4", jnp.float32, None)]
+
+
+@pytest.mark.parametrize("k,n,fmt,dtype,act", ODD_WIDTHS)
+def test_gpu_kernel_takes_any_width(k, n, fmt, dtype, act):
+    """The Triton kernel (interpreted) at widths its blocks do not divide equals the XLA path:
+    rows over two row tiles, local groups at an offset, a bias and column scales (NVFP4 gate|up:
+    a tensor scale per half) in the epilogue; rows of no local group stay zero."""
+    lhs, rhs, sizes, offset = make_case(zlib.crc32(f"odd/{k}/{n}/{fmt}".encode()), "offset", dtype, m=70, k=k,
+                                        n=n, local=3)
+    w = rhs.astype(dtype) if fmt == "dense" else pk.quantize_experts(rhs, fmt, gated=act is not None)
+    bias = jnp.asarray(np.random.default_rng(2).standard_normal((3, n)), dtype) if act else None
+    run = functools.partial(pk.grouped_gemm, lhs, w, sizes, group_offset=offset, bias=bias, act=GLU_ACTS.get(act))
+    out, expected = run(backend="interpret_gpu"), run(backend="xla")
+    assert out.shape == expected.shape == (70, n // 2 if act else n) and out.dtype == expected.dtype
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32), **tolerance(dtype))
+    np.testing.assert_array_equal(np.asarray(out, np.float32)[int(sizes.sum()):], 0.0)
+
+
+@pytest.mark.parametrize("k,n,fmt,act", [(40, 24, "dense", None), (40, 48, "dense", "swiglu"), (96, 40, "nvfp4", "swiglu")])
+def test_gpu_kernel_compiles_for_h100_at_any_width(k, n, fmt, act):
+    """Triton takes only power-of-two blocks: the kernel compiles for an H100 at widths none
+    divides (whole-width tiles were refused: "Encountered an array of shape (32, 40)")."""
+    w = on_h100((8, k, n), jnp.bfloat16)
+    if fmt != "dense":
+        w = jax.tree.map(lambda a: on_h100(a.shape, a.dtype),
+                         jax.eval_shape(lambda a: pk.quantize_experts(a, fmt, gated=act is not None), w))
+    f = jax.jit(lambda l, w, s, o, b: pk.grouped_gemm(l, w, s, group_offset=o, bias=b, act=GLU_ACTS.get(act),
+                                                      backend="pallas_gpu"))
+    hlo = f.lower(on_h100((12, k), jnp.bfloat16), w, on_h100((8,), jnp.int32), on_h100((), jnp.int32),
+                  on_h100((8, n), jnp.bfloat16) if act else None).compile().as_text()
+    assert "__gpu$xla.gpu.triton" in hlo and f"bf16[12,{n // 2 if act else n}]" in hlo
 
 
 @pytest.mark.parametrize("fmt,dtype,act", GLU_CASES)

@@ -13,7 +13,7 @@ from moejax.model import paged
 from moejax.model.attention import cache_specs
 from moejax.model.layer_loop import split_layers, stack_layers
 from moejax.model.params import layer_runs
-from pallas_kernels.paged_attention import combined
+from pallas_kernels.paged_attention import combined, head_dim
 
 
 def per_layer(cache: list[dict], loops: tuple) -> list:
@@ -38,10 +38,14 @@ def init_cache(c: ModelConfig, batch: int, max_len: int, dtype) -> list[dict]:
 
 def pool_specs(c: ModelConfig, pages: int, page_size: int, layer: int | None = None, kernel: str = "xla") -> dict:
     """`cache_specs` of a pool: name -> ([pages, ..., page_size, ...], logical axes); GQA's k and
-    v interleaved in one pool where the paged-attention `kernel` reads that (`paged.kv_pool_spec`)."""
-    if not c.is_mla and combined(kernel):
+    v interleaved in one pool where the paged-attention `kernel` reads that (`paged.kv_pool_spec`),
+    and as wide as the kernel reads a head (`head_dim`)."""
+    if c.is_mla:
+        return {k: paged.pool_spec(shape, axes, pages, page_size) for k, (shape, axes) in cache_specs(c, 1, 1, layer).items()}
+    if combined(kernel):
         return paged.kv_pool_spec(c, pages, page_size, kernel)
-    return {k: paged.pool_spec(shape, axes, pages, page_size) for k, (shape, axes) in cache_specs(c, 1, 1, layer).items()}
+    return {k: paged.pool_spec(shape, axes, pages, page_size, head_dim(kernel, c.head_dim))
+            for k, (shape, axes) in cache_specs(c, 1, 1, layer).items()}
 
 
 def group_counts(c: ModelConfig, run) -> tuple[int, int]:

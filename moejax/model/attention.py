@@ -165,11 +165,12 @@ def _gqa_xla(p: dict, q, k, v, positions, cache: dict, c: ModelConfig, placement
 
 def _gqa_xla_in(p: dict, q, k, v, positions, cache: dict, c: ModelConfig, placement, window, pages, prefix: str = ""):
     """`_gqa_xla` over the cache entries prefix + "k" and prefix + "v" (a page group's)."""
-    cache, keys = _store(cache, prefix + "k", k, positions, pages, placement, seq_axis=2)
-    cache, values = _store(cache, prefix + "v", v, positions, pages, placement, seq_axis=2)
-    keys = placement.constrain(keys, KV_AXES)  # [B, H_kv, S, Dh]
-    values = placement.constrain(values, KV_AXES)
     b, t, h, dh = q.shape
+    width = cache[prefix + "k"].shape[-1]  # a pool's heads may be wider, as a kernel reads them (`paged.widen`)
+    cache, keys = _store(cache, prefix + "k", paged.widen(k, width), positions, pages, placement, seq_axis=2)
+    cache, values = _store(cache, prefix + "v", paged.widen(v, width), positions, pages, placement, seq_axis=2)
+    keys = placement.constrain(keys[..., :dh], KV_AXES)  # [B, H_kv, S, Dh]
+    values = placement.constrain(values[..., :dh], KV_AXES)
     groups = h // c.num_kv_heads
     # q as [B, H_kv, G, T, Dh]: the scores [B, H_kv, G, T, S] then come out of their dot as laid
     # out, where from [B, T, H_kv, G, Dh] XLA:CPU transposes every score (T rows x S) once more.

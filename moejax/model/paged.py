@@ -21,7 +21,9 @@ P pages as a contiguous [B, ..., P * page_size, ...] cache, so the masked attent
 is the contiguous cache's, over the request's live pages only. With a Pallas paged-attention
 kernel (`pallas_kernels/paged_attention.py`, GQA only) the kernel reads the pages itself, per
 device; TPU's wants one pool "kv" [pages, page_size, 2 * H_kv, Dh padded to 128] of each
-position's keys and values interleaved by head, written here and read by that kernel only.
+position's keys and values interleaved by head, written here and read by that kernel only;
+the GPU's reads the pools k, v with Dh padded to a power of two (`kernels.head_dim`), which the
+XLA path reads too (a prefill chunk's attention) as zeros after each head's Dh.
 """
 
 from __future__ import annotations
@@ -105,10 +107,16 @@ def _at(pages) -> tuple[tuple, jax.Array]:
     return ((pages.layer,), pages.table) if isinstance(pages, LayerPages) else ((), pages)
 
 
-def pool_spec(shape: tuple, axes: tuple, pages: int, page_size: int) -> tuple[tuple, tuple]:
-    """A contiguous entry's (shape, axes) with batch and positions -> the pool's."""
-    sizes = {"batch": pages, "cache_seq": page_size}
+def pool_spec(shape: tuple, axes: tuple, pages: int, page_size: int, head_dim: int = 0) -> tuple[tuple, tuple]:
+    """A contiguous entry's (shape, axes) with batch and positions -> the pool's; `head_dim`: its
+    heads' width where a kernel reads them wider (`kernels.head_dim`; 0: the entry's own)."""
+    sizes = {"batch": pages, "cache_seq": page_size} | ({"head_dim": head_dim} if head_dim else {})
     return (tuple(sizes.get(a, n) for n, a in zip(shape, axes)), tuple(CONTIGUOUS_TO_PAGED.get(a, a) for a in axes))
+
+
+def widen(x: jax.Array, width: int) -> jax.Array:
+    """x [..., Dh] with zeros after its last axis up to a pool's head width `width`."""
+    return x if x.shape[-1] == width else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, width - x.shape[-1]),))
 
 
 def page_size_of(cache) -> int:
@@ -169,10 +177,10 @@ def store_and_attend(kernel: str, scale: float, first_page, q, k, v, positions, 
     if kernels.combined(kernel):
         b, t, h, dh = k.shape
         kv = jnp.stack([k, v], axis=3).reshape(b, t, 2 * h, dh)  # k0 v0 k1 v1 ..
-        kv = jnp.pad(kv, ((0, 0), (0, 0), (0, 0), (0, pool["kv"].shape[-1] - dh)))
-        pool = {"kv": write(pool["kv"], kv, positions, table, seq_axis=1)}
+        pool = {"kv": write(pool["kv"], widen(kv, pool["kv"].shape[-1]), positions, table, seq_axis=1)}
     else:
-        pool = {name: write(pool[name], new, positions, table, seq_axis=2) for name, new in (("k", k), ("v", v))}
+        pool = {name: write(pool[name], widen(new, pool[name].shape[-1]), positions, table, seq_axis=2)
+                for name, new in (("k", k), ("v", v))}
     out = kernels.attend(kernel, q, pool, positions[:, -1] + 1, table, scale)
     return out, {name: a.reshape(shapes[name]) for name, a in pool.items()}
 

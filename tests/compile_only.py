@@ -1,0 +1,11 @@
+"""Abstract arrays on a compile-only accelerator (`moejax.targets`): a jit lowered and compiled over
+them runs the target's own compiler (XLA:GPU's Triton lowering for an H100), here, without one."""
+
+import jax
+
+from moejax import targets
+
+
+def on_h100(shape, dtype) -> jax.ShapeDtypeStruct:
+    """An abstract array on a compile-only H100."""
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(targets.devices("h100", 1)[0]))
