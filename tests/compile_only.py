@@ -6,6 +6,11 @@ import jax
 from moejax import targets
 
 
+def on(target: str, shape, dtype) -> jax.ShapeDtypeStruct:
+    """An abstract array on one compile-only device of `target`."""
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(targets.devices(target, 1)[0]))
+
+
 def on_h100(shape, dtype) -> jax.ShapeDtypeStruct:
     """An abstract array on a compile-only H100."""
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(targets.devices("h100", 1)[0]))
+    return on("h100", shape, dtype)

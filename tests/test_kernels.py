@@ -22,7 +22,7 @@ from pallas_kernels.gmm_pallas_gpu import gmm_pallas_gpu
 from pallas_kernels.gmm_pallas_tpu import gmm_pallas_tpu
 from pallas_kernels.layered import LayerOf, split
 from moejax.model.layers import ClampedSwiGLU, silu_glu
-from compile_only import on_h100
+from compile_only import on, on_h100
 
 
 def make_case(seed: int, scenario: str, dtype, m=45, k=128, n=256, groups=6, local=None):
@@ -397,46 +397,45 @@ def test_xla_loop_sums_picks_without_writing_the_product(as_groups):
                                rtol=1e-5, atol=1e-5)
 
 
-EXPORTS = {"tpu": ("pallas_tpu", "tpu_custom_call", ()),
-           "cuda": ("pallas_gpu", "__gpu$xla.gpu.triton",
-                    (export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton"),))}
+# Each target's grouped-GEMM kernel and the custom call it compiles to.
+TARGET_KERNELS = {"v5e": ("pallas_tpu", "tpu_custom_call"), "h100": ("pallas_gpu", "__gpu$xla.gpu.triton")}
 
 
-def exported_gemm(platform: str, fmt: str, m: int = 256, k: int = 2048, n: int = 512, act=None) -> str:
-    """The MLIR of one grouped GEMM [m, k] x [8, k, n] exported for `platform` with its kernel
-    ("nvfp4 gate_up": a gate_up stack's tensor scales, one per half; act: a gate|up product's
-    activation, with a bias, in the epilogue)."""
-    backend, _, checks = EXPORTS[platform]
+def target_gemm(target: str, fmt: str, m: int = 256, k: int = 2048, n: int = 512, act=None):
+    """One grouped GEMM [m, k] x [8, k, n] lowered for a compile-only device of `target` with its
+    kernel ("nvfp4 gate_up": a gate_up stack's tensor scales, one per half; act: a gate|up
+    product's activation, with a bias, in the epilogue)."""
+    backend = TARGET_KERNELS[target][0]
     w = jax.ShapeDtypeStruct((8, k, n), jnp.bfloat16)
     if fmt != "dense":
         w = jax.eval_shape(lambda a: pk.quantize_experts(a, fmt.split()[0], gated=fmt.endswith("gate_up")), w)
+    w = jax.tree.map(lambda a: on(target, a.shape, a.dtype), w)
     bias = jnp.zeros((8, n), jnp.bfloat16) if act is not None else None
     f = jax.jit(lambda l, w, s, o: pk.grouped_gemm(l, w, s, group_offset=o, backend=backend, bias=bias, act=act))
-    return export.export(f, platforms=[platform], disabled_checks=checks)(
-        jax.ShapeDtypeStruct((m, k), jnp.bfloat16), w,
-        jax.ShapeDtypeStruct((32,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32)).mlir_module()
+    return f.lower(on(target, (m, k), jnp.bfloat16), w, on(target, (32,), jnp.int32), on(target, (), jnp.int32))
 
 
-@pytest.mark.parametrize("platform", list(EXPORTS))
+@pytest.mark.parametrize("target", list(TARGET_KERNELS))
 @pytest.mark.parametrize("fmt", ["dense", "nvfp4", "mxfp4", "nvfp4 gate_up"])
-def test_hardware_kernels_export(platform, fmt):
-    """The kernels lower for their hardware (Mosaic TPU / Triton) at production-like sizes;
+def test_hardware_kernels_compile_for_their_targets(target, fmt):
+    """The kernels compile for their hardware (Mosaic TPU / Triton) at production-like sizes;
     "gate_up": NVFP4 with a tensor scale per half (column-wise)."""
-    assert EXPORTS[platform][1] in exported_gemm(platform, fmt)
+    assert TARGET_KERNELS[target][1] in target_gemm(target, fmt).compile().as_text()
 
 
-@pytest.mark.parametrize("platform", list(EXPORTS))
+@pytest.mark.parametrize("target", list(TARGET_KERNELS))
 @pytest.mark.parametrize("act", list(GLU_ACTS))
-def test_glu_epilogue_exports(platform, act):
-    """The kernels with the activation in their epilogue lower for their hardware, writing
+def test_glu_epilogue_compiles_for_its_target(target, act):
+    """The kernels with the activation in their epilogue compile for their hardware, writing
     [rows, N/2] (a gate_up stack of Qwen3-30B-A3B's width, F = 768, NVFP4)."""
-    mlir = exported_gemm(platform, "nvfp4 gate_up", n=1536, act=GLU_ACTS[act])
-    assert EXPORTS[platform][1] in mlir and "tensor<256x768xbf16>" in mlir
+    lowered = target_gemm(target, "nvfp4 gate_up", n=1536, act=GLU_ACTS[act])
+    assert "tensor<256x768xbf16>" in lowered.as_text()
+    assert TARGET_KERNELS[target][1] in lowered.compile().as_text()
 
 
 def test_tpu_kernel_tells_xla_its_cost():
     """The pallas_call carries a cost estimate, as megablox's does, so XLA can schedule around it."""
-    config = exported_gemm("tpu", "dense", m=256, k=2048, n=512).replace("\\22", '"').replace("\\0A", "")
+    config = target_gemm("v5e", "dense", m=256, k=2048, n=512).as_text().replace("\\22", '"').replace("\\0A", "")
     assert re.search(rf'"cost_estimate": {{[^}}]*"flops":{2 * 256 * 2048 * 512}\b', config)
 
 
