@@ -24,6 +24,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import decode, epilogue, formats, metadata, tiling
 
+SCALE_SUBLANES = 32  # rows of a Mosaic tile of 8-bit data (the scale bits)
+
 
 def fuses_glu(m: int, n: int, rhs) -> bool:
     """Whether the epilogue can halve a gate|up product of N columns: each tn = 256 tile
@@ -50,8 +52,13 @@ def _kernel(group_ids, m_tile_ids, offsets, offset, tscale, *refs, quantized, fm
 
     dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
     if quantized:
-        x_lo, x_hi, values, s_lo, s_hi = ins
-        w_lo, w_hi = decode.decode_tile(values[...], s_lo[...], s_hi[...], block, fmt)
+        x_lo, x_hi, values, *scales = ins
+        if len(scales) == 1:  # one block of both halves' scale rows: split as int32 (8-row tiles)
+            both = scales[0][...].astype(jnp.int32)
+            s_lo, s_hi = both[:both.shape[0] // 2], both[both.shape[0] // 2:]
+        else:
+            s_lo, s_hi = (s[...] for s in scales)
+        w_lo, w_hi = decode.decode_tile(values[...], s_lo, s_hi, block, fmt)
         acc_ref[...] += (dot(x_lo[...].astype(cdtype), w_lo.astype(cdtype)) +
                          dot(x_hi[...].astype(cdtype), w_hi.astype(cdtype)))
     else:
@@ -94,7 +101,12 @@ def gmm_pallas_tpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
     # The transposed tile's scratch [tn, tm] must be 128 lanes wide to be loaded with a stride.
     tm = 128 if act is not None else min(128, tiling.round_up(m, 16))
     # tk / 2 / block scale rows should fill the 32-sublane tile of 8-bit data: tk = 64 * block.
+    # Where no such tile divides K, K is one step and its scale rows one block (the whole axis, which
+    # Mosaic takes at any size), split into the halves' rows in the kernel.
+    chosen = tk
     tk = tk or tiling.k_tile(k, rhs, (2048, 1024, 512) if quantized else (512, 256, 128))
+    whole_scales = quantized and not chosen and (tk // 2 // rhs.spec.block) % SCALE_SUBLANES != 0
+    tk = k if whole_scales else tk
     tn = tiling.pick_tile(n, (256,) if act is not None else (256, 128))
     tn_out = tn // 2 if act is not None else tn
     lhs_p, offset, (offsets, group_ids, m_tile_ids), num_tiles = tiling.group_tiles(
@@ -109,12 +121,13 @@ def gmm_pallas_tpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
 
     if quantized:
         half_rows, block = tk // 2, rhs.spec.block
-        operands = (lhs_p, lhs_p, rhs.values, tiling.scale_bits(rhs), tiling.scale_bits(rhs))
+        scale_halves = 1 if whole_scales else 2
+        operands = (lhs_p, lhs_p, rhs.values, *(tiling.scale_bits(rhs),) * scale_halves)
         in_specs = [pl.BlockSpec((tm, half_rows), lhs_map(0)),
                     pl.BlockSpec((tm, half_rows), lhs_map(1)),
                     pl.BlockSpec((None, half_rows, tn), rhs_map(0)),
-                    pl.BlockSpec((None, half_rows // block, tn), rhs_map(0)),
-                    pl.BlockSpec((None, half_rows // block, tn), rhs_map(1))]
+                    *(pl.BlockSpec((None, 2 * half_rows // block // scale_halves, tn), rhs_map(half))
+                      for half in range(scale_halves))]
         tscale, fmt = tiling.tensor_scales(rhs), rhs.fmt
     else:
         block, fmt = 1, None

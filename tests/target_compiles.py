@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ODD_GQA = (("hidden_size", 40), ("moe_intermediate_size", 24), ("intermediate_size", 56), ("head_dim", 24))
 ODD_MLA = (("hidden_size", 40), ("moe_intermediate_size", 24), ("intermediate_size", 56), ("qk_nope_head_dim", 24),
            ("v_head_dim", 24), ("kv_lora_rank", 48), ("q_lora_rank", 40))
-TILEABLE = (("hidden_size", 512), ("moe_intermediate_size", 512))
+TILEABLE = (("hidden_size", 512), ("moe_intermediate_size", 2048))  # tensor-sliced on 8: K 256
 # Custom-call targets of Pallas kernels in an optimized HLO: Mosaic TPU's, Triton's; and the names
 # JAX's paged-attention kernels have in them (TPU's ragged paged attention, the Triton one).
 PALLAS_CALLS = ("tpu_custom_call", "__gpu$xla.gpu.triton")

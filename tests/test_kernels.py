@@ -433,6 +433,19 @@ def test_glu_epilogue_compiles_for_its_target(target, act):
     assert TARGET_KERNELS[target][1] in lowered.compile().as_text()
 
 
+@pytest.mark.parametrize("fmt,k", [("nvfp4", 256), ("nvfp4", 512), ("nvfp4", 768), ("mxfp4", 512)])
+def test_tpu_kernel_takes_k_whose_scale_rows_fill_no_tile(fmt, k):
+    """Where no K tile's scale rows fill Mosaic's 32-row tile of 8-bit data (a tensor-sliced
+    expert's K of 256 on 8 devices), K is one step and its scale rows one block: it compiles for a
+    v5e and, interpreted, gives the XLA path's products."""
+    assert TARGET_KERNELS["v5e"][1] in target_gemm("v5e", fmt, m=64, k=k, n=512).compile().as_text()
+    lhs = jax.random.normal(jax.random.key(0), (40, k), jnp.float32)
+    rhs = pk.quantize_experts(jax.random.normal(jax.random.key(1), (4, k, 256), jnp.float32), fmt)
+    sizes = jnp.array([10, 0, 20, 10], jnp.int32)
+    np.testing.assert_allclose(pk.grouped_gemm(lhs, rhs, sizes, backend="interpret"),
+                               pk.grouped_gemm(lhs, rhs, sizes, backend="xla"), rtol=1e-5, atol=1e-4)
+
+
 def test_tpu_kernel_tells_xla_its_cost():
     """The pallas_call carries a cost estimate, as megablox's does, so XLA can schedule around it."""
     config = target_gemm("v5e", "dense", m=256, k=2048, n=512).as_text().replace("\\22", '"').replace("\\0A", "")
