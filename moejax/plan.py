@@ -29,7 +29,7 @@ import numpy as np
 
 import pallas_kernels
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
-from moejax.engine.engine import decode_step, prefill
+from moejax.engine.engine import decode_step, jit_program, prefill
 from moejax.engine.expert_placement import wants_slots
 from moejax.engine.kv_cache import init_cache, init_pool
 from moejax.model import paged
@@ -155,9 +155,9 @@ def bytes_per_device(tree) -> int:
                for a in jax.tree.leaves(tree))
 
 
-def _compiled(fn, *args):
+def _compiled(jitted, *args):
     t0 = time.perf_counter()
-    compiled = jax.jit(fn, donate_argnums=1).lower(*args).compile()
+    compiled = jitted.lower(*args).compile()
     return compiled, time.perf_counter() - t0
 
 
@@ -178,7 +178,9 @@ def decode_program(config: Config, batch: int, context: int, platform: str | Non
                    devices: list | None = None):
     """(placement, the decode step bound to it, its abstract arguments) for `platform`: over a
     contiguous cache, or (`page_size`) a page pool of the same positions and its block tables;
-    on `devices` (default: this machine's; a target's compile-only devices, `moejax.targets`)."""
+    on `devices` (default: this machine's; a target's compile-only devices, `moejax.targets`).
+    The engine's jit of the step is `jit_program(step, dtype, decode=True, platform_name=platform,
+    donate_argnums=1)`: its compiler options."""
     placement = make_placement(_scanned(config), platform, devices)
     multiple = placement.batch_multiple()
     if batch % multiple:
@@ -227,8 +229,9 @@ def export_decode(config: Config, batch: int, context: int, platform: str, page_
         # guarantee: fine, as the exported program is looked at here, not kept.
         checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in (*KERNEL_CALLS, "ragged_all_to_all")]
         with target_device(platform):
-            text = jax.export.export(jax.jit(step, donate_argnums=1), platforms=[platform],
-                                     disabled_checks=checks)(*args).mlir_module()
+            jitted = jit_program(step, run_dtype(config.engine.dtype, platform), decode=True, platform_name=platform,
+                                 donate_argnums=1)
+            text = jax.export.export(jitted, platforms=[platform], disabled_checks=checks)(*args).mlir_module()
     except Exception as e:  # the answer is whether it lowers; the reason is the report
         return {"platform": platform, "lowered": False, "error": str(e).strip().splitlines()[0][:300]}
     return {"platform": platform, "lowered": True, "kernel": placement.kernel,
@@ -248,19 +251,21 @@ def plan_placement(config: Config, batch: int, context: int, prefill_chunk: int,
     bind = dict(c=config.model, placement=placement)
     multiple = placement.batch_multiple()
     rows = functools.partial(_rows, placement)
-    decode, decode_s = _compiled(step, params, cache, *rest)
+    dtype = run_dtype(config.engine.dtype)
+    decode, decode_s = _compiled(jit_program(step, dtype, decode=True, donate_argnums=1), params, cache, *rest)
     # A prefill chunk: prefill_chunk tokens, one request per device under DP attention.
     per_row = -(-prefill_chunk // multiple)
     chunk_cache = abstract_cache(config, placement, multiple, context)
     tokens = jax.ShapeDtypeStruct((multiple, per_row), jnp.int32,
                                   sharding=placement.sharding(("batch", "seq"), (multiple, per_row)))
-    pre, prefill_s = _compiled(functools.partial(prefill, all_logits=False, record=False, **bind), params, chunk_cache,
-                               tokens, jax.ShapeDtypeStruct((), jnp.int32), rows(multiple))
+    chunk_step = jit_program(functools.partial(prefill, all_logits=False, record=False, **bind), dtype, donate_argnums=1)
+    pre, prefill_s = _compiled(chunk_step, params, chunk_cache, tokens, jax.ShapeDtypeStruct((), jnp.int32),
+                               rows(multiple))
     param_bytes, kv_bytes = bytes_per_device(params), bytes_per_device(cache)
     temp = max(decode.memory_analysis().temp_size_in_bytes, pre.memory_analysis().temp_size_in_bytes)
     total = param_bytes + kv_bytes + temp
     experts = [leaf for run in params["layers"] if "moe" in run for leaf in jax.tree.leaves(run["moe"]["experts"])]
-    act_bytes = jnp.dtype(run_dtype(config.engine.dtype)).itemsize
+    act_bytes = jnp.dtype(dtype).itemsize
     buffers = {phase: sum(placement.exchange_buffer_bytes(rows, config.model.hidden_size, act_bytes).values())
                for phase, rows in (("decode", batch), ("prefill", multiple * per_row))}
     return {

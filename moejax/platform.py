@@ -30,6 +30,15 @@ AUTO_KERNEL = {"cpu": "xla", "tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "
 # faster than its YNN fusions, which a prefill's large dots gain from (docs/cpu-host.md).
 DECODE_COMPILER_OPTIONS = {"cpu": {"xla_cpu_experimental_ynn_fusion_type": ""}}
 
+# XLA compiler options of every program of a run, by run dtype and platform. XLA:GPU's dot merger
+# joins small products of one input into one and slices its result: in float32, the router's logits
+# and the shared expert's gate|up (a bf16 run's router reads its own float32 copy of the rows). Its
+# Triton GEMM fusion of the down product then tiles the gate and the up columns, stride-2 slices of
+# that slice, wrongly: a CHECK fails and the process aborts (jaxlib 0.10.2,
+# triton_tiling_propagation.cc "subdim_size_accumulator == dim_size"). A float32 run merges none.
+_NO_DOT_MERGER = {"xla_gpu_dot_merger_threshold_mb": 0}
+DTYPE_COMPILER_OPTIONS = {"float32": {"gpu": _NO_DOT_MERGER, "cuda": _NO_DOT_MERGER}}
+
 # The paged-attention kernel "auto" stands for, by platform (else the XLA gather).
 AUTO_ATTENTION_KERNEL = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
 
@@ -88,10 +97,13 @@ def kernel(name: str, platform: str | None = None) -> str:
     return AUTO_KERNEL.get(backend(platform), "xla") if name == "auto" else name
 
 
-def decode_compiler_options(platform: str | None = None) -> dict | None:
-    """XLA compiler options of a jitted decode program on `platform` (None: XLA's defaults, which
-    every other program keeps)."""
-    return DECODE_COMPILER_OPTIONS.get(backend(platform))
+def compiler_options(dtype: str, decode: bool = False, platform: str | None = None) -> dict | None:
+    """XLA compiler options of a jitted engine program of a run in `dtype` (a dtype or its name) on
+    `platform`; `decode`: a decode program (None: XLA's defaults)."""
+    name = backend(platform)
+    options = {**(DECODE_COMPILER_OPTIONS.get(name, {}) if decode else {}),
+               **DTYPE_COMPILER_OPTIONS.get(str(dtype), {}).get(name, {})}
+    return options or None
 
 
 def kv_cache_bytes(devices: list) -> int:
