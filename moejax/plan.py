@@ -180,7 +180,7 @@ def decode_program(config: Config, batch: int, context: int, platform: str | Non
     contiguous cache, or (`page_size`) a page pool of the same positions and its block tables;
     on `devices` (default: this machine's; a target's compile-only devices, `moejax.targets`).
     The engine's jit of the step is `jit_program(step, dtype, decode=True, platform_name=platform,
-    donate_argnums=1)`: its compiler options."""
+    donate_argnums=1)`: its precision and compiler options."""
     placement = make_placement(_scanned(config), platform, devices)
     multiple = placement.batch_multiple()
     if batch % multiple:

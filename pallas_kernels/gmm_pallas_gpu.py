@@ -21,6 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from moejax.platform import matmul_precision
 from pallas_kernels import decode, epilogue, formats, metadata, tiling
 
 
@@ -45,7 +46,8 @@ def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, tscale, *refs, qu
     def _():
         g = group_ids[t]
         local, m0, n0 = g - offset[0], m_tile_ids[t] * tm, n_i * tn
-        dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
+        # float32 products at full precision (Triton's "ieee", not its default TF32)
+        dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=matmul_precision(cdtype))
         rows = pl.ds(m0, tm)
         # The weight columns each accumulator reads: the tile, or its gate and its up columns.
         col_sets = [pl.ds(n0, tn)] if act is None else [pl.ds(n0 + i, tn // 2, stride=2) for i in (0, 1)]

@@ -91,9 +91,11 @@ def decode_steps(params, cache, tokens, lens, seeds, first, count, pages=None, *
 
 
 def jit_program(fn, dtype, *, decode: bool = False, platform_name: str | None = None, **jit_kwargs):
-    """jax.jit of an engine program of a run in `dtype` on `platform_name` (default: this machine's),
-    compiled with the run's compiler options (`decode`: those of a decode program)."""
-    return jax.jit(fn, compiler_options=platform.compiler_options(dtype, decode, platform_name), **jit_kwargs)
+    """jax.jit of an engine program of a run in `dtype` on `platform_name` (default: this machine's):
+    traced at the run's matmul precision, compiled with its compiler options (`decode`: those of a
+    decode program)."""
+    return jax.jit(platform.at_matmul_precision(fn, dtype),
+                   compiler_options=platform.compiler_options(dtype, decode, platform_name), **jit_kwargs)
 
 
 def to_host(x: jax.Array) -> np.ndarray:
