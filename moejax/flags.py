@@ -40,7 +40,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--hf", metavar="DIR", help="a transformers save_pretrained directory")
     src.add_argument("--checkpoint", metavar="CKPT", help="a moejax checkpoint (moejax convert), restored into the placement")
     p.add_argument("--config", metavar="FILE", help="YAML or JSON config ({model, layout, weights, engine, kernel}); flags override it")
-    p.add_argument("--dtype", choices=RUN_DTYPES, help="auto: bfloat16 on accelerators, float32 on CPU")
+    p.add_argument("--dtype", choices=RUN_DTYPES,
+                   help="auto: bfloat16 on accelerators, float32 on CPU; float32: full-precision products on every "
+                        "platform (not TF32 or bf16 passes); bfloat16: the platform's default products")
     p.add_argument("--devices", type=int, help="number of devices (virtual CPU devices on a CPU host)")
     p.add_argument("--placement", type=placement_name, choices=registry.names(), help="expert placement")
     p.add_argument("--ep", type=int, help="expert groups, for a placement whose mesh the layout chooses")

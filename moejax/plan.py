@@ -32,7 +32,7 @@ import numpy as np
 import pallas_kernels
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax import targets
-from moejax.engine.engine import decode_step, decode_steps, prefill
+from moejax.engine.engine import decode_step, decode_steps, jit_program, prefill
 from moejax.engine.expert_placement import wants_slots
 from moejax.engine.kv_cache import init_cache, init_pool
 from moejax.model import paged
@@ -43,7 +43,7 @@ from moejax.factory import ensure_devices
 from moejax.model.attention import cache_specs
 from moejax.model.mtp import init_mtp_pool
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_dtype, param_specs
-from moejax.platform import decode_compiler_options, run_dtype
+from moejax.platform import run_dtype
 from moejax.vocab import ATTENTION_KERNELS, ATTENTION_MODES, DTYPES, EXPERT_FORMATS
 from sharding import make_placement, names, placement_class, rules, with_placement
 
@@ -153,7 +153,7 @@ def bytes_per_device(tree) -> int:
                for a in jax.tree.leaves(tree))
 
 
-def compile_program(fn, args, compiler_options=None, persist: bool = True) -> tuple:
+def compile_program(jitted, args, persist: bool = True) -> tuple:
     """(the compiled program or None, seconds, the first line of why it did not compile or None).
     `persist`: through jax's persistent compile cache; a compile-only target's program cannot be
     loaded back from it (it has no devices to load onto), so its compiles do not go there."""
@@ -161,7 +161,7 @@ def compile_program(fn, args, compiler_options=None, persist: bool = True) -> tu
     was = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", was and persist)
     try:
-        compiled = jax.jit(fn, donate_argnums=1, compiler_options=compiler_options).lower(*args).compile()
+        compiled = jitted.lower(*args).compile()
     except Exception as e:  # whether it compiles is the answer; the reason is the report
         return None, time.perf_counter() - t0, (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
     finally:
@@ -186,7 +186,9 @@ def decode_program(config: Config, batch: int, context: int, platform: str | Non
                    devices: list | None = None):
     """(placement, the decode step bound to it, its abstract arguments) for `platform`: over a
     contiguous cache, or (`page_size`) a page pool of the same positions and its block tables;
-    on `devices` (default: this machine's; a target's compile-only devices, `moejax.targets`)."""
+    on `devices` (default: this machine's; a target's compile-only devices, `moejax.targets`).
+    The engine's jit of the step is `jit_program(step, dtype, decode=True, platform_name=platform,
+    donate_argnums=1)`: its precision and compiler options."""
     placement = make_placement(_scanned(config), platform, devices)
     multiple = placement.batch_multiple()
     if batch % multiple:
@@ -205,7 +207,7 @@ def decode_program(config: Config, batch: int, context: int, platform: str | Non
 
 def programs(config: Config, batch: int, context: int, prefill_chunk: int, platform: str | None = None,
              devices: list | None = None, page_size: int = 0) -> tuple:
-    """(placement, {program: (function, its abstract arguments, XLA compiler options)}) of the
+    """(placement, {program: (its jit as the engine makes it, its abstract arguments)}) of the
     engine's programs at full size for `platform` on `devices`: "decode" (one step of `batch`
     requests over `context` positions, a contiguous cache or pages of `page_size`), "decode block"
     (`engine.decode_block` steps in one program) and "prefill" (a chunk of `prefill_chunk` tokens
@@ -225,13 +227,14 @@ def programs(config: Config, batch: int, context: int, prefill_chunk: int, platf
     else:
         chunk_cache, chunk_pages = abstract_cache(config, placement, multiple, context), []
     block = functools.partial(decode_steps, block=config.engine.decode_block, sampling=Sampling(), **bind)
-    decoding = decode_compiler_options(placement.platform)
+    jit = functools.partial(jit_program, dtype=run_dtype(config.engine.dtype, placement.platform),
+                            platform_name=placement.platform, donate_argnums=1)
     pages = paged_rest[1:]  # the block table, after decode_step's `forced` (None)
     return placement, {
-        "decode": (step, (params, cache, tokens, lens, seeds, first, *paged_rest), decoding),
-        "decode block": (block, (params, cache, tokens, lens, seeds, first, first, *pages), decoding),
-        "prefill": (functools.partial(prefill, all_logits=False, record=False, **bind),
-                    (params, chunk_cache, chunk_tokens, first, _rows(placement, multiple), None, *chunk_pages), None),
+        "decode": (jit(step, decode=True), (params, cache, tokens, lens, seeds, first, *paged_rest)),
+        "decode block": (jit(block, decode=True), (params, cache, tokens, lens, seeds, first, first, *pages)),
+        "prefill": (jit(functools.partial(prefill, all_logits=False, record=False, **bind)),
+                    (params, chunk_cache, chunk_tokens, first, _rows(placement, multiple), None, *chunk_pages)),
     }
 
 
@@ -246,8 +249,8 @@ def plan_placement(config: Config, batch: int, context: int, prefill_chunk: int,
     placement, progs = programs(config, batch, context, prefill_chunk, t and t.platform, devices)
     params, cache = progs["decode"][1][:2]
     compiled = {}
-    for name, (fn, args, options) in progs.items():
-        program, seconds, error = compile_program(fn, args, options, persist=t is None)
+    for name, (jitted, args) in progs.items():
+        program, seconds, error = compile_program(jitted, args, persist=t is None)
         compiled[name] = {"compiled": program is not None, "compile_s": round(seconds, 1),
                           "temp_bytes": int(program.memory_analysis().temp_size_in_bytes) if program else None,
                           **({"error": error} if error else {})}

@@ -9,6 +9,7 @@ a program compiled for another (`moejax plan --target`) names its platform.
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 
@@ -30,6 +31,21 @@ AUTO_KERNEL = {"cpu": "xla", "tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "
 # rows per expert, a batch of rows through the LM head): on XLA:CPU its own dot emitter runs them
 # faster than its YNN fusions, which a prefill's large dots gain from (docs/cpu-host.md).
 DECODE_COMPILER_OPTIONS = {"cpu": {"xla_cpu_experimental_ynn_fusion_type": ""}}
+
+# XLA compiler options of every program of a run, by run dtype and platform. XLA:GPU's dot merger
+# joins small products of one input into one and slices its result: in float32, the router's logits
+# and the shared expert's gate|up (a bf16 run's router reads its own float32 copy of the rows). Its
+# Triton GEMM fusion of the down product then tiles the gate and the up columns, stride-2 slices of
+# that slice, wrongly: a CHECK fails and the process aborts (jaxlib 0.10.2,
+# triton_tiling_propagation.cc "subdim_size_accumulator == dim_size"). A float32 run merges none.
+_NO_DOT_MERGER = {"xla_gpu_dot_merger_threshold_mb": 0}
+DTYPE_COMPILER_OPTIONS = {"float32": {"gpu": _NO_DOT_MERGER, "cuda": _NO_DOT_MERGER}}
+
+# The matmul precision of a run's products, by run dtype (else each platform's default). float32
+# means float32 products on every platform: XLA:GPU and Triton would multiply float32 as TF32 (an
+# H200's float32 logits were 1.1e-3 off transformers', 1.2e-6 at full precision) and the TPU in one
+# bf16 pass; XLA:CPU's float32 products are full precision either way.
+MATMUL_PRECISION = {"float32": "highest"}
 
 # The paged-attention kernel "auto" stands for, by platform (else the XLA gather).
 AUTO_ATTENTION_KERNEL = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
@@ -100,10 +116,37 @@ def kernel(name: str, platform: str | None = None) -> str:
     return AUTO_KERNEL.get(backend(platform), "xla") if name == "auto" else name
 
 
-def decode_compiler_options(platform: str | None = None) -> dict | None:
-    """XLA compiler options of a jitted decode program on `platform` (None: XLA's defaults, which
-    every other program keeps)."""
-    return DECODE_COMPILER_OPTIONS.get(backend(platform))
+def compiler_options(dtype: str, decode: bool = False, platform: str | None = None) -> dict | None:
+    """XLA compiler options of a jitted engine program of a run in `dtype` (a dtype or its name) on
+    `platform`; `decode`: a decode program (None: XLA's defaults)."""
+    name = backend(platform)
+    options = {**(DECODE_COMPILER_OPTIONS.get(name, {}) if decode else {}),
+               **DTYPE_COMPILER_OPTIONS.get(str(dtype), {}).get(name, {})}
+    return options or None
+
+
+def matmul_precision(dtype) -> str | None:
+    """jax's matmul precision for the products of a run in `dtype` (a dtype or its name): "highest"
+    for float32, None (the platform's default) otherwise."""
+    return MATMUL_PRECISION.get(str(dtype))
+
+
+def at_matmul_precision(fn, dtype):
+    """`fn` traced at the matmul precision of a run in `dtype`: every product an engine program
+    (or a kernel it calls) traces without a precision of its own takes it."""
+    precision = matmul_precision(dtype)
+    if precision is None:
+        return fn
+    import jax
+
+    @functools.wraps(fn)  # the signature a jit reads static arguments from
+    def traced(*args, **kwargs):
+        with jax.default_matmul_precision(precision):
+            return fn(*args, **kwargs)
+
+    # the program's name (jit_decode_step, ...), which `moejax trace` matches
+    traced.__name__ = traced.__qualname__ = getattr(fn, "func", fn).__name__
+    return traced
 
 
 def kv_cache_bytes(devices: list) -> int:

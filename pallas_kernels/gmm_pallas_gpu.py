@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from moejax.platform import matmul_precision
 from pallas_kernels import decode, epilogue, formats, layered, metadata, tiling
 
 
@@ -71,7 +72,8 @@ def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, first, tscale, *r
         g = group_ids[t]
         local, m0 = g - offset[0], m_tile_ids[t] * tm
         at = first[0] + local  # the group's weights
-        dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
+        # float32 products at full precision (Triton's "ieee", not its default TF32)
+        dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=matmul_precision(cdtype))
         rows = pl.ds(m0, tm)
         width, out_cols = tn // pairs, n // pairs  # this program's output columns (column pairs), of out_cols
         cols = pl.ds(n_i * width, width)

@@ -22,6 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from moejax.platform import matmul_precision
 from pallas_kernels import decode, epilogue, formats, metadata, tiling
 
 SCALE_SUBLANES = 32  # rows of a Mosaic tile of 8-bit data (the scale bits)
@@ -50,7 +51,8 @@ def _kernel(group_ids, m_tile_ids, offsets, offset, tscale, *refs, quantized, fm
     def _():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
+    # float32 products at full precision (Mosaic's fp32 contraction, not one bf16 pass)
+    dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=matmul_precision(cdtype))
     if quantized:
         x_lo, x_hi, values, *scales = ins
         if len(scales) == 1:  # one block of both halves' scale rows: split as int32 (8-row tiles)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moejax.platform import GATHER_ROWS
+from moejax.platform import GATHER_ROWS, matmul_precision
 from pallas_kernels import decode, formats, layered
 from pallas_kernels.epilogue import finish, gate_up_columns, glu
 from pallas_kernels.metadata import local_groups, varying_zeros
@@ -39,9 +39,10 @@ def _to_f32(a: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _group_matmul(rhs, g: jax.Array, tm: int):
+def _group_matmul(rhs, g: jax.Array, tm: int, precision):
     """Group g of rhs (an array or QuantizedArray stack, a `layered.LayerOf` or `layered.Groups`
-    one) as apply(x [tm, K] f32) -> [tm, N] f32, its weights loaded once for all its chunks.
+    one) as apply(x [tm, K] f32) -> [tm, N] f32 (products at `precision`), its weights loaded
+    once for all its chunks.
 
     Row at a time (tm 1) on a group held in its own f32 buffer, each product reads the buffer
     where it lies (`lax.switch` to the group's branch): the first row streams the weights from
@@ -51,7 +52,7 @@ def _group_matmul(rhs, g: jax.Array, tm: int):
     """
     if isinstance(rhs, layered.Groups):
         if tm == 1 and all(a.dtype == jnp.float32 for a in jax.tree.leaves(rhs.groups[0])):
-            branches = [lambda x, w=w: _product(_load(w), x) for w in rhs.groups]
+            branches = [lambda x, w=w: _product(_load(w), x, precision) for w in rhs.groups]
             return lambda x: lax.switch(g, branches, x)
         ops = lax.switch(g, [lambda w=w: _load(w) for w in rhs.groups])
     else:
@@ -59,7 +60,7 @@ def _group_matmul(rhs, g: jax.Array, tm: int):
         # whole [G, K, N] out of the group loop (XLA:CPU moves converts above the dynamic-slice),
         # which would read every group's weights on every call.
         ops = _load(layered.group(*lax.optimization_barrier((rhs, g))))
-    return lambda x: _product(ops, x)
+    return lambda x: _product(ops, x, precision)
 
 
 def _load(w) -> tuple:
@@ -75,17 +76,17 @@ def _load(w) -> tuple:
     return (lo, hi) if w.tensor_scale is None else (lo, hi, w.tensor_scale)  # scale [1, 1], or [1, N] column-wise
 
 
-def _product(ops: tuple, x: jax.Array) -> jax.Array:
+def _product(ops: tuple, x: jax.Array, precision) -> jax.Array:
     """x [rows, K] f32 @ a group's loaded operands (`_load`) -> [rows, N] f32."""
     if len(ops) == 1:
-        return jnp.dot(x, ops[0])
+        return jnp.dot(x, ops[0], precision=precision)
     lo, hi, *scale = ops
     kh = lo.shape[0]
-    y = jnp.dot(x[:, :kh], lo) + jnp.dot(x[:, kh:], hi)
+    y = jnp.dot(x[:, :kh], lo, precision=precision) + jnp.dot(x[:, kh:], hi, precision=precision)
     return y * scale[0] if scale else y
 
 
-def _gathered(lhs, rhs, group_sizes, group_offset) -> jax.Array:
+def _gathered(lhs, rhs, group_sizes, group_offset, precision) -> jax.Array:
     """Few rows: each row's group's weights gathered in one op ([M, K, N]) and one batched
     product. On XLA:CPU a group of the loop costs more beyond reading its weights than a second
     read of a group two rows share."""
@@ -94,7 +95,7 @@ def _gathered(lhs, rhs, group_sizes, group_offset) -> jax.Array:
     local = jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right") - group_offset  # [M]
     mine = (local >= 0) & (local < g_local)  # rows of other devices' groups, or past every group: 0
     w = _to_f32(layered.take(rhs, jnp.clip(local, 0, g_local - 1)))  # [M, K, N]
-    return jnp.where(mine[:, None], jnp.einsum("mk,mkn->mn", _to_f32(lhs), w), 0.0)
+    return jnp.where(mine[:, None], jnp.einsum("mk,mkn->mn", _to_f32(lhs), w, precision=precision), 0.0)
 
 
 def _gathers(m: int, rhs) -> bool:
@@ -132,12 +133,14 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = Non
     """
     m, n = (lhs if lhs_rows is None else lhs_rows).shape[0], rhs.shape[2]
     g_local = rhs.shape[0]
+    # The math is f32 whatever the rows' dtype; the products' precision is that of the rows' (the run's).
+    precision = matmul_precision(lhs.dtype)
     act = None
     if epilogue is not None:
         _, bias, act = epilogue  # no column scales: the loop applies a stack's own as it decodes
     if _gathers(m, rhs):
         lhs = lhs if lhs_rows is None else lhs[lhs_rows]
-        return _gathered(lhs, rhs, group_sizes, group_offset).astype(out_dtype)
+        return _gathered(lhs, rhs, group_sizes, group_offset, precision).astype(out_dtype)
     tm = tm or _pick_tm(m, group_sizes.shape[0])
     lhs32 = _to_f32(lhs)  # [M or T, K], once rather than per chunk
     starts, sizes, active, num_active = local_groups(group_sizes, group_offset, g_local, m)
@@ -167,7 +170,7 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = Non
     def group_body(i, out):  # out: [M or T, N] f32
         g = active[i]
         start, end = starts[g], starts[g] + sizes[g]
-        matmul = _group_matmul(rhs, g, tm)  # loaded here once for all its chunks
+        matmul = _group_matmul(rhs, g, tm, precision)  # loaded here once for all its chunks
 
         def chunk(j, out):
             pos = start + j * tm

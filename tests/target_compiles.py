@@ -84,8 +84,8 @@ def compile_case(case: Case) -> dict:
                                 devices=list(targets.devices(t.name, case.devices)), page_size=case.page_size)
     out = {"kernel": placement.kernel, "attention_kernel": placement.attention_kernel, "programs": {}}
     for name in case.programs:
-        fn, args, options = progs[name]
-        compiled, seconds, error = compile_program(fn, args, options, persist=False)
+        jitted, args = progs[name]
+        compiled, seconds, error = compile_program(jitted, args, persist=False)
         hlo = compiled.as_text() if compiled else ""
         out["programs"][name] = {
             "compiled": compiled is not None, "error": error, "seconds": round(seconds, 1),

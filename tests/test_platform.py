@@ -2,6 +2,7 @@
 
 import os
 
+import numpy as np
 import pytest
 
 from moejax import platform
@@ -28,8 +29,25 @@ def test_auto_unrolls_short_runs_of_layers_on_the_cpu_only():
 def test_decode_programs_leave_ynn_fusions_on_the_cpu_only():
     """A decode program's compiler options: XLA:CPU's YNN fusions off; other platforms keep
     XLA's defaults (as every prefill does: it is compiled without options)."""
-    assert platform.decode_compiler_options() == {"xla_cpu_experimental_ynn_fusion_type": ""}
-    assert platform.decode_compiler_options("tpu") is None
+    for dtype in ("float32", "bfloat16"):
+        assert platform.compiler_options(dtype, decode=True) == {"xla_cpu_experimental_ynn_fusion_type": ""}
+        assert platform.compiler_options(dtype) is None
+    assert platform.compiler_options("bfloat16", decode=True, platform="tpu") is None
+
+
+def test_float32_programs_merge_no_dots_on_xla_gpu():
+    """XLA:GPU's dot merger sets up a Triton GEMM fusion that aborts the compiler in float32
+    (the tests' tiny DeepSeek-V3, test_precision.py): every program of a float32 run goes without it."""
+    for gpu in ("gpu", "cuda"):
+        for decode in (False, True):
+            assert platform.compiler_options("float32", decode, gpu) == {"xla_gpu_dot_merger_threshold_mb": 0}
+        assert platform.compiler_options("bfloat16", True, gpu) is None
+    assert platform.compiler_options("float32", platform="tpu") is None
+
+
+def test_float32_means_full_precision_products_and_bf16_the_platforms_default():
+    assert platform.matmul_precision("float32") == platform.matmul_precision(np.dtype("float32")) == "highest"
+    assert platform.matmul_precision("bfloat16") is None
 
 
 def test_prefill_chunk_default_by_platform_and_an_explicit_one_kept():

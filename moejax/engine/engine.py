@@ -90,6 +90,14 @@ def decode_steps(params, cache, tokens, lens, seeds, first, count, pages=None, *
     return out, tok, put_leading(c, cache, restack(seen))
 
 
+def jit_program(fn, dtype, *, decode: bool = False, platform_name: str | None = None, **jit_kwargs):
+    """jax.jit of an engine program of a run in `dtype` on `platform_name` (default: this machine's):
+    traced at the run's matmul precision, compiled with its compiler options (`decode`: those of a
+    decode program)."""
+    return jax.jit(platform.at_matmul_precision(fn, dtype),
+                   compiler_options=platform.compiler_options(dtype, decode, platform_name), **jit_kwargs)
+
+
 def to_host(x: jax.Array) -> np.ndarray:
     """A device array as numpy, gathered from every process when it spans several (multi-host)."""
     if not x.is_fully_addressable:
@@ -182,13 +190,12 @@ class Engine:
         compile_clock.start()
         self.max_chunk = platform.prefill_chunk(config.engine.prefill_chunk)
         bind = dict(c=self.c, placement=placement)
-        self._prefill = jax.jit(functools.partial(prefill, **bind), donate_argnums=1,
-                                static_argnames=("all_logits", "record", "visible"))
-        decoding = platform.decode_compiler_options()
-        self._decode = jax.jit(functools.partial(decode_step, **bind), donate_argnums=1, static_argnames=("sampling", "record"),
-                               compiler_options=decoding)
-        self._decode_block = jax.jit(functools.partial(decode_steps, **bind), donate_argnums=1,
-                                     static_argnames=("block", "sampling", "visible"), compiler_options=decoding)
+        self._prefill = jit_program(functools.partial(prefill, **bind), self.dtype, donate_argnums=1,
+                                    static_argnames=("all_logits", "record", "visible"))
+        self._decode = jit_program(functools.partial(decode_step, **bind), self.dtype, decode=True, donate_argnums=1,
+                                   static_argnames=("sampling", "record"))
+        self._decode_block = jit_program(functools.partial(decode_steps, **bind), self.dtype, decode=True,
+                                         donate_argnums=1, static_argnames=("block", "sampling", "visible"))
         self.decode_block = config.engine.decode_block  # `moejax trace` sets 1: a program per step
         # The first tokens placed as a decode step leaves its own (rows over the batch axis): the
         # first step then runs the program every later step runs, rather than compiling its own.

@@ -22,9 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax import platform
 from moejax.engine import compile_clock
-from moejax.engine.engine import MIN_POSITIONS, Engine, bucket, seed_rows, to_host
+from moejax.engine.engine import MIN_POSITIONS, Engine, bucket, jit_program, seed_rows, to_host
 from moejax.engine.sampling import Sampling, draw, row_keys, sample, sampling_logits
 from moejax.errors import UsageError
 from moejax.model.mtp import init_mtp_cache, mtp_forward
@@ -149,9 +148,10 @@ class SpeculativeEngine:
         self.engine, self.mtp = engine, mtp
         self.placement = engine.placement
         bind = dict(c=engine.c, placement=engine.placement)
-        self._prefill = jax.jit(functools.partial(spec_prefill, **bind), donate_argnums=(2, 3), static_argnames="sampling")
-        self._step = jax.jit(functools.partial(spec_step, **bind), donate_argnums=(2, 3), static_argnames="sampling",
-                             compiler_options=platform.decode_compiler_options())
+        self._prefill = jit_program(functools.partial(spec_prefill, **bind), engine.dtype, donate_argnums=(2, 3),
+                                    static_argnames="sampling")
+        self._step = jit_program(functools.partial(spec_step, **bind), engine.dtype, decode=True, donate_argnums=(2, 3),
+                                 static_argnames="sampling")
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
                  seed: int = 0) -> SpecGeneration:

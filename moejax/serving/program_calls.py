@@ -21,8 +21,7 @@ import time
 import jax
 import numpy as np
 
-from moejax import platform
-from moejax.engine.engine import to_host
+from moejax.engine.engine import jit_program, to_host
 from moejax.model import paged
 from moejax.serving.request import sampling_rows
 from moejax.serving.slot_programs import decode_slots, fork_slots, prefill_slots, put_pages, take_pages
@@ -36,11 +35,12 @@ class ProgramCalls:
 
     def _jit_programs(self) -> None:
         c = self.engine.c
-        self._decode = jax.jit(functools.partial(decode_slots, c=c, placement=self.engine.placement),
-                               donate_argnums=1, static_argnames=("greedy_only", "extras"),
-                               compiler_options=platform.decode_compiler_options())
-        self._prefill = jax.jit(functools.partial(prefill_slots, c=c, placement=self.prefill_engine.placement),
-                                donate_argnums=1, static_argnames=("greedy_only", "extras", "prompt_logprobs"))
+        self._decode = jit_program(functools.partial(decode_slots, c=c, placement=self.engine.placement),
+                                   self.engine.dtype, decode=True, donate_argnums=1,
+                                   static_argnames=("greedy_only", "extras"))
+        self._prefill = jit_program(functools.partial(prefill_slots, c=c, placement=self.prefill_engine.placement),
+                                    self.prefill_engine.dtype, donate_argnums=1,
+                                    static_argnames=("greedy_only", "extras", "prompt_logprobs"))
         self._fork_program = jax.jit(functools.partial(fork_slots, placement=self.engine.placement), donate_argnums=0)
         if self.apart:
             self._take = jax.jit(take_pages)

@@ -23,8 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax import platform
-from moejax.engine.engine import to_host
+from moejax.engine.engine import jit_program, to_host
 from moejax.errors import UsageError
 from moejax.model import paged
 from moejax.model.mtp import init_mtp_pool, mtp_forward
@@ -101,9 +100,10 @@ class SpecScheduler(Scheduler):
             lambda: [init_mtp_pool(c, self.kv.num_pages, self.kv.page_size, engine.dtype)], pool=True)[0]
         self.drafts = self.accepted = 0  # drafts checked and accepted (acceptance rate)
         bind = dict(c=c, placement=engine.placement)
-        self._spec_prefill = jax.jit(functools.partial(spec_prefill_slots, **bind), donate_argnums=(2, 3))
-        self._spec_decode = jax.jit(functools.partial(spec_decode_slots, **bind), donate_argnums=(2, 3),
-                                    compiler_options=platform.decode_compiler_options())
+        self._spec_prefill = jit_program(functools.partial(spec_prefill_slots, **bind), engine.dtype,
+                                         donate_argnums=(2, 3))
+        self._spec_decode = jit_program(functools.partial(spec_decode_slots, **bind), engine.dtype, decode=True,
+                                        donate_argnums=(2, 3))
 
     def check(self, request: Request) -> None:
         super().check(request)
