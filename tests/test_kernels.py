@@ -351,6 +351,25 @@ def test_gpu_kernel_compiles_for_h100_at_any_width(k, n, fmt, act):
     assert "__gpu$xla.gpu.triton" in hlo and f"bf16[12,{n // 2 if act else n}]" in hlo
 
 
+@pytest.mark.parametrize("fmt,dtype,act", [("dense", jnp.bfloat16, None), ("nvfp4", jnp.float32, "swiglu"),
+                                           ("mxfp4", jnp.bfloat16, None)])
+def test_tpu_kernel_reads_a_layer_of_a_stack(fmt, dtype, act):
+    """The TPU kernel (interpreted) on layer i of a stack [L, G, K, N] (a `LayerOf`, read where it
+    lies) equals the XLA path on that layer at each i: groups at an offset, 4-bit tensor scales
+    (NVFP4 gate|up: one per half, column-wise), a bias and the activation in its epilogue."""
+    lhs, rhs, sizes, offset = make_case(zlib.crc32(f"stack/{fmt}".encode()), "offset", dtype, local=3)
+    stack = jnp.stack([rhs * (1 + i) for i in range(3)])  # [3, 3, K, N]
+    w = stack.astype(dtype) if fmt == "dense" else pk.quantize_experts(stack, fmt, gated=act is not None)
+    bias = jnp.asarray(np.random.default_rng(3).standard_normal((3, rhs.shape[2])), dtype) if act else None
+    run = jax.jit(lambda l, w, s, i, backend: pk.grouped_gemm(l, LayerOf(w, i), s, group_offset=offset, bias=bias,
+                                                              act=GLU_ACTS.get(act), backend=backend),
+                  static_argnames="backend")
+    for i in (0, 2):
+        out, expected = (run(lhs, w, sizes, jnp.int32(i), backend=b) for b in ("interpret", "xla"))
+        assert out.shape == expected.shape and out.dtype == expected.dtype
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32), **tolerance(dtype))
+
+
 @pytest.mark.parametrize("fmt,dtype,act", GLU_CASES)
 def test_xla_loop_activates_each_chunk_without_writing_the_product(fmt, dtype, act):
     """The XLA group loop finishes each chunk (its group's bias) and applies the activation as it
