@@ -50,10 +50,19 @@ MATMUL_PRECISION = {"float32": "highest"}
 # The paged-attention kernel "auto" stands for, by platform (else the XLA gather).
 AUTO_ATTENTION_KERNEL = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
 
-# Up to this many rows (a decode step of a few requests) the XLA grouped GEMM gathers each row's
-# unquantized expert and runs one batched product: on XLA:CPU a group of its loop costs more
-# than a second read of a group two rows share.
+# How the XLA grouped GEMM (`pallas_kernels/gmm_xla.py`) meets its rows, by platform. XLA:CPU
+# loops over the touched groups only, a trip count computed on the device; up to GATHER_ROWS rows
+# (a decode step of a few requests) of unquantized experts it gathers each row's expert and runs
+# one batched product instead: there a group of its loop costs more than a second read of a group
+# two rows share. An accelerator's runtime reads the condition of a loop whose trip count the
+# compiler does not know back to the host every iteration (XLA:GPU: a sync per group, per layer),
+# so there no loop depends on the picks: up to ACCELERATOR_GATHER_ROWS rows each row's expert is
+# loaded (a 4-bit one decoded) and multiplied by the row, as one gather on a GPU (XLA:GPU fuses the
+# gather into the product, reading each row's expert once) and a slice per row on a TPU (its
+# compiler copies whole stacks into a gather of large slices); more rows go a tile at a time in a
+# loop of as many tiles as they can fill (megablox's schedule, `pallas_kernels.tiling.schedule`).
 GATHER_ROWS = 16
+ACCELERATOR_GATHER_ROWS = 128
 
 # The KV cache's page pool when no size is given (`serving/kv_pages.py`): on XLA:CPU a fixed
 # number of positions, serve's 16 default slots at its default longest request of 2,048 (a step
@@ -114,6 +123,19 @@ def prefill_chunk(chunk: int, platform: str | None = None) -> int:
 def kernel(name: str, platform: str | None = None) -> str:
     """The grouped-GEMM backend kernel `name` stands for on `platform` ("auto": by platform)."""
     return AUTO_KERNEL.get(backend(platform), "xla") if name == "auto" else name
+
+
+def gemm_rows(rows: int, quantized: bool, platform: str | None = None) -> str:
+    """How the XLA grouped GEMM multiplies `rows` rows by a stack of experts (`quantized`: 4-bit)
+    on `platform`: "groups" (a loop over the touched groups), "gather" (each row's expert gathered,
+    one batched product), "rows" (each row's expert sliced and multiplied apart) or "tiles" (a loop
+    of a static number of row tiles)."""
+    where = backend(platform)
+    if where == "cpu":
+        return "gather" if rows <= GATHER_ROWS and not quantized else "groups"
+    if rows > ACCELERATOR_GATHER_ROWS:
+        return "tiles"
+    return "rows" if where == "tpu" else "gather"
 
 
 def compiler_options(dtype: str, decode: bool = False, platform: str | None = None) -> dict | None:

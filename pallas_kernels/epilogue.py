@@ -34,9 +34,22 @@ def glu(gate: jax.Array, up: jax.Array, act) -> jax.Array:
 def group_rows(table: jax.Array, group_sizes: jax.Array, group_offset, m: int) -> jax.Array:
     """table: [G_local, N] -> [m, N]: each sorted row's group's row of table; zero for rows of
     other groups (and past the last group), whose products are zero too."""
-    g = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m), side="right") - group_offset
+    g = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m), side="right", method="compare_all") - group_offset
     mine = (g >= 0) & (g < table.shape[0])
     return jnp.where(mine[:, None], table[jnp.clip(g, 0, table.shape[0] - 1)], 0)
+
+
+def finish_product(out: jax.Array, out_dtype, scale, bias, group_sizes: jax.Array, group_offset, act=None,
+                   combine_picks=None) -> jax.Array:
+    """A whole product out [M, N] finished after it: scaled (scale: [M, N] or None), each row's
+    group's row of bias [G_local, N] added, then a gate|up product through act(gate, up) ->
+    [M, N/2], or a down product's rows summed into their tokens (`combine_picks`: (order,
+    weights) of `combine`) -> [T, N]."""
+    rows_bias = None if bias is None else group_rows(bias, group_sizes, group_offset, out.shape[0])
+    y = finish(out, out_dtype, scale, rows_bias)
+    if combine_picks is not None:
+        return combine(y, *combine_picks)
+    return y if act is None else glu(*gate_up_columns(y), act)
 
 
 def combine(y_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:

@@ -4,8 +4,11 @@ The grid is (N tiles, active M tiles, K tiles); the number of active M tiles is 
 scalar from megablox's `make_group_metadata`, so tiles of groups with no rows (and of groups
 outside [group_offset, group_offset + G_local)) are never scheduled and their weights never
 leave HBM. group ids and tile ids are scalar-prefetched into SMEM and steer the BlockSpec
-index maps. TPUs have no fp4 matrix unit: a 4-bit tile [tk/2, tn] of bytes is decoded to its
-two K-halves and multiplied in the rows' dtype (bf16 math, f32 accumulator in VMEM).
+index maps. A layer of a run's stack (`layered.LayerOf`) is read where it lies: the stack
+[L, G, K, N] viewed as [L * G, K, N] (`layered.flat`, a bitcast), the layer's first group
+(prefetched) added to each group's index. TPUs have no fp4 matrix unit: a 4-bit tile [tk/2, tn]
+of bytes is decoded to its two K-halves and multiplied in the rows' dtype (bf16 math, f32
+accumulator in VMEM).
 
 With a gated activation (`epilogue`), the last K step applies the column scales, the bias and
 act(gate, up) to the [tm, tn] tile and writes [tm, tn/2]: Mosaic has no lane-strided load, so
@@ -17,13 +20,14 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from moejax.platform import matmul_precision
-from pallas_kernels import decode, epilogue, formats, metadata, tiling
+from pallas_kernels import decode, epilogue, formats, layered, metadata, tiling
 
 SCALE_SUBLANES = 32  # rows of a Mosaic tile of 8-bit data (the scale bits)
 
@@ -34,7 +38,7 @@ def fuses_glu(m: int, n: int, rhs) -> bool:
     return n % 256 == 0
 
 
-def _kernel(group_ids, m_tile_ids, offsets, offset, tscale, *refs, quantized, fmt, block, tm,
+def _kernel(group_ids, m_tile_ids, offsets, offset, first, tscale, *refs, quantized, fmt, block, tm,
             tiles_k, cdtype, tables, act):
     """One (n, active m tile, k) step. Refs: lhs (one, or its lo/hi K-halves for 4-bit),
     rhs (weights, or bytes + lo/hi scale bits), the epilogue's column scales and bias [1, tn]
@@ -90,7 +94,8 @@ def _lane_pairs(y, pairs_ref):
 
 def gmm_pallas_tpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret: bool = False,
                    tk: int | None = None, epilogue=None):
-    """lhs [M, K], rhs [G_local, K, N] (array or QuantizedArray), group_sizes [G] -> [M, N].
+    """lhs [M, K], rhs [G_local, K, N] (array or QuantizedArray, or a LayerOf either), group_sizes [G]
+    -> [M, N].
 
     tk overrides the K tile (tests use it to run several K steps on small shapes). epilogue:
     (column scales [G_local, N] or None, bias [G_local, N] or None, act): a gate|up rhs
@@ -98,6 +103,9 @@ def gmm_pallas_tpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
     """
     m, k = lhs.shape
     g_local, _, n = rhs.shape
+    # The layer's weights as abstract arrays: what the call reads, for its cost.
+    layer = jax.eval_shape(layered.layer_slice, rhs.stack, 0) if isinstance(rhs, layered.LayerOf) else rhs
+    rhs, first = layered.flat(rhs)  # the groups the maps index: the layer's from first[0] on
     quantized = isinstance(rhs, formats.QuantizedArray)
     tables, has, act = tiling.epilogue_tables(epilogue, g_local)
     # The transposed tile's scratch [tn, tm] must be 128 lanes wide to be loaded with a stride.
@@ -119,7 +127,7 @@ def gmm_pallas_tpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
         return lambda n_i, t, k_i, gids, mids, *_: (mids[t], k_i + half * tiles_k)
 
     def rhs_map(half):
-        return lambda n_i, t, k_i, gids, mids, offs, off, ts: (gids[t] - off[0], k_i + half * tiles_k, n_i)
+        return lambda n_i, t, k_i, gids, mids, offs, off, at, ts: (gids[t] - off[0] + at[0], k_i + half * tiles_k, n_i)
 
     if quantized:
         half_rows, block = tk // 2, rhs.spec.block
@@ -130,14 +138,14 @@ def gmm_pallas_tpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
                     pl.BlockSpec((None, half_rows, tn), rhs_map(0)),
                     *(pl.BlockSpec((None, 2 * half_rows // block // scale_halves, tn), rhs_map(half))
                       for half in range(scale_halves))]
-        tscale, fmt = tiling.tensor_scales(rhs), rhs.fmt
+        tscale, fmt = lax.dynamic_slice_in_dim(tiling.tensor_scales(rhs), first[0], g_local), rhs.fmt  # the layer's
     else:
         block, fmt = 1, None
         operands = (lhs_p, rhs)
         in_specs = [pl.BlockSpec((tm, tk), lhs_map(0)), pl.BlockSpec((None, tk, tn), rhs_map(0))]
         tscale = jnp.ones((g_local,), jnp.float32)
     operands += tuple(tables)
-    in_specs += [pl.BlockSpec((None, 1, tn), lambda n_i, t, k_i, gids, mids, offs, off, ts: (gids[t] - off[0], 0, n_i))
+    in_specs += [pl.BlockSpec((None, 1, tn), lambda n_i, t, k_i, gids, mids, offs, off, at, ts: (gids[t] - off[0], 0, n_i))
                  for _ in tables]
 
     kernel = functools.partial(
@@ -148,7 +156,7 @@ def gmm_pallas_tpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
         out_shape=metadata.varying_struct((lhs_p.shape[0], n * tn_out // tn), out_dtype, lhs, rhs, group_sizes,
                                           group_offset),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
+            num_scalar_prefetch=6,
             in_specs=in_specs,
             out_specs=pl.BlockSpec((tm, tn_out), lambda n_i, t, k_i, gids, mids, *_: (mids[t], n_i)),
             grid=(n // tn, num_tiles, tiles_k),
@@ -158,6 +166,6 @@ def gmm_pallas_tpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=interpret,
-        cost_estimate=tiling.cost_estimate(lhs, rhs, lhs_p.shape[0], out_dtype, glu=act is not None),
-    )(group_ids, m_tile_ids, offsets, offset, tscale, *operands)
+        cost_estimate=tiling.cost_estimate(lhs, layer, lhs_p.shape[0], out_dtype, glu=act is not None),
+    )(group_ids, m_tile_ids, offsets, offset, first, tscale, *operands)
     return tiling.zero_foreign_rows(out, offsets, offset[0], g_local, m)

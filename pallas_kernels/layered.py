@@ -8,7 +8,7 @@ reads any of them. `LayerOf` defers the slice, so that the XLA grouped GEMM read
 layer i straight from the stack. This module is its one home: a placement asks `layer_of` for a
 layer as its kernel reads it (a view only for a kernel that reads groups out of a stack, so no
 other kernel meets one), shard_map specs come from `specs`, the XLA kernel reads through
-`group` and `take`, and the Triton kernel through `flat` (the stack's groups as one axis).
+`group`, and the Pallas kernels through `flat` (the stack's groups as one axis).
 
 Even a layer of its own is a stack [G, K, N], and the group loop's slice of group g is a copy on
 XLA:CPU (a dot reads whole buffers): the weights read once from memory, written, and read again.
@@ -60,7 +60,7 @@ class Groups:
 
 # The grouped-GEMM kernels that read a group straight out of a layer stack (a `LayerOf`), and
 # those that take a layer's experts a buffer per group (`Groups`).
-READS_STACK = ("xla", "pallas_gpu", "interpret_gpu")
+READS_STACK = ("xla", "pallas_gpu", "interpret_gpu", "pallas_tpu", "interpret")
 READS_GROUPS = ("xla",)
 
 
@@ -120,13 +120,6 @@ def stored(rhs):
     if isinstance(rhs, Groups):
         return rhs.groups[0]
     return rhs.stack if isinstance(rhs, LayerOf) else rhs
-
-
-def take(rhs, ids: jax.Array) -> jax.Array:
-    """Groups ids [M] of rhs (a [G, K, N] array, or a LayerOf one) -> [M, K, N], as one gather."""
-    if isinstance(rhs, LayerOf):
-        return rhs.stack[rhs.index, ids]
-    return rhs[ids]
 
 
 def _index(a: jax.Array, lead: tuple) -> jax.Array:

@@ -9,7 +9,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from moejax import platform
+from moejax import platform as platforms
 from moejax.vocab import KERNELS
 from pallas_kernels import epilogue, formats, layered
 
@@ -73,9 +73,10 @@ def _load(module: str, name: str):
     return getattr(importlib.import_module(f"pallas_kernels.{module}"), name)
 
 
-def _backend_fn(name: str):
+def _backend_fn(name: str, platform: str | None = None):
+    """Backend `name`'s grouped GEMM; the XLA path's loops are `platform`'s (`moejax.platform.gemm_rows`)."""
     module, kwargs = _IMPLS[_known(name)]
-    return functools.partial(_load(module, module), **kwargs)
+    return functools.partial(_load(module, module), **kwargs, **({"platform": platform} if name == "xla" else {}))
 
 
 def _known(name: str) -> str:
@@ -84,9 +85,10 @@ def _known(name: str) -> str:
     return name
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "preferred_element_type", "act"))
+@functools.partial(jax.jit, static_argnames=("backend", "preferred_element_type", "act", "platform"))
 def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto",
-                 preferred_element_type=None, bias=None, act=None, lhs_rows=None, combine=None):
+                 preferred_element_type=None, bias=None, act=None, lhs_rows=None, combine=None,
+                 platform: str | None = None):
     """out[r] = lhs[r] @ rhs[g(r) - group_offset] (+ bias[g(r) - group_offset]) for rows r of
     local groups, else 0; with `act`, rhs is a gate|up stack (gate and up interleaved along N)
     and out[r] = act(gate, up) of that product.
@@ -105,6 +107,8 @@ def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto"
     (`order`: sorted row -> flat pick), without act: returns [T, N], each token's picks' rows
     weighted and summed (`epilogue.combine`; the XLA loop adds each chunk into its tokens' rows
     as it goes, in group order, and never writes the [M, N] product).
+    platform: the platform the program is built for (default: this machine's), which resolves
+    "auto" and the XLA path's loops (`moejax.platform.gemm_rows`).
     Returns [M, N] (with act: [M, N/2]) in preferred_element_type (default: lhs.dtype).
     """
     chex.assert_rank([lhs, group_sizes], [2, 1])
@@ -117,7 +121,8 @@ def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto"
     if isinstance(stack, formats.QuantizedArray) and stack.axis != -2:
         raise ValueError("a 4-bit rhs must be quantized along K (axis=-2)")
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
-    backend = platform.kernel(backend)  # "auto" for this machine; a placement passes its target's kernel
+    backend = platforms.kernel(backend, platform)  # a placement passes its target's kernel and platform
+    kernel = _backend_fn(backend, platform)
     if lhs_rows is not None and not getattr(_module(backend), "GATHERS_ROWS", False):
         lhs, lhs_rows = lhs[lhs_rows], None
     rows = {} if lhs_rows is None else {"lhs_rows": lhs_rows}
@@ -127,22 +132,18 @@ def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto"
         raise ValueError(f"the {backend} kernel reads a layer as its own [G, K, N], not as a view of its stack")
     columns = None if getattr(_module(backend), "SCALES_COLUMNS", False) else _column_scales(rhs)
     if combine is not None and columns is None and _fuses(backend, "fuses_combine", m, n, rhs):
-        return _backend_fn(backend)(lhs, rhs, group_sizes, group_offset, out_dtype, combine=combine, bias=bias, **rows)
+        return kernel(lhs, rhs, group_sizes, group_offset, out_dtype, combine=combine, bias=bias, **rows)
     if act is not None and _fuses(backend, "fuses_glu", m, n, rhs):
-        return _backend_fn(backend)(lhs, _unit_scales(rhs) if columns is not None else rhs, group_sizes,
-                                    group_offset, out_dtype, epilogue=(columns, bias, act), **rows)
+        return kernel(lhs, _unit_scales(rhs) if columns is not None else rhs, group_sizes, group_offset, out_dtype,
+                      epilogue=(columns, bias, act), **rows)
     if columns is None:
-        out = _backend_fn(backend)(lhs, rhs, group_sizes, group_offset, out_dtype, **rows)
+        out = kernel(lhs, rhs, group_sizes, group_offset, out_dtype, **rows)
         scale = None
     else:  # column-wise tensor scales (a gate_up stack's two halves): the kernels scale per group,
         # so they run at scale 1 in f32 and each row takes its group's columns' scales after
-        out = _backend_fn(backend)(lhs, _unit_scales(rhs), group_sizes, group_offset, jnp.float32, **rows)
+        out = kernel(lhs, _unit_scales(rhs), group_sizes, group_offset, jnp.float32, **rows)
         scale = epilogue.group_rows(columns, group_sizes, group_offset, m)
-    rows_bias = None if bias is None else epilogue.group_rows(bias, group_sizes, group_offset, m)
-    y = epilogue.finish(out, out_dtype, scale, rows_bias)
-    if combine is not None:
-        return epilogue.combine(y, *combine)
-    return y if act is None else epilogue.glu(*epilogue.gate_up_columns(y), act)
+    return epilogue.finish_product(out, out_dtype, scale, bias, group_sizes, group_offset, act, combine)
 
 
 def _module(backend: str):

@@ -55,11 +55,18 @@ def group_tiles(lhs: jax.Array, group_sizes: jax.Array, group_offset, g_local: i
     """
     m_pad = round_up(lhs.shape[0], tm)
     lhs_p = jnp.pad(lhs, ((0, m_pad - lhs.shape[0]), (0, 0)))
+    return (lhs_p, *schedule(group_sizes, group_offset, g_local, m_pad, tm))
+
+
+def schedule(group_sizes: jax.Array, group_offset, g_local: int, m_pad: int, tm: int):
+    """`group_tiles`' schedule of M_pad rows (a multiple of tm) -> offset [1], (offsets [G + 1],
+    group_ids, m_tile_ids) and num_tiles; the local groups' tiles come first, at most
+    M_pad / tm + g_local - 1 of them."""
     offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
     metadata, num_tiles = make_group_metadata(
         group_sizes=group_sizes, m=m_pad, tm=tm, start_group=offset[0],
         num_nonzero_groups=g_local, visit_empty_groups=False)
-    return lhs_p, offset, metadata, num_tiles
+    return offset, metadata, num_tiles
 
 
 def scale_bits(q: formats.QuantizedArray) -> jax.Array:

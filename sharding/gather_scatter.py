@@ -30,7 +30,7 @@ class GatherScatter(MeshPlacement):
         def compute(sent):
             e_local = w["down"].shape[0]
             return moe_local(*sent, w, num_groups=self.num_experts, group_offset=jax.lax.axis_index("ep") * e_local,
-                             kernel=self.kernel, first_slice=jax.lax.axis_index("tp") == 0)
+                             kernel=self.kernel, first_slice=jax.lax.axis_index("tp") == 0, platform=self.platform)
 
         def combine(y):
             return jax.lax.psum_scatter(y, ALL, tiled=True) if self.rows_sharded else jax.lax.psum(y, ALL)

@@ -186,7 +186,7 @@ class Placement:
 
     def moe(self, x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict) -> jax.Array:
         """x: [T, D], ids (physical slots)/weights: [T, k] -> [T, D]: the routed experts' weighted sum per row."""
-        return moe_local(x, ids, weights, experts, kernel=self.kernel)
+        return moe_local(x, ids, weights, experts, kernel=self.kernel, platform=self.platform)
 
     # ------------------------------------------------------------------ accounting
     # For one MoE layer and one forward pass: ids [T, k] are the picks of every row of the pass,

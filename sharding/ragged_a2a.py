@@ -84,8 +84,10 @@ def exchange_buffers(t_local: int, n: int, k: int, e_local: int, hidden: int, ac
     }
 
 
-def ragged_phases(w, *, num_experts: int, dispatch_dtype: str, use_ragged: bool, kernel: str) -> overlap.Phases:
-    """The exchange of one device's rows x: [T, D], ids/weights: [T, k] as its three phases."""
+def ragged_phases(w, *, num_experts: int, dispatch_dtype: str, use_ragged: bool, kernel: str,
+                  platform: str | None = None) -> overlap.Phases:
+    """The exchange of one device's rows x: [T, D], ids/weights: [T, k] as its three phases
+    (`kernel` runs the experts as on `platform`)."""
     e_local = w["down"].shape[0]
 
     def dispatch(x, ids, weights):
@@ -123,7 +125,8 @@ def ragged_phases(w, *, num_experts: int, dispatch_dtype: str, use_ragged: bool,
         recv_rows, recv_ids, recv_w, send_sizes, row_of_slot = sent  # [n, T, D], [n, T, kk] x 2, [n], [n, T]
         n, t, kk = recv_ids.shape
         y = moe_local(recv_rows.reshape(n * t, -1), recv_ids.reshape(n * t, kk), recv_w.reshape(n * t, kk), w,
-                      num_groups=num_experts + 1, group_offset=jax.lax.axis_index(ALL) * e_local, kernel=kernel)
+                      num_groups=num_experts + 1, group_offset=jax.lax.axis_index(ALL) * e_local, kernel=kernel,
+                      platform=platform)
         return y.reshape(n, t, -1), send_sizes, row_of_slot
 
     def combine(done):
@@ -156,7 +159,7 @@ class RaggedA2A(MeshPlacement):
 
     def exchange(self, x, ids, weights, w):
         phases = ragged_phases(w, num_experts=self.num_experts, dispatch_dtype=self.config.layout.dispatch_dtype,
-                               use_ragged=self.use_ragged, kernel=self.kernel)
+                               use_ragged=self.use_ragged, kernel=self.kernel, platform=self.platform)
         inner = functools.partial(overlap.run, phases, self.two_batch_overlap)
         return inner(x, ids, weights) if self.rows_sharded else own_share(inner, x, ids, weights)
 

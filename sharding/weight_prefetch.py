@@ -45,7 +45,8 @@ class WeightPrefetch(MeshPlacement):
                              out_specs=self.expert_specs(w, gathered=True))(w)
 
     def exchange(self, x, ids, weights, w):
-        inner = lambda x, ids, weights: moe_local(x, ids, weights, w, num_groups=self.num_experts, kernel=self.kernel)
+        inner = lambda x, ids, weights: moe_local(x, ids, weights, w, num_groups=self.num_experts, kernel=self.kernel,
+                                                  platform=self.platform)
         return inner(x, ids, weights) if self.rows_sharded else own_share(inner, x, ids, weights)
 
     def moe(self, x, ids, weights, experts, gathered: bool = True):

@@ -187,6 +187,44 @@ def test_xla_decode_and_prefill_chunking():
         np.testing.assert_allclose(out, reference(lhs, rhs, sizes, 0), rtol=1e-4, atol=1e-4)
 
 
+# The XLA path as an accelerator runs it (`moejax.platform.gemm_rows`): a decode step's few rows a
+# product each (one gather on a GPU, a slice per row on a TPU), a prefill's many in a loop of tiles.
+ACCELERATORS = ["gpu", "tpu"]
+
+
+@pytest.mark.parametrize("platform", ACCELERATORS)
+@pytest.mark.parametrize("fmt", ["dense", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("m", [12, 300])
+def test_xla_on_accelerators_matches_numpy(platform, fmt, m):
+    """Layer 1 of a stack (`LayerOf`), local groups at an offset: the layer's product; rows of other
+    groups and past the last zero (tests/test_target_structure.py: no loop whose trip count
+    depends on the picks, compiled for an H100)."""
+    lhs, rhs, sizes, offset = make_case(zlib.crc32(f"{platform}/{fmt}/{m}".encode()), "offset", jnp.float32, m=m,
+                                        n=48, groups=8, local=3)
+    w, w_f32 = weights(jnp.stack([rhs * 2, rhs]), fmt, jnp.float32)
+    f = jax.jit(lambda l, w, s, i: pk.grouped_gemm(l, LayerOf(w, i), s, group_offset=offset, backend="xla",
+                                                   platform=platform))
+    out = f(lhs, w, sizes, jnp.int32(1))
+    np.testing.assert_allclose(out, reference(lhs, w_f32[1], sizes, offset), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out)[int(sizes.sum()):], 0.0)
+
+
+@pytest.mark.parametrize("platform", ACCELERATORS)
+@pytest.mark.parametrize("tokens", [3, 40])  # 12 picks, one product each; 160, in tiles
+def test_xla_on_accelerators_finishes_products_as_the_loop(platform, tokens):
+    """A gate|up product of each pick's token row (bias, activation) and the down product summed into
+    the tokens (bias, weights) as an accelerator runs them: XLA:CPU's group loop's results."""
+    lhs, w, sizes, offset, combine, bias, expected = picks_case(tokens, tokens, "nvfp4")
+    run = functools.partial(pk.grouped_gemm, lhs, w, sizes, group_offset=offset, bias=bias, backend="xla")
+    np.testing.assert_allclose(run(combine=combine, platform=platform), expected, rtol=1e-5, atol=1e-5)
+    up, w_up, up_sizes, up_offset, up_bias = glu_case("nvfp4", jnp.float32, n=96)
+    rows = jnp.asarray(np.random.default_rng(tokens).integers(0, up.shape[0], 4 * tokens), jnp.int32)
+    up_sizes = jnp.asarray(np.random.default_rng(1).multinomial(4 * tokens, np.ones(6) / 6), jnp.int32)
+    glu = functools.partial(pk.grouped_gemm, up, w_up, up_sizes, group_offset=up_offset, bias=up_bias, act=silu_glu,
+                            lhs_rows=rows, backend="xla")
+    np.testing.assert_allclose(glu(platform=platform), glu(), rtol=1e-5, atol=1e-5)
+
+
 # Each kernel sees every format, both dtypes and every scenario, spread over six cases.
 KERNEL_CASES = [
     ("dense", jnp.bfloat16, "offset"),
@@ -311,6 +349,25 @@ def test_gpu_kernel_compiles_for_h100_at_any_width(k, n, fmt, act):
     hlo = f.lower(on_h100((12, k), jnp.bfloat16), w, on_h100((8,), jnp.int32), on_h100((), jnp.int32),
                   on_h100((8, n), jnp.bfloat16) if act else None).compile().as_text()
     assert "__gpu$xla.gpu.triton" in hlo and f"bf16[12,{n // 2 if act else n}]" in hlo
+
+
+@pytest.mark.parametrize("fmt,dtype,act", [("dense", jnp.bfloat16, None), ("nvfp4", jnp.float32, "swiglu"),
+                                           ("mxfp4", jnp.bfloat16, None)])
+def test_tpu_kernel_reads_a_layer_of_a_stack(fmt, dtype, act):
+    """The TPU kernel (interpreted) on layer i of a stack [L, G, K, N] (a `LayerOf`, read where it
+    lies) equals the XLA path on that layer at each i: groups at an offset, 4-bit tensor scales
+    (NVFP4 gate|up: one per half, column-wise), a bias and the activation in its epilogue."""
+    lhs, rhs, sizes, offset = make_case(zlib.crc32(f"stack/{fmt}".encode()), "offset", dtype, local=3)
+    stack = jnp.stack([rhs * (1 + i) for i in range(3)])  # [3, 3, K, N]
+    w = stack.astype(dtype) if fmt == "dense" else pk.quantize_experts(stack, fmt, gated=act is not None)
+    bias = jnp.asarray(np.random.default_rng(3).standard_normal((3, rhs.shape[2])), dtype) if act else None
+    run = jax.jit(lambda l, w, s, i, backend: pk.grouped_gemm(l, LayerOf(w, i), s, group_offset=offset, bias=bias,
+                                                              act=GLU_ACTS.get(act), backend=backend),
+                  static_argnames="backend")
+    for i in (0, 2):
+        out, expected = (run(lhs, w, sizes, jnp.int32(i), backend=b) for b in ("interpret", "xla"))
+        assert out.shape == expected.shape and out.dtype == expected.dtype
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32), **tolerance(dtype))
 
 
 @pytest.mark.parametrize("fmt,dtype,act", GLU_CASES)

@@ -73,21 +73,31 @@ def decode_steps(params, cache, tokens, lens, seeds, first, count, pages=None, *
     program -> (their tokens [block, B], rows past count zero; the last tokens [B]; cache).
     A program per step leaves the devices waiting on the host between steps, and each other
     in the step's first collective. visible (static): with a contiguous cache, the steps write
-    and attend to its first `visible` positions only (0: all of them)."""
+    and attend to its first `visible` positions only (0: all of them).
+
+    The loop runs all `block` steps: a trip count known when compiling, where an accelerator's
+    runtime reads a loop's condition computed on the device back to the host every iteration.
+    A step past count changes nothing read later: it keeps no token, and its positions lie past
+    the cache's end (past every row's block table), where writes are dropped."""
+    if pages is None:  # a contiguous cache: the positions the block sees, each unrolled layer's its own buffers
+        carried = per_layer(leading(c, cache, visible) if visible else cache, placement.loops)
+        length = jax.tree.leaves(carried)[0].shape[-2]  # every contiguous entry's positions precede one last axis
+    else:
+        carried, length = cache, paged.width(pages) * paged.page_size_of(cache)
+
     def step(i, carry):
         tok, cache, out = carry
-        tok, _, cache, _ = decode_step(params, cache, tok, lens, seeds, first + i, pages=pages, c=c, placement=placement,
-                                       sampling=sampling, record=False)
-        return tok, cache, out.at[i].set(tok)
+        live = i < count
+        # A step past count at step length + 1: its positions are >= lens + length, past the cache.
+        new, _, cache, _ = decode_step(params, cache, tok, lens, seeds, jnp.where(live, first + i, length + 1),
+                                       pages=pages, c=c, placement=placement, sampling=sampling, record=False)
+        return jnp.where(live, new, tok), cache, out.at[i].set(jnp.where(live, new, 0))
 
     out = jnp.zeros((block, tokens.shape[0]), tokens.dtype)
+    tok, carried, out = lax.fori_loop(0, block, step, (tokens, carried, out))
     if pages is not None:
-        tok, cache, out = lax.fori_loop(0, count, step, (tokens, cache, out))
-        return out, tok, cache
-    # A contiguous cache: the positions the block sees, each unrolled layer's its own buffers.
-    seen = per_layer(leading(c, cache, visible) if visible else cache, placement.loops)
-    tok, seen, out = lax.fori_loop(0, count, step, (tokens, seen, out))
-    return out, tok, put_leading(c, cache, restack(seen))
+        return out, tok, carried
+    return out, tok, put_leading(c, cache, restack(carried))
 
 
 def jit_program(fn, dtype, *, decode: bool = False, platform_name: str | None = None, **jit_kwargs):
