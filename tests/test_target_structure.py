@@ -92,8 +92,8 @@ def program(target: str, kernel: str, page_size: int):
                     engine=EngineConfig(dtype="bfloat16"), kernel=kernel).validate()
     _, progs = plan.programs(config, BATCH, CONTEXT, BATCH, targets.target(target).platform,
                              list(targets.devices(target, 1)), page_size)
-    fn, args, options = progs["decode block"]
-    return jax.jit(fn, donate_argnums=1, compiler_options=options).lower(*args).compile().as_text(), *args[:2]
+    jitted, args = progs["decode block"]
+    return jitted.lower(*args).compile().as_text(), *args[:2]
 
 
 def layer_shapes(run: dict) -> list[tuple[int, ...]]:
