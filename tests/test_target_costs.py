@@ -17,8 +17,9 @@ from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, pre
 from moejax.trace import Trace, save_trace
 from sharding import eplb
 
-# A layer loop of 4 trips: a fusion slicing layer i out of a [4, 8, 16] stack, a dot, an
-# all-gather over 8 devices, a KV-cache-like update in place; then one custom call handed the stack.
+# A layer loop of 4 trips: a fusion slicing layer i out of a [4, 8, 16] stack, a dot, two
+# all-gathers over 8 devices the compiler combined into one, a custom call handed the whole stack,
+# a KV-cache-like update in place.
 HLO = """HloModule m
 
 %slice (param_0: f32[4,8,16], param_1: s32[]) -> f32[8,16] {
@@ -49,7 +50,7 @@ HLO = """HloModule m
   %cache = f32[4,8,32]{2,1,0} get-tuple-element(%arg), index=3
   %x = f32[8,16]{1,0} fusion(%stack, %i), kind=kLoop, calls=%slice, metadata={op_name="jit(f)/attention/slice"}
   %y = f32[8,32]{1,0} fusion(%x, %w), kind=kCustom, calls=%dot, metadata={op_name="jit(f)/moe/shard_map/experts/dot"}
-  %ag = f32[64,32]{1,0} all-gather(%y), replica_groups=[1,8]<=[8], dimensions={0}, metadata={op_name="jit(f)/moe/shard_map/all_gather"}
+  %ag = (f32[64,32]{1,0}, f32[64,16]{1,0}) all-gather(%y, %x), replica_groups=[1,8]<=[8], dimensions={0}, metadata={op_name="jit(f)/(moe/shard_map/all_gather:attention/all_gather)"}
   %k = f32[8,16]{1,0} custom-call(%stack, %i), custom_call_target="__gpu$xla.gpu.triton"
   %c = f32[4,8,32]{2,1,0} fusion(%cache, %y, %i), kind=kLoop, calls=%update
   ROOT %t = (s32[], f32[4,8,16]{2,1,0}, f32[16,32]{1,0}, f32[4,8,32]{2,1,0}) tuple(%i, %stack, %w, %c)
@@ -74,14 +75,17 @@ ENTRY %main (a: f32[4,8,16], b: f32[16,32], c: f32[4,8,32]) -> f32[4,8,32] {
 
 def test_hlo_ops_price_slices_updates_in_place_loops_and_collectives():
     ops = hlo.ops(HLO, 8)
-    assert [(op.kind, op.count) for op in ops] == [("kernel", 4)] * 2 + [("all-gather", 4)] + [("kernel", 4)] * 2
-    sliced, dot, gather, kernel, update = ops
+    assert [(op.kind, op.count) for op in ops] == [("kernel", 4)] * 2 + [("all-gather", 4)] * 2 + [("kernel", 4)] * 2
+    sliced, dot, rows, other, kernel, update = ops
     assert sliced.bytes == 512 + 4 + 512  # the layer's slice of the stack, its index, the result
     assert (dot.bytes, dot.flops) == (512 + 2048 + 1024, 2 * 8 * 32 * 16)
-    assert gather.bytes == 7 * 1024 and gather.scope == "jit(f)/moe/shard_map/all_gather"
+    # each part of the combined all-gather with its own scope and bytes, one latency for both
+    assert (rows.scope, rows.bytes, rows.fixed) == ("jit(f)/moe/shard_map/all_gather", 7 * 1024, 1)
+    assert (other.scope, other.bytes, other.fixed) == ("jit(f)/attention/all_gather", 7 * 512, 0)
     assert kernel.bytes == 512 + 4 + 512  # a kernel handed the whole stack reads one layer per trip
     assert update.bytes == 2 * (1024 + 4)  # the update and its index, not the cache it lands in
-    assert [target_costs.category(op) for op in ops] == ["attention", "experts", "exchange", "rest", "rest"]
+    assert [target_costs.category(op) for op in ops] == ["attention", "experts", "exchange", "attention", "rest",
+                                                         "rest"]
 
 
 @pytest.mark.parametrize("attrs, size", [("replica_groups={{0,1,2,3},{4,5,6,7}}", 4), ("replica_groups=[2,4]<=[8]", 4),

@@ -15,7 +15,9 @@ compiler does not know it (the XLA grouped GEMM's loop over groups); a condition
 each count 1 / branches. Collectives send, per device of a group of n, over its links (ring
 algorithms): all-gather (n - 1) x its operand, reduce-scatter and all-to-all (n - 1) / n of it,
 all-reduce twice that, collective-permute its operand; a ragged all-to-all is sized for the worst
-case, which the caller scales by the rows that really travel (`target_costs`).
+case, which the caller scales by the rows that really travel (`target_costs`). A collective the
+compiler combined from several is split back into one per operand, each with its own scope, the
+latency counted once.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Op:
     bytes: float  # kernel: bytes read and written; collective: bytes each device sends
     flops: float  # its dots' (0 for a custom call: a Pallas kernel's are not in the HLO)
     count: float  # runs per call of the program
+    fixed: int = 1  # launches or collective latencies per run (0: a later part of a combined collective)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,13 +207,19 @@ def _kernel_flops(i: Instr, symbols: dict, comps: dict) -> float:
     return 0.0
 
 
-def _collective_bytes(kind: str, i: Instr, symbols: dict, n: int) -> float:
+def _collective(kind: str, i: Instr, symbols: dict, n: int, count: float) -> list[Op]:
+    """A collective's bytes; one op per operand where the compiler combined several (its op_name
+    then lists theirs: "prefix/(a:b:c)"), so that each part keeps its own scope."""
     sizes = [shape_bytes(symbols[o].type) for o in i.operands]
     if kind == "ragged-all-to-all":  # (input, output, offsets and sizes): the input's rows go out
-        return sizes[0] * (n - 1) / n
+        return [Op(kind, _scope(i), sizes[0] * (n - 1) / n, 0.0, count)]
     share = {"all-gather": n - 1, "reduce-scatter": (n - 1) / n, "all-to-all": (n - 1) / n,
              "all-reduce": 2 * (n - 1) / n}.get(kind, 1.0)
-    return sum(sizes) * share
+    m = re.fullmatch(r"(.*/|)\(([^()]*)\)", _scope(i))
+    parts = [m.group(1) + part for part in m.group(2).split(":")] if m else []
+    if len(parts) != len(sizes):
+        return [Op(kind, _scope(i), sum(sizes) * share, 0.0, count)]
+    return [Op(kind, scope, size * share, 0.0, count, int(k == 0)) for k, (scope, size) in enumerate(zip(parts, sizes))]
 
 
 def _scope(i: Instr) -> str:
@@ -240,8 +249,7 @@ def ops(text: str, devices: int) -> list[Op]:
             elif i.opcode in ("call", "call-start", "async-start"):
                 walk(_attr(i.attrs, "to_apply") or _attr(i.attrs, "calls"), count, trips)
             elif kind in COLLECTIVES:
-                n = group_size(i.attrs, devices)
-                out.append(Op(kind, _scope(i), _collective_bytes(kind, i, symbols, n), 0.0, count))
+                out.extend(_collective(kind, i, symbols, group_size(i.attrs, devices), count))
             elif i.opcode not in FREE and not i.opcode.endswith("-done"):
                 out.append(Op("kernel", _scope(i), _kernel_bytes(i, symbols, comps, trips),
                               _kernel_flops(i, symbols, comps), count))

@@ -153,8 +153,8 @@ def category(op: hlo.Op) -> str:
 
 def op_us(op: hlo.Op, t: Target) -> float:
     if op.kind == "kernel":
-        return max(op.bytes / (t.hbm_tb_s * 1e6), op.flops / (t.bf16_tflops * 1e6)) + t.launch_us
-    return op.bytes / (t.link_gb_s * 1e3) + t.collective_us
+        return max(op.bytes / (t.hbm_tb_s * 1e6), op.flops / (t.bf16_tflops * 1e6)) + op.fixed * t.launch_us
+    return op.bytes / (t.link_gb_s * 1e3) + op.fixed * t.collective_us
 
 
 def expert_us(t: Target, other_bytes: float, touched_bytes: np.ndarray, flops: np.ndarray, kernels: float,
