@@ -52,9 +52,10 @@ class Target:
     compiles_as: str = ""
 
 
-# Per kernel on a GPU: a CUDA launch and the gap to the next kernel (ESTIMATE: no datasheet gives
-# it; a launch from a stream costs a few us, less under the CUDA graphs XLA builds where it can).
-GPU_LAUNCH_US = 3.0
+# Per kernel on a GPU: the gap between one kernel and the next (ESTIMATE: no datasheet gives it;
+# XLA:GPU runs its kernels in CUDA graphs, which launch back to back about a microsecond apart, where
+# a launch from a stream costs several).
+GPU_LAUNCH_US = 1.0
 # Per collective over NVLink in one host: NCCL's own tuning model (src/graph/tuning.cc, PUBLISHED):
 # ring / LL base latency 3.6 us + 0.47 us per NVLink hop, 7 hops among 8 GPUs.
 NVLINK_US = 7.0

@@ -186,7 +186,6 @@ def _on_target(args, config, trace) -> tuple:
                    for phase in ranked}
 
     def rerank(window: Trace):
-        rows = target_costs.rank(candidates, config.model, window, t, chunk)["phases"]["decode"]["layouts"]
-        return [(r["layout"], r["us"]["step"]) for r in rows]
+        return [(r["layout"], r["us"]["step"]) for r in target_costs.ranked(candidates, "decode", window, t, config.model)]
 
     return t.name, ranked, recommended, rerank, "per call"

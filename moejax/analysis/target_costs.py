@@ -215,18 +215,23 @@ def prefill_chunks(trace: Trace, rows: int) -> Trace:
     return dataclasses.replace(trace, ids=ids, valid=np.ones((steps, rows), bool), kind=np.full(steps, "prefill"))
 
 
+def ranked(candidates: list[Candidate], phase: str, steps: Trace, t: Target, model: ModelConfig) -> list[dict]:
+    """The layouts by predicted time of one call of `phase` over `steps`, those that fit the
+    target's memory first."""
+    rows = [{"layout": label(c.layout), "placement": c.layout.name, "ep": c.layout.ep, "tp": c.layout.tp,
+             "memory_gb": c.memory_bytes / GB, "fits": c.memory_bytes <= t.hbm_gb * GB,
+             "us": phase_us(c, phase, steps, t, model)} for c in candidates]
+    return sorted(rows, key=lambda r: (not r["fits"], r["us"]["step"]))
+
+
 def rank(candidates: list[Candidate], model: ModelConfig, trace: Trace, t: Target, chunk: int) -> dict:
-    """Per phase, the layouts by predicted time (those that fit the target's memory first), what
-    decides between the first two, and the placements to serve with."""
+    """Per phase, the layouts ranked, what decides between the first two, and the placements to serve with."""
     decode = trace.select(trace.kind == "decode")
     if not decode.num_steps:
         raise UsageError("the trace has no decode steps to price")
     phases = {}
     for phase, steps in (("decode", decode), ("prefill", prefill_chunks(trace, chunk))):
-        rows = [{"layout": label(c.layout), "placement": c.layout.name, "ep": c.layout.ep, "tp": c.layout.tp,
-                 "memory_gb": c.memory_bytes / GB, "fits": c.memory_bytes <= t.hbm_gb * GB,
-                 "us": phase_us(c, phase, steps, t, model)} for c in candidates]
-        rows.sort(key=lambda r: (not r["fits"], r["us"]["step"]))
+        rows = ranked(candidates, phase, steps, t, model)
         phases[phase] = {"steps": steps.num_steps, "rows": int(steps.valid.sum(axis=1).max()), "layouts": rows,
                          "decides": decides(rows)}
     return {"phases": phases, "recommend": recommend(phases)}
@@ -256,6 +261,7 @@ def recommend(phases: dict) -> dict:
     flags = (f"--prefill-placement {prefill['placement']} --decode-placement {decode['placement']}" if apart
              else f"--placement {decode['placement']}") + mesh
     return {"decode": decode["layout"], "prefill": prefill["layout"], "apart": apart, "flags": flags,
+            "fits": decode["fits"] and prefill["fits"],
             "decode_us": decode["us"]["step"], "prefill_us": prefill["us"]["step"],
             "apart_saves_us": same["us"]["step"] - prefill["us"]["step"]}
 
@@ -283,5 +289,6 @@ def table(report: dict) -> str:
     why = (f" (apart: prefill {r['apart_saves_us']:.1f} us faster per chunk than under {r['decode']})"
            if r["apart"] else "")
     lines.append(f"\nrecommend: serve {r['flags']}{why}; predicted decode step {r['decode_us']:.1f} us, "
-                 f"prefill chunk {r['prefill_us']:.1f} us")
+                 f"prefill chunk {r['prefill_us']:.1f} us" + ("" if r["fits"] else
+                                                            f"; but no layout fits {t['hbm_gb']:g} GB per device"))
     return "\n".join(lines)
