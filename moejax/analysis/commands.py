@@ -277,8 +277,7 @@ def run_advise(args) -> int:
         raise UsageError(f"{n} devices do not divide {trace.num_experts} experts")
     if args.target != "cpu":
         return target_advise(args, config, trace, n)
-    report = costs.advise(config, trace, n, Path(args.costs) if args.costs else costs.default_path(config), placed,
-                          spare)
+    report = costs.advise(config, trace, n, Path(args.costs) if args.costs else None, placed, spare)
     try:
         report = simulate.with_measured(report, [step_trace.load(p) for p in args.step_trace])
     except ValueError as e:

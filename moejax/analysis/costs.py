@@ -68,13 +68,14 @@ def default_path(config: Config) -> Path:
     return COSTS_DIR / f"{hashlib.sha1(geometry_key(config).encode()).hexdigest()[:12]}.json"
 
 
-def advise(config: Config, trace: Trace, n: int, path: Path, placed: np.ndarray | None = None,
+def advise(config: Config, trace: Trace, n: int, path: Path | None = None, placed: np.ndarray | None = None,
            spare_slots: int = 0) -> dict:
-    """`simulate.advise`'s report on this machine's table at `path`, measuring first what the
-    trace needs and the table lacks."""
+    """`simulate.advise`'s report on this machine's table at `path` (default: `default_path`),
+    measuring first what the trace needs and the table lacks."""
     from moejax.factory import ensure_devices
 
-    ensure_devices(n)  # the exchange is measured on an n-device mesh; before `load` asks jax for its backend
+    ensure_devices(n)  # the exchange is measured on an n-device mesh; before the dtype asks jax for its backend
+    path = path or default_path(config)
     table = load(path, config)
     ensure(table, config, trace, n)
     if placed is not None:

@@ -56,7 +56,9 @@ class LayoutChoice:
         self.latest: tuple[str, float] | None = None  # the live window's first decode layout, its time
 
     def line(self) -> str:
-        picks = "; ".join(f"{phase} {r.layout}, predicted {r.us:.1f} us {self.per}" for phase, r in self.chosen.items())
+        same = len(set(self.chosen.values())) == 1  # one layout, one time: said once
+        picks = "; ".join(f"{' and '.join(self.chosen) if same else phase} {r.layout}, predicted {r.us:.1f} us {self.per}"
+                          for phase, r in (list(self.chosen.items())[:1] if same else self.chosen.items()))
         return f"layout auto ({self.target}): {picks}; advise's decode ranking: {', '.join(self.ranking)}"
 
     def follow(self, scheduler) -> None:
@@ -142,14 +144,13 @@ def _on_cpu(args, config, trace) -> tuple:
     from moejax.analysis import costs, simulate
 
     args.devices = n = args.devices or platform.host_cores()
-    path = costs.default_path(config)
 
     def ranking(report: dict) -> list[Ranked]:
         return [Ranked(r["placement"], r["placement"], r["ep"], r["tp"],
                        1e3 * (r["contiguous"]["step_ms"] or r["contiguous"]["moe_ms"])) for r in report["placements"]]
 
-    report = costs.advise(config, trace, n, path)
-    first, table = ranking(report), costs.load(path, config)
+    report = costs.advise(config, trace, n)
+    first, table = ranking(report), costs.load(costs.default_path(config), config)
     per = "per decode step" if report["placements"][0]["contiguous"]["step_ms"] else \
         "of MoE per decode step (the table has no non-MoE term)"
 
