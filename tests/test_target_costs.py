@@ -212,7 +212,7 @@ def test_serve_placement_auto_takes_what_advise_ranks_first_and_says_so(tmp_path
     log = io.StringIO()
     choice = layout_choice.choose(args, log)
     assert args.placement == first and (args.prefill_placement, args.decode_placement) == (None, None)
-    assert f"decode {first}, predicted" in log.getvalue() and len(log.getvalue().splitlines()) == 1
+    assert f"decode and prefill {first}, predicted" in log.getvalue() and len(log.getvalue().splitlines()) == 1
     metric = next(iter(choice.collect()))
     assert {s.labels["layout"] for s in metric.samples} == {first} and {s.labels["target"] for s in metric.samples} == {"cpu"}
 
