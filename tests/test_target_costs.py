@@ -18,8 +18,8 @@ from moejax.trace import Trace, save_trace
 from sharding import eplb
 
 # A layer loop of 4 trips: a fusion slicing layer i out of a [4, 8, 16] stack, a dot, two
-# all-gathers over 8 devices the compiler combined into one, a custom call handed the whole stack,
-# a KV-cache-like update in place.
+# all-gathers over 8 devices the compiler combined into one, a custom call handed the whole stack
+# (reshaped), a KV-cache-like update in place.
 HLO = """HloModule m
 
 %slice (param_0: f32[4,8,16], param_1: s32[]) -> f32[8,16] {
@@ -51,7 +51,8 @@ HLO = """HloModule m
   %x = f32[8,16]{1,0} fusion(%stack, %i), kind=kLoop, calls=%slice, metadata={op_name="jit(f)/attention/slice"}
   %y = f32[8,32]{1,0} fusion(%x, %w), kind=kCustom, calls=%dot, metadata={op_name="jit(f)/moe/shard_map/experts/dot"}
   %ag = (f32[64,32]{1,0}, f32[64,16]{1,0}) all-gather(%y, %x), replica_groups=[1,8]<=[8], dimensions={0}, metadata={op_name="jit(f)/(moe/shard_map/all_gather:attention/all_gather)"}
-  %k = f32[8,16]{1,0} custom-call(%stack, %i), custom_call_target="__gpu$xla.gpu.triton"
+  %flat = f32[32,16]{1,0} bitcast(%stack)
+  %k = f32[8,16]{1,0} custom-call(%flat, %i), custom_call_target="__gpu$xla.gpu.triton"
   %c = f32[4,8,32]{2,1,0} fusion(%cache, %y, %i), kind=kLoop, calls=%update
   ROOT %t = (s32[], f32[4,8,16]{2,1,0}, f32[16,32]{1,0}, f32[4,8,32]{2,1,0}) tuple(%i, %stack, %w, %c)
 }

@@ -167,12 +167,14 @@ def _reads(instrs: list[Instr], name: str) -> list[tuple[Instr, int]]:
     return out
 
 
-def _carried(symbols: dict, name: str) -> bool:
-    """Whether `name` is (a bitcast of) a value the enclosing loop carries: an element of its parameter."""
+def _layer_stack(symbols: dict, name: str, trips: int) -> bool:
+    """Whether `name` is (a bitcast of) a [trips, ...] stack the enclosing loop carries: an element
+    of its parameter."""
     i = symbols[name]
     while i.opcode == "bitcast":
         i = symbols[i.operands[0]]
-    return i.opcode == "get-tuple-element" and symbols[i.operands[0]].opcode == "parameter"
+    return (i.opcode == "get-tuple-element" and symbols[i.operands[0]].opcode == "parameter"
+            and dims(i.type)[:1] == [trips])
 
 
 def _kernel_bytes(i: Instr, symbols: dict, comps: dict, trips: int) -> float:
@@ -189,7 +191,7 @@ def _kernel_bytes(i: Instr, symbols: dict, comps: dict, trips: int) -> float:
         reads = _reads(fused, params[k].name) if k in params else []
         if reads and all(u.opcode in SLICES and at == 0 for u, at in reads):  # only slices of it are read
             size = sum(shape_bytes(u.type) for u, _ in reads)
-        elif i.opcode == "custom-call" and trips > 1 and dims(type_)[:1] == [trips] and _carried(symbols, name):
+        elif i.opcode == "custom-call" and trips > 1 and _layer_stack(symbols, name, trips):
             size /= trips  # a layer of the stack the loop runs over
         total += size
     if i.opcode == "copy-start":  # its result is (destination, source, context)
