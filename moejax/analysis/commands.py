@@ -291,7 +291,7 @@ def run_advise(args) -> int:
 
 def target_advise(args, config, trace, n: int) -> int:
     """`advise --target NAME`: the layouts ranked by the target's own compiled programs (`target_costs`)."""
-    from moejax import platform, targets
+    from moejax import platform
     from moejax.analysis import target_costs
     from sharding import registry
 
