@@ -13,6 +13,7 @@ from moejax.errors import UsageError
 from moejax.vocab import ATTENTION_KERNELS, ATTENTION_MODES, DISPATCH_DTYPES, EXPERT_FORMATS, KERNELS, RUN_DTYPES, SPLIT_MODES
 from sharding import registry
 
+AUTO = "auto"  # serve's placement flags: the layout advise ranks first (`analysis/layout_choice.py`)
 # Eight requests of different lengths: one per device under DP attention.
 DEFAULT_PROMPTS = [[(7 * r + 3 * i) % 97 + 1 for i in range(5 + 3 * r)] for r in range(8)]
 
@@ -28,13 +29,20 @@ def prompt_ids(text: str) -> list[int]:
 
 
 def placement_name(text: str) -> str:
+    if text == AUTO:  # only where the flag's choices take it
+        return text
     try:
         return registry.placement_class(text).name
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def _placements(auto: bool) -> tuple[str, ...]:
+    return (*registry.names(), AUTO) if auto else tuple(registry.names())
+
+
+def add_model_args(p: argparse.ArgumentParser, auto: bool = False) -> None:
+    """`auto`: --placement also takes "auto" (serve)."""
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", help="a named model with random weights (default: tiny)")
     src.add_argument("--hf", metavar="DIR", help="a transformers save_pretrained directory")
@@ -44,7 +52,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto: bfloat16 on accelerators, float32 on CPU; float32: full-precision products on every "
                         "platform (not TF32 or bf16 passes); bfloat16: the platform's default products")
     p.add_argument("--devices", type=int, help="number of devices (virtual CPU devices on a CPU host)")
-    p.add_argument("--placement", type=placement_name, choices=registry.names(), help="expert placement")
+    p.add_argument("--placement", type=placement_name, choices=_placements(auto),
+                   help="expert placement" + (" (auto: the one advise ranks first here)" if auto else ""))
     p.add_argument("--ep", type=int, help="expert groups, for a placement whose mesh the layout chooses")
     p.add_argument("--tp", type=int, help="slices of each expert, for a placement whose mesh the layout chooses")
     p.add_argument("--attention", choices=ATTENTION_MODES)
@@ -122,10 +131,10 @@ def pd_apart(args) -> bool:
     return bool(args.prefill_placement or args.decode_placement or args.prefill_devices or args.decode_devices)
 
 
-def add_pd_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill-placement", type=placement_name, choices=registry.names(),
+def add_pd_args(p: argparse.ArgumentParser, auto: bool = False) -> None:
+    p.add_argument("--prefill-placement", type=placement_name, choices=_placements(auto),
                    help="prefill under this placement (default --placement), decode under --decode-placement")
-    p.add_argument("--decode-placement", type=placement_name, choices=registry.names(),
+    p.add_argument("--decode-placement", type=placement_name, choices=_placements(auto),
                    help="decode under this placement (default --placement); the KV cache is handed over")
     p.add_argument("--prefill-devices", type=int, default=0,
                    help="devices of the prefill mesh (the first ones; with --decode-devices; default: the --devices, shared)")

@@ -9,7 +9,9 @@ lowering, the TPU compiler and Mosaic): its crashes, its optimized HLO and its b
 are the target's own. Nothing can run on these devices.
 
 The figures are datasheet values (HBM bytes and bandwidth, dense peaks, per-direction link
-bandwidth); a GPU's core count, clock and caches are what its driver reports.
+bandwidth); a GPU's core count, clock and caches are what its driver reports. The costs a step
+pays per kernel and per collective beyond its bytes (`moejax.analysis.target_costs`) are
+published or estimated figures, marked as such where they are set.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class Target:
     bf16_tflops: float  # dense
     fp4_tflops: float  # dense; 0: no 4-bit matrix unit (4-bit weights are decoded to bf16)
     link_gb_s: float  # per device and direction: NVLink, or the ICI links' sum
+    launch_us: float  # fixed cost of each kernel beyond its bytes and flops
+    collective_us: float  # fixed cost of each collective beyond its bytes
     # GPUs: compute capability, SMs, SM clock, L2 bytes, shared memory per SM and per block (opt-in).
     capability: tuple[int, int] = (0, 0)
     cores: int = 0
@@ -43,16 +47,36 @@ class Target:
     smem_per_block: int = 0
     # TPUs: the topology's chip name ("v5e"), chips per host.
     chip: str = ""
+    # Compiled as this other target (its programs), priced with this one's figures: a GPU whose
+    # description (SMs, clocks, caches) is not at hand here.
+    compiles_as: str = ""
+
+
+# Per kernel on a GPU: the gap between one kernel and the next (ESTIMATE: no datasheet gives it;
+# XLA:GPU runs its kernels in CUDA graphs, which launch back to back about a microsecond apart, where
+# a launch from a stream costs several).
+GPU_LAUNCH_US = 1.0
+# Per collective over NVLink in one host: NCCL's own tuning model (src/graph/tuning.cc, PUBLISHED):
+# ring / LL base latency 3.6 us + 0.47 us per NVLink hop, 7 hops among 8 GPUs.
+NVLINK_US = 7.0
+# Per op on a TPU, which runs one program with no host launches: the gap between fusions (ESTIMATE).
+TPU_LAUNCH_US = 0.5
+# Per collective over ICI (ESTIMATE: no published figure; a few hops of about 1 us each).
+ICI_US = 5.0
 
 
 TARGETS = {t.name: t for t in (
-    Target("h100", "cuda", "NVIDIA H100 80GB HBM3", 80, 3.35, 989, 0, 450, (9, 0), 132, 1.98, 50 << 20,
-           233472, 232448),
-    Target("h200", "cuda", "NVIDIA H200", 141, 4.8, 989, 0, 450, (9, 0), 132, 1.98, 50 << 20, 233472, 232448),
-    Target("b200", "cuda", "NVIDIA B200", 180, 8.0, 2250, 9000, 900, (10, 0), 148, 1.965, 126 << 20,
-           233472, 232448),
-    Target("v5e", "tpu", "TPU v5 lite", 16, 0.819, 197, 0, 200, chip="v5e"),
-    Target("v6e", "tpu", "TPU v6 lite", 32, 1.64, 918, 0, 448, chip="v6e"),
+    Target("h100", "cuda", "NVIDIA H100 80GB HBM3", 80, 3.35, 989, 0, 450, GPU_LAUNCH_US, NVLINK_US, (9, 0), 132,
+           1.98, 50 << 20, 233472, 232448),
+    Target("h200", "cuda", "NVIDIA H200", 141, 4.8, 989, 0, 450, GPU_LAUNCH_US, NVLINK_US, (9, 0), 132, 1.98,
+           50 << 20, 233472, 232448),
+    Target("b200", "cuda", "NVIDIA B200", 180, 8.0, 2250, 9000, 900, GPU_LAUNCH_US, NVLINK_US, (10, 0), 148, 1.965,
+           126 << 20, 233472, 232448),
+    # HGX B300 datasheet per GPU (8 GPUs: 108 PF dense FP4, 36 PF sparse BF16); sm_103, compiled as a B200.
+    Target("b300", "cuda", "NVIDIA B300", 288, 8.0, 2250, 13500, 900, GPU_LAUNCH_US, NVLINK_US, (10, 3),
+           compiles_as="b200"),
+    Target("v5e", "tpu", "TPU v5 lite", 16, 0.819, 197, 0, 200, TPU_LAUNCH_US, ICI_US, chip="v5e"),
+    Target("v6e", "tpu", "TPU v6 lite", 32, 1.64, 918, 0, 448, TPU_LAUNCH_US, ICI_US, chip="v6e"),
 )}
 
 # A TPU slice's chips as a 2-D torus, by count (the shapes v5e and v6e slices come in).
@@ -111,6 +135,8 @@ def check_compiler(t: Target) -> None:
 def devices(name: str, n: int) -> tuple:
     """`n` compile-only devices of target `name`, in mesh order."""
     t = target(name)
+    if t.compiles_as:
+        return devices(t.compiles_as, n)
     check_compiler(t)
     from jax.experimental import topologies
 

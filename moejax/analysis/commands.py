@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 from pathlib import Path
 
 from checkpoints.hf_config import from_hf_config
+from moejax import targets
 from moejax.analysis import analyze as analysis
 from moejax.analysis import calc, synthetic
 from moejax.config import ConfigError, ModelConfig, preset
 from moejax.errors import UsageError
 from moejax.flags import add_model_args, prompt_ids
+from moejax.plan import OUTPUT_LEN, PROMPT_LEN
 from moejax.trace import load_trace, save_trace
 from moejax.vocab import STORAGE_FORMATS
 
 GB, MB = 1e9, 1e6
-COSTS_DIR = Path.home() / ".cache/moejax/costs"
 
 
 def device_counts(text: str) -> list[int]:
@@ -252,7 +252,6 @@ def advise_text(report: dict) -> str:
 
 def run_advise(args) -> int:
     from moejax.analysis import costs, metrics, simulate, step_trace
-    from moejax.factory import ensure_devices
     from moejax.flags import config_from_args, natural_routing_only
     from moejax.loading import with_hf_model
 
@@ -261,6 +260,9 @@ def run_advise(args) -> int:
     natural_routing_only(config, "advise (it simulates the trace's own picks)")
     trace = load_trace(args.trace)
     placed, spare = None, config.layout.redundant_experts
+    if args.target != "cpu" and (config.layout.eplb or args.step_trace or args.costs):
+        raise UsageError("advise --target prices contiguous experts from the target's compiled programs; "
+                         "--eplb, --step-trace and --costs go with --target cpu")
     if config.layout.eplb:
         placed = metrics.expert_counts(load_trace(config.layout.eplb)).sum(axis=0).astype(float)
         if placed.shape != (trace.ids.shape[1], trace.num_experts):
@@ -273,24 +275,36 @@ def run_advise(args) -> int:
                          "pass the trace's model with --preset or --hf")
     if trace.num_experts % n:
         raise UsageError(f"{n} devices do not divide {trace.num_experts} experts")
-    digest = hashlib.sha1(costs.geometry_key(config).encode()).hexdigest()[:12]
-    path = Path(args.costs) if args.costs else COSTS_DIR / f"{digest}.json"
-    ensure_devices(n)  # the exchange is measured on an n-device mesh; before costs.load asks jax for its backend
-    table = costs.load(path, config)
-    costs.ensure(table, config, trace, n)
-    if placed is not None:
-        costs.ensure_slots(table, config, trace, n, spare)
-    costs.save(table, path)
+    if args.target != "cpu":
+        return target_advise(args, config, trace, n)
+    report = costs.advise(config, trace, n, Path(args.costs) if args.costs else None, placed, spare)
     try:
-        report = simulate.with_measured(simulate.advise(trace, n, table, placed, spare),
-                                        [step_trace.load(p) for p in args.step_trace])
+        report = simulate.with_measured(report, [step_trace.load(p) for p in args.step_trace])
     except ValueError as e:
         raise UsageError(str(e)) from None
-    report["costs"] = str(path)
     if args.json:
         emit_json(report)
     else:
         print(advise_text(report))
+    return 0
+
+
+def target_advise(args, config, trace, n: int) -> int:
+    """`advise --target NAME`: the layouts ranked by the target's own compiled programs (`target_costs`)."""
+    from moejax import platform
+    from moejax.analysis import target_costs
+    from sharding import registry
+
+    t = targets.target(args.target)
+    names = [registry.placement_class(name).name for name in args.placements.split(",")] if args.placements \
+        else registry.names()
+    report, _ = target_costs.advise(config, trace, t, list(targets.devices(t.name, n)), positive("--context", args.context),
+                                    platform.prefill_chunk(config.engine.prefill_chunk, t.platform), names)
+    report = {"model": args.hf or args.preset or "tiny", **report}
+    if args.json:
+        emit_json(report)
+    else:
+        print(target_costs.table(report))
     return 0
 
 
@@ -344,9 +358,17 @@ def register(subparsers) -> None:
     p.add_argument("--plot", metavar="PNG", help="write the devices x layers heat map of expert time")
     p.set_defaults(func=run_trace)
 
-    p = subparsers.add_parser("advise", help="rank placements for a trace's workload by simulated decode step time")
+    p = subparsers.add_parser("advise", help="rank placements for a trace's workload by simulated step time, on this "
+                                             "machine's measured costs or a target's compiled programs")
     p.add_argument("trace", help="trace .npz written by `moejax record`")
     add_model_args(p)  # the model (its geometry, dtype, expert format, kernel) and --devices, --json
+    p.add_argument("--target", choices=("cpu", *targets.TARGETS), default="cpu",
+                   help="cpu: costs measured on this machine's virtual devices (decode); an accelerator: each layout's "
+                        "decode step and prefill chunk compiled by its own compiler and priced from the HLO")
+    p.add_argument("--placements", metavar="NAMES", help="--target: only these placements, comma-separated (default all; "
+                                                          "hybrid at every ep x tp)")
+    p.add_argument("--context", type=int, default=PROMPT_LEN + OUTPUT_LEN,
+                   help="--target: KV positions each decode row reads (default %(default)s)")
     p.add_argument("--step-trace", metavar="JSON", action="append", default=[],
                    help="a `moejax trace --json` report of the same workload (repeatable): its measured step and "
                         "imbalance beside the simulated ones")

@@ -16,6 +16,7 @@ a model step there is none either).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -24,12 +25,14 @@ import numpy as np
 import scipy.optimize
 
 from moejax import platform
+from moejax.analysis import simulate as simulation
 from moejax.analysis.simulate import Layout, device_work, layouts, padded_rows, phase_us, simulate
 from moejax.config import Config
 from moejax.errors import UsageError
 from moejax.trace import Trace
 from sharding import eplb
 
+COSTS_DIR = Path.home() / ".cache/moejax/costs"
 REPS = 16  # calls per timed scan
 ROUNDS = 7  # timed runs of each measurement; the best counts
 ROUTINGS = ((1.0, 1), (1.0, 0), (0.5, 0), (0.25, 1), (0.1, 0), (0.0, 0))  # (local share, local experts 1 or all)
@@ -58,6 +61,30 @@ def geometry_key(config: Config) -> str:
     c = config.model
     return (f"{c.family} D{c.hidden_size} F{c.moe_intermediate_size} E{c.num_experts} k{c.num_experts_per_tok} "
             f"L{len(c.moe_layers)} {platform.run_dtype(config.engine.dtype)} {config.weights.expert_format} {config.kernel}")
+
+
+def default_path(config: Config) -> Path:
+    """Where this geometry's table is cached."""
+    return COSTS_DIR / f"{hashlib.sha1(geometry_key(config).encode()).hexdigest()[:12]}.json"
+
+
+def advise(config: Config, trace: Trace, n: int, path: Path | None = None, placed: np.ndarray | None = None,
+           spare_slots: int = 0) -> dict:
+    """`simulate.advise`'s report on this machine's table at `path` (default: `default_path`),
+    measuring first what the trace needs and the table lacks."""
+    from moejax.factory import ensure_devices
+
+    ensure_devices(n)  # the exchange is measured on an n-device mesh; before the dtype asks jax for its backend
+    path = path or default_path(config)
+    table = load(path, config)
+    ensure(table, config, trace, n)
+    if placed is not None:
+        ensure_slots(table, config, trace, n, spare_slots)
+    save(table, path)
+    try:
+        return {**simulation.advise(trace, n, table, placed, spare_slots), "costs": str(path)}
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def load(path: Path, config: Config) -> CostTable:

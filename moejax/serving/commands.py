@@ -96,6 +96,7 @@ LOST_GRACE_S = 5.0  # a lost process: time for the failed requests' 503s to go o
 def cmd_serve(args) -> int:
     """Over several processes (--num-processes): process 0 serves HTTP and decides every step;
     the others follow its step plans (`serving/follower.py`)."""
+    from moejax.analysis.layout_choice import choose
     from moejax.serving.metrics import Metrics, TraceRecorder
     from moejax.serving.server import build_app, serve
 
@@ -105,6 +106,7 @@ def cmd_serve(args) -> int:
         raise UsageError("--record records the router's picks, which the MTP programs do not read back; "
                          "drop --speculative or --record")
     api_key = args.api_key or os.environ.get("MOEJAX_API_KEY") or None
+    choice = choose(args)  # --placement auto: the layout advise ranks first, into args
     leader = None
     if args.num_processes > 1 and args.process_id == 0:
         from moejax.serving.plan_link import Leader
@@ -118,6 +120,9 @@ def cmd_serve(args) -> int:
     name = model_name(args)
     metrics = Metrics(scheduler, window=args.expert_window)
     recorder = TraceRecorder(scheduler, name) if args.record else None
+    if choice is not None:
+        choice.follow(scheduler)
+        metrics.registry.register(choice)
     if leader is not None:
         leader.accept()
         leader.on_lost = functools.partial(_lost, scheduler)
@@ -178,7 +183,7 @@ def register(sub) -> None:
     from moejax.flags import add_model_args, add_pd_args
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching and Prometheus metrics")
-    add_model_args(s)
+    add_model_args(s, auto=True)
     add_scheduler_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -187,7 +192,7 @@ def register(sub) -> None:
     s.add_argument("--served-model-name", help="the model name clients send (default: the model source)")
     s.add_argument("--record", metavar="FILE", help="write the router picks of all traffic as a trace at exit")
     s.add_argument("--expert-window", type=int, default=100, help="forward passes in /metrics' expert load")
-    add_pd_args(s)
+    add_pd_args(s, auto=True)
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="load generator: throughput and TTFT/TPOT/ITL/latency percentiles")

@@ -1,0 +1,260 @@
+"""A compiled program's optimized HLO text (`compiled.as_text()`) as the operations one call runs:
+each kernel (fusion, custom call, copy, ...) with the bytes it reads and writes and the flops
+of its dots, each collective with the bytes every device sends, and how many times it runs.
+
+First-order bytes, per kernel: its operands' and its result's. Three corrections keep the
+engine's programs from being priced at many times their traffic:
+  * a fusion reads only the slices of an operand it reaches through (dynamic-)slices or gathers
+    (a layer's weights out of the stacked run, a KV cache's rows);
+  * an update in place (a fusion whose root is a dynamic-update-slice or scatter, writing the
+    KV cache) moves its update, not the buffer it updates;
+  * inside a layer loop of T trips, a custom call handed the whole [T, ...] stack (a kernel
+    reading its layer in place) reads one layer of it per trip.
+A while loop's body runs its known trip count times (XLA's `known_trip_count`), once where the
+compiler does not know it (the XLA grouped GEMM's loop over groups); a conditional's branches
+each count 1 / branches. Collectives send, per device of a group of n, over its links (ring
+algorithms): all-gather (n - 1) x its operand, reduce-scatter and all-to-all (n - 1) / n of it,
+all-reduce twice that, collective-permute its operand; a ragged all-to-all is sized for the worst
+case, which the caller scales by the rows that really travel (`target_costs`). A collective the
+compiler combined from several is split back into one per operand, each with its own scope, the
+latency counted once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "f4e2m1fn": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+         "f8e8m0fnu": 1, "f8e4m3b11fnuz": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
+         "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute",
+               "collective-broadcast")
+# Values without memory traffic of their own, and the halves of async pairs whose start is priced.
+FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id", "replica-id", "after-all",
+        "add-dependency", "opt-barrier", "async-update", "async-done", "copy-done", "call-done", "domain"}
+SLICES = {"dynamic-slice", "slice", "gather"}
+IN_PLACE = {"dynamic-update-slice", "scatter"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    kind: str  # "kernel", or the collective (`COLLECTIVES`)
+    scope: str  # its op_name: the named scopes it was traced under ("" when the compiler dropped it)
+    bytes: float  # kernel: bytes read and written; collective: bytes each device sends
+    flops: float  # its dots' (0 for a custom call: a Pallas kernel's are not in the HLO)
+    count: float  # runs per call of the program
+    fixed: int = 1  # launches or collective latencies per run (0: a later part of a combined collective)
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+    name: str
+    type: str  # the result's type: a shape or a tuple of them
+    opcode: str
+    args: str  # between its parentheses: operands (a parameter's: its index; a constant's: its value)
+    attrs: str  # after them
+    root: bool
+
+    @property
+    def operands(self) -> list[str]:
+        return re.findall(r"%([\w.\-]+)", self.args)
+
+
+def shape_bytes(type_: str) -> float:
+    return sum(math.prod(int(d) for d in sizes.split(",") if d) * BYTES.get(dtype, 0)
+               for dtype, sizes in SHAPE.findall(type_))
+
+
+def dims(type_: str) -> list[int]:
+    """The dimensions of the first shape in `type_`."""
+    m = SHAPE.search(type_)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def _close(text: str, start: int) -> int:
+    """Index of the bracket closing the one at text[start]."""
+    depth, pairs = 0, {"(": ")", "{": "}", "[": "]"}
+    opening = text[start]
+    for i in range(start, len(text)):
+        if text[i] == opening:
+            depth += 1
+        elif text[i] == pairs[opening]:
+            depth -= 1
+            if depth == 0:
+                return i
+    raise ValueError(f"unbalanced HLO: {text[start:start + 80]}")
+
+
+def _instr(line: str) -> Instr:
+    root = line.startswith("ROOT ")
+    name, rest = line[5 if root else 0:].split(" = ", 1)
+    if rest.startswith("("):
+        end = _close(rest, 0)
+        type_, rest = rest[:end + 1], rest[end + 2:]
+    else:
+        type_, rest = rest.split(" ", 1)
+    opcode, rest = rest.split("(", 1)
+    end = _close("(" + rest, 0)
+    return Instr(name.lstrip("%"), type_, opcode, rest[:end - 1], rest[end:], root)
+
+
+def computations(text: str) -> tuple[dict[str, list[Instr]], str]:
+    """({computation: its instructions}, the entry computation's name)."""
+    comps, entry, current = {}, "", None
+    for line in text.splitlines():
+        if current is None:
+            m = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
+            if m:
+                current = comps.setdefault(m.group(2), [])
+                entry = m.group(2) if m.group(1) else entry
+        elif line.startswith("}"):  # "}" or "}, execution_thread=..."
+            current = None
+        elif line.strip():
+            current.append(_instr(line.strip()))
+    if not entry:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return comps, entry
+
+
+def _attr(attrs: str, key: str) -> str | None:
+    m = re.search(rf"\b{key}=%([\w.\-]+)", attrs)
+    return m.group(1) if m else None
+
+
+def group_size(attrs: str, devices: int) -> int:
+    """Devices in each replica group of a collective."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if m:  # mesh['axis_0'=8,'axis_1'=1] {'axis_0'}
+        sizes = {k: int(v) for k, v in re.findall(r"'(\w+)'=(\d+)", m.group(1))}
+        return math.prod(sizes[a] for a in re.findall(r"'(\w+)'", m.group(2)))
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=", attrs)
+    if m:  # iota groups [groups, size]<=[...]
+        return int(m.group(1).split(",")[-1])
+    m = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
+    return len(m.group(1).split(",")) if m else devices
+
+
+def dot_flops(comps: dict, comp: str, seen: frozenset = frozenset()) -> float:
+    """Flops of the dots and convolutions in a fused computation (and the ones it calls)."""
+    symbols = {i.name: i for i in comps.get(comp, [])}
+    total = 0.0
+    for i in comps.get(comp, []):
+        if i.opcode == "dot":
+            lhs = dims(symbols[i.operands[0]].type)
+            m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", i.attrs)
+            contracted = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m else 1
+            total += 2 * math.prod(dims(i.type)) * contracted
+        elif i.opcode == "convolution":  # a dot on TPU: each output sums over the kernel's non-output dims
+            labels = re.search(r"dim_labels=\w+_(\w+)->", i.attrs).group(1)
+            rhs = dims(symbols[i.operands[1]].type)
+            total += 2 * math.prod(dims(i.type)) * math.prod(s for s, c in zip(rhs, labels) if c != "o")
+        callee = _attr(i.attrs, "calls")
+        if callee and callee not in seen:
+            total += dot_flops(comps, callee, seen | {comp})
+    return total
+
+
+def _reads(instrs: list[Instr], name: str) -> list[tuple[Instr, int]]:
+    """(instruction, operand index) of every read of `name`, through bitcasts."""
+    out = []
+    for i in instrs:
+        for k, operand in enumerate(i.operands):
+            if operand == name:
+                out += _reads(instrs, i.name) if i.opcode == "bitcast" else [(i, k)]
+    return out
+
+
+def _layer_stack(symbols: dict, name: str, trips: int) -> bool:
+    """Whether `name` is (a bitcast of) a [trips, ...] stack the enclosing loop carries: an element
+    of its parameter."""
+    i = symbols[name]
+    while i.opcode == "bitcast":
+        i = symbols[i.operands[0]]
+    return (i.opcode == "get-tuple-element" and symbols[i.operands[0]].opcode == "parameter"
+            and dims(i.type)[:1] == [trips])
+
+
+def _kernel_bytes(i: Instr, symbols: dict, comps: dict, trips: int) -> float:
+    fused = comps.get(_attr(i.attrs, "calls"), []) if i.opcode == "fusion" else []
+    params = {int(f.args): f for f in fused if f.opcode == "parameter"}
+    root = next((f for f in fused if f.root), i)
+    in_place = root.opcode in IN_PLACE
+    total = 0.0
+    for k, name in enumerate(i.operands):
+        type_ = symbols[name].type
+        if in_place and SHAPE.findall(type_) == SHAPE.findall(i.type):
+            continue  # the buffer updated in place
+        size = shape_bytes(type_)
+        reads = _reads(fused, params[k].name) if k in params else []
+        if reads and all(u.opcode in SLICES and at == 0 for u, at in reads):  # only slices of it are read
+            size = sum(shape_bytes(u.type) for u, _ in reads)
+        elif i.opcode == "custom-call" and trips > 1 and _layer_stack(symbols, name, trips):
+            size /= trips  # a layer of the stack the loop runs over
+        total += size
+    if i.opcode == "copy-start":  # its result is (destination, source, context)
+        return 2 * total
+    return 2 * total if in_place else total + shape_bytes(i.type)
+
+
+def _kernel_flops(i: Instr, symbols: dict, comps: dict) -> float:
+    if i.opcode == "fusion":
+        return dot_flops(comps, _attr(i.attrs, "calls"))
+    m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', i.attrs)
+    if i.opcode == "custom-call" and "cublas" in i.attrs and m:  # a library GEMM: its dot's numbers
+        lhs = dims(symbols[i.operands[0]].type)
+        return 2 * math.prod(dims(i.type)) * math.prod(lhs[int(d)] for d in re.findall(r"\d+", m.group(1)))
+    return 0.0
+
+
+def _collective(kind: str, i: Instr, symbols: dict, n: int, count: float) -> list[Op]:
+    """A collective's bytes; one op per operand where the compiler combined several (its op_name
+    then lists theirs: "prefix/(a:b:c)"), so that each part keeps its own scope."""
+    sizes = [shape_bytes(symbols[o].type) for o in i.operands]
+    if kind == "ragged-all-to-all":  # (input, output, offsets and sizes): the input's rows go out
+        return [Op(kind, _scope(i), sizes[0] * (n - 1) / n, 0.0, count)]
+    share = {"all-gather": n - 1, "reduce-scatter": (n - 1) / n, "all-to-all": (n - 1) / n,
+             "all-reduce": 2 * (n - 1) / n}.get(kind, 1.0)
+    m = re.fullmatch(r"(.*/|)\(([^()]*)\)", _scope(i))
+    parts = [m.group(1) + part for part in m.group(2).split(":")] if m else []
+    if len(parts) != len(sizes):
+        return [Op(kind, _scope(i), sum(sizes) * share, 0.0, count)]
+    return [Op(kind, scope, size * share, 0.0, count, int(k == 0)) for k, (scope, size) in enumerate(zip(parts, sizes))]
+
+
+def _scope(i: Instr) -> str:
+    m = re.search(r'op_name="([^"]*)"', i.attrs)
+    return m.group(1) if m else ""
+
+
+def ops(text: str, devices: int) -> list[Op]:
+    """Every kernel and collective one call of the program runs (`devices`: the program's)."""
+    comps, entry = computations(text)
+    out: list[Op] = []
+
+    def walk(comp: str, count: float, trips: int) -> None:
+        symbols = {i.name: i for i in comps[comp]}
+        for i in comps[comp]:
+            kind = i.opcode.removesuffix("-start")
+            if i.opcode == "while":
+                m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', i.attrs)
+                t = int(m.group(1)) if m else 1
+                walk(_attr(i.attrs, "body"), count * t, t)
+            elif i.opcode == "conditional":
+                m = re.search(r"branch_computations=\{([^}]*)\}", i.attrs)
+                branches = re.findall(r"%([\w.\-]+)", m.group(1)) if m else [
+                    _attr(i.attrs, "true_computation"), _attr(i.attrs, "false_computation")]
+                for b in branches:
+                    walk(b, count / len(branches), trips)
+            elif i.opcode in ("call", "call-start", "async-start"):
+                walk(_attr(i.attrs, "to_apply") or _attr(i.attrs, "calls"), count, trips)
+            elif kind in COLLECTIVES:
+                out.extend(_collective(kind, i, symbols, group_size(i.attrs, devices), count))
+            elif i.opcode not in FREE and not i.opcode.endswith("-done"):
+                out.append(Op("kernel", _scope(i), _kernel_bytes(i, symbols, comps, trips),
+                              _kernel_flops(i, symbols, comps), count))
+
+    walk(entry, 1.0, 1)
+    return out
