@@ -82,8 +82,10 @@ TARGETS = {t.name: t for t in (
 # A TPU slice's chips as a 2-D torus, by count (the shapes v5e and v6e slices come in).
 TPU_SHAPES = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
 GPUS_PER_HOST = 8
-# What each platform's compiler needs installed here (the `targets` extra).
-COMPILERS = {"cuda": ("jax_plugins.xla_cuda12", "jax-cuda12-plugin"), "tpu": ("libtpu", "libtpu")}
+# What each platform's compiler needs installed here: one of the modules (the `targets` extra
+# installs the first; a host's CUDA 13 plugin compiles the same), else the package named.
+COMPILERS = {"cuda": (("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"), "jax-cuda12-plugin"),
+             "tpu": (("libtpu",), "libtpu")}
 
 
 def target(name: str) -> Target:
@@ -124,9 +126,9 @@ device_description_str: "{t.device_kind}"
 
 def check_compiler(t: Target) -> None:
     """One line if this machine lacks the compiler of `t`'s platform."""
-    module, package = COMPILERS[t.platform]
-    if importlib.util.find_spec(module.split(".")[0]) is None or (
-            "." in module and importlib.util.find_spec(module) is None):
+    modules, package = COMPILERS[t.platform]
+    if not any(importlib.util.find_spec(m.split(".")[0]) is not None and importlib.util.find_spec(m) is not None
+               for m in modules):
         raise UsageError(f"target {t.name} compiles with {package}, which is not installed: "
                          "pip install -e '.[targets]'")
 
