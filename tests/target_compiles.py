@@ -91,7 +91,7 @@ def compile_case(case: Case) -> dict:
             "compiled": compiled is not None, "error": error, "seconds": round(seconds, 1),
             "pallas_calls": sorted({c for c in PALLAS_CALLS if f'custom_call_target="{c}"' in hlo}),
             "paged_attention": any(name in hlo for name in PAGED_KERNELS),
-            "ragged_all_to_all": "ragged-all-to-all(" in hlo}
+            "ragged_all_to_all": "ragged-all-to-all(" in hlo or "ragged-all-to-all-start(" in hlo}
     return out
 
 

@@ -22,6 +22,7 @@ from prometheus_client.core import GaugeMetricFamily
 from moejax.errors import UsageError
 from moejax.flags import AUTO
 from moejax.trace import Trace
+from sharding.hybrid import Hybrid
 
 EVEN_STEPS = 32  # decode steps of the even router's trace
 MARGIN = 0.1  # another layout is logged when it would take this share less time than the chosen one
@@ -130,7 +131,7 @@ def choose(args, log=None) -> LayoutChoice | None:
         for phase, r in chosen.items():
             setattr(args, f"{phase}_placement", r.placement)
         args.placement = None if args.placement == AUTO else args.placement
-    hybrid = next((r for r in chosen.values() if r.placement == "hybrid"), None)
+    hybrid = next((r for r in chosen.values() if r.placement == Hybrid.name), None)
     args.ep, args.tp = (hybrid.ep, hybrid.tp) if hybrid else (None, None)
     choice = LayoutChoice(target, chosen, [r.layout for r in ranked["decode"]], rerank, log, per)
     print(f"moejax: {choice.line()}", file=log or sys.stderr, flush=True)

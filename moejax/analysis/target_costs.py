@@ -37,6 +37,7 @@ from moejax.errors import UsageError
 from moejax.targets import Target
 from moejax.trace import Trace
 from sharding import eplb, registry
+from sharding.hybrid import Hybrid
 
 GB = 1e9
 CATEGORIES = ("attention", "experts", "exchange", "rest")
@@ -252,10 +253,10 @@ def recommend(phases: dict) -> dict:
     for both); apart when they differ, with what prefill saves by it."""
     decode = phases["decode"]["layouts"][0]
     prefill_rows = phases["prefill"]["layouts"]
-    prefill = next(r for r in prefill_rows if r["placement"] != "hybrid" or decode["placement"] != "hybrid"
+    prefill = next(r for r in prefill_rows if r["placement"] != Hybrid.name or decode["placement"] != Hybrid.name
                    or r["layout"] == decode["layout"])
     same = next(r for r in prefill_rows if r["layout"] == decode["layout"])
-    hybrid = next((r for r in (decode, prefill) if r["placement"] == "hybrid"), None)
+    hybrid = next((r for r in (decode, prefill) if r["placement"] == Hybrid.name), None)
     mesh = f" --ep {hybrid['ep']} --tp {hybrid['tp']}" if hybrid else ""
     apart = prefill["layout"] != decode["layout"]
     flags = (f"--prefill-placement {prefill['placement']} --decode-placement {decode['placement']}" if apart
