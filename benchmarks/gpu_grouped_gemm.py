@@ -20,19 +20,18 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
+from moejax import targets
 from pallas_kernels import gmm_blackwell
 from pallas_kernels.registry import is_blackwell
 
-# (HBM bytes/s, dense bf16 FLOP/s) by device kind substring; first match wins.
-CEILINGS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "B200": (8.0e12, 2250e12),
-            "B300": (8.0e12, 2250e12), "A100": (2.0e12, 312e12)}
-
 
 def ceilings() -> tuple[str, float, float]:
+    """(device kind, HBM bytes/s, dense bf16 FLOP/s) of this machine's first device, from the
+    targets table (`moejax/targets.py`); nan where the table has no such device."""
     kind = jax.devices()[0].device_kind
-    for name, (bw, flops) in CEILINGS.items():
-        if name in kind:
-            return kind, bw, flops
+    for t in targets.TARGETS.values():
+        if t.device_kind.split()[:2] == kind.split()[:2]:  # "NVIDIA H200", "NVIDIA H100", ...
+            return kind, t.hbm_tb_s * 1e12, t.bf16_tflops * 1e12
     return kind, float("nan"), float("nan")
 
 
