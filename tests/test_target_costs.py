@@ -17,16 +17,24 @@ from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, pre
 from moejax.trace import Trace, save_trace
 from sharding import eplb
 
-# A layer loop of 4 trips: a fusion slicing layer i out of a [4, 8, 16] stack, a dot, two
+# A layer loop of 4 trips: a fusion slicing layer i out of a [4, 8, 16] stack (after a layout
+# change, in a fusion of its own), a dot, two
 # all-gathers over 8 devices the compiler combined into one, a custom call handed the whole stack
 # (reshaped), a KV-cache-like update in place.
 HLO = """HloModule m
 
+%pick (s0: f32[4,8,16], s1: s32[]) -> f32[1,8,16] {
+  %s0 = f32[4,8,16]{1,2,0} parameter(0)
+  %s1 = s32[] parameter(1)
+  ROOT %ds = f32[1,8,16]{2,1,0} dynamic-slice(%s0, %s1), dynamic_slice_sizes={1,8,16}
+}
+
 %slice (param_0: f32[4,8,16], param_1: s32[]) -> f32[8,16] {
   %param_0 = f32[4,8,16]{2,1,0} parameter(0)
   %param_1 = s32[] parameter(1)
-  %ds = f32[1,8,16]{2,1,0} dynamic-slice(%param_0, %param_1), dynamic_slice_sizes={1,8,16}
-  ROOT %b = f32[8,16]{1,0} bitcast(%ds)
+  %relaid = f32[4,8,16]{1,2,0} copy(%param_0)
+  %picked = f32[1,8,16]{2,1,0} fusion(%relaid, %param_1), kind=kLoop, calls=%pick
+  ROOT %b = f32[8,16]{1,0} bitcast(%picked)
 }
 
 %dot (p0: f32[8,16], p1: f32[16,32]) -> f32[8,32] {
@@ -59,23 +67,28 @@ HLO = """HloModule m
 
 %cond (carg: (s32[], f32[4,8,16], f32[16,32], f32[4,8,32])) -> pred[] {
   %carg = (s32[], f32[4,8,16]{2,1,0}, f32[16,32]{1,0}, f32[4,8,32]{2,1,0}) parameter(0)
-  ROOT %p = pred[] constant(true)
+  %counter = s32[] get-tuple-element(%carg), index=0
+  %bound = s32[] constant(5)
+  ROOT %p = pred[] compare(%counter, %bound), direction=LT
 }
 
 ENTRY %main (a: f32[4,8,16], b: f32[16,32], c: f32[4,8,32]) -> f32[4,8,32] {
   %a = f32[4,8,16]{2,1,0} parameter(0)
   %b = f32[16,32]{1,0} parameter(1)
   %c = f32[4,8,32]{2,1,0} parameter(2)
-  %zero = s32[] constant(0)
-  %init = (s32[], f32[4,8,16]{2,1,0}, f32[16,32]{1,0}, f32[4,8,32]{2,1,0}) tuple(%zero, %a, %b, %c)
+  %one = s32[] constant(1)
+  %init = (s32[], f32[4,8,16]{2,1,0}, f32[16,32]{1,0}, f32[4,8,32]{2,1,0}) tuple(%one, %a, %b, %c)
   %loop = (s32[], f32[4,8,16]{2,1,0}, f32[16,32]{1,0}, f32[4,8,32]{2,1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
   ROOT %out = f32[4,8,32]{2,1,0} get-tuple-element(%loop), index=3
 }
 """
 
 
-def test_hlo_ops_price_slices_updates_in_place_loops_and_collectives():
-    ops = hlo.ops(HLO, 8)
+@pytest.mark.parametrize("loop", ["known trip count", "bound in the condition"])
+def test_hlo_ops_price_slices_updates_in_place_loops_and_collectives(loop):
+    # XLA:GPU states the trip count; the TPU compiler leaves it to the condition: i from 1 while i < 5
+    text = HLO if loop == "known trip count" else HLO.replace(', backend_config={"known_trip_count":{"n":"4"}}', "")
+    ops = hlo.ops(text, 8)
     assert [(op.kind, op.count) for op in ops] == [("kernel", 4)] * 2 + [("all-gather", 4)] * 2 + [("kernel", 4)] * 2
     sliced, dot, rows, other, kernel, update = ops
     assert sliced.bytes == 512 + 4 + 512  # the layer's slice of the stack, its index, the result

@@ -5,13 +5,13 @@ of its dots, each collective with the bytes every device sends, and how many tim
 First-order bytes, per kernel: its operands' and its result's. Three corrections keep the
 engine's programs from being priced at many times their traffic:
   * a fusion reads only the slices of an operand it reaches through (dynamic-)slices or gathers
-    (a layer's weights out of the stacked run, a KV cache's rows);
+    (a layer's weights out of the stacked run, a KV cache's rows), also after a layout change;
   * an update in place (a fusion whose root is a dynamic-update-slice or scatter, writing the
     KV cache) moves its update, not the buffer it updates;
   * inside a layer loop of T trips, a custom call handed the whole [T, ...] stack (a kernel
     reading its layer in place) reads one layer of it per trip.
-A while loop's body runs its known trip count times (XLA's `known_trip_count`), once where the
-compiler does not know it (the XLA grouped GEMM's loop over groups); a conditional's branches
+A while loop's body runs its trip count times (XLA's `known_trip_count`, or its condition's
+constant bound), once where that is not known (the XLA grouped GEMM's loop over groups); a conditional's branches
 each count 1 / branches. Collectives send, per device of a group of n, over its links (ring
 algorithms): all-gather (n - 1) x its operand, reduce-scatter and all-to-all (n - 1) / n of it,
 all-reduce twice that, collective-permute its operand; a ragged all-to-all is sized for the worst
@@ -36,6 +36,7 @@ COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragg
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id", "replica-id", "after-all",
         "add-dependency", "opt-barrier", "async-update", "async-done", "copy-done", "call-done", "domain"}
 SLICES = {"dynamic-slice", "slice", "gather"}
+MOVES = {"bitcast", "copy", "reshape", "transpose", "convert"}  # of one operand: its elements moved, not read whole
 IN_PLACE = {"dynamic-update-slice", "scatter"}
 
 
@@ -157,14 +158,31 @@ def dot_flops(comps: dict, comp: str, seen: frozenset = frozenset()) -> float:
     return total
 
 
-def _reads(instrs: list[Instr], name: str) -> list[tuple[Instr, int]]:
-    """(instruction, operand index) of every read of `name`, through bitcasts."""
-    out = []
+def _sliced_bytes(comps: dict, instrs: list[Instr], name: str) -> float | None:
+    """Bytes of `name` that `instrs` read where they read only slices of it (through ops that
+    move its elements, and into nested fusions: the TPU compiler's layout changes), else None."""
+    total, read = 0.0, False
     for i in instrs:
         for k, operand in enumerate(i.operands):
-            if operand == name:
-                out += _reads(instrs, i.name) if i.opcode == "bitcast" else [(i, k)]
-    return out
+            if operand != name:
+                continue
+            read = True
+            if i.opcode in SLICES and k == 0:
+                part = shape_bytes(i.type)
+            elif i.opcode == "fusion":  # slices inside it, or (a layout change) slices of what it gives
+                inner = comps[_attr(i.attrs, "calls")]
+                part = _sliced_bytes(comps, inner, next(f.name for f in inner if f.opcode == "parameter"
+                                                         and int(f.args) == k))
+                if part is None and len(i.operands) == 1:
+                    part = _sliced_bytes(comps, instrs, i.name)
+            elif i.opcode in MOVES and len(i.operands) == 1:
+                part = _sliced_bytes(comps, instrs, i.name)
+            else:
+                return None
+            if part is None:
+                return None
+            total += part
+    return total if read else None
 
 
 def _layer_stack(symbols: dict, name: str, trips: int) -> bool:
@@ -188,9 +206,9 @@ def _kernel_bytes(i: Instr, symbols: dict, comps: dict, trips: int) -> float:
         if in_place and SHAPE.findall(type_) == SHAPE.findall(i.type):
             continue  # the buffer updated in place
         size = shape_bytes(type_)
-        reads = _reads(fused, params[k].name) if k in params else []
-        if reads and all(u.opcode in SLICES and at == 0 for u, at in reads):  # only slices of it are read
-            size = sum(shape_bytes(u.type) for u, _ in reads)
+        sliced = _sliced_bytes(comps, fused, params[k].name) if k in params else None
+        if sliced is not None:
+            size = sliced
         elif i.opcode == "custom-call" and trips > 1 and _layer_stack(symbols, name, trips):
             size /= trips  # a layer of the stack the loop runs over
         total += size
@@ -224,6 +242,26 @@ def _collective(kind: str, i: Instr, symbols: dict, n: int, count: float) -> lis
     return [Op(kind, scope, size * share, 0.0, count, int(k == 0)) for k, (scope, size) in enumerate(zip(parts, sizes))]
 
 
+def _trips(i: Instr, symbols: dict, comps: dict) -> int:
+    """A while loop's trip count: XLA's `known_trip_count` (XLA:GPU), else read off its condition
+    (the TPU compiler's): a counter the loop carries from a constant start, compared less than a
+    constant bound; else 1."""
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', i.attrs)
+    if m:
+        return int(m.group(1))
+    cond = {c.name: c for c in comps[_attr(i.attrs, "condition")]}
+    root = next(c for c in cond.values() if c.root)
+    if root.opcode != "compare" or "direction=LT" not in root.attrs:
+        return 1
+    counter, bound = (cond[o] for o in root.operands)
+    if counter.opcode != "get-tuple-element" or bound.opcode != "constant":
+        return 1
+    init = symbols[i.operands[0]]
+    start = symbols[init.operands[int(re.search(r"index=(\d+)", counter.attrs).group(1))]] \
+        if init.opcode == "tuple" else None
+    return max(1, int(bound.args) - (int(start.args) if start is not None and start.opcode == "constant" else 0))
+
+
 def _scope(i: Instr) -> str:
     m = re.search(r'op_name="([^"]*)"', i.attrs)
     return m.group(1) if m else ""
@@ -239,8 +277,7 @@ def ops(text: str, devices: int) -> list[Op]:
         for i in comps[comp]:
             kind = i.opcode.removesuffix("-start")
             if i.opcode == "while":
-                m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', i.attrs)
-                t = int(m.group(1)) if m else 1
+                t = _trips(i, symbols, comps)
                 walk(_attr(i.attrs, "body"), count * t, t)
             elif i.opcode == "conditional":
                 m = re.search(r"branch_computations=\{([^}]*)\}", i.attrs)
