@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--kernel", default="auto")
+    p.add_argument("--page-size", type=int, default=16,
+                   help="the KV cache as pages of this many positions, as a server holds it (0: contiguous rows)")
     p.add_argument("--copy-mb", type=int, default=4096, help="bytes of the copy-bandwidth measure")
     p.add_argument("--profile", action="store_true", help="the ten largest kernels of one generate")
     p.add_argument("--smoke", action="store_true", help="a small model on this machine's first device (CI)")
@@ -109,13 +111,14 @@ def main(argv: list[str] | None = None) -> None:
     device = jax.devices()[0]
     print(f"{device.device_kind}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; {model.family} {model.num_layers} layers, "
           f"{model.num_experts} experts top-{model.num_experts_per_tok}, hidden {model.hidden_size}; prompt "
-          f"{args.prompt_len}, {args.new_tokens} new tokens, kernel {args.kernel}")
+          f"{args.prompt_len}, {args.new_tokens} new tokens, kernel {args.kernel}, "
+          + (f"pages of {args.page_size}" if args.page_size else "contiguous cache"))
     print(f"{'experts':>8}{'batch':>7}{'prefill ms':>12}{'prefill tok/s':>15}{'decode ms':>11}{'tok/s':>9}"
           f"{'GB/step':>9}{'bound tok/s':>13}{'% bound':>9}{'load s':>8}")
     rng = np.random.default_rng(0)
     for name in args.formats:
         config = Config(model=model, layout=LayoutConfig(devices=1), weights=WeightsConfig(FORMATS[name]),
-                        engine=EngineConfig(dtype="bfloat16"), kernel=args.kernel).validate()
+                        engine=EngineConfig(dtype="bfloat16", page_size=args.page_size), kernel=args.kernel).validate()
         placement = make_placement(config)
         t0 = time.perf_counter()
         params = jax.block_until_ready(load_params(config, placement))

@@ -28,6 +28,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 import pallas_kernels
 from moejax.config import Config
@@ -42,7 +43,7 @@ from moejax.errors import UsageError
 from moejax.model.attention import cache_specs
 from moejax.model.mtp import init_mtp_pool
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_dtype, param_specs
-from moejax.platform import run_dtype
+from moejax.platform import backend, run_dtype
 from sharding import make_placement, rules
 
 GB = 1e9
@@ -170,13 +171,38 @@ def _rows(placement, b: int):
     return jax.ShapeDtypeStruct((b,), jnp.int32, sharding=placement.sharding(("batch",), (b,)))
 
 
-def _scanned(config: Config) -> Config:
-    """The program an accelerator runs at full size: each run of layers one scan over its stacked
-    (here abstract) weights; XLA:CPU's unrolled short runs are a CPU speed choice, not the plan's."""
+def _planned_loops(config: Config, platform: str | None) -> Config:
+    """The layer loops a program runs at full size: on an accelerator the engine's (a GPU unrolls
+    every run, a TPU scans: `platform.unrolls`); on XLA:CPU each run one scan over its stacked
+    weights, its unrolled short runs being a CPU speed choice, not the plan's."""
+    if backend(platform) != "cpu":
+        return config
     if config.engine.layer_loop == "unroll":
-        raise UsageError("plan compiles each run of layers as a scan over its stacked weights; "
-                         "engine.layer_loop unroll is not planned")
+        raise UsageError("plan compiles each run of layers as a scan over its stacked weights on the CPU; "
+                         "engine.layer_loop unroll is not planned there")
     return dataclasses.replace(config, engine=dataclasses.replace(config.engine, layer_loop="scan"))
+
+
+def _one_layer(a: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    """A layer of an abstract stacked parameter [layers, ...], sharded as the stack's layers are."""
+    s = a.sharding
+    if isinstance(s, NamedSharding):
+        s = NamedSharding(s.mesh, PartitionSpec(*s.spec[1:]))
+    return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=s)
+
+
+def in_loops(params: dict, placement) -> dict:
+    """Abstract stacked `params` with each run as the placement's loop holds it: an unrolled run
+    a tuple of per-layer trees (a layer's buffers its own), a scanned one its stack."""
+    runs = [run if loop.stacked else tuple(jax.tree.map(_one_layer, run) for _ in range(jax.tree.leaves(run)[0].shape[0]))
+            for loop, run in zip(placement.loops, params["layers"])]
+    return {**params, "layers": runs}
+
+
+def expert_leaves(params: dict) -> list:
+    """The arrays of every MoE layer's experts, whether a run is stacked or a tuple of layers."""
+    return [leaf for run in params["layers"] for layer in (run if isinstance(run, tuple) else (run,))
+            if "moe" in layer for leaf in jax.tree.leaves(layer["moe"]["experts"])]
 
 
 def decode_program(config: Config, batch: int, context: int, platform: str | None = None, page_size: int = 0,
@@ -186,20 +212,19 @@ def decode_program(config: Config, batch: int, context: int, platform: str | Non
     on `devices` (default: this machine's; a target's compile-only devices, `moejax.targets`).
     The engine's jit of the step is `jit_program(step, dtype, decode=True, platform_name=platform,
     donate_argnums=1)`: its precision and compiler options."""
-    placement = make_placement(_scanned(config), platform, devices)
+    placement = make_placement(_planned_loops(config, platform), platform, devices)
     multiple = placement.batch_multiple()
     if batch % multiple:
         raise UsageError(f"--batch {batch} must be a multiple of {multiple} (requests split over the devices)")
     step = functools.partial(decode_step, sampling=Sampling(), record=False, c=config.model, placement=placement)
     rows = [_rows(placement, batch) for _ in range(3)] + [jax.ShapeDtypeStruct((), jnp.int32)]
+    params = in_loops(abstract_params(config, placement), placement)
     if not page_size:
-        return placement, step, (abstract_params(config, placement), abstract_cache(config, placement, batch, context),
-                                 *rows)
+        return placement, step, (params, abstract_cache(config, placement, batch, context), *rows)
     per_row = pages_for(context, page_size)
     table = jax.ShapeDtypeStruct((batch, per_row), jnp.int32,
                                  sharding=placement.sharding(("batch", None), (batch, per_row)))
-    return placement, step, (abstract_params(config, placement), abstract_pool(config, placement, batch * per_row, page_size),
-                             *rows, None, table)
+    return placement, step, (params, abstract_pool(config, placement, batch * per_row, page_size), *rows, None, table)
 
 
 def programs(config: Config, batch: int, context: int, prefill_chunk: int, platform: str | None = None,
@@ -254,7 +279,7 @@ def plan_placement(config: Config, batch: int, context: int, prefill_chunk: int,
     param_bytes, kv_bytes = bytes_per_device(params), bytes_per_device(cache)
     temp = max((p["temp_bytes"] for p in compiled.values() if p["compiled"]), default=0)
     total = param_bytes + kv_bytes + temp
-    experts = [leaf for run in params["layers"] if "moe" in run for leaf in jax.tree.leaves(run["moe"]["experts"])]
+    experts = expert_leaves(params)
     act_bytes = jnp.dtype(run_dtype(config.engine.dtype)).itemsize
     multiple = placement.batch_multiple()
     buffers = {phase: sum(placement.exchange_buffer_bytes(rows, config.model.hidden_size, act_bytes).values())

@@ -17,6 +17,11 @@ import os
 # step's slice of each weight is a copy read and written once more per layer; unrolled, compile
 # time grows with depth, so a deep run keeps its scan.
 UNROLLED_LAYERS = 16
+# ... and every run on a GPU: XLA:GPU copies a scanned layer's weights out of their stack before
+# each GEMM reads them (a `dynamic_slice_fusion` memcpy of the attention, router and shared
+# expert's weights, every layer of every step), where a layer's own buffers are read in place.
+# A TPU reads a layer's slice in place (its prefetch into on-chip memory): it keeps the scan.
+UNROLLS_EVERY_RUN = ("gpu", "cuda")
 
 # Prompt positions per prefill call (engine.prefill_chunk 0). On XLA:CPU a prompt runs fastest in
 # as few calls as possible (each expert GEMM gets more rows per expert); the cap bounds the
@@ -109,10 +114,20 @@ def run_dtype(dtype: str, platform: str | None = None) -> str:
 
 def unrolls(layer_loop: str, layers: int, platform: str | None = None) -> bool:
     """Whether a run of `layers` identical layers executes unrolled over per-layer arrays (else as
-    a scan over their stack), for engine.layer_loop ("auto": on XLA:CPU, short runs only)."""
+    a scan over their stack), for engine.layer_loop ("auto": on XLA:CPU short runs, on a GPU
+    every run, on a TPU none)."""
     if layer_loop != "auto":
         return layer_loop == "unroll"
-    return backend(platform) == "cpu" and layers <= UNROLLED_LAYERS
+    where = backend(platform)
+    return where in UNROLLS_EVERY_RUN or (where == "cpu" and layers <= UNROLLED_LAYERS)
+
+
+def holds_groups(platform: str | None = None) -> bool:
+    """Whether an unrolled run holds each expert of a layer in its own buffer, for a kernel that
+    multiplies a group where it lies through a `lax.switch` (`pallas_kernels/layered.py`): on
+    XLA:CPU only, where a group sliced out of a layer's stack is a copy; an accelerator's
+    conditional would read its branch index back to the host."""
+    return backend(platform) == "cpu"
 
 
 def prefill_chunk(chunk: int, platform: str | None = None) -> int:

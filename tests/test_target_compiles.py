@@ -1,9 +1,9 @@
 """The engine's programs compiled by the accelerators' own compilers, on this CPU machine.
 
 Every family (the tiny presets, the goldens' transformers models, and models whose widths are no
-power of two) x decode step, paged decode step, decode block, prefill chunk x bfloat16 and float32
-x kernels `auto` and `xla` compile for an H100 (XLA:GPU with its Triton lowering); every placement
-compiles for 8 H100s and for a v5e slice of 8 chips with the Pallas kernels the target's `auto`
+power of two) x decode step and prefill chunk (contiguous cache), paged decode step x bfloat16 and
+float32, with the kernels `auto` picks and with the XLA path, compile for an H100 (XLA:GPU with
+its Triton lowering); every placement compiles for 8 H100s and for a v5e slice of 8 chips with the Pallas kernels the target's `auto`
 picks. The whole matrix compiles once, in worker processes running side by side
 (`target_compiles.py`), so that an XLA abort fails its case instead of ending the run.
 """
@@ -24,12 +24,15 @@ MODELS = [(f"hf:{family}", ()) for family in FAMILIES] \
     + [(name, ()) for family, name in TINY.items() if family not in FAMILIES] \
     + [("tiny-qwen3-moe", ODD_GQA), ("tiny", ODD_MLA)]
 DTYPES = ("bfloat16", "float32")
-KERNELS = ("auto", "xla")
 PAGE_SIZE = 16
 
-FAMILY_CASES = [case for model, widths in MODELS for dtype in DTYPES for kernel in KERNELS for case in (
-    Case(model, "h100", widths, dtype=dtype, kernel=kernel),
-    Case(model, "h100", widths, dtype=dtype, kernel=kernel, page_size=PAGE_SIZE, programs=("decode",)))]
+# The decode step and the prefill chunk over a contiguous cache, the decode step over pages (a decode
+# block is the decode step in a loop: `test_target_structure.py` compiles it); the XLA path's own
+# programs, without pages (`XLA_ONLY` reads pages through XLA).
+FAMILY_CASES = [case for model, widths in MODELS for dtype in DTYPES for case in (
+    Case(model, "h100", widths, dtype=dtype, programs=("decode", "prefill")),
+    Case(model, "h100", widths, dtype=dtype, page_size=PAGE_SIZE, programs=("decode",)),
+    Case(model, "h100", widths, dtype=dtype, kernel="xla", programs=("decode", "prefill")))]
 # 4-bit experts on widths the TPU grouped GEMM tiles; pages, for the paged-attention kernels.
 TARGET_DEVICES = {"h100": 8, "v5e": 8}
 PLACEMENT_CASES = [Case("tiny-qwen3-moe", target, TILEABLE, devices=n, placement=name, expert_format="nvfp4",

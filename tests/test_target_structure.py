@@ -67,16 +67,19 @@ def run_ops(hlo: str) -> list[tuple[str, str]]:
     return ops
 
 
-def dims(shape) -> tuple[int, ...]:
-    """A shape's sizes other than 1, sorted: a copy's, however transposed or reshaped."""
-    return tuple(sorted(d for d in shape if d != 1))
+def dims(shape, ordered: bool = False) -> tuple[int, ...]:
+    """A shape's sizes other than 1, sorted: a copy's, however transposed or reshaped (`ordered`:
+    in their order, a copy's as laid out, telling a [D, E] weight from [E, D] rows)."""
+    kept = [d for d in shape if d != 1]
+    return tuple(kept if ordered else sorted(kept))
 
 
-def copies_of(hlo: str, shapes) -> list[str]:
+def copies_of(hlo: str, shapes, ordered: bool = False) -> list[str]:
     """Ops writing an array of one of `shapes` (as `dims` sees them)."""
-    wanted = {dims(s) for s in shapes}
+    wanted = {dims(s, ordered) for s in shapes}
     return [f"{op} {out}" for op, out in run_ops(hlo) if op not in PASSING
-            for t in re.findall(r"\w+\[([\d,]*)\]", out) if dims(int(d) for d in t.split(",") if d) in wanted]
+            for t in re.findall(r"\w+\[([\d,]*)\]", out)
+            if dims((int(d) for d in t.split(",") if d), ordered) in wanted]
 
 
 def loops_of_unknown_trip_count(hlo: str) -> list[str]:
@@ -96,9 +99,16 @@ def program(target: str, kernel: str, page_size: int):
     return jitted.lower(*args).compile().as_text(), *args[:2]
 
 
-def layer_shapes(run: dict) -> list[tuple[int, ...]]:
-    """Each array's shape in one layer of a run's stacked tree [layers, ...]."""
-    return [a.shape[1:] for a in jax.tree.leaves(run)]
+def layer(run):
+    """A layer of a run as the program holds it: its stacked tree [layers, ...] (a scan's), or a
+    tuple of per-layer trees (an unrolled run's), as a tree of its shapes."""
+    if isinstance(run, tuple):
+        return jax.tree.map(lambda a: a.shape, run[0])
+    return jax.tree.map(lambda a: a.shape[1:], run)
+
+
+def layer_shapes(tree) -> list[tuple[int, ...]]:
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x))
 
 
 @pytest.mark.parametrize("page_size", [0, PAGE_SIZE])
@@ -109,10 +119,22 @@ def test_decode_steps_copy_no_layer_of_their_experts_or_pages(target, kernel, pa
     GEMM reads them in their stack, a `layered.LayerOf`), nor of a layer's page pool (attention
     writes and reads a layer's pages through its index into the run's pools)."""
     hlo, params, cache = program(target, kernel, page_size)
-    shapes = [s for run in params["layers"] for s in layer_shapes(run["moe"]["experts"])]
+    shapes = [s for run in params["layers"] for s in layer_shapes(layer(run)["moe"]["experts"])]
     if page_size:
-        shapes += [s for run in cache for s in layer_shapes(run)]
+        shapes += [s for run in cache for s in layer_shapes(layer(run))]
     assert copies_of(hlo, shapes) == []
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_gpu_reads_every_weight_of_a_layer_where_it_lies(kernel):
+    """On an H100 a decode block over pages writes no array of any layer weight's shape (attention,
+    router, norms and experts): its runs of layers are unrolled (`platform.unrolls`), each layer's
+    weights buffers of their own, where a scan's slice of the attention and router weights is a
+    copy XLA:GPU makes before every GEMM."""
+    hlo, params, cache = program("h100", kernel, PAGE_SIZE)
+    shapes = [s for run in params["layers"] for s in layer_shapes(layer(run))]
+    shapes += [s for run in cache for s in layer_shapes(layer(run))]
+    assert copies_of(hlo, shapes, ordered=True) == []
 
 
 @pytest.mark.parametrize("page_size", [0, PAGE_SIZE])

@@ -97,7 +97,7 @@ def compile_candidate(config: Config, layout: Layout, t: Target, devices: list, 
     except ConfigError as e:  # a kernel or a shape the placement does not take
         return str(e)
     params, cache = progs["decode"][1][:2]
-    experts = [leaf for run in params["layers"] if "moe" in run for leaf in jax.tree.leaves(run["moe"]["experts"])]
+    experts = plan.expert_leaves(params)
     held = placement.num_experts // placement.ep
     temp, programs = 0, {}
     for phase, rows in (("decode", batch), ("prefill", chunk)):
