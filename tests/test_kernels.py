@@ -146,12 +146,12 @@ def test_gpu_kernel_reads_a_layer_of_a_stack(fmt, act):
 
 
 def test_gpu_decode_step_copies_no_layer_of_experts():
-    """A scanned run's decode step on an H100 hands the Triton kernel each layer's experts where
+    """A scanned run's decode step on an H100 (engine.layer_loop scan) hands the Triton kernel each layer's experts where
     they lie in the run's stack [L, E, K, N]: no instruction of the compiled step makes an array
     of one layer's [E, K, N] (a dynamic-slice fusion copied each layer out of the stack every step)."""
     model = dataclasses.replace(preset("tiny-qwen3-moe"), num_layers=4)  # a run of 2 identical MoE layers
-    config = Config(model=model, layout=LayoutConfig(devices=1), engine=EngineConfig(dtype="bfloat16")).validate()
-    placement, step, args = decode_program(config, 8, 64, "cuda", devices=list(targets.devices("h100", 1)))
+    config = Config(model=model, layout=LayoutConfig(devices=1), engine=EngineConfig(dtype="bfloat16", layer_loop="scan"))
+    placement, step, args = decode_program(config.validate(), 8, 64, "cuda", devices=list(targets.devices("h100", 1)))
     stacks = [a.shape for run in args[0]["layers"] if "moe" in run for a in run["moe"]["experts"].values()]
     assert placement.kernel == "pallas_gpu" and max(shape[0] for shape in stacks) == 2
     hlo = jax.jit(step).lower(*args).compile().as_text()

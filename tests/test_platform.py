@@ -62,10 +62,10 @@ def test_a_placement_resolves_auto_for_the_platform_it_builds_for(target, kernel
     assert make_placement(config, platform=target).kernel == kernel
 
 
-@pytest.mark.parametrize("target, stacked, ragged", [("cpu", False, False), ("tpu", True, True), ("gpu", True, True)])
+@pytest.mark.parametrize("target, stacked, ragged", [("cpu", False, False), ("tpu", True, True), ("gpu", False, True)])
 def test_a_placement_runs_layers_and_the_exchange_as_its_platform_does(target, stacked, ragged):
-    """Short runs of layers unrolled and the exchange's dense blocks on XLA:CPU only, decided for
-    the platform the programs are built for."""
+    """Runs of layers unrolled on XLA:CPU (short ones) and on a GPU, scanned on a TPU; the
+    exchange's dense blocks on XLA:CPU only; decided for the platform the programs are built for."""
     config = Config(model=preset("tiny"), layout=LayoutConfig(placement="ragged_a2a", devices=2)).validate()
     placement = make_placement(config, platform=target)
     assert [loop.stacked for loop in placement.loops] == [stacked] * len(placement.loops)
@@ -77,10 +77,18 @@ def test_a_placement_runs_layers_and_the_exchange_as_its_platform_does(target, s
 def test_unrolled_experts_a_buffer_per_group_where_every_device_holds_every_expert_on_the_cpu(name, target, groups):
     """XLA:CPU copies a group sliced out of a stack: a placement that keeps every expert on every
     device holds an unrolled run's experts a buffer per group; one that splits them over devices
-    keeps its stacks, and a scanned run (other platforms) has none to split."""
+    keeps its stacks, and a scanned run (a TPU's) has none to split."""
     config = Config(model=preset("tiny"), layout=LayoutConfig(placement=name, devices=2)).validate()
     placement = make_placement(config, platform=target)
     assert [getattr(loop, "groups", None) for loop in placement.loops] == [groups] * len(placement.loops)
+
+
+def test_a_gpu_unrolled_run_keeps_a_layers_expert_stack_even_for_the_xla_kernel():
+    """A GPU runs its layers unrolled but never holds a buffer per expert group: the XLA kernel's
+    switch between groups would read its branch index back to the host."""
+    config = Config(model=preset("tiny"), layout=LayoutConfig(placement="tensor_sliced", devices=2), kernel="xla")
+    placement = make_placement(config.validate(), platform="gpu")
+    assert [(loop.stacked, loop.groups) for loop in placement.loops] == [(False, ())] * len(placement.loops)
 
 
 def test_host_cores_without_an_affinity_mask(monkeypatch):
