@@ -10,7 +10,7 @@ from pallas_kernels.formats import (
     quantize_rows,
     values_nbytes,
 )
-from pallas_kernels.registry import for_kernel, grouped_gemm, run_weights, unavailable
+from pallas_kernels.registry import for_kernel, grouped_gemm, run_weights, unavailable, width_refusal
 
 __all__ = [
     "FORMATS",
@@ -25,4 +25,5 @@ __all__ = [
     "quantize_rows",
     "run_weights",
     "values_nbytes",
+    "width_refusal",
 ]

@@ -38,6 +38,13 @@ def fuses_glu(m: int, n: int, rhs) -> bool:
     return n % 256 == 0
 
 
+def width_refusal(widths: list[int]) -> str | None:
+    """Why 4-bit experts of these per-device K cannot be tiled, or None: a tile's two K-halves are
+    blocks of the rows' columns, which Mosaic takes in whole 128-lane blocks (or the whole row)."""
+    narrow = [k for k in widths if k % 256]
+    return f"4-bit experts need a K per device of a multiple of 256, these have {narrow}" if narrow else None
+
+
 def _kernel(group_ids, m_tile_ids, offsets, offset, first, tscale, *refs, quantized, fmt, block, tm,
             tiles_k, cdtype, tables, act):
     """One (n, active m tile, k) step. Refs: lhs (one, or its lo/hi K-halves for 4-bit),

@@ -44,6 +44,13 @@ def unavailable(name: str, platform: str, expert_format: str) -> str | None:
     return None
 
 
+def width_refusal(name: str, widths: list[int], expert_format: str) -> str | None:
+    """Why kernel `name` cannot multiply experts whose per-device K are `widths`, or None."""
+    if name != "pallas_tpu" or expert_format not in formats.FORMATS:
+        return None
+    return _load("gmm_pallas_tpu", "width_refusal")(widths)
+
+
 def run_weights(w, expert_format: str, k_slices: int = 1, kernel: str = "auto", gated: bool = False):
     """Stacked experts w: [E, K, N] as the grouped GEMM takes them: in `expert_format` (a 4-bit
     format, quantized in `k_slices` K-slices; `gated`: N interleaves gate and up, each half

@@ -43,9 +43,9 @@ class MeshPlacement(Placement, abc.ABC):
     """A placement over an ("ep", "tp") mesh; subclasses give `mesh_shape` and `exchange`."""
 
     def __init__(self, config: Config, mesh: Mesh | None = None, platform: str | None = None):
-        super().__init__(config, platform)
         layout = config.layout
-        self.ep, self.tp = self.mesh_shape(layout)
+        self.ep, self.tp = self.mesh_shape(layout)  # before the base's: the kernel tiles a device's widths
+        super().__init__(config, platform)
         rules.check_model(config.model, self.ep, self.tp, config.weights.expert_format)
         self.mesh = mesh or make_mesh((self.ep, self.tp))
         self.table = rules.rules(layout)

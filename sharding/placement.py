@@ -20,8 +20,9 @@ from moejax.config import Config, ConfigError
 from moejax.model import paged
 from moejax.model.attention import cache_specs
 from moejax.model.layer_loop import layer_loops
-from moejax.model.params import ParamSpec, expert_axis, is_expert_stack
+from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_specs
 from moejax.platform import attention_kernel, backend, holds_groups, kernel, unrolls
+import pallas_kernels
 from pallas_kernels import layered
 from sharding import accounting, rules, slots
 from sharding.experts import moe_local
@@ -49,7 +50,7 @@ class Placement:
         # The platform the programs are built for: this machine's, or another one a program is
         # compiled for (`moejax plan --target`); it picks the kernel "auto" stands for.
         self.platform = backend(platform)
-        self.kernel = kernel(config.kernel, self.platform)
+        self.kernel = gemm_kernel(config, self.platform, self.tp)
         self.attention_kernel = paged_kernel(config, self.platform)
         # How each run of layers executes there (a scan, or unrolled): the engine arranges its
         # parameters by these, and the decoder runs them so (`moejax/model/layer_loop.py`).
@@ -92,8 +93,7 @@ class Placement:
                 for layer in cache]
 
     def k_slices(self, spec: ParamSpec) -> int:
-        """K-slices a 4-bit expert stack is packed in: its reduction axis is sliced tp ways."""
-        return self.tp if spec.axes[-2:-1] == ("expert_mlp",) else 1
+        return k_slices(spec, self.tp)
 
     def put(self, array, axes: tuple) -> jax.Array:
         """One array onto its devices (every process passes the same host array)."""
@@ -119,7 +119,7 @@ class Placement:
                 return a
             widths = [(0, 0)] * a.ndim
             widths[ax] = (0, self.num_logical - a.shape[ax])
-            return np.pad(np.asarray(a), widths)
+            return jnp.pad(a, widths) if isinstance(a, jax.Array) else np.pad(np.asarray(a), widths)
         return jax.tree.map(pad, value) if is_expert_stack(spec) else value
 
     def cache_shardings(self, cache, pool: bool = False) -> list[dict]:
@@ -213,6 +213,24 @@ class Placement:
         e_local = self.num_experts // self.ep
         group = np.bincount(touched // e_local, minlength=self.ep)  # touched experts per ep group
         return np.repeat(group * accounting.expert_bytes(experts) / self.tp, self.tp).astype(float)
+
+
+def k_slices(spec: ParamSpec, tp: int) -> int:
+    """K-slices a 4-bit expert stack is packed in: its reduction axis is sliced tp ways."""
+    return tp if spec.axes[-2:-1] == ("expert_mlp",) else 1
+
+
+def gemm_kernel(config: Config, platform: str, tp: int) -> str:
+    """The grouped GEMM of `config.kernel` on `platform` with the experts' K-slices of `tp` devices.
+    "auto" takes the XLA path where the platform's kernel cannot tile a device's expert widths; a
+    kernel named for widths it cannot tile is refused with the reason."""
+    name = kernel(config.kernel, platform)
+    widths = sorted({spec.shape[-2] // k_slices(spec, tp) for spec in jax.tree.leaves(
+        param_specs(config.model), is_leaf=lambda x: isinstance(x, ParamSpec)) if is_expert_matrix(spec)})
+    refusal = pallas_kernels.width_refusal(name, widths, config.weights.expert_format)
+    if refusal and config.kernel != "auto":
+        raise ConfigError(f"kernel {name}: {refusal}; these experts multiply through XLA (--kernel xla or auto)")
+    return "xla" if refusal else name
 
 
 def paged_kernel(config: Config, platform: str) -> str:

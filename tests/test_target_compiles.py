@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import pytest
 from hf_reference import FAMILIES
-from target_compiles import ODD_GQA, ODD_MLA, TILEABLE, Case, run_cases
+from target_compiles import ODD_GQA, ODD_MLA, TILEABLE, Case, model_config, run_cases
 
+from moejax.config import Config, ConfigError, LayoutConfig, WeightsConfig
 from moejax.config.presets import PRESETS
 from sharding import names
+from sharding.placement import gemm_kernel
 
 # Every family once: the goldens' transformers models (the ones that met a GPU first), then a tiny
 # preset of each family they lack; and GQA and MLA models of widths no power of two divides.
@@ -39,12 +41,16 @@ PLACEMENT_CASES = [Case("tiny-qwen3-moe", target, TILEABLE, devices=n, placement
                         page_size=PAGE_SIZE) for target, n in TARGET_DEVICES.items() for name in names()]
 # The Pallas custom call each target's grouped GEMM is (`auto` picks pallas_gpu, pallas_tpu).
 KERNEL_CALL = {"h100": "__gpu$xla.gpu.triton", "v5e": "tpu_custom_call"}
+# 4-bit experts sliced narrower than the TPU grouped GEMM tiles (K 64 a device): `auto` multiplies
+# them through XLA (Mosaic refused the program: GLM-5.3 tensor-sliced over 32 v6e chips).
+NARROW = Case("tiny-qwen3-moe", "v5e", (("hidden_size", 512), ("moe_intermediate_size", 512)), devices=8,
+              placement="tensor_sliced", expert_format="nvfp4", programs=("decode",))
 XLA_ONLY = Case("tiny-qwen3-moe", "h100", kernel="xla", attention_kernel="xla", page_size=PAGE_SIZE, programs=("decode",))
 
 
 @pytest.fixture(scope="session")
 def compiled() -> dict[str, dict]:
-    return run_cases(FAMILY_CASES + PLACEMENT_CASES + [XLA_ONLY])
+    return run_cases(FAMILY_CASES + PLACEMENT_CASES + [NARROW, XLA_ONLY])
 
 
 def _programs(result: dict) -> dict:
@@ -76,3 +82,17 @@ def test_every_placement_compiles_for_a_target_with_its_kernels(compiled, case):
 def test_the_xla_path_compiles_no_pallas_kernel(compiled):
     program = _programs(compiled[XLA_ONLY.id])["decode"]
     assert program["pallas_calls"] == [] and not program["paged_attention"]
+
+
+def test_auto_multiplies_experts_the_tpu_kernel_cannot_tile_through_xla(compiled):
+    result = compiled[NARROW.id]
+    assert _programs(result) and result["kernel"] == "xla"
+
+
+def test_the_tpu_kernel_named_for_experts_it_cannot_tile_is_refused_with_the_reason():
+    config = Config(model=model_config(NARROW), layout=LayoutConfig(devices=8), weights=WeightsConfig("nvfp4"),
+                    kernel="pallas_tpu").validate()
+    assert gemm_kernel(config, "tpu", 1) == "pallas_tpu"  # K 512 and 512 on one device
+    with pytest.raises(ConfigError, match=r"kernel pallas_tpu: 4-bit experts need a K per device of a multiple "
+                                          r"of 256, these have \[64\]"):
+        gemm_kernel(config, "tpu", 8)
