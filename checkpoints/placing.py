@@ -84,6 +84,12 @@ def host_form(spec: ParamSpec, array, dtype, expert_format: str, k_slices: int =
     return jax.tree.map(lambda *xs: np.concatenate(xs, axis=ax), *parts)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 2, 3, 4, 5))
+def device_form(spec: ParamSpec, array, dtype, expert_format: str, k_slices: int = 1, kernel: str = "auto"):
+    """`run_form` in one program on the device holding `array` (random weights drawn there)."""
+    return run_form(spec, array, dtype, expert_format, k_slices, kernel)
+
+
 def _unstacked(spec: ParamSpec) -> ParamSpec:
     return dataclasses.replace(spec, shape=spec.shape[1:], axes=spec.axes[1:])
 
@@ -120,13 +126,16 @@ def is_stacked(spec: ParamSpec) -> bool:
     return spec.axes[:1] == ("layers",)
 
 
-def place_tensor(placement, spec: ParamSpec, source, dtype, held: str = "stack"):
+def place_tensor(placement, spec: ParamSpec, source, dtype, held: str = "stack", on_device: bool = False):
     """One parameter on its devices, in the run's form. `source`: the array (host or device,
     or `PackedExperts`); for a run's stacked spec also `Layers`, read one layer at a time, and
     `held` as the run's loop holds it (`layer_loop`): one "stack" [layers, ...], or a tuple of
-    each layer's own arrays ("layers"), or of each layer's experts a buffer each ("groups")."""
+    each layer's own arrays ("layers"), or of each layer's experts a buffer each ("groups").
+    `on_device`: the source's arrays lie on a device, which brings them to their run form too
+    (`device_form`), else the host does (`host_form`)."""
     config = placement.config
-    form = lambda s, a: host_form(s, a, dtype, config.weights.expert_format, placement.k_slices(spec), config.kernel)
+    to_form = device_form if on_device else host_form
+    form = lambda s, a: to_form(s, a, dtype, config.weights.expert_format, placement.k_slices(spec), config.kernel)
     if not is_stacked(spec):
         return placement.place(spec, form(spec, source))
     layer_spec = _unstacked(spec)

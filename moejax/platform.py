@@ -122,6 +122,14 @@ def unrolls(layer_loop: str, layers: int, platform: str | None = None) -> bool:
     return where in UNROLLS_EVERY_RUN or (where == "cpu" and layers <= UNROLLED_LAYERS)
 
 
+def forms_on_device(platform: str | None = None) -> bool:
+    """Whether random weights are drawn, and 4-bit experts quantized, on the run's first device:
+    on an accelerator (seconds; the host's CPU device took 176 s for the 48-layer Qwen3-30B-A3B
+    shape, then a copy to the device), not on XLA:CPU, where the host's device works a few experts
+    at a time to bound its temporaries (`checkpoints/placing.py`)."""
+    return backend(platform) != "cpu"
+
+
 def holds_groups(platform: str | None = None) -> bool:
     """Whether an unrolled run holds each expert of a layer in its own buffer, for a kernel that
     multiplies a group where it lies through a `lax.switch` (`pallas_kernels/layered.py`): on

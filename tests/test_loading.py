@@ -1,5 +1,6 @@
 """Loading at scale: parameters go to their devices one layer at a time, each device taking only
-its own share; 4-bit experts are quantized on the host, never whole on one device."""
+its own share; 4-bit experts are quantized a layer at a time (on the host, or on an accelerator's
+first device), never whole on one device."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import numpy as np
 import pytest
 
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
-from moejax.loading import load_params
+from moejax.loading import load_params, random_params
 from moejax.model.layer_loop import arrange
-from moejax.model.params import init_params
+from moejax.model.params import init_params, param_specs
 from sharding import make_placement, names
 from sharding.mesh import MeshPlacement
 from sharding.tensor_sliced import TensorSliced
@@ -53,6 +54,20 @@ def test_loading_never_holds_more_than_a_share_on_a_device(name, fmt, monkeypatc
     whole_stack = sum(leaf.nbytes for leaf in jax.tree.leaves(experts))
     assert whole_stack >= 4 * share  # the model is one where a whole stack on a device would show
     assert seen and max(seen) <= share
+
+
+@pytest.mark.parametrize("fmt", ["unquantized", "nvfp4"])
+@pytest.mark.parametrize("name", ["expert_sharded", TensorSliced.name])  # experts split by expert, by K-slice
+def test_weights_drawn_on_the_device_are_the_hosts(name, fmt):
+    """An accelerator draws random weights and quantizes 4-bit experts on its first device
+    (`platform.forms_on_device`): the values and shardings the host's CPU device makes."""
+    cfg = config(name, fmt)
+    placement = make_placement(cfg)
+    host, device = (random_params(cfg, placement, 3, param_specs(MODEL), on_device=where) for where in (False, True))
+    assert jax.tree.structure(device) == jax.tree.structure(host)
+    for d, h in zip(jax.tree.leaves(device), jax.tree.leaves(host)):
+        assert d.sharding.is_equivalent_to(h.sharding, d.ndim)
+        np.testing.assert_array_equal(np.asarray(d), np.asarray(h))
 
 
 def test_a_layer_drawn_alone_is_that_layer_of_the_whole():
