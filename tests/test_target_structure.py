@@ -125,15 +125,18 @@ def test_decode_steps_copy_no_layer_of_their_experts_or_pages(target, kernel, pa
     assert copies_of(hlo, shapes) == []
 
 
+@pytest.mark.parametrize("page_size", [0, PAGE_SIZE])
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_a_gpu_reads_every_weight_of_a_layer_where_it_lies(kernel):
-    """On an H100 a decode block over pages writes no array of any layer weight's shape (attention,
-    router, norms and experts): its runs of layers are unrolled (`platform.unrolls`), each layer's
-    weights buffers of their own, where a scan's slice of the attention and router weights is a
-    copy XLA:GPU makes before every GEMM."""
-    hlo, params, cache = program("h100", kernel, PAGE_SIZE)
+def test_a_gpu_reads_every_weight_of_a_layer_where_it_lies(kernel, page_size):
+    """On an H100 a decode block writes no array of any layer weight's shape (attention, router,
+    norms and experts), nor over pages of a layer's pool: its runs of layers are unrolled
+    (`platform.unrolls`), each layer's weights buffers of their own, where a scan's slice of the
+    attention and router weights is a copy XLA:GPU makes before every GEMM. (A contiguous cache is
+    split into its layers' buffers once a block and written in place: `kv_cache.per_layer`.)"""
+    hlo, params, cache = program("h100", kernel, page_size)
     shapes = [s for run in params["layers"] for s in layer_shapes(layer(run))]
-    shapes += [s for run in cache for s in layer_shapes(layer(run))]
+    if page_size:
+        shapes += [s for run in cache for s in layer_shapes(layer(run))]
     assert copies_of(hlo, shapes, ordered=True) == []
 
 
