@@ -185,6 +185,18 @@ def test_the_trace_sets_the_busiest_devices_experts_and_travelling_rows():
     assert near["exchange"] == pytest.approx(full / 7 + 2 * t.collective_us)
 
 
+def test_one_device_prices_the_one_program_every_placement_is():
+    """One GPU: a single layout, no exchange, what a serve on it runs (no placement to pick)."""
+    t = targets.target("h200")
+    config = dataclasses.replace(TINY, layout=LayoutConfig(devices=1))
+    report, _ = target_costs.advise(config, even(4, 4), t, list(targets.devices("h200", 1)), 256, 512,
+                                    ["expert_sharded", "ragged_a2a"])
+    for phase in ("decode", "prefill"):
+        [row] = report["phases"][phase]["layouts"]
+        assert row["layout"] == target_costs.ONE_DEVICE and row["us"]["exchange"] == 0 < row["us"]["step"]
+    assert report["recommend"]["flags"] == "--devices 1"
+
+
 def test_hybrid_is_tried_at_every_mesh():
     assert [(l.ep, l.tp) for l in target_costs.layouts(TINY, 8, ["hybrid"])] == [(2, 4), (4, 2)]
 

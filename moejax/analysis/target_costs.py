@@ -48,6 +48,7 @@ EXCHANGE_SCOPES = ("moe/", "all_gather_invariant")
 TARGET_FIGURES = ("name", "device_kind", "hbm_gb", "hbm_tb_s", "bf16_tflops", "fp4_tflops", "link_gb_s", "launch_us",
                   "collective_us")
 MAX_PREFILL_CHUNKS = 8  # chunks of the trace's rows a prefill prices (each of thousands of rows)
+ONE_DEVICE = "one device"  # the layout of one device: no exchange, every placement the reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,13 +68,17 @@ class Candidate:
 
 
 def label(layout: Layout) -> str:
+    if layout.devices == 1:
+        return ONE_DEVICE
     return f"{layout.name} {layout.ep}x{layout.tp}" if registry.placement_class(layout.name).mesh_from_layout \
         else layout.name
 
 
 def layouts(config: Config, n: int, names: list[str]) -> list[Layout]:
     """The placements `names` on n devices at their default meshes, and hybrid at every ep x tp
-    (both above 1) the model divides into."""
+    (both above 1) the model divides into; on one device the one program every placement is."""
+    if n == 1:
+        return [Layout(names[0], 1, 1)]
     out = []
     for name in names:
         cls = registry.placement_class(name)
@@ -103,8 +108,8 @@ def compile_candidate(config: Config, layout: Layout, t: Target, devices: list, 
     for phase, rows in (("decode", batch), ("prefill", chunk)):
         jitted, args = progs[phase]
         compiled, _, error = plan.compile_program(jitted, args, persist=False)
-        if compiled is None:
-            return f"its {phase} does not compile: {error}"
+        if compiled is None:  # the TPU compiler's "temporaries" it refuses count the parameters too
+            return f"its {phase} does not compile ({plan.bytes_per_device(params) / GB:.1f} GB of parameters a device): {error}"
         temp = max(temp, compiled.memory_analysis().temp_size_in_bytes)
         programs[phase] = Program(hlo.ops(compiled.as_text(), layout.devices), -(-rows // layout.devices))
     return Candidate(layout, placement.kernel, plan.bytes_per_device(experts) / len(cfg.model.moe_layers) / held,
@@ -260,7 +265,7 @@ def recommend(phases: dict) -> dict:
     mesh = f" --ep {hybrid['ep']} --tp {hybrid['tp']}" if hybrid else ""
     apart = prefill["layout"] != decode["layout"]
     flags = (f"--prefill-placement {prefill['placement']} --decode-placement {decode['placement']}" if apart
-             else f"--placement {decode['placement']}") + mesh
+             else f"--placement {decode['placement']}") + mesh if decode["layout"] != ONE_DEVICE else "--devices 1"
     return {"decode": decode["layout"], "prefill": prefill["layout"], "apart": apart, "flags": flags,
             "fits": decode["fits"] and prefill["fits"],
             "decode_us": decode["us"]["step"], "prefill_us": prefill["us"]["step"],
