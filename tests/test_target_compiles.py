@@ -5,7 +5,8 @@ power of two) x decode step and prefill chunk (contiguous cache), paged decode s
 float32, with the kernels `auto` picks (and the XLA path's in bf16), compile for an H100 (XLA:GPU
 with its Triton lowering); every placement's decode step and prefill chunk compile for 8 H100s
 and for a v5e slice of 8 chips with the Pallas kernels the target's `auto` picks. The whole matrix
-compiles once, in worker processes running side by side (`target_compiles.py`), so that an XLA abort fails its case instead of ending the run.
+compiles once, in worker processes running side by side (`target_compiles.py`), so that an XLA
+abort fails its case instead of ending the run.
 """
 
 from __future__ import annotations
