@@ -130,6 +130,14 @@ def forms_on_device(platform: str | None = None) -> bool:
     return backend(platform) != "cpu"
 
 
+def splits_cache(platform: str | None = None) -> bool:
+    """Whether a program of several decode steps holds an unrolled run's contiguous cache as
+    per-layer buffers (`kv_cache.per_layer`): on XLA:CPU, where a layer's slice of the stack is
+    two copies a step; XLA:GPU copies a layer's slice either way, and split buffers there are a
+    second whole cache (a block over Qwen3-30B-A3B's 206 GB of cache took 206 GB more)."""
+    return backend(platform) == "cpu"
+
+
 def holds_groups(platform: str | None = None) -> bool:
     """Whether an unrolled run holds each expert of a layer in its own buffer, for a kernel that
     multiplies a group where it lies through a `lax.switch` (`pallas_kernels/layered.py`): on

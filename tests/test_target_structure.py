@@ -89,14 +89,15 @@ def loops_of_unknown_trip_count(hlo: str) -> list[str]:
 
 @functools.cache
 def program(target: str, kernel: str, page_size: int):
-    """(optimized HLO of a decode block, abstract params, abstract cache) on one `target` device;
-    page_size 0: a contiguous cache."""
+    """(optimized HLO of a decode block, abstract params, abstract cache, its temporary bytes) on one
+    `target` device; page_size 0: a contiguous cache."""
     config = Config(model=MODEL, layout=LayoutConfig(devices=1), weights=WeightsConfig("unquantized"),
                     engine=EngineConfig(dtype="bfloat16"), kernel=kernel).validate()
     _, progs = plan.programs(config, BATCH, CONTEXT, BATCH, targets.target(target).platform,
                              list(targets.devices(target, 1)), page_size)
     jitted, args = progs["decode block"]
-    return jitted.lower(*args).compile().as_text(), *args[:2]
+    compiled = jitted.lower(*args).compile()
+    return compiled.as_text(), *args[:2], compiled.memory_analysis().temp_size_in_bytes
 
 
 def layer(run):
@@ -118,7 +119,7 @@ def test_decode_steps_copy_no_layer_of_their_experts_or_pages(target, kernel, pa
     """No op of a decode block writes an array of a layer's expert matrices' shape (a grouped
     GEMM reads them in their stack, a `layered.LayerOf`), nor of a layer's page pool (attention
     writes and reads a layer's pages through its index into the run's pools)."""
-    hlo, params, cache = program(target, kernel, page_size)
+    hlo, params, cache, _ = program(target, kernel, page_size)
     shapes = [s for run in params["layers"] for s in layer_shapes(layer(run)["moe"]["experts"])]
     if page_size:
         shapes += [s for run in cache for s in layer_shapes(layer(run))]
@@ -133,11 +134,20 @@ def test_a_gpu_reads_every_weight_of_a_layer_where_it_lies(kernel, page_size):
     (`platform.unrolls`), each layer's weights buffers of their own, where a scan's slice of the
     attention and router weights is a copy XLA:GPU makes before every GEMM. (A contiguous cache is
     split into its layers' buffers once a block and written in place: `kv_cache.per_layer`.)"""
-    hlo, params, cache = program("h100", kernel, page_size)
+    hlo, params, cache, _ = program("h100", kernel, page_size)
     shapes = [s for run in params["layers"] for s in layer_shapes(layer(run))]
     if page_size:
         shapes += [s for run in cache for s in layer_shapes(layer(run))]
     assert copies_of(hlo, shapes, ordered=True) == []
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_gpu_decode_block_holds_no_second_contiguous_cache(kernel):
+    """On an H100 a decode block over a contiguous cache keeps each run's cache stacked: its
+    temporaries stay under the cache's bytes (split into per-layer buffers, as XLA:CPU's block
+    holds it, they were a whole second cache: `platform.splits_cache`)."""
+    _, _, cache, temp = program("h100", kernel, 0)
+    assert temp < sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache))
 
 
 @pytest.mark.parametrize("page_size", [0, PAGE_SIZE])
@@ -145,7 +155,7 @@ def test_a_gpu_reads_every_weight_of_a_layer_where_it_lies(kernel, page_size):
 def test_a_decode_block_loops_a_known_number_of_times(kernel, page_size):
     """On an H100 every loop of a decode block, the block's own and the grouped GEMMs', has a trip
     count XLA knows (`known_trip_count`): the GPU runtime runs it without reading its condition."""
-    hlo, _, _ = program("h100", kernel, page_size)
+    hlo, *_ = program("h100", kernel, page_size)
     assert re.search(r" while\(", hlo) and loops_of_unknown_trip_count(hlo) == []
 
 

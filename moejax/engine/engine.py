@@ -80,7 +80,7 @@ def decode_steps(params, cache, tokens, lens, seeds, first, count, pages=None, *
     A step past count changes nothing read later: it keeps no token, and its positions lie past
     the cache's end (past every row's block table), where writes are dropped."""
     if pages is None:  # a contiguous cache: the positions the block sees, each unrolled layer's its own buffers
-        carried = per_layer(leading(c, cache, visible) if visible else cache, placement.loops)
+        carried = per_layer(leading(c, cache, visible) if visible else cache, placement.loops, placement.platform)
         length = jax.tree.leaves(carried)[0].shape[-2]  # every contiguous entry's positions precede one last axis
     else:
         carried, length = cache, paged.width(pages) * paged.page_size_of(cache)
