@@ -159,6 +159,14 @@ def test_advise_ranks_each_phase_with_its_time_table(h100):
     assert "decode (8 steps of 64 rows)" in text and "recommend: serve --" in text
 
 
+def test_a_layout_that_alone_fits_leads_by_its_memory():
+    row = lambda name, us, gb: {"layout": name, "us": {"step": us, **dict.fromkeys(target_costs.CATEGORIES, us / 4)},
+                                "memory_gb": gb, "fits": gb <= 32}
+    d = target_costs.decides([row("tensor_sliced", 900.0, 31.7), row("expert_sharded", 100.0, 33.2)])
+    assert d["part"] == "memory" and d["part_gb"] == pytest.approx(1.5) and d["lead_us"] == pytest.approx(-800)
+    assert target_costs.decides([row("a", 100.0, 20), row("b", 140.0, 20)])["part_us"] == pytest.approx(10)
+
+
 def picks(rule) -> Trace:
     """8 decode steps of 64 rows (8 per device), row r of device d = r // 8 picking rule(d)."""
     ids = np.array([rule(r // 8) for r in range(64)], np.int32)  # [64, 4]

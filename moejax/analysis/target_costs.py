@@ -244,13 +244,16 @@ def rank(candidates: list[Candidate], model: ModelConfig, trace: Trace, t: Targe
 
 
 def decides(rows: list[dict]) -> dict | None:
-    """Between the first two layouts: the lead, and the part of the step that gives most of it."""
+    """Between the first two layouts: the lead, and the part of the step that gives most of it; or,
+    where the first leads by fitting the target's memory alone, "memory" and its GB a device less."""
     if len(rows) < 2:
         return None
     first, second = rows[0]["us"], rows[1]["us"]
+    out = {"first": rows[0]["layout"], "second": rows[1]["layout"], "lead_us": second["step"] - first["step"]}
+    if rows[0]["fits"] and not rows[1]["fits"]:
+        return {**out, "part": "memory", "part_gb": rows[1]["memory_gb"] - rows[0]["memory_gb"]}
     part = max(CATEGORIES, key=lambda c: second[c] - first[c])
-    return {"first": rows[0]["layout"], "second": rows[1]["layout"], "lead_us": second["step"] - first["step"],
-            "part": part, "part_us": second[part] - first[part]}
+    return {**out, "part": part, "part_us": second[part] - first[part]}
 
 
 def recommend(phases: dict) -> dict:
@@ -286,7 +289,10 @@ def table(report: dict) -> str:
             lines.append(f"{r['layout']:<18}{us['step']:>9.1f}" + "".join(f"{us[c]:>11.1f}" for c in CATEGORIES)
                          + f"{r['memory_gb']:>11.1f}" + ("" if r["fits"] else "  does not fit"))
         d = p["decides"]
-        if d:
+        if d and d["part"] == "memory":
+            lines.append(f"{d['first']} leads {d['second']}, {-d['lead_us']:.1f} us slower, by fitting "
+                         f"{t['hbm_gb']:g} GB: {d['part_gb']:.1f} GB a device less")
+        elif d:
             lines.append(f"{d['first']} leads {d['second']} by {d['lead_us']:.1f} us: {d['part']} "
                          f"{d['part_us']:.1f} us less")
     for skipped in report["not_compiled"]:
