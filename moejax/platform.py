@@ -130,19 +130,13 @@ def forms_on_device(platform: str | None = None) -> bool:
     return backend(platform) != "cpu"
 
 
-def splits_cache(platform: str | None = None) -> bool:
-    """Whether a program of several decode steps holds an unrolled run's contiguous cache as
-    per-layer buffers (`kv_cache.per_layer`): on XLA:CPU, where a layer's slice of the stack is
-    two copies a step; XLA:GPU copies a layer's slice either way, and split buffers there are a
-    second whole cache (a block over Qwen3-30B-A3B's 206 GB of cache took 206 GB more)."""
-    return backend(platform) == "cpu"
-
-
-def holds_groups(platform: str | None = None) -> bool:
-    """Whether an unrolled run holds each expert of a layer in its own buffer, for a kernel that
-    multiplies a group where it lies through a `lax.switch` (`pallas_kernels/layered.py`): on
-    XLA:CPU only, where a group sliced out of a layer's stack is a copy; an accelerator's
-    conditional would read its branch index back to the host."""
+def buffers_apart(platform: str | None = None) -> bool:
+    """Whether an unrolled run holds its slices as buffers of their own: a decode block's
+    contiguous cache a buffer set per layer (`kv_cache.per_layer`), and, for a kernel that
+    multiplies a group where it lies through a `lax.switch`, each expert of a layer
+    (`pallas_kernels/layered.py`). On XLA:CPU only, where a slice read out of a stack is a copy.
+    On a GPU the split cache is a second whole cache (a block over Qwen3-30B-A3B's 206 GB of
+    cache took 206 GB more), and a conditional would read its branch index back to the host."""
     return backend(platform) == "cpu"
 
 

@@ -21,7 +21,7 @@ from moejax.model import paged
 from moejax.model.attention import cache_specs
 from moejax.model.layer_loop import layer_loops
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_specs
-from moejax.platform import attention_kernel, backend, holds_groups, kernel, unrolls
+from moejax.platform import attention_kernel, backend, buffers_apart, kernel, unrolls
 import pallas_kernels
 from pallas_kernels import layered
 from sharding import accounting, rules, slots
@@ -55,10 +55,10 @@ class Placement:
         # How each run of layers executes there (a scan, or unrolled): the engine arranges its
         # parameters by these, and the decoder runs them so (`moejax/model/layer_loop.py`).
         # Where every device holds every expert and the kernel multiplies a group where it lies (on
-        # XLA:CPU: `platform.holds_groups`), an unrolled run holds each group of its experts in its
+        # XLA:CPU: `platform.buffers_apart`), an unrolled run holds each group of its experts in its
         # own buffers (`pallas_kernels/layered.py`).
         groups = GEMM_WEIGHTS if self.holds_every_expert and self.kernel in layered.READS_GROUPS \
-            and holds_groups(self.platform) else ()
+            and buffers_apart(self.platform) else ()
         self.loops = layer_loops(config.model, lambda layers: unrolls(config.engine.layer_loop, layers, self.platform),
                                  groups)
         self.set_slots(config.model.num_experts)

@@ -145,7 +145,7 @@ def test_a_gpu_reads_every_weight_of_a_layer_where_it_lies(kernel, page_size):
 def test_a_gpu_decode_block_holds_no_second_contiguous_cache(kernel):
     """On an H100 a decode block over a contiguous cache keeps each run's cache stacked: its
     temporaries stay under the cache's bytes (split into per-layer buffers, as XLA:CPU's block
-    holds it, they were a whole second cache: `platform.splits_cache`)."""
+    holds it, they were a whole second cache: `platform.buffers_apart`)."""
     _, _, cache, temp = program("h100", kernel, 0)
     assert temp < sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache))
 

@@ -13,7 +13,7 @@ from moejax.model import paged
 from moejax.model.attention import cache_specs
 from moejax.model.layer_loop import split_layers, stack_layers
 from moejax.model.params import layer_runs
-from moejax.platform import splits_cache
+from moejax.platform import buffers_apart
 from pallas_kernels.paged_attention import combined, head_dim
 
 
@@ -22,9 +22,9 @@ def per_layer(cache: list[dict], loops: tuple, platform: str | None = None) -> l
     layer's arrays their own buffers: a decoder layer reads and writes its own in place, where a
     layer sliced out of the run's [layers, ...] and put back is two copies of it per step on
     XLA:CPU. A program of several decode steps splits once and `restack`s once. Only where
-    `platform.splits_cache` (XLA:CPU): on a GPU the split buffers are a second whole cache for
+    `platform.buffers_apart` (XLA:CPU): on a GPU the split buffers are a second whole cache for
     the program (`tests/test_target_structure.py`), and the run keeps its stack."""
-    if not splits_cache(platform):
+    if not buffers_apart(platform):
         return cache
     return [run if loop.stacked else split_layers(run) for run, loop in zip(cache, loops)]
 
