@@ -5,8 +5,8 @@
 Each NAME is one worker process started with its own environment (e.g.
 `malloc=MALLOC_ARENA_MAX=2,MALLOC_TRIM_THRESHOLD_=-1`, `plain=`, or another checkout through
 `PYTHONPATH=...`; `AB_DECODE_BLOCK=N`: the engine's decode block): settings jax or glibc read
-once, at start-up, cannot change inside one process. Every worker loads the same transformers directory as `moejax generate --hf DIR`
-does; then the rounds alternate over the workers (a slow spell of the shared host lands on all
+once, at start-up, cannot change inside one process. Every worker loads the same transformers directory as `moejax
+generate --hf DIR` does; then the rounds alternate over the workers (a slow spell of the shared host lands on all
 of them) and each round prints every worker's prefill tokens/s for one 512-token prompt and
 decode tokens/s at batch 1 and 16. Each worker's first call (its first prefill, compile time
 left out) and its peak RSS come first.
@@ -77,10 +77,18 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'side':<16}{'first prefill s':>16}{'peak RSS MB':>13}")
         for spec in args.sides:  # one at a time: their start-ups would share the cores
             name, env = side_env(spec)
-            cmd = [sys.executable, __file__, "--worker", directory, str(args.prompt_len), str(args.decode_steps),
-                   str(geometry["vocab_size"])]
-            workers[name] = p = subprocess.Popen(cmd, cwd=here, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                                 text=True)
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                directory,
+                str(args.prompt_len),
+                str(args.decode_steps),
+                str(geometry["vocab_size"]),
+            ]
+            workers[name] = p = subprocess.Popen(
+                cmd, cwd=here, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
             first = json.loads(p.stdout.readline())
             print(f"{name:<16}{first['first_prefill']:>16.2f}{first['peak_rss_mb']:>13.0f}", flush=True)
         print(f"\n{'round':<7}{'side':<16}{'prefill tok/s':>14}{'b1 tok/s':>10}{'b16 tok/s':>11}   load")
@@ -92,8 +100,11 @@ def main(argv: list[str] | None = None) -> None:
                 p.stdin.flush()
                 t = json.loads(p.stdout.readline())["times"]
                 best[name] = list(map(min, best[name], t))
-                print(f"{r:<7}{name:<16}{args.prompt_len / t[0]:>14.0f}{1 / t[1]:>10.1f}{16 / t[2]:>11.1f}"
-                      f"   {os.getloadavg()[0]:.1f}", flush=True)
+                print(
+                    f"{r:<7}{name:<16}{args.prompt_len / t[0]:>14.0f}{1 / t[1]:>10.1f}{16 / t[2]:>11.1f}"
+                    f"   {os.getloadavg()[0]:.1f}",
+                    flush=True,
+                )
         print()
         for name, t in best.items():
             print(f"{'best':<7}{name:<16}{args.prompt_len / t[0]:>14.0f}{1 / t[1]:>10.1f}{16 / t[2]:>11.1f}")

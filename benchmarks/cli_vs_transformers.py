@@ -26,7 +26,6 @@ import tempfile
 import time
 
 import numpy as np
-
 from model_vs_transformers import GEOMETRY, SMOKE, hf_model  # benchmarks/ is the script's own path
 
 # measure -> (prompts, short (prompt tokens, new tokens), long (prompt tokens, new tokens))
@@ -58,8 +57,16 @@ def prompts(vocab: int, count: int, length: int) -> list[str]:
 def commands(directory: str, vocab: int, count: int, prompt_len: int, new: int) -> dict[str, list[str]]:
     ps = prompts(vocab, count, prompt_len)
     return {
-        "moejax": ["moejax", "generate", "--hf", directory, *(a for p in ps for a in ("--prompt-ids", p)),
-                   "--max-new-tokens", str(new), "--ignore-eos"],
+        "moejax": [
+            "moejax",
+            "generate",
+            "--hf",
+            directory,
+            *(a for p in ps for a in ("--prompt-ids", p)),
+            "--max-new-tokens",
+            str(new),
+            "--ignore-eos",
+        ],
         "transformers": [sys.executable, "-c", HF_SCRIPT.format(threads=os.cpu_count()), directory, str(new), *ps],
     }
 
@@ -73,13 +80,18 @@ def wall(cmd: list[str]) -> float:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds; each command keeps its fastest")
-    ap.add_argument("--smoke", action="store_true", help="a toy-width model and short commands, to check the script runs")
+    ap.add_argument(
+        "--smoke", action="store_true", help="a toy-width model and short commands, to check the script runs"
+    )
     args = ap.parse_args(argv)
     geometry, measures = (SMOKE, SMOKE_MEASURES) if args.smoke else (GEOMETRY, MEASURES)
     with tempfile.TemporaryDirectory() as directory:
         hf_model(directory, geometry)
-        runs = {(m, length): commands(directory, geometry["vocab_size"], count, *shape)
-                for m, (count, *shapes) in measures.items() for length, shape in zip(("short", "long"), shapes)}
+        runs = {
+            (m, length): commands(directory, geometry["vocab_size"], count, *shape)
+            for m, (count, *shapes) in measures.items()
+            for length, shape in zip(("short", "long"), shapes)
+        }
         for cmds in runs.values() if not args.smoke else ():  # warm-up: moejax's compile cache, file caches
             for cmd in cmds.values():
                 wall(cmd)
@@ -88,21 +100,28 @@ def main(argv: list[str] | None = None) -> None:
             for side in ("transformers", "moejax"):
                 for key, cmds in runs.items():
                     walls[key, side].append(wall(cmds[side]))
-    print(f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end; {args.rounds} "
-          f"alternating rounds; transformers: grouped_mm experts, {os.cpu_count()} threads; moejax: "
-          f"`moejax generate --hf DIR` defaults")
+    print(
+        f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end; {args.rounds} "
+        f"alternating rounds; transformers: grouped_mm experts, {os.cpu_count()} threads; moejax: "
+        f"`moejax generate --hf DIR` defaults"
+    )
     # The fastest walls are the measure; the medians' marginals beside them show how much one
     # process's luck moved it.
     print(f"{'measure (marginal)':<28}{'transformers':>14}{'moejax':>10}{'ratio':>8}{'of medians':>12}")
-    for m, (count, (short_p, short_n), (long_p, long_n)) in measures.items():
+    for m, (_, (short_p, short_n), (long_p, long_n)) in measures.items():
         prefill = m == "prefill"
         work = (long_p - short_p) if prefill else (long_n - short_n)
-        per = {(side, pick): (pick(walls[(m, "long"), side]) - pick(walls[(m, "short"), side])) / work
-               for side in ("moejax", "transformers") for pick in (min, np.median)}
+        per = {
+            (side, pick): (pick(walls[(m, "long"), side]) - pick(walls[(m, "short"), side])) / work
+            for side in ("moejax", "transformers")
+            for pick in (min, np.median)
+        }
         unit = "ms per prompt token" if prefill else "ms per step"
         ratio = lambda pick: per["transformers", pick] / per["moejax", pick]
-        print(f"{f'{m}, {unit}':<28}{per['transformers', min] * 1e3:>14.2f}{per['moejax', min] * 1e3:>10.2f}"
-              f"{ratio(min):>8.2f}{ratio(np.median):>12.2f}")
+        print(
+            f"{f'{m}, {unit}':<28}{per['transformers', min] * 1e3:>14.2f}{per['moejax', min] * 1e3:>10.2f}"
+            f"{ratio(min):>8.2f}{ratio(np.median):>12.2f}"
+        )
     # Every command's walls, so that a marginal can be checked against the spread it came from.
     print("wall seconds per round (a marginal is the difference of the fastest):")
     for (m, length), side in walls:

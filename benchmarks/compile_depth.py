@@ -32,8 +32,19 @@ def run(layers: int, placement: str, devices: int) -> tuple[float, float, float]
         with open(config, "w") as f:
             json.dump({"model": model}, f)
         env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=os.path.join(tmp, "xla"))  # cold: nothing compiled before
-        argv = [sys.executable, "-m", "moejax", "generate", "--config", config, "--prompt-ids", "1,2,3",
-                "--max-new-tokens", "4", "--json"]
+        argv = [
+            sys.executable,
+            "-m",
+            "moejax",
+            "generate",
+            "--config",
+            config,
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "4",
+            "--json",
+        ]
         if devices > 1:
             argv += ["--devices", str(devices), "--placement", placement]
         t0 = time.perf_counter()
@@ -60,8 +71,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'placement':<16}" + "".join(f"{f'{d} layers':>22}" for d in depths) + f"{'compile ratio':>15}")
     for name in placements:
         cells = [run(d, name, args.devices) for d in depths]
-        print(f"{name:<16}" + "".join(f"{f'{s:.1f} / {c:.1f} / {gb:.2f}':>22}" for s, c, gb in cells)
-              + f"{cells[-1][1] / cells[0][1]:>14.2f}x")
+        print(
+            f"{name:<16}"
+            + "".join(f"{f'{s:.1f} / {c:.1f} / {gb:.2f}':>22}" for s, c, gb in cells)
+            + f"{cells[-1][1] / cells[0][1]:>14.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,18 @@ from sharding import make_placement
 
 FORMATS = {"bf16": "unquantized", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
 # The smoke run's model: the benchmark's shape at a size the CPU runs in seconds.
-SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_layers=2,
-             num_heads=4, num_kv_heads=2, head_dim=16, num_experts=16, num_experts_per_tok=4)
+SMOKE = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    num_experts=16,
+    num_experts_per_tok=4,
+)
 
 
 def copy_bandwidth(nbytes: int, reps: int = 5) -> float:
@@ -97,8 +107,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--kernel", default="auto")
-    p.add_argument("--page-size", type=int, default=16,
-                   help="the KV cache as pages of this many positions, as a server holds it (0: contiguous rows)")
+    p.add_argument(
+        "--page-size",
+        type=int,
+        default=16,
+        help="the KV cache as pages of this many positions, as a server holds it (0: contiguous rows)",
+    )
     p.add_argument("--copy-mb", type=int, default=4096, help="bytes of the copy-bandwidth measure")
     p.add_argument("--profile", action="store_true", help="the ten largest kernels of one generate")
     p.add_argument("--smoke", action="store_true", help="a small model on this machine's first device (CI)")
@@ -109,16 +123,25 @@ def main(argv: list[str] | None = None) -> None:
         args.copy_mb = min(args.copy_mb, 64)
     bandwidth = copy_bandwidth(args.copy_mb << 20)
     device = jax.devices()[0]
-    print(f"{device.device_kind}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; {model.family} {model.num_layers} layers, "
-          f"{model.num_experts} experts top-{model.num_experts_per_tok}, hidden {model.hidden_size}; prompt "
-          f"{args.prompt_len}, {args.new_tokens} new tokens, kernel {args.kernel}, "
-          + (f"pages of {args.page_size}" if args.page_size else "contiguous cache"))
-    print(f"{'experts':>8}{'batch':>7}{'prefill ms':>12}{'prefill tok/s':>15}{'decode ms':>11}{'tok/s':>9}"
-          f"{'GB/step':>9}{'bound tok/s':>13}{'% bound':>9}{'load s':>8}")
+    print(
+        f"{device.device_kind}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; {model.family} {model.num_layers} layers, "
+        f"{model.num_experts} experts top-{model.num_experts_per_tok}, hidden {model.hidden_size}; prompt "
+        f"{args.prompt_len}, {args.new_tokens} new tokens, kernel {args.kernel}, "
+        + (f"pages of {args.page_size}" if args.page_size else "contiguous cache")
+    )
+    print(
+        f"{'experts':>8}{'batch':>7}{'prefill ms':>12}{'prefill tok/s':>15}{'decode ms':>11}{'tok/s':>9}"
+        f"{'GB/step':>9}{'bound tok/s':>13}{'% bound':>9}{'load s':>8}"
+    )
     rng = np.random.default_rng(0)
     for name in args.formats:
-        config = Config(model=model, layout=LayoutConfig(devices=1), weights=WeightsConfig(FORMATS[name]),
-                        engine=EngineConfig(dtype="bfloat16", page_size=args.page_size), kernel=args.kernel).validate()
+        config = Config(
+            model=model,
+            layout=LayoutConfig(devices=1),
+            weights=WeightsConfig(FORMATS[name]),
+            engine=EngineConfig(dtype="bfloat16", page_size=args.page_size),
+            kernel=args.kernel,
+        ).validate()
         placement = make_placement(config)
         t0 = time.perf_counter()
         params = jax.block_until_ready(load_params(config, placement))
@@ -131,9 +154,11 @@ def main(argv: list[str] | None = None) -> None:
             need = step_bytes(config, engine.params, batch, args.prompt_len + args.new_tokens // 2)
             bound = batch * bandwidth / need
             tok_s = batch / (run.decode_step_ms / 1e3)
-            print(f"{name:>8}{batch:>7}{run.prefill_ms:>12.1f}{batch * args.prompt_len / (run.prefill_ms / 1e3):>15.0f}"
-                  f"{run.decode_step_ms:>11.2f}{tok_s:>9.0f}{need / 1e9:>9.2f}{bound:>13.0f}{100 * tok_s / bound:>9.1f}"
-                  f"{load_s:>8.1f}")
+            print(
+                f"{name:>8}{batch:>7}{run.prefill_ms:>12.1f}{batch * args.prompt_len / (run.prefill_ms / 1e3):>15.0f}"
+                f"{run.decode_step_ms:>11.2f}{tok_s:>9.0f}{need / 1e9:>9.2f}{bound:>13.0f}{100 * tok_s / bound:>9.1f}"
+                f"{load_s:>8.1f}"
+            )
         if args.profile:
             prompts = rng.integers(1, model.vocab_size, (args.batches[0], args.prompt_len)).tolist()
             print(f"-- the ten largest kernels of one generate, {name} batch {args.batches[0]}:")

@@ -64,18 +64,18 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[E, K, N] = [{args.experts}, {args.hidden}, {args.inter}], top-{args.topk}")
 
     rng = np.random.default_rng(0)
-    w = jax.random.normal(jax.random.key(0), (args.experts, args.hidden, args.inter),
-                          jnp.bfloat16) / args.hidden**0.5
+    w = jax.random.normal(jax.random.key(0), (args.experts, args.hidden, args.inter), jnp.bfloat16) / args.hidden**0.5
     weights = {"bf16": w, "nvfp4": pk.quantize(w, "nvfp4"), "mxfp4": pk.quantize(w, "mxfp4")}
     expert_bytes = {f: pk.nbytes(q) // args.experts for f, q in weights.items()}
     # K-major weights with MMA-tiled scales, converted once as at load time.
-    prepared = ({f: gmm_blackwell.prepare_weights(weights[f]) for f in ("nvfp4", "mxfp4")}
-                if is_blackwell() else {})
+    prepared = {f: gmm_blackwell.prepare_weights(weights[f]) for f in ("nvfp4", "mxfp4")} if is_blackwell() else {}
     gemm = jax.jit(pk.grouped_gemm, static_argnames=("backend",))
     ragged = jax.jit(lambda x, w, s: jax.lax.ragged_dot(x, w, s))
 
-    print(f"{'kernel':>18} {'tokens':>6} {'touched':>7} {'MB read':>8} {'time us':>9} "
-          f"{'GB/s':>7} {'% HBM':>6} {'TFLOP/s':>8} {'% peak':>6} {'err vs bf16':>11}")
+    print(
+        f"{'kernel':>18} {'tokens':>6} {'touched':>7} {'MB read':>8} {'time us':>9} "
+        f"{'GB/s':>7} {'% HBM':>6} {'TFLOP/s':>8} {'% peak':>6} {'err vs bf16':>11}"
+    )
     for tokens in args.tokens:
         ids = np.stack([rng.choice(args.experts, args.topk, replace=False) for _ in range(tokens)])
         sizes = jnp.asarray(np.bincount(ids.ravel(), minlength=args.experts), jnp.int32)
@@ -84,10 +84,10 @@ def main(argv: list[str] | None = None) -> None:
         flops = 2 * ids.size * args.hidden * args.inter
         expected = ragged(rows, w, sizes).astype(jnp.float32)
         runs = [("ragged_dot bf16", "bf16", lambda: ragged(rows, w, sizes))]
-        runs += [(f"{backend} {f}", f, lambda f=f: gemm(rows, weights[f], sizes, backend=backend))
-                 for f in weights]
-        runs += [(f"blackwell {f}", f, lambda f=f: gemm(rows, prepared[f], sizes, backend="blackwell"))
-                 for f in prepared]
+        runs += [(f"{backend} {f}", f, lambda f=f: gemm(rows, weights[f], sizes, backend=backend)) for f in weights]
+        runs += [
+            (f"blackwell {f}", f, lambda f=f: gemm(rows, prepared[f], sizes, backend="blackwell")) for f in prepared
+        ]
         for name, fmt, fn in runs:
             try:
                 seconds = median_seconds(fn, reps=args.reps)
@@ -96,9 +96,11 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{name:>18} {tokens:6d} FAILED {type(e).__name__}: {str(e).strip().splitlines()[0][:160]}")
                 continue
             read = touched * expert_bytes[fmt]
-            print(f"{name:>18} {tokens:6d} {touched:7d} {read / 1e6:8.1f} {seconds * 1e6:9.1f} "
-                  f"{read / seconds / 1e9:7.1f} {100 * read / seconds / hbm:6.1f} "
-                  f"{flops / seconds / 1e12:8.2f} {100 * flops / seconds / peak:6.1f} {err:11.3f}")
+            print(
+                f"{name:>18} {tokens:6d} {touched:7d} {read / 1e6:8.1f} {seconds * 1e6:9.1f} "
+                f"{read / seconds / 1e9:7.1f} {100 * read / seconds / hbm:6.1f} "
+                f"{flops / seconds / 1e12:8.2f} {100 * flops / seconds / peak:6.1f} {err:11.3f}"
+            )
 
 
 if __name__ == "__main__":

@@ -64,11 +64,9 @@ def experts_forward(rows, weights, group_sizes, group_offset=0):
     """rows [P, H] sorted by expert -> [P, H]: down(silu(gate) * up) per row's expert, for the
     experts [group_offset, group_offset + E_local) that `weights` hold (other rows: 0)."""
     gate_up, down = weights
-    h = pk.grouped_gemm(rows, gate_up, group_sizes, group_offset=group_offset,
-                        preferred_element_type=jnp.float32)
+    h = pk.grouped_gemm(rows, gate_up, group_sizes, group_offset=group_offset, preferred_element_type=jnp.float32)
     gate, up = jnp.split(h, 2, axis=-1)
-    return pk.grouped_gemm((jax.nn.silu(gate) * up).astype(rows.dtype), down, group_sizes,
-                           group_offset=group_offset)
+    return pk.grouped_gemm((jax.nn.silu(gate) * up).astype(rows.dtype), down, group_sizes, group_offset=group_offset)
 
 
 @jax.jit
@@ -87,15 +85,18 @@ def step_inputs(rng, ids: np.ndarray, hidden: int, experts: int):
 
 def figure3(args, bandwidth: float) -> None:
     rng = np.random.default_rng(0)
-    print(f"\nFigure 3: one MoE layer, {args.experts} experts top-{args.topk}, hidden "
-          f"{args.hidden}, expert intermediate {args.inter}; router skew {args.skew}")
-    print(f"{'format':>6} {'tokens':>6} {'picks':>6} {'touched':>7} {'MB read':>8} {'time ms':>8} "
-          f"{'GB/s':>6} {'% bw':>5} {'GFLOP/s':>8} {'einsum GFLOP/s':>14}")
+    print(
+        f"\nFigure 3: one MoE layer, {args.experts} experts top-{args.topk}, hidden "
+        f"{args.hidden}, expert intermediate {args.inter}; router skew {args.skew}"
+    )
+    print(
+        f"{'format':>6} {'tokens':>6} {'picks':>6} {'touched':>7} {'MB read':>8} {'time ms':>8} "
+        f"{'GB/s':>6} {'% bw':>5} {'GFLOP/s':>8} {'einsum GFLOP/s':>14}"
+    )
     for fmt in args.formats:
         layer, expert_bytes = make_layer(args.experts, args.hidden, args.inter, fmt)
         first = jax.tree.map(lambda a: a[0], layer)  # expert 0: [H, 2I], [I, H]
-        dense = [pk.dequantize(w) if isinstance(w, pk.QuantizedArray) else w.astype(jnp.float32)
-                 for w in first]
+        dense = [pk.dequantize(w) if isinstance(w, pk.QuantizedArray) else w.astype(jnp.float32) for w in first]
         for tokens in args.batches:
             ids = route(rng, tokens, args.experts, args.topk, args.skew)
             rows, sizes = step_inputs(rng, ids, args.hidden, args.experts)
@@ -104,10 +105,12 @@ def figure3(args, bandwidth: float) -> None:
             read = touched * expert_bytes
             flops = 2 * ids.size * 3 * args.hidden * args.inter
             einsum = timeit(dense_forward, rows, *dense)
-            print(f"{fmt:>6} {tokens:6d} {ids.size:6d} {touched:7d} {read / 1e6:8.2f} "
-                  f"{seconds * 1e3:8.2f} {read / seconds / 1e9:6.2f} "
-                  f"{100 * read / seconds / bandwidth:5.0f} {flops / seconds / 1e9:8.1f} "
-                  f"{flops / einsum / 1e9:14.1f}")
+            print(
+                f"{fmt:>6} {tokens:6d} {ids.size:6d} {touched:7d} {read / 1e6:8.2f} "
+                f"{seconds * 1e3:8.2f} {read / seconds / 1e9:6.2f} "
+                f"{100 * read / seconds / bandwidth:5.0f} {flops / seconds / 1e9:8.1f} "
+                f"{flops / einsum / 1e9:14.1f}"
+            )
 
 
 def figure4(args) -> None:
@@ -116,37 +119,40 @@ def figure4(args) -> None:
     picks and touched experts vary between points independently."""
     rng = np.random.default_rng(1)
     local = args.experts // args.devices
-    print(f"\nFigure 4: {args.steps} decode steps of {args.decode_tokens} tokens, random router "
-          f"skew, each replayed on {args.devices} devices holding {local} experts; bf16")
+    print(
+        f"\nFigure 4: {args.steps} decode steps of {args.decode_tokens} tokens, random router "
+        f"skew, each replayed on {args.devices} devices holding {local} experts; bf16"
+    )
     layer, expert_bytes = make_layer(args.experts, args.hidden, args.inter, "bf16")
     points = []
     for _ in range(args.steps):
         skew = float(np.exp(rng.uniform(-2, 3)))
-        rows, sizes = step_inputs(rng, route(rng, args.decode_tokens, args.experts, args.topk, skew),
-                                  args.hidden, args.experts)
+        rows, sizes = step_inputs(
+            rng, route(rng, args.decode_tokens, args.experts, args.topk, skew), args.hidden, args.experts
+        )
         ends = np.cumsum(sizes)
         for d in range(args.devices):
-            mine = sizes[d * local:(d + 1) * local]
+            mine = sizes[d * local : (d + 1) * local]
             # The device's rows only (a dispatch delivers them), padded to a power of two so that
             # few shapes compile; the padding rows belong to no group.
             first, picks = int(ends[d * local] - sizes[d * local]), int(mine.sum())
             bucket = max(8, 1 << max(picks - 1, 0).bit_length())
-            x = jnp.zeros((bucket, args.hidden), rows.dtype).at[:picks].set(rows[first:first + picks])
-            shard = jax.tree.map(lambda a: a[d * local:(d + 1) * local], layer)
+            x = jnp.zeros((bucket, args.hidden), rows.dtype).at[:picks].set(rows[first : first + picks])
+            shard = jax.tree.map(lambda a: a[d * local : (d + 1) * local], layer)
             seconds = timeit(experts_forward, x, shard, jnp.asarray(mine))
             points.append((seconds, int((mine > 0).sum()) * expert_bytes, picks))
     t, read, picks = (np.array(c, np.float64) for c in zip(*points))
     slope, intercept = np.polyfit(read / 1e9, t * 1e6, 1)
     print(f"{len(points)} points: time = {intercept:.0f} us + {slope:.0f} us per GB read")
-    print(f"corr(time, bytes) = {np.corrcoef(t, read)[0, 1]:.3f}   "
-          f"corr(time, picks) = {np.corrcoef(t, picks)[0, 1]:.3f}")
+    print(
+        f"corr(time, bytes) = {np.corrcoef(t, read)[0, 1]:.3f}   corr(time, picks) = {np.corrcoef(t, picks)[0, 1]:.3f}"
+    )
     # Both terms at once: a CPU does ~10 FLOP per byte it reads, so rows are not free here.
     design = np.stack([np.ones_like(t), read / 1e6, picks], axis=1)
     coef, *_ = np.linalg.lstsq(design, t * 1e6, rcond=None)
     fit = design @ coef
     r2 = 1 - ((t * 1e6 - fit) ** 2).sum() / ((t * 1e6 - (t * 1e6).mean()) ** 2).sum()
-    print(f"time = {coef[0]:.0f} us + {coef[1]:.0f} us per MB + {coef[2]:.0f} us per pick "
-          f"(R^2 {r2:.3f})")
+    print(f"time = {coef[0]:.0f} us + {coef[1]:.0f} us per MB + {coef[2]:.0f} us per pick (R^2 {r2:.3f})")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -157,8 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--skew", type=float, default=1.0, help="Dirichlet skew of Figure 3's router")
     p.add_argument("--formats", nargs="+", default=["bf16", "nvfp4"])
-    p.add_argument("--batches", type=int, nargs="*",
-                   default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096])
+    p.add_argument("--batches", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096])
     p.add_argument("--steps", type=int, default=12, help="Figure 4 decode steps")
     # 16 tokens x top-8 over 64 experts = 2 picks per expert, Row-Meets-Experts's 64-request step.
     p.add_argument("--decode-tokens", type=int, default=16, help="Figure 4 tokens per step")
@@ -167,11 +172,14 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     # Other processes share this machine: take the best of several bandwidth readings.
     bandwidth = max(read_bandwidth(args.read_mb) for _ in range(3))
-    print(f"{jax.default_backend()} x{jax.device_count()}: measured read bandwidth "
-          f"{bandwidth / 1e9:.1f} GB/s (jitted sum over {args.read_mb} MB, best of 3)")
+    print(
+        f"{jax.default_backend()} x{jax.device_count()}: measured read bandwidth "
+        f"{bandwidth / 1e9:.1f} GB/s (jitted sum over {args.read_mb} MB, best of 3)"
+    )
     figure3(args, bandwidth)
     figure4(args)
     print(f"read bandwidth after the runs: {read_bandwidth(args.read_mb) / 1e9:.1f} GB/s")
+
 
 if __name__ == "__main__":
     main()

@@ -29,26 +29,51 @@ D, F, E, V, H, KV, DH = 1024, 512, 32, 16000, 16, 4, 64
 
 
 def hf_config(layers: int) -> dict:
-    return {"model_type": "qwen3_moe", "vocab_size": V, "hidden_size": D, "num_hidden_layers": layers,
-            "num_attention_heads": H, "num_key_value_heads": KV, "head_dim": DH, "intermediate_size": 2048,
-            "moe_intermediate_size": F, "num_experts": E, "num_experts_per_tok": 4, "norm_topk_prob": True,
-            "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6, "rope_theta": 1e6,
-            "max_position_embeddings": 4096, "tie_word_embeddings": False, "hidden_act": "silu"}
+    return {
+        "model_type": "qwen3_moe",
+        "vocab_size": V,
+        "hidden_size": D,
+        "num_hidden_layers": layers,
+        "num_attention_heads": H,
+        "num_key_value_heads": KV,
+        "head_dim": DH,
+        "intermediate_size": 2048,
+        "moe_intermediate_size": F,
+        "num_experts": E,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    }
 
 
 def layer_tensors(i: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
     def w(*shape):
-        return (0.02 * rng.standard_normal(shape, dtype=np.float32))
+        return 0.02 * rng.standard_normal(shape, dtype=np.float32)
 
     p = f"model.layers.{i}."
-    t = {p + "input_layernorm.weight": np.ones(D, np.float32), p + "post_attention_layernorm.weight": np.ones(D, np.float32),
-         p + "self_attn.q_proj.weight": w(H * DH, D), p + "self_attn.k_proj.weight": w(KV * DH, D),
-         p + "self_attn.v_proj.weight": w(KV * DH, D), p + "self_attn.o_proj.weight": w(D, H * DH),
-         p + "self_attn.q_norm.weight": np.ones(DH, np.float32), p + "self_attn.k_norm.weight": np.ones(DH, np.float32),
-         p + "mlp.gate.weight": w(E, D)}
+    t = {
+        p + "input_layernorm.weight": np.ones(D, np.float32),
+        p + "post_attention_layernorm.weight": np.ones(D, np.float32),
+        p + "self_attn.q_proj.weight": w(H * DH, D),
+        p + "self_attn.k_proj.weight": w(KV * DH, D),
+        p + "self_attn.v_proj.weight": w(KV * DH, D),
+        p + "self_attn.o_proj.weight": w(D, H * DH),
+        p + "self_attn.q_norm.weight": np.ones(DH, np.float32),
+        p + "self_attn.k_norm.weight": np.ones(DH, np.float32),
+        p + "mlp.gate.weight": w(E, D),
+    }
     for e in range(E):
-        t |= {p + f"mlp.experts.{e}.gate_proj.weight": w(F, D), p + f"mlp.experts.{e}.up_proj.weight": w(F, D),
-              p + f"mlp.experts.{e}.down_proj.weight": w(D, F)}
+        t |= {
+            p + f"mlp.experts.{e}.gate_proj.weight": w(F, D),
+            p + f"mlp.experts.{e}.up_proj.weight": w(F, D),
+            p + f"mlp.experts.{e}.down_proj.weight": w(D, F),
+        }
     return t
 
 
@@ -59,9 +84,13 @@ def write_model(directory: Path, layers: int) -> None:
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(hf_config(layers)))
     weight_map = {}
-    shards = [{"model.embed_tokens.weight": 0.02 * rng.standard_normal((V, D), dtype=np.float32),
-               "model.norm.weight": np.ones(D, np.float32),
-               "lm_head.weight": 0.02 * rng.standard_normal((V, D), dtype=np.float32)}]
+    shards = [
+        {
+            "model.embed_tokens.weight": 0.02 * rng.standard_normal((V, D), dtype=np.float32),
+            "model.norm.weight": np.ones(D, np.float32),
+            "lm_head.weight": 0.02 * rng.standard_normal((V, D), dtype=np.float32),
+        }
+    ]
     for i in range(layers + 1):  # shard i holds layer i (the last: embeddings and head); one in memory at a time
         tensors = layer_tensors(i, rng) if i < layers else shards[0]
         name = f"model-{i + 1:05d}-of-{layers + 1:05d}.safetensors"
@@ -88,8 +117,9 @@ LOADS = [("expert_sharded", "unquantized"), ("tensor_sliced", "unquantized"), ("
 
 def peak_rss_mb(argv: list[str]) -> tuple[float, str]:
     """Peak RSS of one child process (its own rusage, not the max over all children), and its stdout."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(
+        os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8"
+    )
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
@@ -110,8 +140,10 @@ def main(argv: list[str] | None = None) -> None:
     model_mb = sum(p.stat().st_size for p in hf.glob("*.safetensors")) / 2**20
     layer_mb = 3 * E * D * F * 4 / 2**20  # one layer's expert stacks, as read
     golden = str(ROOT / "tests/golden/qwen3_moe")
-    print(f"model {model_mb:,.0f} MB (float32) in {args.layers} layers; one layer's experts {layer_mb:,.0f} MB; "
-          f"one run's stacked expert matrix {args.layers * E * D * F * 4 / 2**20:,.0f} MB\n")
+    print(
+        f"model {model_mb:,.0f} MB (float32) in {args.layers} layers; one layer's experts {layer_mb:,.0f} MB; "
+        f"one run's stacked expert matrix {args.layers * E * D * F * 4 / 2**20:,.0f} MB\n"
+    )
     print("| job | peak RSS MB | baseline MB | placed MB | above baseline + placed, MB |")
     print("|---|---|---|---|---|")
     for placement, fmt in LOADS[:1] if args.smoke else LOADS:
@@ -119,12 +151,15 @@ def main(argv: list[str] | None = None) -> None:
         baseline, _ = peak_rss_mb([*load, golden, placement, "unquantized"])
         peak, placed = peak_rss_mb([*load, str(hf), placement, fmt])
         placed_mb = int(placed) / 2**20
-        print(f"| load {placement} {fmt} | {peak:,.0f} | {baseline:,.0f} | {placed_mb:,.0f} | "
-              f"{peak - baseline - placed_mb:,.0f} |")
+        print(
+            f"| load {placement} {fmt} | {peak:,.0f} | {baseline:,.0f} | {placed_mb:,.0f} | "
+            f"{peak - baseline - placed_mb:,.0f} |"
+        )
     convert = [sys.executable, "-m", "moejax", "convert", "--json", "--out"]
     baseline, _ = peak_rss_mb([*convert, str(args.dir / "golden"), "--hf", golden])
     peak, _ = peak_rss_mb([*convert, str(args.dir / "ckpt"), "--hf", str(hf)])
     print(f"| convert (float32) | {peak:,.0f} | {baseline:,.0f} | 0 | {peak - baseline:,.0f} |")
+
 
 if __name__ == "__main__":
     main()

@@ -25,25 +25,43 @@ import tempfile
 import time
 
 import numpy as np
-
 from grouped_gemm_cpu import read_bandwidth  # benchmarks/ is the script's own path
 
-
-GEOMETRY = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256,
-                num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=64,
-                num_experts_per_tok=8)
+GEOMETRY = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2048,
+    moe_intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_experts=64,
+    num_experts_per_tok=8,
+)
 # --smoke: the same model family at toy width, to check the script runs.
-SMOKE = dict(GEOMETRY, vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-             num_experts_per_tok=2)
+SMOKE = dict(
+    GEOMETRY,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+)
 
 
 def hf_model(directory: str, geometry: dict = GEOMETRY):
     import torch
     import transformers
 
-    cfg = transformers.Qwen3MoeConfig(**geometry, norm_topk_prob=True, max_position_embeddings=4096,
-                                      tie_word_embeddings=False)
+    cfg = transformers.Qwen3MoeConfig(
+        **geometry, norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=False
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     model.save_pretrained(directory)
@@ -92,8 +110,8 @@ def hf_runner(model, prompt_len: int, steps: int, experts: str):
 def moejax_engine(directory: str):
     """The engine `moejax generate --hf DIR` builds with no other flag: default settings and this
     host's layout (on a CPU host, one device per core: `factory.host_layout`)."""
-    from moejax.factory import build_engine
     from moejax.config import Config, LayoutConfig
+    from moejax.factory import build_engine
 
     return build_engine(Config(layout=LayoutConfig(devices=0)), directory, seed=0)
 
@@ -115,7 +133,12 @@ def moejax_runner(engine, prompt_len: int, steps: int):
 def step_bytes(batch: int, g: dict) -> float:
     """Weights a decode step must read: attention + router + dense head + touched experts."""
     d, layers, experts, k = g["hidden_size"], g["num_hidden_layers"], g["num_experts"], g["num_experts_per_tok"]
-    f, vocab, heads, kv = g["moe_intermediate_size"], g["vocab_size"], g["num_attention_heads"], g["num_key_value_heads"]
+    f, vocab, heads, kv = (
+        g["moe_intermediate_size"],
+        g["vocab_size"],
+        g["num_attention_heads"],
+        g["num_key_value_heads"],
+    )
     attn = d * (heads * g["head_dim"] + 2 * kv * g["head_dim"]) + heads * g["head_dim"] * d
     touched = experts * (1 - (1 - k / experts) ** batch)  # even router
     return 4 * (layers * (attn + d * experts + touched * 3 * d * f) + 2 * d * vocab)
@@ -132,12 +155,16 @@ def print_settings(experts: list[str], engine) -> None:
     loop = "scanned" if engine.loops[-1].stacked else "unrolled"
 
     print(f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end (other processes add noise)")
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}: {torch.get_num_threads()} threads, "
-          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, fastest expert implementation per measure "
-          f"(of {', '.join(HF_EXPERTS)}): " + ", ".join(f"{m} {e}" for m, e in zip(MEASURES, experts)))
-    print(f"moejax on jax {jax.__version__} ({jax.default_backend()}), defaults: {layout.placement} on "
-          f"{layout.devices} device(s), attention {layout.attention}, head {layout.head}, layers {loop}, prefill chunk "
-          f"{prefill_chunk(0)}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '') or 'none'}")
+    print(
+        f"transformers {transformers.__version__}, torch {torch.__version__}: {torch.get_num_threads()} threads, "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, fastest expert implementation per measure "
+        f"(of {', '.join(HF_EXPERTS)}): " + ", ".join(f"{m} {e}" for m, e in zip(MEASURES, experts))
+    )
+    print(
+        f"moejax on jax {jax.__version__} ({jax.default_backend()}), defaults: {layout.placement} on "
+        f"{layout.devices} device(s), attention {layout.attention}, head {layout.head}, layers {loop}, prefill chunk "
+        f"{prefill_chunk(0)}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '') or 'none'}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -170,14 +197,21 @@ def main(argv: list[str] | None = None) -> None:
     (hf_pre, *hf_steps) = [best[impl][i] for i, impl in enumerate(experts)]
     (mj_pre, *mj_steps) = best["moejax"]
     print_settings(experts, engine)
-    print(f"read bandwidth {bw / 1e9:.1f} GB/s; prompt {args.prompt_len} tokens; {args.decode_steps} decode steps; "
-          f"best of {args.rounds} alternating rounds")
+    print(
+        f"read bandwidth {bw / 1e9:.1f} GB/s; prompt {args.prompt_len} tokens; {args.decode_steps} decode steps; "
+        f"best of {args.rounds} alternating rounds"
+    )
     print(f"{'measure':<26}{'transformers':>14}{'moejax':>10}{'ratio':>8}{'bound':>9}")
-    print(f"{'prefill tokens/s':<26}{args.prompt_len / hf_pre:>14.0f}{args.prompt_len / mj_pre:>10.0f}{hf_pre / mj_pre:>8.2f}")
+    print(
+        f"{'prefill tokens/s':<26}{args.prompt_len / hf_pre:>14.0f}{args.prompt_len / mj_pre:>10.0f}"
+        f"{hf_pre / mj_pre:>8.2f}"
+    )
     for batch, hf_step, mj_step in zip(BATCHES, hf_steps, mj_steps):
         bound = batch * bw / step_bytes(batch, geometry)
-        print(f"{f'decode tokens/s, batch {batch}':<26}{batch / hf_step:>14.1f}{batch / mj_step:>10.1f}"
-              f"{hf_step / mj_step:>8.2f}{bound:>9.0f}")
+        print(
+            f"{f'decode tokens/s, batch {batch}':<26}{batch / hf_step:>14.1f}{batch / mj_step:>10.1f}"
+            f"{hf_step / mj_step:>8.2f}{bound:>9.0f}"
+        )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,10 @@ def setups(smoke: bool = False):
     """(model name, draft name, plain engine, speculative engine) per benchmarked pair (the first
     only for `smoke`)."""
     one_layer = dataclasses.replace(preset("tiny-glm5"), num_layers=1, dense_layers=(), dsa_shared_layers=())
-    for name, model, drafts in (("tiny-glm5 1 layer", one_layer, ("mirror", "random")),
-                                ("tiny-glm5", preset("tiny-glm5"), ("random",))):
+    for name, model, drafts in (
+        ("tiny-glm5 1 layer", one_layer, ("mirror", "random")),
+        ("tiny-glm5", preset("tiny-glm5"), ("random",)),
+    ):
         config = Config(model=model).validate()
         placement = make_placement(config)
         params = load_params(config, placement)
@@ -53,12 +55,19 @@ def run(batch: int, new_tokens: int, prompt_len: int = 40, smoke: bool = False):
         gen = spec.generate(prompts, new_tokens)
         assert gen.tokens == plain.tokens, "greedy MTP must equal plain greedy"
         per_step = 1 + gen.acceptance_rate
-        rows.append(dict(
-            model=model, draft=draft, batch=batch, acceptance_rate=round(gen.acceptance_rate, 3),
-            tokens_per_step=round(per_step, 3), plain_step_ms=round(plain.decode_step_ms, 2),
-            mtp_step_ms=round(gen.step_ms, 2), plain_ms_per_token=round(plain.decode_step_ms, 2),
-            mtp_ms_per_token=round(gen.step_ms / per_step, 2),
-        ))
+        rows.append(
+            dict(
+                model=model,
+                draft=draft,
+                batch=batch,
+                acceptance_rate=round(gen.acceptance_rate, 3),
+                tokens_per_step=round(per_step, 3),
+                plain_step_ms=round(plain.decode_step_ms, 2),
+                mtp_step_ms=round(gen.step_ms, 2),
+                plain_ms_per_token=round(plain.decode_step_ms, 2),
+                mtp_ms_per_token=round(gen.step_ms / per_step, 2),
+            )
+        )
     return rows
 
 

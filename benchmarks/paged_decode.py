@@ -32,9 +32,28 @@ from sharding import make_placement
 
 # (requests, prompt, new tokens, short / long --max-seq-len, shared prefix, prefix prompt,
 #  capacity's slots x max-seq-len and request length)
-FULL = dict(requests=16, prompt=32, new=32, max_lens=(128, 2048), pools=(2048, 32768), shared=384, prefix_prompt=400,
-            kv=(8, 2048), request_len=256)
-SMOKE = dict(requests=4, prompt=8, new=4, max_lens=(32, 128), pools=(256, 4096), shared=32, prefix_prompt=40, kv=(2, 128), request_len=32)
+FULL = dict(
+    requests=16,
+    prompt=32,
+    new=32,
+    max_lens=(128, 2048),
+    pools=(2048, 32768),
+    shared=384,
+    prefix_prompt=400,
+    kv=(8, 2048),
+    request_len=256,
+)
+SMOKE = dict(
+    requests=4,
+    prompt=8,
+    new=4,
+    max_lens=(32, 128),
+    pools=(256, 4096),
+    shared=32,
+    prefix_prompt=40,
+    kv=(2, 128),
+    request_len=32,
+)
 
 
 class Counting(Scheduler):
@@ -99,11 +118,14 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(config, load_params(config, placement), placement)
     short, long = st["max_lens"]
     n, p, o = st["requests"], st["prompt"], st["new"]
-    decode = Sides({m: Scheduler(engine, slots=n, max_len=m) for m in (short, long)},
-                   lambda s: tpot_ms(send(s, prompts(n, p), o)))
+    decode = Sides(
+        {m: Scheduler(engine, slots=n, max_len=m) for m in (short, long)}, lambda s: tpot_ms(send(s, prompts(n, p), o))
+    )
     small, big = st["pools"]
-    pool = Sides({k: Scheduler(engine, slots=n, max_len=short, kv_tokens=k) for k in (small, big)},
-                 lambda s: tpot_ms(send(s, prompts(n, p), o)))
+    pool = Sides(
+        {k: Scheduler(engine, slots=n, max_len=short, kv_tokens=k) for k in (small, big)},
+        lambda s: tpot_ms(send(s, prompts(n, p), o)),
+    )
     seeds = itertools.count(1)
 
     def one_at_a_time(s: Scheduler) -> tuple[float, int]:
@@ -115,8 +137,13 @@ def main(argv: list[str] | None = None) -> None:
             ttft.append(r.token_times[0] - r.arrival)
         return 1e3 * float(np.mean(ttft)), s.prefilled_tokens - before
 
-    prefix = Sides({cache: Scheduler(engine, slots=2, max_len=st["prefix_prompt"] + 4, prefix_cache=cache)
-                    for cache in (True, False)}, one_at_a_time)
+    prefix = Sides(
+        {
+            cache: Scheduler(engine, slots=2, max_len=st["prefix_prompt"] + 4, prefix_cache=cache)
+            for cache in (True, False)
+        },
+        one_at_a_time,
+    )
     for _ in range(args.rounds):
         decode.round()
         pool.round()
@@ -126,14 +153,18 @@ def main(argv: list[str] | None = None) -> None:
     (with_ms, with_tokens), (without_ms, without_tokens) = (np.mean(prefix.results[k], axis=0) for k in (True, False))
     together = capacity(engine, st)
     slots, max_len = st["kv"]
-    out = {"mean_tpot_ms": {short: round(mean[short], 2), long: round(mean[long], 2)},
-           "tpot_ratio": round(mean[long] / mean[short], 2),
-           "pool_mean_tpot_ms": {small: round(by_pool[small], 2), big: round(by_pool[big], 2)},
-           "pool_tpot_ratio": round(by_pool[big] / by_pool[small], 2),
-           "prefix_mean_ttft_ms": {"cached": round(with_ms, 2), "uncached": round(without_ms, 2)},
-           "prefix_ttft_ratio": round(with_ms / without_ms, 2),
-           "prefill_tokens": {"cached": int(with_tokens), "uncached": int(without_tokens)},
-           "decoding_together": together, "capacity_vs_slots": together / slots, "rounds": args.rounds}
+    out = {
+        "mean_tpot_ms": {short: round(mean[short], 2), long: round(mean[long], 2)},
+        "tpot_ratio": round(mean[long] / mean[short], 2),
+        "pool_mean_tpot_ms": {small: round(by_pool[small], 2), big: round(by_pool[big], 2)},
+        "pool_tpot_ratio": round(by_pool[big] / by_pool[small], 2),
+        "prefix_mean_ttft_ms": {"cached": round(with_ms, 2), "uncached": round(without_ms, 2)},
+        "prefix_ttft_ratio": round(with_ms / without_ms, 2),
+        "prefill_tokens": {"cached": int(with_tokens), "uncached": int(without_tokens)},
+        "decoding_together": together,
+        "capacity_vs_slots": together / slots,
+        "rounds": args.rounds,
+    }
     if args.json:
         print(json.dumps(out))
         return
@@ -146,14 +177,18 @@ def main(argv: list[str] | None = None) -> None:
     for k in (small, big):
         print(f"{'  --kv-cache-tokens ' + str(k):<100}{by_pool[k]:>14.2f}")
     print(f"{'  ratio':<100}{out['pool_tpot_ratio']:>14.2f}")
-    run = (f"moejax bench --preset tiny --num-prompts {n} --input-len {st['prefix_prompt']} --output-len 4 "
-           f"--max-concurrency 1 --shared-prefix-len {st['shared']}")
+    run = (
+        f"moejax bench --preset tiny --num-prompts {n} --input-len {st['prefix_prompt']} --output-len 4 "
+        f"--max-concurrency 1 --shared-prefix-len {st['shared']}"
+    )
     print(f"{'prefix: ' + run:<100}{'mean TTFT ms':>14}{'prefilled':>11}")
     print(f"{'  (prefix cache on)':<100}{with_ms:>14.2f}{int(with_tokens):>11}")
     print(f"{'  --no-prefix-cache':<100}{without_ms:>14.2f}{int(without_tokens):>11}")
     print(f"{'  ratio':<100}{out['prefix_ttft_ratio']:>14.2f}")
-    run = (f"capacity: --kv-cache-tokens {slots * max_len} (the memory of --slots {slots} --max-seq-len {max_len}), "
-           f"requests of {st['request_len'] // 2} + {st['request_len'] // 2} tokens")
+    run = (
+        f"capacity: --kv-cache-tokens {slots * max_len} (the memory of --slots {slots} --max-seq-len {max_len}), "
+        f"requests of {st['request_len'] // 2} + {st['request_len'] // 2} tokens"
+    )
     print(f"{run:<100}{'decode together':>16}")
     print(f"{'  paged (contiguous rows: ' + str(slots) + ')':<100}{together:>16}")
 

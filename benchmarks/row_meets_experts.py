@@ -1,4 +1,5 @@
-"""Row-Meets-Experts' figures (docs/references.md) beside what `moejax calc` and `moejax analyze` (on the synthetic glm-like trace) give.
+"""Row-Meets-Experts' figures (docs/references.md) beside what `moejax calc` and `moejax analyze` (on the synthetic
+glm-like trace) give.
 
     PYTHONPATH=. python benchmarks/row_meets_experts.py [--steps 300] [--seed 0]   # from the repository root
 
@@ -36,21 +37,34 @@ def main(argv: list[str] | None = None) -> None:
         ("row bf16 / nvfp4 (B)", "12,288 / 3,456", f"{c['row_bytes']['bf16']:,} / {c['row_bytes']['nvfp4']:,}"),
         ("devices per row, 8 devices", 5.3, cd[8]["devices_per_row"]),
         ("even-router touched at 64 tokens", 0.87, cd[8]["even_touched_fraction"]),
-        ("188 touched experts, GB per device on 8 / 32", "0.50 / 0.125",
-         f"{cd[8]['expert_bytes_read_per_device'] / 1e9:.3f} / {cd[32]['expert_bytes_read_per_device'] / 1e9:.3f}"),
+        (
+            "188 touched experts, GB per device on 8 / 32",
+            "0.50 / 0.125",
+            f"{cd[8]['expert_bytes_read_per_device'] / 1e9:.3f} / {cd[32]['expert_bytes_read_per_device'] / 1e9:.3f}",
+        ),
         ("synthetic: experts touched per step", 0.72, a["experts_touched"]["trace"]),
         ("synthetic: busiest expert per step (picks of 512)", 17, a["picks_per_expert"]["busiest_per_step"]),
-        ("synthetic: busiest expert vs mean, min-max over layers", "2.9-14",
-         f"{a['busiest_expert_vs_mean']['min']:.1f}-{a['busiest_expert_vs_mean']['max']:.1f}"),
+        (
+            "synthetic: busiest expert vs mean, min-max over layers",
+            "2.9-14",
+            f"{a['busiest_expert_vs_mean']['min']:.1f}-{a['busiest_expert_vs_mean']['max']:.1f}",
+        ),
         ("synthetic: copies per row, 8 devices", 4.6, ad[8]["contiguous"]["copies_per_row"]),
     ]
-    for n, copies, bal, eplb_bal, even in ((8, 4.6, 0.75, 0.86, 0.85), (16, 6.1, 0.61, 0.78, 0.76),
-                                           (32, 7.0, 0.46, 0.67, 0.65)):
+    for n, copies, bal, eplb_bal, even in (
+        (8, 4.6, 0.75, 0.86, 0.85),
+        (16, 6.1, 0.61, 0.78, 0.76),
+        (32, 7.0, 0.46, 0.67, 0.65),
+    ):
         rows += [
             (f"copies sent per row, {n} devices (even router)", copies, cd[n]["copies_sent_per_row"]),
             (f"even-router balancedness, {n} devices", even, cd[n]["even_balancedness"]),
             (f"synthetic: balancedness, contiguous, {n} devices", bal, ad[n]["contiguous"]["balancedness"]),
-            (f"synthetic: balancedness, EPLB 32 spare slots, {n} devices", eplb_bal, ad[n]["eplb_test"]["balancedness"]),
+            (
+                f"synthetic: balancedness, EPLB 32 spare slots, {n} devices",
+                eplb_bal,
+                ad[n]["eplb_test"]["balancedness"],
+            ),
         ]
     width = max(len(r[0]) for r in rows)
     print(f"{'figure':<{width}}  {'published':>14}  {'moejax':>14}")

@@ -46,14 +46,13 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/moejax/xla"))
 
     from moejax.analysis import costs
-    from sharding import eplb
     from moejax.analysis.record import model_trace
     from moejax.analysis.simulate import layouts, simulate
-    from moejax.trace import save_trace
+    from moejax.config import Config, preset
     from moejax.factory import build_engine, ensure_devices
     from moejax.flags import DEFAULT_PROMPTS
-    from moejax.config import Config, preset
-    from sharding import registry, with_placement
+    from moejax.trace import save_trace
+    from sharding import eplb, registry, with_placement
 
     ensure_devices(args.devices)
     config = dataclasses.replace(Config(), model=preset(args.preset))
@@ -64,8 +63,9 @@ def main(argv: list[str] | None = None) -> None:
 
     engines = {layout.name: engine_of(layout.name) for layout in layouts(args.devices)}
     fit_engine = engines[registry.DEFAULT]
-    calibration = save_trace(out / "calibration.npz",
-                             **model_trace(fit_engine, CALIBRATION_PROMPTS, args.steps, args.preset))
+    calibration = save_trace(
+        out / "calibration.npz", **model_trace(fit_engine, CALIBRATION_PROMPTS, args.steps, args.preset)
+    )
     trace = save_trace(out / "validation.npz", **model_trace(fit_engine, DEFAULT_PROMPTS, args.steps, args.preset))
     table = costs.load(Path(args.costs), config)
     costs.ensure(table, config, calibration, args.devices)
@@ -77,17 +77,21 @@ def main(argv: list[str] | None = None) -> None:
 
     decode = trace.select(trace.kind == "decode")
     order = eplb.contiguous(decode.ids.shape[1], decode.num_experts)
-    print(f"{args.preset}, {len(DEFAULT_PROMPTS)} requests, {args.steps} decode steps, {args.devices} CPU devices "
-          f"({table.concurrency} cores); non-MoE {non_moe / 1e3:.2f} ms/step fitted on {registry.DEFAULT} "
-          f"with other prompts")
+    print(
+        f"{args.preset}, {len(DEFAULT_PROMPTS)} requests, {args.steps} decode steps, {args.devices} CPU devices "
+        f"({table.concurrency} cores); non-MoE {non_moe / 1e3:.2f} ms/step fitted on {registry.DEFAULT} "
+        f"with other prompts"
+    )
     print(f"{'placement':<16}{'ep x tp':>8}{'exchange':>10}{'experts':>9}{'simulated':>11}{'measured':>10}{'error':>8}")
     errors = []
     for layout in layouts(args.devices):
         sim = simulate(decode, layout, order, table)
         error = sim["step_ms"] / measured[layout.name] - 1
         errors.append(abs(error))
-        print(f"{layout.name:<16}{layout.ep:>4} x {layout.tp:<2}{sim['exchange_ms']:>10.2f}{sim['expert_ms']:>9.2f}"
-              f"{sim['step_ms']:>11.2f}{measured[layout.name]:>10.2f}{error:>+8.1%}")
+        print(
+            f"{layout.name:<16}{layout.ep:>4} x {layout.tp:<2}{sim['exchange_ms']:>10.2f}{sim['expert_ms']:>9.2f}"
+            f"{sim['step_ms']:>11.2f}{measured[layout.name]:>10.2f}{error:>+8.1%}"
+        )
     print(f"largest error {max(errors):.1%} (target 25%); times in ms per decode step")
 
 

@@ -52,8 +52,9 @@ def soak(name: str, steps: int, marks: tuple[int, ...]) -> dict[int, float]:
     engine.generate([PROMPT], 2)  # compiles prefill and decode for this cache size
     tokens, lens = engine._padded([PROMPT])
     cache = engine.new_cache(tokens.shape[0], max_len)
-    logits, cache, _ = engine._run_prefill(cache, tokens, lens, all_logits=False, record=False, dealer=None,
-                                         prompt_lens=[len(PROMPT)])
+    logits, cache, _ = engine._run_prefill(
+        cache, tokens, lens, all_logits=False, record=False, dealer=None, prompt_lens=[len(PROMPT)]
+    )
     seeds, greedy = jnp.zeros_like(lens), Sampling()
     tok, lens = sample(logits, greedy, seeds, lens), jnp.asarray(lens)
     rss = {}

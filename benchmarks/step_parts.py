@@ -31,11 +31,15 @@ import tempfile
 import time
 
 import numpy as np
-
 from model_vs_transformers import GEOMETRY, HF_EXPERTS, SMOKE, hf_model, moejax_engine
 
-PARTS = ("attention", "MoE block", "LM head, embedding, sampling", "collectives (incl. waiting)",
-         "rest (norms, residual; profiler)")
+PARTS = (
+    "attention",
+    "MoE block",
+    "LM head, embedding, sampling",
+    "collectives (incl. waiting)",
+    "rest (norms, residual; profiler)",
+)
 
 
 def hf_parts(model, batch: int, steps: int, rounds: int) -> tuple[float, dict, str]:
@@ -48,7 +52,9 @@ def hf_parts(model, batch: int, steps: int, rounds: int) -> tuple[float, dict, s
 
     def hook(name, module):
         module.register_forward_pre_hook(lambda m, a: starts.__setitem__(name, time.perf_counter()))
-        module.register_forward_hook(lambda m, a, o: acc.__setitem__(name, acc[name] + time.perf_counter() - starts[name]))
+        module.register_forward_hook(
+            lambda m, a, o: acc.__setitem__(name, acc[name] + time.perf_counter() - starts[name])
+        )
 
     for layer in model.model.layers:
         hook(PARTS[0], layer.self_attn)
@@ -114,16 +120,31 @@ def moejax_parts(engine, batch: int, steps: int) -> tuple[float, float, dict]:
     prompts = np.random.default_rng(0).integers(0, engine.c.vocab_size, (batch, 32)).tolist()  # transformers' prompts
     plain = min(engine.generate(prompts, steps + 1).decode_step_ms for _ in range(3)) / 1e3
     state = engine.start(prompts, steps + 1)
-    hlo = engine._decode_block.lower(engine.params, state.cache, state.tok, jnp.asarray(state.lens), state.seeds, 1, steps,
-                                     state.pages, block=engine.decode_block, sampling=Sampling()).compile().as_text()
+    hlo = (
+        engine._decode_block.lower(
+            engine.params,
+            state.cache,
+            state.tok,
+            jnp.asarray(state.lens),
+            state.seeds,
+            1,
+            steps,
+            state.pages,
+            block=engine.decode_block,
+            sampling=Sampling(),
+        )
+        .compile()
+        .as_text()
+    )
     instructions = set(re.findall(r"%([\w.\-]+) = ", hlo))
     names = {m.group(1): m.group(2) for m in re.finditer(r'%([\w.\-]+) = [^\n]*?op_name="([^"]*)"', hlo)}
     with tempfile.TemporaryDirectory() as out:
         with jax.profiler.trace(out):
             profiled = engine.decode(state, steps + 1).decode_step_ms / 1e3
         trace = json.load(gzip.open(glob.glob(f"{out}/**/*.trace.json.gz", recursive=True)[0]))
-    ops = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"] in instructions),
-                 key=lambda e: e["ts"])
+    ops = sorted(
+        (e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"] in instructions), key=lambda e: e["ts"]
+    )
     by_thread = collections.defaultdict(list)
     for e in ops:
         if not e["name"].startswith(("while", "conditional", "call")):  # a loop's time is its body's ops
@@ -150,13 +171,17 @@ def main(argv: list[str] | None = None) -> None:
         model = hf_model(directory, SMOKE if args.smoke else GEOMETRY)
         engine = moejax_engine(directory)
         layout = engine.config.layout
-        print(f"transformers: torch {torch.__version__}, {torch.get_num_threads()} threads; moejax: {layout.placement} "
-              f"on {layout.devices} device(s), attention {layout.attention}, head {layout.head}")
+        print(
+            f"transformers: torch {torch.__version__}, {torch.get_num_threads()} threads; moejax: {layout.placement} "
+            f"on {layout.devices} device(s), attention {layout.attention}, head {layout.head}"
+        )
         for batch in (1, 16):
             hf_step, hf, impl = hf_parts(model, batch, args.steps, args.rounds)
             plain, profiled, mj = moejax_parts(engine, batch, args.steps)
-            print(f"\ndecode batch {batch}: transformers {hf_step * 1e3:.1f} ms/step ({impl}); moejax {plain * 1e3:.1f} "
-                  f"ms/step, {profiled * 1e3:.1f} profiled (per device)")
+            print(
+                f"\ndecode batch {batch}: transformers {hf_step * 1e3:.1f} ms/step ({impl}); moejax {plain * 1e3:.1f} "
+                f"ms/step, {profiled * 1e3:.1f} profiled (per device)"
+            )
             print(f"{'part':<32}{'transformers ms':>16}{'moejax ms':>12}")
             for part in PARTS:
                 print(f"{part:<32}{hf.get(part, 0.0) * 1e3:>16.1f}{mj.get(part, 0.0) * 1e3:>12.1f}")

@@ -20,8 +20,14 @@ from checkpoints.placing import host_tensor
 from moejax.config import Config, EngineConfig, WeightsConfig
 
 
-def convert(hf_dir: str | Path, out: str | Path, *, expert_format: str = "unquantized", dtype: str = "float32",
-            progress: bool = False) -> Manifest:
+def convert(
+    hf_dir: str | Path,
+    out: str | Path,
+    *,
+    expert_format: str = "unquantized",
+    dtype: str = "float32",
+    progress: bool = False,
+) -> Manifest:
     model = read_hf_config(hf_dir)
     expert_format = native_format(hf_dir, expert_format)
     Config(model=model, weights=WeightsConfig(expert_format), engine=EngineConfig(dtype=dtype)).validate()

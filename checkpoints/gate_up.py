@@ -29,11 +29,20 @@ def fuse(gate, up):
     """gate, up: [..., K, F] (numpy, `PackedExperts` or `QuantizedArray` along K) -> [..., K, 2F]."""
     if isinstance(gate, (PackedExperts, QuantizedArray)):
         if type(up) is not type(gate) or up.fmt != gate.fmt:
-            raise ValueError(f"gate and up in different forms: {type(gate).__name__} {gate.fmt}, "
-                             f"{type(up).__name__} {getattr(up, 'fmt', 'float')}")
+            raise ValueError(
+                f"gate and up in different forms: {type(gate).__name__} {gate.fmt}, "
+                f"{type(up).__name__} {getattr(up, 'fmt', 'float')}"
+            )
         n = gate.values.shape[-1]
-        ts = None if gate.tensor_scale is None else interleave_gate_up(
-            _columns(gate.tensor_scale, n), _columns(up.tensor_scale, n))
-        return dataclasses.replace(gate, values=interleave_gate_up(gate.values, up.values),
-                                   scales=interleave_gate_up(gate.scales, up.scales), tensor_scale=ts)
+        ts = (
+            None
+            if gate.tensor_scale is None
+            else interleave_gate_up(_columns(gate.tensor_scale, n), _columns(up.tensor_scale, n))
+        )
+        return dataclasses.replace(
+            gate,
+            values=interleave_gate_up(gate.values, up.values),
+            scales=interleave_gate_up(gate.scales, up.scales),
+            tensor_scale=ts,
+        )
     return interleave_gate_up(gate, up)

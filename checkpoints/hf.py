@@ -63,8 +63,9 @@ def expert_format(directory: str | Path, wanted: str) -> str:
     if native is None:
         return wanted
     if wanted not in ("unquantized", native):
-        raise UsageError(f"{directory} holds {native} experts, not {wanted}; they run as published "
-                         f"(--expert-format {native})")
+        raise UsageError(
+            f"{directory} holds {native} experts, not {wanted}; they run as published (--expert-format {native})"
+        )
     return native
 
 
@@ -76,6 +77,7 @@ def _linear(st: Tensors, name: str) -> np.ndarray:
 def _attention(st: Tensors, pre: str, c: ModelConfig) -> dict[str, Callable[[], np.ndarray]]:
     h, d = c.num_heads, c.hidden_size
     if c.is_mla:
+
         def kv_b(part: slice):
             w = st.get(pre + "kv_b_proj.weight").reshape(h, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
             return w[:, part].transpose(2, 0, 1)  # [R, H, dim]
@@ -91,7 +93,9 @@ def _attention(st: Tensors, pre: str, c: ModelConfig) -> dict[str, Callable[[], 
             "w_uv": lambda: kv_b(slice(c.qk_nope_head_dim, None)),
             "o": lambda: _linear(st, pre + "o_proj").reshape(h, c.v_head_dim, d),
             "indexer": {
-                "wq": lambda: _linear(st, pre + "indexer.wq_b").reshape(c.q_lora_rank, c.index_n_heads, c.index_head_dim),
+                "wq": lambda: _linear(st, pre + "indexer.wq_b").reshape(
+                    c.q_lora_rank, c.index_n_heads, c.index_head_dim
+                ),
                 "wk": lambda: _linear(st, pre + "indexer.wk"),
                 "k_norm": lambda: st.get(pre + "indexer.k_norm.weight"),
                 "k_norm_bias": lambda: st.get(pre + "indexer.k_norm.bias"),
@@ -115,8 +119,10 @@ def _attention(st: Tensors, pre: str, c: ModelConfig) -> dict[str, Callable[[], 
 
 
 def _mlp(st: Tensors, pre: str) -> dict[str, Callable[[], np.ndarray]]:
-    return {"gate_up": lambda: fuse(_linear(st, pre + "gate_proj"), _linear(st, pre + "up_proj")),
-            "down": lambda: _linear(st, pre + "down_proj")}
+    return {
+        "gate_up": lambda: fuse(_linear(st, pre + "gate_proj"), _linear(st, pre + "up_proj")),
+        "down": lambda: _linear(st, pre + "down_proj"),
+    }
 
 
 def _gpt_oss_experts(st: Tensors, pre: str) -> dict[str, Callable[[], np.ndarray]]:
@@ -124,19 +130,27 @@ def _gpt_oss_experts(st: Tensors, pre: str) -> dict[str, Callable[[], np.ndarray
     [E, 2F]), down_proj [E, F, D]; or, as released, MXFP4 `*_blocks` / `*_scales` [E, N, ...].
     Its interleave is ours (`gate_up_columns`): read as published."""
     if pre + "gate_up_proj_blocks" in st:
-        weights = {"gate_up": lambda: st.mxfp4_experts(pre + "gate_up_proj"),
-                   "down": lambda: st.mxfp4_experts(pre + "down_proj")}
+        weights = {
+            "gate_up": lambda: st.mxfp4_experts(pre + "gate_up_proj"),
+            "down": lambda: st.mxfp4_experts(pre + "down_proj"),
+        }
     else:
         weights = {"gate_up": lambda: st.get(pre + "gate_up_proj"), "down": lambda: st.get(pre + "down_proj")}
-    return weights | {"gate_up_bias": lambda: st.get(pre + "gate_up_proj_bias"),
-                      "down_bias": lambda: st.get(pre + "down_proj_bias")}
+    return weights | {
+        "gate_up_bias": lambda: st.get(pre + "gate_up_proj_bias"),
+        "down_bias": lambda: st.get(pre + "down_proj_bias"),
+    }
 
 
 def _experts(st: Tensors, pre: str, c: ModelConfig) -> dict[str, Callable[[], np.ndarray]]:
     if c.family == "gpt_oss":
         return _gpt_oss_experts(st, pre)
     f = c.moe_intermediate_size
-    names = {"gate": "w1", "up": "w3", "down": "w2"} if c.family == "mixtral" else {p: f"{p}_proj" for p in ("gate", "up", "down")}
+    names = (
+        {"gate": "w1", "up": "w3", "down": "w2"}
+        if c.family == "mixtral"
+        else {p: f"{p}_proj" for p in ("gate", "up", "down")}
+    )
     fused = pre + "gate_up_proj" in st
     linears = lambda part: [f"{pre}{e}.{names[part]}" for e in range(c.num_experts)]
 
@@ -221,7 +235,9 @@ def _sources(st: Tensors, c: ModelConfig) -> dict:
     }
 
 
-def iter_hf_tensors(directory: str | Path, c: ModelConfig, mtp: bool = False) -> Iterator[tuple[tuple, ParamSpec, object]]:
+def iter_hf_tensors(
+    directory: str | Path, c: ModelConfig, mtp: bool = False
+) -> Iterator[tuple[tuple, ParamSpec, object]]:
     """Yields (path in the param tree, spec, source) one parameter at a time: the model's, or
     with `mtp` the MTP module's. A source is a float numpy array or `PackedExperts` (experts
     published 4-bit), or for a run's stacked parameter `Layers` that read it layer by layer."""
@@ -231,16 +247,25 @@ def iter_hf_tensors(directory: str | Path, c: ModelConfig, mtp: bool = False) ->
     def checked(read, shape, path):
         array = read()
         if array.shape != shape:
-            raise UsageError(f"{directory}: {'/'.join(map(str, path))} has shape {array.shape}, "
-                             f"config.json implies {shape}")
+            raise UsageError(
+                f"{directory}: {'/'.join(map(str, path))} has shape {array.shape}, config.json implies {shape}"
+            )
         return array
 
     def walk(spec_tree, src_tree, path):
         if isinstance(spec_tree, ParamSpec):
             if isinstance(src_tree, Layers):
                 layer = spec_tree.shape[1:]
-                yield path, spec_tree, Layers(tuple(
-                    functools.partial(checked, read, layer, path + (i,)) for i, read in enumerate(src_tree.reads)))
+                yield (
+                    path,
+                    spec_tree,
+                    Layers(
+                        tuple(
+                            functools.partial(checked, read, layer, path + (i,))
+                            for i, read in enumerate(src_tree.reads)
+                        )
+                    ),
+                )
             else:
                 yield path, spec_tree, checked(src_tree, spec_tree.shape, path)
             return
@@ -267,7 +292,9 @@ def load_hf(directory: str | Path, c: ModelConfig, dtype, placement, mtp: bool =
     by `placement` before the next one is read, each run of layers held by its loop of `loops`
     (default: stacked)."""
     loops = loops or layer_loop.stacked(c)
-    params = jax.tree.map(lambda s: None, mtp_specs(c) if mtp else param_specs(c), is_leaf=lambda x: isinstance(x, ParamSpec))
+    params = jax.tree.map(
+        lambda s: None, mtp_specs(c) if mtp else param_specs(c), is_leaf=lambda x: isinstance(x, ParamSpec)
+    )
     for path, spec, array in iter_hf_tensors(directory, c, mtp):
         set_path(params, path, place_tensor(placement, spec, array, dtype, layer_loop.holds(loops, path)))
     return layer_loop.assemble(params, loops)

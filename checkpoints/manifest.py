@@ -46,9 +46,18 @@ class Manifest:
     version: int = FORMAT_VERSION  # the format the data is stored in (a save writes this moejax's)
 
     def to_json(self) -> str:
-        return json.dumps({"format_version": self.version, "model": dataclasses.asdict(self.model), "dtype": self.dtype,
-                           "expert_format": self.expert_format, "data": self.data,
-                           "groups": [list(g) for g in self.groups], "files": self.files}, indent=1)
+        return json.dumps(
+            {
+                "format_version": self.version,
+                "model": dataclasses.asdict(self.model),
+                "dtype": self.dtype,
+                "expert_format": self.expert_format,
+                "data": self.data,
+                "groups": [list(g) for g in self.groups],
+                "files": self.files,
+            },
+            indent=1,
+        )
 
 
 def read_manifest(ckpt: str | Path) -> Manifest:
@@ -69,15 +78,19 @@ def read_manifest(ckpt: str | Path) -> Manifest:
     if version not in READ_VERSIONS:
         again = "; convert it again from its transformers directory" if version == 1 else ""
         older = ", ".join(str(v) for v in READ_VERSIONS if v != FORMAT_VERSION)
-        raise UsageError(f"{path}: checkpoint format version {version}, this moejax reads version {FORMAT_VERSION} "
-                         f"(or {older}){again}")
+        raise UsageError(
+            f"{path}: checkpoint format version {version}, this moejax reads version {FORMAT_VERSION} "
+            f"(or {older}){again}"
+        )
     try:
         manifest = Manifest(
             model=replace_checked(ModelConfig(), doc["model"], "model."),
-            dtype=doc["dtype"], data=doc["data"],
+            dtype=doc["dtype"],
+            data=doc["data"],
             expert_format=OLD_EXPERT_FORMAT_NAMES.get(doc["expert_format"], doc["expert_format"]),
             groups=tuple(tuple(g) for g in doc["groups"]),
-            files={k: (int(n), int(c)) for k, (n, c) in doc["files"].items()}, version=version,
+            files={k: (int(n), int(c)) for k, (n, c) in doc["files"].items()},
+            version=version,
         )
         manifest.model.validate()
     except ConfigError as e:  # before ValueError, which it is
@@ -96,8 +109,10 @@ def leftovers(ckpt: Path, committed: str | None) -> list[Path]:
 
 def warn_leftovers(ckpt: Path, committed: str) -> None:
     for p in leftovers(ckpt, committed):
-        print(f"moejax: warning: {p} is left from an interrupted save; using the last complete save "
-              f"({committed})", file=sys.stderr)
+        print(
+            f"moejax: warning: {p} is left from an interrupted save; using the last complete save ({committed})",
+            file=sys.stderr,
+        )
 
 
 @contextlib.contextmanager

@@ -1,8 +1,9 @@
 """Parameters to and from orbax: written group by group, restored straight into a placement.
 
 Arrays are stored as the model defines them (unpadded expert stacks, 4-bit experts as their
-`QuantizedArray` leaves, values in the placement-independent packing of `packing.py`). A group holds parameters up to the size of the model's largest
-one (or `GROUP_BYTES`, whichever is larger), so a writer never holds much more than two of
+`QuantizedArray` leaves, values in the placement-independent packing of `packing.py`). A group holds parameters up to
+the size of the model's largest one (or `GROUP_BYTES`, whichever is larger), so a writer never holds much more than
+two of
 the largest tensors at once. Restoring asks orbax for each array with its target
 `NamedSharding` and the placement's padded expert count: every device reads only its own
 shard, and padding experts come back as zeros.
@@ -20,8 +21,16 @@ import numpy as np
 
 import pallas_kernels
 from checkpoints import legacy, packing
-from checkpoints.manifest import (MANIFEST, Manifest, commit, file_sums, new_data_dir, read_manifest, verify_files,
-                                  warn_leftovers)
+from checkpoints.manifest import (
+    MANIFEST,
+    Manifest,
+    commit,
+    file_sums,
+    new_data_dir,
+    read_manifest,
+    verify_files,
+    warn_leftovers,
+)
 from moejax import platform
 from moejax.errors import UsageError
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_dtype, param_specs
@@ -55,8 +64,10 @@ def stored_leaves(spec: ParamSpec, manifest: Manifest) -> dict[str, jax.ShapeDty
     if not is_quantized(spec, manifest.expert_format):
         return {"w": jax.ShapeDtypeStruct(spec.shape, param_dtype(spec, manifest.dtype))}
     try:
-        q = jax.eval_shape(lambda w: pallas_kernels.quantize_experts(w, manifest.expert_format, gated=spec.gated),
-                           jax.ShapeDtypeStruct(spec.shape, jnp.float32))
+        q = jax.eval_shape(
+            lambda w: pallas_kernels.quantize_experts(w, manifest.expert_format, gated=spec.gated),
+            jax.ShapeDtypeStruct(spec.shape, jnp.float32),
+        )
     except ValueError as e:  # a reduction axis the format's blocks do not divide
         raise UsageError(f"experts {list(spec.shape)} cannot be stored as {e}") from None
     return {k: getattr(q, k) for k in QUANTIZED_LEAVES if getattr(q, k) is not None}
@@ -86,6 +97,7 @@ def _checkpointer():
 
 
 # ----------------------------------------------------------------------------- save
+
 
 def _write_groups(data: Path, params: Iterable[tuple[str, dict]], budget: int) -> list[tuple[tuple, dict]]:
     """One orbax checkpoint per group of at most `budget` bytes: [(keys, file sums)]."""
@@ -117,8 +129,12 @@ def write(ckpt: str | Path, manifest: Manifest, params: Iterable[tuple[str, dict
     budget = max([GROUP_BYTES] + [_nbytes(stored_leaves(spec, manifest)) for _, spec in names])
     with new_data_dir(ckpt) as (data, previous):
         groups = _write_groups(data, params, budget)
-        manifest = dataclasses.replace(manifest, data=data.name, groups=tuple(g for g, _ in groups),
-                                       files={k: v for _, files in groups for k, v in files.items()})
+        manifest = dataclasses.replace(
+            manifest,
+            data=data.name,
+            groups=tuple(g for g, _ in groups),
+            files={k: v for _, files in groups for k, v in files.items()},
+        )
     commit(ckpt, manifest, previous)  # outside: once committed, the new data must never be removed
     return manifest
 
@@ -142,6 +158,7 @@ def save_params(ckpt: str | Path, params: dict, placement) -> Manifest:
 
 # ----------------------------------------------------------------------------- restore
 
+
 def _check_group(directory: Path, keys: tuple[str, ...], expected: dict[str, dict]) -> None:
     """The arrays on disk are those the manifest's model config implies, by name and shape."""
     try:
@@ -156,8 +173,10 @@ def _check_group(directory: Path, keys: tuple[str, ...], expected: dict[str, dic
         have = {k: (tuple(m.shape), jnp.dtype(m.dtype)) for k, m in (stored.get(key) or {}).items()}
         want = {k: (tuple(a.shape), jnp.dtype(a.dtype)) for k, a in expected[key].items()}
         if have != want:
-            raise UsageError(f"{directory}: {key} is stored as {_describe(have)}, but the model config "
-                             f"in {MANIFEST} implies {_describe(want)}")
+            raise UsageError(
+                f"{directory}: {key} is stored as {_describe(have)}, but the model config "
+                f"in {MANIFEST} implies {_describe(want)}"
+            )
 
 
 def _describe(leaves: dict) -> str:
@@ -189,7 +208,9 @@ def _as_param(spec: ParamSpec, arrays: dict, expert_format: str, placement):
         return arrays["w"]
     v = arrays["values"]
     values = packing.from_disk(v, placement.k_slices(spec), v.sharding)
-    return pallas_kernels.QuantizedArray(values, arrays["scales"], arrays.get("tensor_scale"), fmt=expert_format, axis=-2)
+    return pallas_kernels.QuantizedArray(
+        values, arrays["scales"], arrays.get("tensor_scale"), fmt=expert_format, axis=-2
+    )
 
 
 def restore_params(ckpt: str | Path, config, placement) -> dict:
@@ -213,7 +234,9 @@ def restore_params(ckpt: str | Path, config, placement) -> dict:
         directory = ckpt / manifest.data / f"{i:04d}"
         verify_files(ckpt, manifest, directory.name)
         _check_group(directory, keys, expected)
-        args = {k: _restore_args(specs[k], expected[k], placement, platform.run_dtype(config.engine.dtype)) for k in keys}
+        args = {
+            k: _restore_args(specs[k], expected[k], placement, platform.run_dtype(config.engine.dtype)) for k in keys
+        }
         try:
             arrays = checkpointer.restore(directory, args=ocp.args.PyTreeRestore(restore_args=args))
         except Exception as e:  # noqa: BLE001 - truncated/corrupted data surfaces as assorted errors
@@ -222,4 +245,3 @@ def restore_params(ckpt: str | Path, config, placement) -> dict:
     if manifest.version == 2:
         restored, names = legacy.fused(restored, model_names, placement), model_names
     return jax.tree.unflatten(treedef, [restored[k] for k, _ in names])
-

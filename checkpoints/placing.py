@@ -55,9 +55,13 @@ def run_form(spec: ParamSpec, array, dtype, expert_format: str, k_slices: int = 
         if expert_format != array.fmt:
             raise UsageError(f"the checkpoint's experts are {array.fmt}; they run as {array.fmt} (not {expert_format})")
         values = packing.from_disk(jax.numpy.asarray(array.values), k_slices)
-        q = pallas_kernels.QuantizedArray(values, jax.numpy.asarray(array.scales),
-                                          None if array.tensor_scale is None else jax.numpy.asarray(array.tensor_scale),
-                                          fmt=array.fmt, axis=-2)
+        q = pallas_kernels.QuantizedArray(
+            values,
+            jax.numpy.asarray(array.scales),
+            None if array.tensor_scale is None else jax.numpy.asarray(array.tensor_scale),
+            fmt=array.fmt,
+            axis=-2,
+        )
         return pallas_kernels.for_kernel(q, kernel)
     array = array.astype(param_dtype(spec, dtype))
     if is_expert_matrix(spec):
@@ -78,8 +82,11 @@ def host_form(spec: ParamSpec, array, dtype, expert_format: str, k_slices: int =
     parts = []
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
         for s in range(0, e, per_chunk):
-            part = (PackedExperts(take(array.values, s), take(array.scales, s), take(array.tensor_scale, s), array.fmt)
-                    if isinstance(array, PackedExperts) else take(array, s))
+            part = (
+                PackedExperts(take(array.values, s), take(array.scales, s), take(array.tensor_scale, s), array.fmt)
+                if isinstance(array, PackedExperts)
+                else take(array, s)
+            )
             parts.append(jax.device_get(run_form(spec, part, dtype, expert_format, k_slices, kernel)))
     return jax.tree.map(lambda *xs: np.concatenate(xs, axis=ax), *parts)
 
@@ -109,15 +116,20 @@ def _set_layer(whole, layer, i):
 
 def _empty_stack(layer, count: int):
     """Zeros for `count` layers shaped and sharded like `layer` (a tree), made on their devices."""
-    return jax.tree.map(lambda a: jax.numpy.zeros((count, *a.shape), a.dtype, device=_stacked_sharding(a, count)), layer)
+    return jax.tree.map(
+        lambda a: jax.numpy.zeros((count, *a.shape), a.dtype, device=_stacked_sharding(a, count)), layer
+    )
 
 
 def layer_forms(spec: ParamSpec, source, form: Callable):
     """Yields (layer, count, `form(layer_spec, array)`) for each layer of a run's stacked
     parameter, reading one layer at a time. `source`: `Layers`, or the whole stacked array."""
     layer_spec = _unstacked(spec)
-    reads: Sequence = source.reads if isinstance(source, Layers) else [
-        functools.partial(operator.getitem, source, i) for i in range(spec.shape[0])]
+    reads: Sequence = (
+        source.reads
+        if isinstance(source, Layers)
+        else [functools.partial(operator.getitem, source, i) for i in range(spec.shape[0])]
+    )
     for i, read in enumerate(reads):
         yield i, len(reads), form(layer_spec, read())
 

@@ -93,8 +93,10 @@ def read_scheme(directory: str | Path) -> Scheme | None:
     if method == "fp8":
         block = q.get("weight_block_size")
         if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-            raise UsageError(f"{where}: fp8 without weight_block_size [out, in] (per-tensor FP8) is not read; "
-                             "moejax reads block-scaled FP8")
+            raise UsageError(
+                f"{where}: fp8 without weight_block_size [out, in] (per-tensor FP8) is not read; "
+                "moejax reads block-scaled FP8"
+            )
         if q.get("fmt", "e4m3") != "e4m3":
             raise UsageError(f"{where}: fp8 fmt {q['fmt']!r} is not read (moejax reads e4m3)")
         return Scheme("fp8", tuple(block))
@@ -106,6 +108,7 @@ def read_scheme(directory: str | Path) -> Scheme | None:
 
 
 # ----------------------------------------------------------------------------- 4-bit experts
+
 
 @dataclasses.dataclass(frozen=True)
 class PackedExperts:
@@ -135,6 +138,7 @@ def e2m1_pairs(packed: np.ndarray) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- reading
 
+
 class Tensors:
     """The tensors of a directory by name, each read as the float array it stands for.
 
@@ -157,8 +161,10 @@ class Tensors:
 
     def _refuse(self, name: str, dtype: str) -> UsageError:
         declared = f"declares {self.scheme.method}" if self.scheme else "declares no quantization"
-        return UsageError(f"{self.directory}: tensor {name} has dtype {dtype}, which moejax does not read here "
-                          f"(the checkpoint {declared})")
+        return UsageError(
+            f"{self.directory}: tensor {name} has dtype {dtype}, which moejax does not read here "
+            f"(the checkpoint {declared})"
+        )
 
     def get(self, name: str) -> np.ndarray:
         dtype = self._dtype(name)
@@ -176,16 +182,20 @@ class Tensors:
             raise UsageError(f"{self.directory}: tensor {name} is missing ({what})")
         s = self.st.get(name)
         if tuple(s.shape) != tuple(shape):
-            raise UsageError(f"{self.directory}: tensor {name} has shape {list(s.shape)}, expected "
-                             f"{list(shape)} ({what})")
+            raise UsageError(
+                f"{self.directory}: tensor {name} has shape {list(s.shape)}, expected {list(shape)} ({what})"
+            )
         return s
 
     def _fp8(self, name: str) -> np.ndarray:
         """F8_E4M3 [out, in] x its block's weight_scale_inv -> float32 [out, in]."""
         w = self.st.get(name)
         (bo, bi), (o, i) = self.scheme.block, w.shape
-        s = self._scale(name + "_scale_inv", (-(-o // bo), -(-i // bi)),
-                        f"one f32 scale per {bo}x{bi} block of {name} {list(w.shape)}")
+        s = self._scale(
+            name + "_scale_inv",
+            (-(-o // bo), -(-i // bi)),
+            f"one f32 scale per {bo}x{bi} block of {name} {list(w.shape)}",
+        )
         step = np.repeat(np.repeat(s.astype(np.float32), bo, 0), bi, 1)[:o, :i]
         return w.astype(np.float32) * step
 
@@ -196,13 +206,17 @@ class Tensors:
         what = f"NVFP4 scales of {pre}.weight {list(w.shape)}"
         s = self._scale(pre + ".weight_scale", (o, 2 * half // 16), "one e4m3 scale per 16 values, " + what)
         if self._dtype(pre + ".weight_scale") != "F8_E4M3":
-            raise UsageError(f"{self.directory}: tensor {pre}.weight_scale has dtype "
-                             f"{self._dtype(pre + '.weight_scale')}, expected F8_E4M3")
+            raise UsageError(
+                f"{self.directory}: tensor {pre}.weight_scale has dtype "
+                f"{self._dtype(pre + '.weight_scale')}, expected F8_E4M3"
+            )
         if pre + ".weight_scale_2" not in self.st:
             raise UsageError(f"{self.directory}: tensor {pre}.weight_scale_2 is missing (the f32 scale of {pre})")
         s2 = self.st.get(pre + ".weight_scale_2").astype(np.float32)
         if s2.size != 1:
-            raise UsageError(f"{self.directory}: tensor {pre}.weight_scale_2 has shape {list(s2.shape)}, expected a scalar")
+            raise UsageError(
+                f"{self.directory}: tensor {pre}.weight_scale_2 has shape {list(s2.shape)}, expected a scalar"
+            )
         return w, s, s2.reshape(())
 
     def _nvfp4(self, pre: str) -> np.ndarray:
@@ -245,6 +259,9 @@ class Tensors:
         if nbytes != 16:
             raise UsageError(f"{self.directory}: tensor {blocks} has {nbytes} bytes per block, expected 16")
         values = b.reshape(e, n, groups * 16)  # [E, N, K/2]
-        return PackedExperts(values=np.ascontiguousarray(values.transpose(0, 2, 1)),
-                             scales=np.ascontiguousarray(s.transpose(0, 2, 1)).view(ml_dtypes.float8_e8m0fnu),
-                             tensor_scale=None, fmt="mxfp4")
+        return PackedExperts(
+            values=np.ascontiguousarray(values.transpose(0, 2, 1)),
+            scales=np.ascontiguousarray(s.transpose(0, 2, 1)).view(ml_dtypes.float8_e8m0fnu),
+            tensor_scale=None,
+            fmt="mxfp4",
+        )

@@ -13,8 +13,14 @@ from moejax.config import ConfigError
 from moejax.startup import configure_compile_cache, host_pages, jax_platforms
 
 # Modules that define `register(subparsers)`; each subparser sets `func(args) -> int`.
-VERB_MODULES = ("moejax.commands", "moejax.compare", "moejax.plan_command", "moejax.analysis.commands", "checkpoints.commands",
-                "moejax.serving.commands")
+VERB_MODULES = (
+    "moejax.commands",
+    "moejax.compare",
+    "moejax.plan_command",
+    "moejax.analysis.commands",
+    "checkpoints.commands",
+    "moejax.serving.commands",
+)
 
 
 class _Parser(argparse.ArgumentParser):

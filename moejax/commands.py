@@ -8,7 +8,15 @@ import json
 
 from moejax.errors import UsageError
 from moejax.factory import build_engine, mtp_engine, pd_engines
-from moejax.flags import add_model_args, add_page_args, add_pd_args, config_from_args, natural_routing_only, pd_apart, prompt_ids
+from moejax.flags import (
+    add_model_args,
+    add_page_args,
+    add_pd_args,
+    config_from_args,
+    natural_routing_only,
+    pd_apart,
+    prompt_ids,
+)
 
 
 def cmd_generate(args) -> int:
@@ -17,8 +25,10 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
-        raise UsageError(f"sampling needs --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1; got "
-                         f"{args.temperature}, {args.top_k}, {args.top_p}")
+        raise UsageError(
+            f"sampling needs --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1; got "
+            f"{args.temperature}, {args.top_k}, {args.top_p}"
+        )
     from moejax.engine import compile_clock
     from moejax.serving import text
 
@@ -56,14 +66,24 @@ def cmd_generate(args) -> int:
     if args.json:
         # Disjoint parts of the run: loading less its compiles, all compiles (or cache loads),
         # then the model's own prefill and mean decode step.
-        timing = {"load_s": round(t1 - t0 - compile_clock.compile_seconds(t0, t1), 3),
-                  "compile_s": round(compile_clock.compile_seconds(t0), 3),
-                  "prefill_ms": round(gen.prefill_ms, 2),
-                  "decode_step_ms": round(gen.step_ms if args.speculative else gen.decode_step_ms, 2)}
+        timing = {
+            "load_s": round(t1 - t0 - compile_clock.compile_seconds(t0, t1), 3),
+            "compile_s": round(compile_clock.compile_seconds(t0), 3),
+            "prefill_ms": round(gen.prefill_ms, 2),
+            "decode_step_ms": round(gen.step_ms if args.speculative else gen.decode_step_ms, 2),
+        }
         if pd_apart(args):
             timing.update(handover_ms=round(gen.handover_ms, 3), handover_bytes=gen.handover_bytes)
-        print(json.dumps({"tokens": [d.tokens for d in done], "finish_reasons": [d.finish_reason for d in done], **extra,
-                          "timing": timing}))
+        print(
+            json.dumps(
+                {
+                    "tokens": [d.tokens for d in done],
+                    "finish_reasons": [d.finish_reason for d in done],
+                    **extra,
+                    "timing": timing,
+                }
+            )
+        )
     else:
         for i, d in enumerate(done):
             print(f"request {i}: {' '.join(map(str, d.tokens))}" + (f"\n  {d.text!r}" if tokenizer else ""))
@@ -84,8 +104,10 @@ def cmd_score(args) -> int:
     else:
         for i, (x, lp) in enumerate(zip(logits, scored)):
             total = sum(v for v in lp["token_logprobs"] if v is not None)
-            print(f"request {i}: {x.shape[0]} positions, argmax {x.argmax(-1).tolist()}, "
-                  f"log-likelihood {total:.4f}, token logprobs {lp['token_logprobs']}")
+            print(
+                f"request {i}: {x.shape[0]} positions, argmax {x.argmax(-1).tolist()}, "
+                f"log-likelihood {total:.4f}, token logprobs {lp['token_logprobs']}"
+            )
     return 0
 
 
@@ -96,16 +118,27 @@ def register(sub) -> None:
     add_model_args(g)
     add_page_args(g)
     g.add_argument("--prompt-ids", type=prompt_ids, action="append", help="1,2,3 (repeat: one request each)")
-    g.add_argument("--prompt", dest="prompt_ids", action="append", metavar="TEXT", help="prompt text (repeatable; in order with --prompt-ids)")
-    g.add_argument("--chat", action="store_true", help="each --prompt is a user message under the model's chat template")
+    g.add_argument(
+        "--prompt",
+        dest="prompt_ids",
+        action="append",
+        metavar="TEXT",
+        help="prompt text (repeatable; in order with --prompt-ids)",
+    )
+    g.add_argument(
+        "--chat", action="store_true", help="each --prompt is a user message under the model's chat template"
+    )
     text_args(g)
     g.add_argument("--max-new-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--sample-seed", type=int, default=0,
-                   help="seed of sampling: prompt i samples with seed S + i, what `serve` samples for a request "
-                        "with that \"seed\"")
+    g.add_argument(
+        "--sample-seed",
+        type=int,
+        default=0,
+        help='seed of sampling: prompt i samples with seed S + i, what `serve` samples for a request with that "seed"',
+    )
     g.add_argument("--speculative", choices=("mtp",), help="speculative decoding with the model's MTP draft module")
     g.add_argument("--mtp-init", choices=("random",), help="a random MTP module when the checkpoint carries none")
     add_pd_args(g)
@@ -114,9 +147,20 @@ def register(sub) -> None:
     s = sub.add_parser("score", help="logits and per-token logprobs of one prefill")
     add_model_args(s)
     s.add_argument("--prompt-ids", type=prompt_ids, action="append", help="1,2,3 (repeat: one request each)")
-    s.add_argument("--prompt", dest="prompt_ids", action="append", metavar="TEXT",
-                   help="prompt text (repeatable; in order with --prompt-ids)")
+    s.add_argument(
+        "--prompt",
+        dest="prompt_ids",
+        action="append",
+        metavar="TEXT",
+        help="prompt text (repeatable; in order with --prompt-ids)",
+    )
     s.add_argument("--tokenizer", metavar="DIR", help="directory with tokenizer.json (default: the --hf directory)")
-    s.add_argument("--top-logprobs", type=int, default=0, choices=range(0, 21), metavar="N",
-                   help="the N best alternatives of every position (0..20), as the server's logprobs")
+    s.add_argument(
+        "--top-logprobs",
+        type=int,
+        default=0,
+        choices=range(0, 21),
+        metavar="N",
+        help="the N best alternatives of every position (0..20), as the server's logprobs",
+    )
     s.set_defaults(func=cmd_score)

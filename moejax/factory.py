@@ -29,8 +29,10 @@ def init_processes(args) -> None:
     p, d = getattr(args, "prefill_devices", 0), getattr(args, "decode_devices", 0)
     if (p or d) and (p != d or p % n):
         # The hand-over copies shard for shard, each process's prefill devices to its own decode devices.
-        raise UsageError(f"over {n} processes, --prefill-devices and --decode-devices must be equal and divide by {n}; "
-                         f"got {p} and {d}")
+        raise UsageError(
+            f"over {n} processes, --prefill-devices and --decode-devices must be equal and divide by {n}; "
+            f"got {p} and {d}"
+        )
     flags = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices // n}".strip()
     import jax
@@ -85,8 +87,15 @@ def host_layout(config: Config) -> Config:
     return dataclasses.replace(config, layout=single)
 
 
-def build_engine(config: Config, hf_dir: str | None, seed: int, checkpoint: str | None = None,
-                 devices: list | None = None, params: dict | None = None, phy2log=None):
+def build_engine(
+    config: Config,
+    hf_dir: str | None,
+    seed: int,
+    checkpoint: str | None = None,
+    devices: list | None = None,
+    params: dict | None = None,
+    phy2log=None,
+):
     """An engine of `config`'s placement on the machine's first devices, or on `devices`;
     `params`: another engine's, placed and arranged as this placement lays them out, experts in
     slots `phy2log` where the layout places them (else loaded and placed)."""
@@ -127,8 +136,15 @@ def pd_engine(config: Config, devices: list, name: str, args, others=()):
     config = registry.with_placement(config, name, len(devices))
     mesh = make_mesh(registry.placement_class(name).mesh_shape(config.layout), devices)
     alike = [e for e in others if e.placement.mesh == mesh]
-    return build_engine(config, args.hf, args.seed, args.checkpoint, devices=devices,
-                        params=alike[0].params if alike else None, phy2log=alike[0].phy2log if alike else None)
+    return build_engine(
+        config,
+        args.hf,
+        args.seed,
+        args.checkpoint,
+        devices=devices,
+        params=alike[0].params if alike else None,
+        phy2log=alike[0].phy2log if alike else None,
+    )
 
 
 def pd_engines(config: Config, args) -> tuple:
@@ -147,7 +163,16 @@ def mtp_engine(engine, args, others=()):
     from moejax.loading import load_mtp
 
     alike = [o for o in others if o.engine.params is engine.params]
-    mtp = alike[0].mtp if alike else load_mtp(engine.config, engine.placement, hf_dir=args.hf,
-                                                checkpoint=getattr(args, "checkpoint", None), init=args.mtp_init,
-                                                seed=args.seed)
+    mtp = (
+        alike[0].mtp
+        if alike
+        else load_mtp(
+            engine.config,
+            engine.placement,
+            hf_dir=args.hf,
+            checkpoint=getattr(args, "checkpoint", None),
+            init=args.mtp_init,
+            seed=args.seed,
+        )
+    )
     return SpeculativeEngine(engine, mtp)

@@ -33,14 +33,18 @@ def with_hf_model(config: Config, hf_dir: str | None, checkpoint: str | None = N
     manifest = read_manifest(checkpoint)
     wanted = config.weights.expert_format
     if wanted not in ("unquantized", manifest.expert_format):
-        raise UsageError(f"{checkpoint} holds {manifest.expert_format} experts, not {wanted}; "
-                         f"convert with --expert-format {wanted} for that")
-    return dataclasses.replace(config, model=manifest.model,
-                               weights=dataclasses.replace(config.weights, expert_format=manifest.expert_format))
+        raise UsageError(
+            f"{checkpoint} holds {manifest.expert_format} experts, not {wanted}; "
+            f"convert with --expert-format {wanted} for that"
+        )
+    return dataclasses.replace(
+        config, model=manifest.model, weights=dataclasses.replace(config.weights, expert_format=manifest.expert_format)
+    )
 
 
-def random_params(config: Config, placement, seed: int, specs: dict, loops: tuple | None = None,
-                  on_device: bool | None = None) -> dict:
+def random_params(
+    config: Config, placement, seed: int, specs: dict, loops: tuple | None = None, on_device: bool | None = None
+) -> dict:
     """Random parameters (`init_param`) placed as a checkpoint's would be, one layer at a time, so
     no device holds more than its own share plus a layer; each run of layers held by its loop of
     `loops` (default: stacked). Drawn (and 4-bit experts quantized) on the first device where
@@ -60,12 +64,21 @@ def random_params(config: Config, placement, seed: int, specs: dict, loops: tupl
         keys = tuple(getattr(p, "key", getattr(p, "idx", None)) for p in path)
         return place_tensor(placement, spec, source, dtype, layer_loop.holds(runs, keys), on_device)
 
-    params = jax.tree_util.tree_map_with_path(place, specs, param_keys(specs, key), is_leaf=lambda x: isinstance(x, ParamSpec))
+    params = jax.tree_util.tree_map_with_path(
+        place, specs, param_keys(specs, key), is_leaf=lambda x: isinstance(x, ParamSpec)
+    )
     return layer_loop.assemble(params, runs)
 
 
-def load_params(config: Config, placement, *, hf_dir: str | None = None, checkpoint: str | None = None,
-                seed: int = 0, loops: tuple | None = None) -> dict:
+def load_params(
+    config: Config,
+    placement,
+    *,
+    hf_dir: str | None = None,
+    checkpoint: str | None = None,
+    seed: int = 0,
+    loops: tuple | None = None,
+) -> dict:
     """Parameters placed by `placement`: read from `hf_dir`, restored from `checkpoint` (each
     array straight into its sharding), or random from `seed`. Each run of layers is held as its
     loop of `loops` holds it (`layer_loop`; default: every run stacked, as at rest): an engine's
@@ -79,8 +92,15 @@ def load_params(config: Config, placement, *, hf_dir: str | None = None, checkpo
     return random_params(config, placement, seed, param_specs(config.model), loops)
 
 
-def load_mtp(config: Config, placement, *, hf_dir: str | None = None, checkpoint: str | None = None,
-             init: str | None = None, seed: int = 0) -> dict:
+def load_mtp(
+    config: Config,
+    placement,
+    *,
+    hf_dir: str | None = None,
+    checkpoint: str | None = None,
+    init: str | None = None,
+    seed: int = 0,
+) -> dict:
     """The MTP module's parameters, placed: read from a transformers-layout directory that
     carries them; random when `init == "random"` or the model itself is random (a preset)."""
     c, dtype = config.model, jnp.dtype(run_dtype(config.engine.dtype))
@@ -88,6 +108,8 @@ def load_mtp(config: Config, placement, *, hf_dir: str | None = None, checkpoint
         return load_hf(hf_dir, c, dtype, placement, mtp=True)
     source = hf_dir or checkpoint
     if source is not None and init != "random":
-        raise UsageError(f"--speculative mtp: {source} has no MTP weights (model.layers.{c.num_layers}.eh_proj and the "
-                         "rest of that layer; transformers drops them); pass --mtp-init random for a random draft module")
+        raise UsageError(
+            f"--speculative mtp: {source} has no MTP weights (model.layers.{c.num_layers}.eh_proj and the "
+            "rest of that layer; transformers drops them); pass --mtp-init random for a random draft module"
+        )
     return random_params(config, placement, seed + 1, mtp_specs(c))

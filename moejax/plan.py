@@ -31,15 +31,15 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 import pallas_kernels
-from moejax.config import Config
 from moejax import targets
+from moejax.config import Config
 from moejax.engine.engine import decode_step, decode_steps, jit_program, prefill
 from moejax.engine.expert_placement import wants_slots
 from moejax.engine.kv_cache import init_cache, init_pool
-from moejax.model import paged
 from moejax.engine.pages import pages_for
 from moejax.engine.sampling import Sampling
 from moejax.errors import UsageError
+from moejax.model import paged
 from moejax.model.attention import cache_specs
 from moejax.model.mtp import init_mtp_pool
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_dtype, param_specs
@@ -61,15 +61,25 @@ def _sharded(a, placement, axes: tuple):
 def abstract_params(config: Config, placement) -> dict:
     """Every parameter as the run holds it (4-bit experts as their QuantizedArray leaves, expert
     stacks padded to the placement's count of slots, spare slots included), abstract and sharded."""
+
     def one(spec: ParamSpec):
         shape = list(spec.shape)
         if is_expert_stack(spec):
             shape[expert_axis(spec)] = placement.num_experts
         array = jax.ShapeDtypeStruct(tuple(shape), param_dtype(spec, run_dtype(config.engine.dtype)))
         if is_expert_matrix(spec):
-            array = jax.eval_shape(functools.partial(pallas_kernels.run_weights, expert_format=config.weights.expert_format,
-                                                     k_slices=placement.k_slices(spec), kernel=config.kernel, gated=spec.gated), array)
+            array = jax.eval_shape(
+                functools.partial(
+                    pallas_kernels.run_weights,
+                    expert_format=config.weights.expert_format,
+                    k_slices=placement.k_slices(spec),
+                    kernel=config.kernel,
+                    gated=spec.gated,
+                ),
+                array,
+            )
         return jax.tree.map(lambda a: _sharded(a, placement, spec.axes), array)
+
     params = jax.tree.map(one, param_specs(config.model), is_leaf=lambda x: isinstance(x, ParamSpec))
     if wants_slots(config.layout):  # experts in placement slots: the slot tables ride beside them
         for run in params["layers"]:
@@ -77,37 +87,52 @@ def abstract_params(config: Config, placement) -> dict:
                 count, spare = jax.tree.leaves(run)[0].shape[0], config.layout.redundant_experts
                 table = {"log2phy": (count, placement.num_logical, spare + 1), "logcnt": (count, placement.num_logical)}
                 axes = lambda s: ("layers",) + (None,) * (len(s) - 1)
-                run["moe"]["slots"] = {k: _sharded(jax.ShapeDtypeStruct(s, jnp.int32), placement, axes(s))
-                                       for k, s in table.items()}
+                run["moe"]["slots"] = {
+                    k: _sharded(jax.ShapeDtypeStruct(s, jnp.int32), placement, axes(s)) for k, s in table.items()
+                }
     return params
 
 
 def abstract_cache(config: Config, placement, batch: int, context: int) -> list[dict]:
     axes = {k: a for k, (_, a) in cache_specs(config.model, 1, 1).items()}
-    cache = jax.eval_shape(functools.partial(init_cache, config.model, batch, context, jnp.dtype(run_dtype(config.engine.dtype))))
+    cache = jax.eval_shape(
+        functools.partial(init_cache, config.model, batch, context, jnp.dtype(run_dtype(config.engine.dtype)))
+    )
     return [{k: _sharded(v, placement, ("layers",) + axes[k]) for k, v in run.items()} for run in cache]
 
 
 def abstract_pool(config: Config, placement, pages: int, page_size: int, window_pages: int = 0) -> list[dict]:
     """A page pool of `pages` pages (and `window_pages` of sliding-window layers'), in the layout
     the placement's attention kernel reads, sharded."""
-    pool = jax.eval_shape(functools.partial(init_pool, config.model, pages, page_size,
-                                            jnp.dtype(run_dtype(config.engine.dtype)), placement.attention_kernel,
-                                            window_pages))
-    return [{k: _sharded(v, placement, axes[k]) for k, v in run.items()}
-            for run, axes in zip(pool, placement.cache_axes(pool, pool=True))]
+    pool = jax.eval_shape(
+        functools.partial(
+            init_pool,
+            config.model,
+            pages,
+            page_size,
+            jnp.dtype(run_dtype(config.engine.dtype)),
+            placement.attention_kernel,
+            window_pages,
+        )
+    )
+    return [
+        {k: _sharded(v, placement, axes[k]) for k, v in run.items()}
+        for run, axes in zip(pool, placement.cache_axes(pool, pool=True))
+    ]
 
 
 def abstract_mtp_pool(config: Config, placement, pages: int, page_size: int) -> dict:
     """The MTP layer's page pool (MTP drafts: as many pages as the model's), sharded as the model's."""
-    pool = jax.eval_shape(functools.partial(init_mtp_pool, config.model, pages, page_size,
-                                            jnp.dtype(run_dtype(config.engine.dtype))))
+    pool = jax.eval_shape(
+        functools.partial(init_mtp_pool, config.model, pages, page_size, jnp.dtype(run_dtype(config.engine.dtype)))
+    )
     axes = placement.cache_axes([pool], pool=True)[0]
     return {k: _sharded(v, placement, axes[k]) for k, v in pool.items()}
 
 
-def kv_pages(config: Config, placement, free_bytes: float, page_size: int, prompt_len: int, output_len: int,
-             mtp: bool = False) -> dict:
+def kv_pages(
+    config: Config, placement, free_bytes: float, page_size: int, prompt_len: int, output_len: int, mtp: bool = False
+) -> dict:
     """The page pool that `free_bytes` per device hold, and the requests of prompt_len +
     output_len positions it fits: under DP attention each device (a rank) holds whole pages of
     its own requests; under TP attention every device holds its slice of every page's heads
@@ -127,28 +152,45 @@ def kv_pages(config: Config, placement, free_bytes: float, page_size: int, promp
     length = prompt_len + output_len
     per_request = pages_for(length, page_size)
     free = max(0.0, free_bytes)
-    out = {"page_size": page_size, "page_bytes_per_device": page_bytes, "pages_per_request": per_request,
-           "ranks": ranks}
+    out = {
+        "page_size": page_size,
+        "page_bytes_per_device": page_bytes,
+        "pages_per_request": per_request,
+        "ranks": ranks,
+    }
     if not config.model.sliding_layers:
         pages = int(free // page_bytes)
-        return {**out, "pages_per_device": pages, "requests_per_rank": pages // per_request,
-                "requests": ranks * (pages // per_request)}
+        return {
+            **out,
+            "pages_per_device": pages,
+            "requests_per_rank": pages // per_request,
+            "requests": ranks * (pages // per_request),
+        }
     window_bytes = bytes_per_device(group(True))
-    window_per_request = window_held(config.model, page_size, config.engine.prefill_chunk or SERVE_PREFILL_CHUNK,
-                                     length)
+    window_per_request = window_held(
+        config.model, page_size, config.engine.prefill_chunk or SERVE_PREFILL_CHUNK, length
+    )
     fit = int(free // (per_request * page_bytes + window_per_request * window_bytes))  # requests per rank
     window_pages = fit * window_per_request
     pages = int((free - window_pages * window_bytes) // page_bytes)
-    return {**out, "pages_per_device": pages, "requests_per_rank": fit, "requests": ranks * fit,
-            "window_page_bytes_per_device": window_bytes, "window_pages_per_device": window_pages,
-            "window_pages_per_request": window_per_request}
+    return {
+        **out,
+        "pages_per_device": pages,
+        "requests_per_rank": fit,
+        "requests": ranks * fit,
+        "window_page_bytes_per_device": window_bytes,
+        "window_pages_per_device": window_pages,
+        "window_pages_per_request": window_per_request,
+    }
 
 
 def bytes_per_device(tree) -> int:
     """Bytes of one device's shards (the largest, where shards differ); a single device's
     abstract arrays carry no sharding and are held whole."""
-    return sum(int(np.prod(a.shape if a.sharding is None else a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
-               for a in jax.tree.leaves(tree))
+    return sum(
+        int(np.prod(a.shape if a.sharding is None else a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
+        for a in jax.tree.leaves(tree)
+    )
 
 
 def compile_program(jitted, args, persist: bool = True) -> tuple:
@@ -178,8 +220,10 @@ def _planned_loops(config: Config, platform: str | None) -> Config:
     if backend(platform) != "cpu":
         return config
     if config.engine.layer_loop == "unroll":
-        raise UsageError("plan compiles each run of layers as a scan over its stacked weights on the CPU; "
-                         "engine.layer_loop unroll is not planned there")
+        raise UsageError(
+            "plan compiles each run of layers as a scan over its stacked weights on the CPU; "
+            "engine.layer_loop unroll is not planned there"
+        )
     return dataclasses.replace(config, engine=dataclasses.replace(config.engine, layer_loop="scan"))
 
 
@@ -194,19 +238,32 @@ def _one_layer(a: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
 def in_loops(params: dict, placement) -> dict:
     """Abstract stacked `params` with each run as the placement's loop holds it: an unrolled run
     a tuple of per-layer trees (a layer's buffers its own), a scanned one its stack."""
-    runs = [run if loop.stacked else tuple(jax.tree.map(_one_layer, run) for _ in range(jax.tree.leaves(run)[0].shape[0]))
-            for loop, run in zip(placement.loops, params["layers"])]
+    runs = [
+        run if loop.stacked else tuple(jax.tree.map(_one_layer, run) for _ in range(jax.tree.leaves(run)[0].shape[0]))
+        for loop, run in zip(placement.loops, params["layers"])
+    ]
     return {**params, "layers": runs}
 
 
 def expert_leaves(params: dict) -> list:
     """The arrays of every MoE layer's experts, whether a run is stacked or a tuple of layers."""
-    return [leaf for run in params["layers"] for layer in (run if isinstance(run, tuple) else (run,))
-            if "moe" in layer for leaf in jax.tree.leaves(layer["moe"]["experts"])]
+    return [
+        leaf
+        for run in params["layers"]
+        for layer in (run if isinstance(run, tuple) else (run,))
+        if "moe" in layer
+        for leaf in jax.tree.leaves(layer["moe"]["experts"])
+    ]
 
 
-def decode_program(config: Config, batch: int, context: int, platform: str | None = None, page_size: int = 0,
-                   devices: list | None = None):
+def decode_program(
+    config: Config,
+    batch: int,
+    context: int,
+    platform: str | None = None,
+    page_size: int = 0,
+    devices: list | None = None,
+):
     """(placement, the decode step bound to it, its abstract arguments) for `platform`: over a
     contiguous cache, or (`page_size`) a page pool of the same positions and its block tables;
     on `devices` (default: this machine's; a target's compile-only devices, `moejax.targets`).
@@ -222,47 +279,77 @@ def decode_program(config: Config, batch: int, context: int, platform: str | Non
     if not page_size:
         return placement, step, (params, abstract_cache(config, placement, batch, context), *rows)
     per_row = pages_for(context, page_size)
-    table = jax.ShapeDtypeStruct((batch, per_row), jnp.int32,
-                                 sharding=placement.sharding(("batch", None), (batch, per_row)))
+    table = jax.ShapeDtypeStruct(
+        (batch, per_row), jnp.int32, sharding=placement.sharding(("batch", None), (batch, per_row))
+    )
     return placement, step, (params, abstract_pool(config, placement, batch * per_row, page_size), *rows, None, table)
 
 
-def programs(config: Config, batch: int, context: int, prefill_chunk: int, platform: str | None = None,
-             devices: list | None = None, page_size: int = 0) -> tuple:
+def programs(
+    config: Config,
+    batch: int,
+    context: int,
+    prefill_chunk: int,
+    platform: str | None = None,
+    devices: list | None = None,
+    page_size: int = 0,
+) -> tuple:
     """(placement, {program: (its jit as the engine makes it, its abstract arguments)}) of the
     engine's programs at full size for `platform` on `devices`: "decode" (one step of `batch`
     requests over `context` positions, a contiguous cache or pages of `page_size`), "decode block"
     (`engine.decode_block` steps in one program) and "prefill" (a chunk of `prefill_chunk` tokens
     over the devices: one request per device under DP attention)."""
     placement, step, (params, cache, tokens, lens, seeds, first, *paged_rest) = decode_program(
-        config, batch, context, platform, page_size, devices)
+        config, batch, context, platform, page_size, devices
+    )
     bind = dict(c=config.model, placement=placement)
     multiple = placement.batch_multiple()
     per_row = -(-prefill_chunk // multiple)
-    chunk_tokens = jax.ShapeDtypeStruct((multiple, per_row), jnp.int32,
-                                        sharding=placement.sharding(("batch", "seq"), (multiple, per_row)))
+    chunk_tokens = jax.ShapeDtypeStruct(
+        (multiple, per_row), jnp.int32, sharding=placement.sharding(("batch", "seq"), (multiple, per_row))
+    )
     if page_size:  # the chunk's requests' pages: a pool of as many and their block tables
         per_request = pages_for(context, page_size)
         chunk_cache = abstract_pool(config, placement, multiple * per_request, page_size)
-        chunk_pages = [jax.ShapeDtypeStruct((multiple, per_request), jnp.int32,
-                                            sharding=placement.sharding(("batch", None), (multiple, per_request)))]
+        chunk_pages = [
+            jax.ShapeDtypeStruct(
+                (multiple, per_request),
+                jnp.int32,
+                sharding=placement.sharding(("batch", None), (multiple, per_request)),
+            )
+        ]
     else:
         chunk_cache, chunk_pages = abstract_cache(config, placement, multiple, context), []
     block = functools.partial(decode_steps, block=config.engine.decode_block, sampling=Sampling(), **bind)
-    jit = functools.partial(jit_program, dtype=run_dtype(config.engine.dtype, placement.platform),
-                            platform_name=placement.platform, donate_argnums=1)
+    jit = functools.partial(
+        jit_program,
+        dtype=run_dtype(config.engine.dtype, placement.platform),
+        platform_name=placement.platform,
+        donate_argnums=1,
+    )
     pages = paged_rest[1:]  # the block table, after decode_step's `forced` (None)
     return placement, {
         "decode": (jit(step, decode=True), (params, cache, tokens, lens, seeds, first, *paged_rest)),
         "decode block": (jit(block, decode=True), (params, cache, tokens, lens, seeds, first, first, *pages)),
-        "prefill": (jit(functools.partial(prefill, all_logits=False, record=False, **bind)),
-                    (params, chunk_cache, chunk_tokens, first, _rows(placement, multiple), None, *chunk_pages)),
+        "prefill": (
+            jit(functools.partial(prefill, all_logits=False, record=False, **bind)),
+            (params, chunk_cache, chunk_tokens, first, _rows(placement, multiple), None, *chunk_pages),
+        ),
     }
 
 
-def plan_placement(config: Config, batch: int, context: int, prefill_chunk: int, hbm_gb: float,
-                   page_size: int = PAGE_SIZE, prompt_len: int = PROMPT_LEN, output_len: int = OUTPUT_LEN,
-                   mtp: bool = False, target: str | None = None) -> dict:
+def plan_placement(
+    config: Config,
+    batch: int,
+    context: int,
+    prefill_chunk: int,
+    hbm_gb: float,
+    page_size: int = PAGE_SIZE,
+    prompt_len: int = PROMPT_LEN,
+    output_len: int = OUTPUT_LEN,
+    mtp: bool = False,
+    target: str | None = None,
+) -> dict:
     """One placement's per-device bytes and compile times (`config.layout` names it), for
     `target`'s compile-only devices (else this machine's), and the page pool of `page_size`
     positions the memory left after the weights and temporaries holds (`kv_pages`)."""
@@ -273,27 +360,39 @@ def plan_placement(config: Config, batch: int, context: int, prefill_chunk: int,
     compiled = {}
     for name, (jitted, args) in progs.items():
         program, seconds, error = compile_program(jitted, args, persist=t is None)
-        compiled[name] = {"compiled": program is not None, "compile_s": round(seconds, 1),
-                          "temp_bytes": int(program.memory_analysis().temp_size_in_bytes) if program else None,
-                          **({"error": error} if error else {})}
+        compiled[name] = {
+            "compiled": program is not None,
+            "compile_s": round(seconds, 1),
+            "temp_bytes": int(program.memory_analysis().temp_size_in_bytes) if program else None,
+            **({"error": error} if error else {}),
+        }
     param_bytes, kv_bytes = bytes_per_device(params), bytes_per_device(cache)
     temp = max((p["temp_bytes"] for p in compiled.values() if p["compiled"]), default=0)
     total = param_bytes + kv_bytes + temp
     experts = expert_leaves(params)
     act_bytes = jnp.dtype(run_dtype(config.engine.dtype)).itemsize
     multiple = placement.batch_multiple()
-    buffers = {phase: sum(placement.exchange_buffer_bytes(rows, config.model.hidden_size, act_bytes).values())
-               for phase, rows in (("decode", batch), ("prefill", multiple * -(-prefill_chunk // multiple)))}
+    buffers = {
+        phase: sum(placement.exchange_buffer_bytes(rows, config.model.hidden_size, act_bytes).values())
+        for phase, rows in (("decode", batch), ("prefill", multiple * -(-prefill_chunk // multiple)))
+    }
     return {
-        "name": placement.name, "ep": placement.ep, "tp": placement.tp,
+        "name": placement.name,
+        "ep": placement.ep,
+        "tp": placement.tp,
         "kernel": placement.kernel,
-        "param_bytes_per_device": param_bytes, "expert_bytes_per_device": bytes_per_device(experts),
-        "kv_cache_bytes_per_device": kv_bytes, "temp_bytes_per_device": int(temp),
+        "param_bytes_per_device": param_bytes,
+        "expert_bytes_per_device": bytes_per_device(experts),
+        "kv_cache_bytes_per_device": kv_bytes,
+        "temp_bytes_per_device": int(temp),
         # The exchange's own buffers of one MoE layer (part of temp): sized for the worst case.
         "exchange_buffer_bytes_per_device": buffers,
-        "total_bytes_per_device": int(total), "fits": bool(total <= hbm_gb * GB),
-        "programs": compiled, "compiled": all(p["compiled"] for p in compiled.values()),
+        "total_bytes_per_device": int(total),
+        "fits": bool(total <= hbm_gb * GB),
+        "programs": compiled,
+        "compiled": all(p["compiled"] for p in compiled.values()),
         "compile_s": round(sum(p["compile_s"] for p in compiled.values()), 1),
-        "kv_pages": kv_pages(config, placement, hbm_gb * GB - param_bytes - temp, page_size, prompt_len, output_len,
-                             mtp),
+        "kv_pages": kv_pages(
+            config, placement, hbm_gb * GB - param_bytes - temp, page_size, prompt_len, output_len, mtp
+        ),
     }

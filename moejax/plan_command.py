@@ -26,68 +26,126 @@ def cmd_plan(args) -> int:
     if args.redundant_experts < 0:
         raise UsageError(f"--redundant-experts must not be negative, got {args.redundant_experts}")
     if min(args.page_size, args.prompt_len, args.output_len) < 1:
-        raise UsageError(f"--page-size, --prompt-len and --output-len must be at least 1, got {args.page_size}, "
-                         f"{args.prompt_len} and {args.output_len}")
-    config = Config(model=model, layout=LayoutConfig(devices=args.devices, attention=args.attention,
-                                                     two_batch_overlap=args.two_batch_overlap,
-                                                     redundant_experts=args.redundant_experts),
-                    weights=WeightsConfig(args.expert_format), engine=EngineConfig(dtype=args.dtype),
-                    attention_kernel=args.attention_kernel).validate()
+        raise UsageError(
+            f"--page-size, --prompt-len and --output-len must be at least 1, got {args.page_size}, "
+            f"{args.prompt_len} and {args.output_len}"
+        )
+    config = Config(
+        model=model,
+        layout=LayoutConfig(
+            devices=args.devices,
+            attention=args.attention,
+            two_batch_overlap=args.two_batch_overlap,
+            redundant_experts=args.redundant_experts,
+        ),
+        weights=WeightsConfig(args.expert_format),
+        engine=EngineConfig(dtype=args.dtype),
+        attention_kernel=args.attention_kernel,
+    ).validate()
     # all: with --two-batch-overlap, the placements whose rows travel
     # and with spare slots, the placements that hold whole experts on some devices
-    chosen = [n for n in names() if not (args.two_batch_overlap and placement_class(n).rows_stay_home)
-              and not (args.redundant_experts and placement_class(n).holds_every_expert)] \
-        if args.placement == "all" else [args.placement]
+    chosen = (
+        [
+            n
+            for n in names()
+            if not (args.two_batch_overlap and placement_class(n).rows_stay_home)
+            and not (args.redundant_experts and placement_class(n).holds_every_expert)
+        ]
+        if args.placement == "all"
+        else [args.placement]
+    )
     if args.devices == 1:  # every placement is the single device there
         chosen = chosen[:1]
-    rows = [plan_placement(with_placement(config, name, args.devices), args.batch, args.context, args.prefill_chunk,
-                           hbm_gb, args.page_size, args.prompt_len, args.output_len,
-                           args.speculative == "mtp", args.target) for name in chosen]
+    rows = [
+        plan_placement(
+            with_placement(config, name, args.devices),
+            args.batch,
+            args.context,
+            args.prefill_chunk,
+            hbm_gb,
+            args.page_size,
+            args.prompt_len,
+            args.output_len,
+            args.speculative == "mtp",
+            args.target,
+        )
+        for name in chosen
+    ]
     where = f"{args.devices} {target.name} ({target.device_kind})" if target else f"{args.devices} CPU"
     if args.json:
-        print(json.dumps({"model": args.preset, "target": args.target or "cpu", "devices": args.devices,
-                          "batch": args.batch, "context": args.context, "prefill_chunk": args.prefill_chunk,
-                          "hbm_gb": hbm_gb, "placements": rows}))
+        print(
+            json.dumps(
+                {
+                    "model": args.preset,
+                    "target": args.target or "cpu",
+                    "devices": args.devices,
+                    "batch": args.batch,
+                    "context": args.context,
+                    "prefill_chunk": args.prefill_chunk,
+                    "hbm_gb": hbm_gb,
+                    "placements": rows,
+                }
+            )
+        )
         return 0 if all(r["compiled"] for r in rows) else 1
-    print(f"{args.preset} on {where} devices ({args.dtype}, experts {args.expert_format}): decode batch "
-          f"{args.batch} x {args.context} positions, prefill chunk {args.prefill_chunk}; GB per device of {hbm_gb:g}")
-    print(f"{'placement':<16}{'ep x tp':>8}{'kernel':>12}{'params':>9}{'experts':>9}{'KV cache':>10}{'temp':>8}"
-          f"{'total':>8}{'fits':>6}{'compiled':>10}{'compile s':>11}")
+    print(
+        f"{args.preset} on {where} devices ({args.dtype}, experts {args.expert_format}): decode batch "
+        f"{args.batch} x {args.context} positions, prefill chunk {args.prefill_chunk}; GB per device of {hbm_gb:g}"
+    )
+    print(
+        f"{'placement':<16}{'ep x tp':>8}{'kernel':>12}{'params':>9}{'experts':>9}{'KV cache':>10}{'temp':>8}"
+        f"{'total':>8}{'fits':>6}{'compiled':>10}{'compile s':>11}"
+    )
     for r in rows:
         gb = lambda key: f"{r[key] / GB:.1f}"
         done = f"{sum(p['compiled'] for p in r['programs'].values())}/{len(r['programs'])}"
-        print(f"{r['name']:<16}{r['ep']:>4} x {r['tp']:<2}{r['kernel']:>12}{gb('param_bytes_per_device'):>9}"
-              f"{gb('expert_bytes_per_device'):>9}{gb('kv_cache_bytes_per_device'):>10}{gb('temp_bytes_per_device'):>8}"
-              f"{gb('total_bytes_per_device'):>8}{'yes' if r['fits'] else 'no':>6}{done:>10}{r['compile_s']:>11.1f}")
-    compiler = ("XLA:GPU's" if target.platform == "cuda" else "the TPU compiler's") if target else \
-        "XLA:CPU's (another compiler's buffers than a GPU's or TPU's: --target names one)"
+        print(
+            f"{r['name']:<16}{r['ep']:>4} x {r['tp']:<2}{r['kernel']:>12}{gb('param_bytes_per_device'):>9}"
+            f"{gb('expert_bytes_per_device'):>9}{gb('kv_cache_bytes_per_device'):>10}{gb('temp_bytes_per_device'):>8}"
+            f"{gb('total_bytes_per_device'):>8}{'yes' if r['fits'] else 'no':>6}{done:>10}{r['compile_s']:>11.1f}"
+        )
+    compiler = (
+        ("XLA:GPU's" if target.platform == "cuda" else "the TPU compiler's")
+        if target
+        else "XLA:CPU's (another compiler's buffers than a GPU's or TPU's: --target names one)"
+    )
     print(f"temp: the largest of the decode step's, a decode block's and the prefill chunk's temporaries, {compiler}")
     for r in rows:
         for name, p in r["programs"].items():
             if not p["compiled"]:
                 print(f"{r['name']} {name} does not compile: {p['error']}")
     kv = rows[0]["kv_pages"]
-    print(f"KV pages of {args.page_size} positions in the memory left per device, and the requests of "
-          f"{args.prompt_len} + {args.output_len} positions ({kv['pages_per_request']} pages) they fit "
-          f"({args.attention} attention: {PAGE_HOLDERS[args.attention]})")
+    print(
+        f"KV pages of {args.page_size} positions in the memory left per device, and the requests of "
+        f"{args.prompt_len} + {args.output_len} positions ({kv['pages_per_request']} pages) they fit "
+        f"({args.attention} attention: {PAGE_HOLDERS[args.attention]})"
+    )
     print(f"{'placement':<16}{'MB/page':>9}{'pages/device':>14}{'per rank':>10}{'requests':>10}")
     for r in rows:
         kv = r["kv_pages"]
-        print(f"{r['name']:<16}{kv['page_bytes_per_device'] / 1e6:>9.2f}{kv['pages_per_device']:>14}"
-              f"{kv['requests_per_rank']:>10}{kv['requests']:>10}")
+        print(
+            f"{r['name']:<16}{kv['page_bytes_per_device'] / 1e6:>9.2f}{kv['pages_per_device']:>14}"
+            f"{kv['requests_per_rank']:>10}{kv['requests']:>10}"
+        )
         if "window_pages_per_device" in kv:
-            print(f"{'':<16}and the sliding-window layers' own pages: {kv['window_page_bytes_per_device'] / 1e6:.2f} "
-                  f"MB/page, {kv['window_pages_per_device']} per device ({kv['window_pages_per_request']} per request)")
+            print(
+                f"{'':<16}and the sliding-window layers' own pages: {kv['window_page_bytes_per_device'] / 1e6:.2f} "
+                f"MB/page, {kv['window_pages_per_device']} per device ({kv['window_pages_per_request']} per request)"
+            )
     for r in rows:
         buffers = r["exchange_buffer_bytes_per_device"]
         if any(buffers.values()):
-            print(f"{r['name']}: exchange buffers per MoE layer, worst case (every row picks one device): "
-                  f"decode {buffers['decode'] / GB:.2f} GB, prefill chunk {buffers['prefill'] / GB:.2f} GB")
+            print(
+                f"{r['name']}: exchange buffers per MoE layer, worst case (every row picks one device): "
+                f"decode {buffers['decode'] / GB:.2f} GB, prefill chunk {buffers['prefill'] / GB:.2f} GB"
+            )
     return 0 if all(r["compiled"] for r in rows) else 1
 
 
-PAGE_HOLDERS = {"dp": "each device a rank with a pool of whole pages for its own requests",
-                "tp": "one pool, each device its slice of every page's kv heads; MLA's latent whole on every device"}
+PAGE_HOLDERS = {
+    "dp": "each device a rank with a pool of whole pages for its own requests",
+    "tp": "one pool, each device its slice of every page's kv heads; MLA's latent whole on every device",
+}
 
 
 def register(sub) -> None:
@@ -99,22 +157,39 @@ def register(sub) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--attention", choices=ATTENTION_MODES, default="dp")
     p.add_argument("--two-batch-overlap", action="store_true", help="the placements' exchanges as two micro-batches")
-    p.add_argument("--redundant-experts", type=int, default=0, metavar="R",
-                   help="spare expert slots per MoE layer for replicas (a multiple of ep); their bytes are counted")
+    p.add_argument(
+        "--redundant-experts",
+        type=int,
+        default=0,
+        metavar="R",
+        help="spare expert slots per MoE layer for replicas (a multiple of ep); their bytes are counted",
+    )
     p.add_argument("--batch", type=int, default=256, help="decode batch (concurrent requests)")
     p.add_argument("--context", type=int, default=8192, help="KV cache positions per request")
     p.add_argument("--prefill-chunk", type=int, default=4096, help="tokens of one prefill chunk over all devices")
-    p.add_argument("--target", choices=tuple(targets.TARGETS),
-                   help="compile for this accelerator with its own compiler, on compile-only devices (needs the "
-                        "'targets' extra); default: this machine's virtual CPU devices")
-    p.add_argument("--hbm-gb", type=float, default=0.0,
-                   help=f"memory per device (default: the target's, else {DEFAULT_HBM_GB:g}, a B300's)")
+    p.add_argument(
+        "--target",
+        choices=tuple(targets.TARGETS),
+        help="compile for this accelerator with its own compiler, on compile-only devices (needs the "
+        "'targets' extra); default: this machine's virtual CPU devices",
+    )
+    p.add_argument(
+        "--hbm-gb",
+        type=float,
+        default=0.0,
+        help=f"memory per device (default: the target's, else {DEFAULT_HBM_GB:g}, a B300's)",
+    )
     p.add_argument("--page-size", type=int, default=PAGE_SIZE, help="positions per KV cache page")
     p.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help="prompt positions of the requests the pages fit")
     p.add_argument("--output-len", type=int, default=OUTPUT_LEN, help="new tokens of the requests the pages fit")
-    p.add_argument("--speculative", choices=("mtp",), help="serving with MTP drafts: the MTP layer's page pool shares the memory")
-    p.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default="auto",
-                   help="the paged attention of the decode step over pages (auto: by the platform it compiles for)")
+    p.add_argument(
+        "--speculative", choices=("mtp",), help="serving with MTP drafts: the MTP layer's page pool shares the memory"
+    )
+    p.add_argument(
+        "--attention-kernel",
+        choices=ATTENTION_KERNELS,
+        default="auto",
+        help="the paged attention of the decode step over pages (auto: by the platform it compiles for)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
-

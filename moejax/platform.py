@@ -167,8 +167,10 @@ def compiler_options(dtype: str, decode: bool = False, platform: str | None = No
     """XLA compiler options of a jitted engine program of a run in `dtype` (a dtype or its name) on
     `platform`; `decode`: a decode program (None: XLA's defaults)."""
     name = backend(platform)
-    options = {**(DECODE_COMPILER_OPTIONS.get(name, {}) if decode else {}),
-               **DTYPE_COMPILER_OPTIONS.get(str(dtype), {}).get(name, {})}
+    options = {
+        **(DECODE_COMPILER_OPTIONS.get(name, {}) if decode else {}),
+        **DTYPE_COMPILER_OPTIONS.get(str(dtype), {}).get(name, {}),
+    }
     return options or None
 
 

@@ -65,27 +65,92 @@ TPU_LAUNCH_US = 0.5
 ICI_US = 5.0
 
 
-TARGETS = {t.name: t for t in (
-    Target("h100", "cuda", "NVIDIA H100 80GB HBM3", 80, 3.35, 989, 0, 450, GPU_LAUNCH_US, NVLINK_US, (9, 0), 132,
-           1.98, 50 << 20, 233472, 232448),
-    Target("h200", "cuda", "NVIDIA H200", 141, 4.8, 989, 0, 450, GPU_LAUNCH_US, NVLINK_US, (9, 0), 132, 1.98,
-           50 << 20, 233472, 232448),
-    Target("b200", "cuda", "NVIDIA B200", 180, 8.0, 2250, 9000, 900, GPU_LAUNCH_US, NVLINK_US, (10, 0), 148, 1.965,
-           126 << 20, 233472, 232448),
-    # HGX B300 datasheet per GPU (8 GPUs: 108 PF dense FP4, 36 PF sparse BF16); sm_103, compiled as a B200.
-    Target("b300", "cuda", "NVIDIA B300", 288, 8.0, 2250, 13500, 900, GPU_LAUNCH_US, NVLINK_US, (10, 3),
-           compiles_as="b200"),
-    Target("v5e", "tpu", "TPU v5 lite", 16, 0.819, 197, 0, 200, TPU_LAUNCH_US, ICI_US, chip="v5e"),
-    Target("v6e", "tpu", "TPU v6 lite", 32, 1.64, 918, 0, 448, TPU_LAUNCH_US, ICI_US, chip="v6e"),
-)}
+TARGETS = {
+    t.name: t
+    for t in (
+        Target(
+            "h100",
+            "cuda",
+            "NVIDIA H100 80GB HBM3",
+            80,
+            3.35,
+            989,
+            0,
+            450,
+            GPU_LAUNCH_US,
+            NVLINK_US,
+            (9, 0),
+            132,
+            1.98,
+            50 << 20,
+            233472,
+            232448,
+        ),
+        Target(
+            "h200",
+            "cuda",
+            "NVIDIA H200",
+            141,
+            4.8,
+            989,
+            0,
+            450,
+            GPU_LAUNCH_US,
+            NVLINK_US,
+            (9, 0),
+            132,
+            1.98,
+            50 << 20,
+            233472,
+            232448,
+        ),
+        Target(
+            "b200",
+            "cuda",
+            "NVIDIA B200",
+            180,
+            8.0,
+            2250,
+            9000,
+            900,
+            GPU_LAUNCH_US,
+            NVLINK_US,
+            (10, 0),
+            148,
+            1.965,
+            126 << 20,
+            233472,
+            232448,
+        ),
+        # HGX B300 datasheet per GPU (8 GPUs: 108 PF dense FP4, 36 PF sparse BF16); sm_103, compiled as a B200.
+        Target(
+            "b300",
+            "cuda",
+            "NVIDIA B300",
+            288,
+            8.0,
+            2250,
+            13500,
+            900,
+            GPU_LAUNCH_US,
+            NVLINK_US,
+            (10, 3),
+            compiles_as="b200",
+        ),
+        Target("v5e", "tpu", "TPU v5 lite", 16, 0.819, 197, 0, 200, TPU_LAUNCH_US, ICI_US, chip="v5e"),
+        Target("v6e", "tpu", "TPU v6 lite", 32, 1.64, 918, 0, 448, TPU_LAUNCH_US, ICI_US, chip="v6e"),
+    )
+}
 
 # A TPU slice's chips as a 2-D torus, by count (the shapes v5e and v6e slices come in).
 TPU_SHAPES = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
 GPUS_PER_HOST = 8
 # What each platform's compiler needs installed here: one of the modules (the `targets` extra
 # installs the first; a host's CUDA 13 plugin compiles the same), else the package named.
-COMPILERS = {"cuda": (("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"), "jax-cuda12-plugin"),
-             "tpu": (("libtpu",), "libtpu")}
+COMPILERS = {
+    "cuda": (("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"), "jax-cuda12-plugin"),
+    "tpu": (("libtpu",), "libtpu"),
+}
 
 
 def target(name: str) -> Target:
@@ -127,10 +192,13 @@ device_description_str: "{t.device_kind}"
 def check_compiler(t: Target) -> None:
     """One line if this machine lacks the compiler of `t`'s platform."""
     modules, package = COMPILERS[t.platform]
-    if not any(importlib.util.find_spec(m.split(".")[0]) is not None and importlib.util.find_spec(m) is not None
-               for m in modules):
-        raise UsageError(f"target {t.name} compiles with {package}, which is not installed: "
-                         "pip install -e '.[targets]'")
+    if not any(
+        importlib.util.find_spec(m.split(".")[0]) is not None and importlib.util.find_spec(m) is not None
+        for m in modules
+    ):
+        raise UsageError(
+            f"target {t.name} compiles with {package}, which is not installed: pip install -e '.[targets]'"
+        )
 
 
 @functools.cache
@@ -157,6 +225,7 @@ def devices(name: str, n: int) -> tuple:
     hosts, per_host = (n // GPUS_PER_HOST, GPUS_PER_HOST) if n > GPUS_PER_HOST else (1, n)
     # The plugin checks this machine's CUDA libraries unless told it compiles only.
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    topo = topologies.get_topology_desc(platform="cuda", topology_name="", target_config=gpu_target_config(t),
-                                        topology=f"1x{hosts}x{per_host}")
+    topo = topologies.get_topology_desc(
+        platform="cuda", topology_name="", target_config=gpu_target_config(t), topology=f"1x{hosts}x{per_host}"
+    )
     return tuple(topo.devices)

@@ -52,7 +52,7 @@ class Trace:
         """int32[L, R_s, k]: the picks of one forward pass, padding rows dropped."""
         return self.ids[step][:, self.valid[step]]
 
-    def select(self, steps: np.ndarray) -> "Trace":
+    def select(self, steps: np.ndarray) -> Trace:
         """The same trace restricted to `steps` (indices or a bool mask over S)."""
         return dataclasses.replace(self, ids=self.ids[steps], valid=self.valid[steps], kind=self.kind[steps])
 
@@ -62,8 +62,10 @@ def validate(trace: Trace) -> Trace:
         raise UsageError(f"trace ids must be int[steps, layers, rows, k], got shape {trace.ids.shape}")
     s, l, r, k = trace.ids.shape
     if trace.valid.shape != (s, r) or trace.kind.shape != (s,) or trace.layers.shape != (l,):
-        raise UsageError(f"trace arrays disagree: ids {trace.ids.shape}, valid {trace.valid.shape}, "
-                         f"kind {trace.kind.shape}, layers {trace.layers.shape}")
+        raise UsageError(
+            f"trace arrays disagree: ids {trace.ids.shape}, valid {trace.valid.shape}, "
+            f"kind {trace.kind.shape}, layers {trace.layers.shape}"
+        )
     if not 0 < k <= trace.num_experts:
         raise UsageError(f"trace has k={k} picks per row but {trace.num_experts} experts")
     bad = set(trace.kind.tolist()) - set(KINDS)
@@ -77,17 +79,26 @@ def validate(trace: Trace) -> Trace:
 
 def save_trace(path: str | Path, ids, valid, kind, layers, num_experts: int, model: str) -> Trace:
     """Checks and writes a trace (format in the module docstring); returns the checked `Trace`."""
-    trace = validate(Trace(
-        ids=np.asarray(ids, dtype=np.int32), valid=np.asarray(valid, dtype=bool),
-        kind=np.asarray(kind, dtype=str), layers=np.asarray(layers, dtype=np.int32),
-        num_experts=int(num_experts), model=str(model),
-    ))
+    trace = validate(
+        Trace(
+            ids=np.asarray(ids, dtype=np.int32),
+            valid=np.asarray(valid, dtype=bool),
+            kind=np.asarray(kind, dtype=str),
+            layers=np.asarray(layers, dtype=np.int32),
+            num_experts=int(num_experts),
+            model=str(model),
+        )
+    )
     stored = np.min_scalar_type(max(trace.num_experts - 1, 0))  # uint8 for 256 experts: 4x smaller
     try:
         with open(path, "wb") as f:  # a file object keeps numpy from appending ".npz" to the name
             np.savez(  # uncompressed: compressing a 300-step trace takes longer than recording it
-                f, ids=np.where(trace.valid[:, None, :, None], trace.ids, 0).astype(stored), valid=trace.valid,
-                kind=trace.kind, layers=trace.layers, num_experts=np.int32(trace.num_experts),
+                f,
+                ids=np.where(trace.valid[:, None, :, None], trace.ids, 0).astype(stored),
+                valid=trace.valid,
+                kind=trace.kind,
+                layers=trace.layers,
+                num_experts=np.int32(trace.num_experts),
                 model=np.str_(trace.model),
             )
     except OSError as e:
@@ -102,8 +113,12 @@ def load_trace(path: str | Path) -> Trace:
     try:
         with np.load(path, allow_pickle=False) as z:
             trace = Trace(
-                ids=z["ids"].astype(np.int32), valid=z["valid"], kind=z["kind"], layers=z["layers"],
-                num_experts=int(z["num_experts"]), model=str(z["model"]),
+                ids=z["ids"].astype(np.int32),
+                valid=z["valid"],
+                kind=z["kind"],
+                layers=z["layers"],
+                num_experts=int(z["num_experts"]),
+                model=str(z["model"]),
             )
     except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
         raise UsageError(f"{path} is not a moejax trace: {str(e).splitlines()[0]}") from None

@@ -53,13 +53,16 @@ def decode_half(codes: jax.Array, scale_bits: jax.Array, block: int, fmt: str) -
     return v.reshape(kh, n)
 
 
-def decode_tile(values: jax.Array, scales_lo: jax.Array, scales_hi: jax.Array, block: int,
-                fmt: str) -> tuple[jax.Array, jax.Array]:
+def decode_tile(
+    values: jax.Array, scales_lo: jax.Array, scales_hi: jax.Array, block: int, fmt: str
+) -> tuple[jax.Array, jax.Array]:
     """values uint8 [kh, n] -> (lo, hi) f32 [kh, n], the two K-halves the bytes hold.
 
     scales_lo/hi: uint8 [kh/block, n], the scales of those halves. Multiply by the tensor
     scale (nvfp4) after the dot, where it costs [rows, n] instead of [kh, n] multiplies.
     """
     v = values.astype(jnp.int32)
-    return (decode_half(v & 15, scales_lo.astype(jnp.int32), block, fmt),
-            decode_half(v >> 4, scales_hi.astype(jnp.int32), block, fmt))
+    return (
+        decode_half(v & 15, scales_lo.astype(jnp.int32), block, fmt),
+        decode_half(v >> 4, scales_hi.astype(jnp.int32), block, fmt),
+    )

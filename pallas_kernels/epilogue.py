@@ -39,8 +39,9 @@ def group_rows(table: jax.Array, group_sizes: jax.Array, group_offset, m: int) -
     return jnp.where(mine[:, None], table[jnp.clip(g, 0, table.shape[0] - 1)], 0)
 
 
-def finish_product(out: jax.Array, out_dtype, scale, bias, group_sizes: jax.Array, group_offset, act=None,
-                   combine_picks=None) -> jax.Array:
+def finish_product(
+    out: jax.Array, out_dtype, scale, bias, group_sizes: jax.Array, group_offset, act=None, combine_picks=None
+) -> jax.Array:
     """A whole product out [M, N] finished after it: scaled (scale: [M, N] or None), each row's
     group's row of bias [G_local, N] added, then a gate|up product through act(gate, up) ->
     [M, N/2], or a down product's rows summed into their tokens (`combine_picks`: (order,

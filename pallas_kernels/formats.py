@@ -81,8 +81,7 @@ def _check(shape: tuple[int, ...], fmt: str, axis: int) -> int:
     axis = axis - len(shape) if axis >= 0 else axis
     block = FORMATS[fmt].block
     if shape[axis] % (2 * block):
-        raise ValueError(
-            f"{fmt}: quantized axis has length {shape[axis]}, must be a multiple of {2 * block}")
+        raise ValueError(f"{fmt}: quantized axis has length {shape[axis]}, must be a multiple of {2 * block}")
     return axis
 
 
@@ -111,9 +110,11 @@ def _quantize(w: jax.Array, fmt: str, axis: int, tensor_axes: tuple[int, ...]) -
         tensor_scale = g
     # A block scale that underflowed to 0 means every element rounds to 0.
     scaled = jnp.where(step > 0, blocks / jnp.where(step > 0, step, 1.0), 0.0)
-    codes = jax.lax.bitcast_convert_type(
-        jnp.clip(scaled, -E2M1_MAX, E2M1_MAX).astype(jnp.float4_e2m1fn), jnp.uint4
-    ).astype(jnp.uint8).reshape(*lead, k)
+    codes = (
+        jax.lax.bitcast_convert_type(jnp.clip(scaled, -E2M1_MAX, E2M1_MAX).astype(jnp.float4_e2m1fn), jnp.uint4)
+        .astype(jnp.uint8)
+        .reshape(*lead, k)
+    )
     packed = codes[..., : k // 2] | (codes[..., k // 2 :] << 4)  # [..., K/2]
     return QuantizedArray(
         values=jnp.moveaxis(packed, -1, axis),
@@ -192,11 +193,19 @@ def quantize_experts(w: jax.Array, fmt: str, k_slices: int = 1, gated: bool = Fa
     quantizing gate and up apart."""
     *lead, k, n = w.shape
     parts = 2 if gated else 1
-    q = quantize(jnp.asarray(w, jnp.float32).reshape(*lead, k_slices, k // k_slices, n // parts, parts), fmt,
-                 axis=-3, tensor_axes=(-4, -3, -2))
+    q = quantize(
+        jnp.asarray(w, jnp.float32).reshape(*lead, k_slices, k // k_slices, n // parts, parts),
+        fmt,
+        axis=-3,
+        tensor_axes=(-4, -3, -2),
+    )
     ts = q.tensor_scale
     if ts is not None:
-        ts = jnp.broadcast_to(ts, (*ts.shape[:-2], n // parts, parts)).reshape(*lead, 1, n) if gated \
+        ts = (
+            jnp.broadcast_to(ts, (*ts.shape[:-2], n // parts, parts)).reshape(*lead, 1, n)
+            if gated
             else ts.reshape(*lead, 1, 1)
-    return q.replace(values=q.values.reshape(*lead, -1, n), scales=q.scales.reshape(*lead, -1, n), axis=-2,
-                     tensor_scale=ts)
+        )
+    return q.replace(
+        values=q.values.reshape(*lead, -1, n), scales=q.scales.reshape(*lead, -1, n), axis=-2, tensor_scale=ts
+    )

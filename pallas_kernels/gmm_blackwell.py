@@ -89,11 +89,35 @@ def _prepare_rows(lhs: jax.Array, fmt: str, m_pad: int):
     return values, _mma_scale_tiling(q.scales), scale
 
 
-def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, w_scale, x_scale,
-            a_gmem, b_gmem, a_sc_gmem, b_sc_gmem, out_gmem,
-            a_smem, b_smem, a_sc_smem, b_sc_smem, out_smem, a_sc_tmem, b_sc_tmem, acc_tmem,
-            tma_barrier, consumed_barrier, mma_done_barrier, *, k_iters: int, steps: int,
-            block: int):
+def _kernel(
+    num_tiles,
+    group_ids,
+    m_tile_ids,
+    offsets,
+    offset,
+    w_scale,
+    x_scale,
+    a_gmem,
+    b_gmem,
+    a_sc_gmem,
+    b_sc_gmem,
+    out_gmem,
+    a_smem,
+    b_smem,
+    a_sc_smem,
+    b_sc_smem,
+    out_smem,
+    a_sc_tmem,
+    b_sc_tmem,
+    acc_tmem,
+    tma_barrier,
+    consumed_barrier,
+    mma_done_barrier,
+    *,
+    k_iters: int,
+    steps: int,
+    block: int,
+):
     t, n_i, wg = lax.axis_index("t"), lax.axis_index("n"), lax.axis_index("wg")
 
     @pl.when(t < num_tiles[0])
@@ -118,12 +142,13 @@ def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, w_scale, x_scale,
 
                         ks, kss = pl.ds(ki * TK, TK), pl.ds(ki * sc_k, sc_k)
                         plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_smem.at[slot], tma_barrier.at[slot])
-                        plgpu.copy_gmem_to_smem(b_gmem.at[local, cols, ks], b_smem.at[slot],
-                                                tma_barrier.at[slot])
-                        plgpu.copy_gmem_to_smem(a_sc_gmem.at[pl.ds(m_tile, 1), kss], a_sc_smem.at[slot],
-                                                tma_barrier.at[slot])
-                        plgpu.copy_gmem_to_smem(b_sc_gmem.at[local, pl.ds(n_i, 1), kss],
-                                                b_sc_smem.at[slot], tma_barrier.at[slot])
+                        plgpu.copy_gmem_to_smem(b_gmem.at[local, cols, ks], b_smem.at[slot], tma_barrier.at[slot])
+                        plgpu.copy_gmem_to_smem(
+                            a_sc_gmem.at[pl.ds(m_tile, 1), kss], a_sc_smem.at[slot], tma_barrier.at[slot]
+                        )
+                        plgpu.copy_gmem_to_smem(
+                            b_sc_gmem.at[local, pl.ds(n_i, 1), kss], b_sc_smem.at[slot], tma_barrier.at[slot]
+                        )
 
                     lax.fori_loop(0, k_iters, load, None)
 
@@ -134,10 +159,15 @@ def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, w_scale, x_scale,
                         plgpu.barrier_wait(tma_barrier.at[slot])
                         plgpu.async_copy_scales_to_tmem(a_sc_smem.at[slot], a_sc_tmem)
                         plgpu.async_copy_scales_to_tmem(b_sc_smem.at[slot], b_sc_tmem)
-                        plgpu.tcgen05_mma(acc_tmem, a_smem.at[slot],
-                                          b_smem.at[slot].transpose((1, 0)),
-                                          consumed_barrier.at[slot], a_scale=a_sc_tmem,
-                                          b_scale=b_sc_tmem, accumulate=ki > 0)
+                        plgpu.tcgen05_mma(
+                            acc_tmem,
+                            a_smem.at[slot],
+                            b_smem.at[slot].transpose((1, 0)),
+                            consumed_barrier.at[slot],
+                            a_scale=a_sc_tmem,
+                            b_scale=b_sc_tmem,
+                            accumulate=ki > 0,
+                        )
 
                         @pl.when(ki == k_iters - 1)
                         def _():
@@ -157,10 +187,13 @@ def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, w_scale, x_scale,
             size = jnp.minimum(offsets[g + 1], (m_tile + 1) * TM) - m_tile * TM - first
             piece, pos = TM, first
             while piece >= 1:
+
                 @pl.when((size & piece) != 0)
                 def _(piece=piece, pos=pos):
-                    plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(pos, piece)],
-                                            out_gmem.at[pl.ds(m_tile * TM + pos, piece), cols])
+                    plgpu.copy_smem_to_gmem(
+                        out_smem.at[pl.ds(pos, piece)], out_gmem.at[pl.ds(m_tile * TM + pos, piece), cols]
+                    )
+
                 pos = pos + (size & piece)
                 piece //= 2
             plgpu.wait_smem_to_gmem(0)
@@ -183,8 +216,13 @@ def gmm_blackwell(lhs, rhs, group_sizes, group_offset, out_dtype, *, steps: int 
     a, a_sc, x_scale = _prepare_rows(lhs, rhs.fmt, m_pad)
     offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
     (offsets, group_ids, m_tile_ids), num_tiles = make_group_metadata(
-        group_sizes=group_sizes, m=m_pad, tm=TM, start_group=offset[0],
-        num_nonzero_groups=g_local, visit_empty_groups=False)
+        group_sizes=group_sizes,
+        m=m_pad,
+        tm=TM,
+        start_group=offset[0],
+        num_nonzero_groups=g_local,
+        visit_empty_groups=False,
+    )
     f4, scale_dtype = jnp.float4_e2m1fn, formats.FORMATS[rhs.fmt].scale_dtype
     swizzle = plgpu.find_swizzle(TK * 4)  # 4-bit elements
     transforms = (plgpu.TilingTransform((8, 8 * swizzle // 4)), plgpu.SwizzleTransform(swizzle))
@@ -194,14 +232,11 @@ def gmm_blackwell(lhs, rhs, group_sizes, group_offset, out_dtype, *, steps: int 
         a_sc_smem=plgpu.SMEM((steps, 1, TK // block // 4, 32, 16), scale_dtype),
         b_sc_smem=plgpu.SMEM((steps, 1, TK // block // 4, 32, 16), scale_dtype),
         out_smem=plgpu.SMEM((TM, TN), out_dtype),
-        a_sc_tmem=plgpu.TMEM((TM, TK // block), scale_dtype,
-                             layout=plgpu.TMEMLayout.SCALES_LAYOUT),
-        b_sc_tmem=plgpu.TMEM((TN, TK // block), scale_dtype,
-                             layout=plgpu.TMEMLayout.SCALES_LAYOUT),
+        a_sc_tmem=plgpu.TMEM((TM, TK // block), scale_dtype, layout=plgpu.TMEMLayout.SCALES_LAYOUT),
+        b_sc_tmem=plgpu.TMEM((TN, TK // block), scale_dtype, layout=plgpu.TMEMLayout.SCALES_LAYOUT),
         acc_tmem=plgpu.TMEM((TM, TN), jnp.float32),
         tma_barrier=plgpu.Barrier(num_arrivals=4, num_barriers=steps),
-        consumed_barrier=plgpu.Barrier(num_arrivals=1, num_barriers=steps,
-                                       orders_tensor_core=True),
+        consumed_barrier=plgpu.Barrier(num_arrivals=1, num_barriers=steps, orders_tensor_core=True),
         mma_done_barrier=plgpu.Barrier(orders_tensor_core=True),
     )
     call = plgpu.kernel(
@@ -213,6 +248,17 @@ def gmm_blackwell(lhs, rhs, group_sizes, group_offset, out_dtype, *, steps: int 
         thread_name="wg",
         scratch_types=scratch,
     )
-    out = call(num_tiles.reshape(1), group_ids, m_tile_ids, offsets, offset, rhs.tensor_scale,
-               x_scale.reshape(1), a, rhs.values, a_sc, rhs.scales)
+    out = call(
+        num_tiles.reshape(1),
+        group_ids,
+        m_tile_ids,
+        offsets,
+        offset,
+        rhs.tensor_scale,
+        x_scale.reshape(1),
+        a,
+        rhs.values,
+        a_sc,
+        rhs.scales,
+    )
     return tiling.zero_foreign_rows(out, offsets, offset[0], g_local, m)

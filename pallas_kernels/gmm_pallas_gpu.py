@@ -54,8 +54,28 @@ def _load(ref, *masks):
     return pl_triton.load(ref, mask=functools.reduce(jnp.logical_and, masks), other=0)
 
 
-def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, first, tscale, *refs, quantized, fmt,
-            block, tm, tk, tn, k, n, pairs, cdtype, tables, act):
+def _kernel(
+    num_tiles,
+    group_ids,
+    m_tile_ids,
+    offsets,
+    offset,
+    first,
+    tscale,
+    *refs,
+    quantized,
+    fmt,
+    block,
+    tm,
+    tk,
+    tn,
+    k,
+    n,
+    pairs,
+    cdtype,
+    tables,
+    act,
+):
     """One (active m tile, n tile) program; loops over K. Refs are whole arrays in HBM:
     lhs [M_pad, K], rhs (weights [G', K, N/p, p], or bytes [G', K/2, N/p, p] and scale bits
     [G', K/B, N/p, p]; p = `pairs`: 2 with act, the gate and up columns) and tscale [G'], whose
@@ -92,13 +112,20 @@ def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, first, tscale, *r
                 w_lo, w_hi = decode.decode_tile(
                     _load(v_ref.at[at, pl.ds(k0, kt), cols, i], in_k(k0, kt, 1, 0), in_n),
                     _load(s_ref.at[at, pl.ds(k0 // block, sb), cols, i], s_in, in_n),
-                    _load(s_ref.at[at, pl.ds((kk + k0) // block, sb), cols, i], s_in, in_n), block, fmt)
-                return (dot(_load(x_ref.at[rows, pl.ds(k0, kt)], in_k(k0, kt, 1, 1)).astype(cdtype), w_lo.astype(cdtype))
-                        + dot(_load(x_ref.at[rows, pl.ds(kk + k0, kt)], in_k(k0, kt, 1, 1)).astype(cdtype),
-                              w_hi.astype(cdtype)))
+                    _load(s_ref.at[at, pl.ds((kk + k0) // block, sb), cols, i], s_in, in_n),
+                    block,
+                    fmt,
+                )
+                return dot(
+                    _load(x_ref.at[rows, pl.ds(k0, kt)], in_k(k0, kt, 1, 1)).astype(cdtype), w_lo.astype(cdtype)
+                ) + dot(
+                    _load(x_ref.at[rows, pl.ds(kk + k0, kt)], in_k(k0, kt, 1, 1)).astype(cdtype), w_hi.astype(cdtype)
+                )
             x_ref, w_ref = ins
-            return dot(_load(x_ref.at[rows, pl.ds(k0, kt)], in_k(k0, kt, 1, 1)).astype(cdtype),
-                       _load(w_ref.at[at, pl.ds(k0, kt), cols, i], in_k(k0, kt, 1, 0), in_n).astype(cdtype))
+            return dot(
+                _load(x_ref.at[rows, pl.ds(k0, kt)], in_k(k0, kt, 1, 1)).astype(cdtype),
+                _load(w_ref.at[at, pl.ds(k0, kt), cols, i], in_k(k0, kt, 1, 0), in_n).astype(cdtype),
+            )
 
         # The column sets (all columns, or the gate and the up ones) as array indices: interpret
         # mode's masked loads take no Python int.
@@ -108,10 +135,15 @@ def _kernel(num_tiles, group_ids, m_tile_ids, offsets, offset, first, tscale, *r
             return tuple(acc + product(k_i, i) for i, acc in zip(sets, accs))
 
         accs = lax.fori_loop(0, pl.cdiv(kk, kt), step, tuple(jnp.zeros((tm, width), jnp.float32) for _ in range(pairs)))
-        ys = [epilogue.finish(acc, out_ref.dtype,
-                              tscale[at] * (1.0 if cols_ref is None else _load(cols_ref.at[local, :, cols, i], in_n)),
-                              None if bias_ref is None else _load(bias_ref.at[local, :, cols, i], in_n))
-              for i, acc in zip(sets, accs)]
+        ys = [
+            epilogue.finish(
+                acc,
+                out_ref.dtype,
+                tscale[at] * (1.0 if cols_ref is None else _load(cols_ref.at[local, :, cols, i], in_n)),
+                None if bias_ref is None else _load(bias_ref.at[local, :, cols, i], in_n),
+            )
+            for i, acc in zip(sets, accs)
+        ]
         # Triton has no bf16 division (the sigmoid's): the activation's math is f32.
         y = ys[0] if act is None else epilogue.glu(*(y.astype(jnp.float32) for y in ys), act).astype(out_ref.dtype)
         row_ids = _iota(tm, 0, m0)
@@ -124,8 +156,9 @@ def _column_pairs(a, pairs: int):
     return a.reshape(*a.shape[:-1], a.shape[-1] // pairs, pairs)
 
 
-def gmm_pallas_gpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret: bool = False,
-                   tk: int | None = None, epilogue=None):
+def gmm_pallas_gpu(
+    lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret: bool = False, tk: int | None = None, epilogue=None
+):
     """The Triton twin of `gmm_pallas_tpu`: the same arguments, epilogue and result; rhs may also
     be one layer of a stack (`layered.LayerOf`)."""
     m, k = lhs.shape
@@ -141,7 +174,8 @@ def gmm_pallas_gpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
     pairs = 1 if act is None else 2
     tn = tiling.pick_tile(n, (128, 64, 32) if act is not None else (128, 64, 32, 16), masked=True)
     lhs_p, offset, (offsets, group_ids, m_tile_ids), num_tiles = tiling.group_tiles(
-        lhs, group_sizes, group_offset, g_local, tm)
+        lhs, group_sizes, group_offset, g_local, tm
+    )
     if quantized:
         operands = (lhs_p, _column_pairs(rhs.values, pairs), _column_pairs(tiling.scale_bits(rhs), pairs))
         tscale, fmt, block = tiling.tensor_scales(rhs), rhs.fmt, rhs.spec.block
@@ -149,16 +183,36 @@ def gmm_pallas_gpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
         operands = (lhs_p, _column_pairs(rhs, pairs))
         tscale, fmt, block = jnp.ones(rhs.shape[:1], jnp.float32), None, 1
     kernel = functools.partial(
-        _kernel, quantized=quantized, fmt=fmt, block=block, tm=tm, tk=tk, tn=tn, k=k, n=n, pairs=pairs,
-        cdtype=tiling.compute_dtype(lhs.dtype, rhs), tables=has, act=act)
+        _kernel,
+        quantized=quantized,
+        fmt=fmt,
+        block=block,
+        tm=tm,
+        tk=tk,
+        tn=tn,
+        k=k,
+        n=n,
+        pairs=pairs,
+        cdtype=tiling.compute_dtype(lhs.dtype, rhs),
+        tables=has,
+        act=act,
+    )
     out = pl.pallas_call(
         kernel,
-        out_shape=metadata.varying_struct((lhs_p.shape[0], n // pairs), out_dtype, lhs, rhs, group_sizes,
-                                          group_offset),
+        out_shape=metadata.varying_struct((lhs_p.shape[0], n // pairs), out_dtype, lhs, rhs, group_sizes, group_offset),
         grid=(group_ids.shape[0], pl.cdiv(n, tn)),
         compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         cost_estimate=tiling.cost_estimate(lhs, layer, lhs_p.shape[0], out_dtype, glu=act is not None),
-    )(num_tiles.reshape(1), group_ids, m_tile_ids, offsets, offset, first, tscale, *operands,
-      *(_column_pairs(t, pairs) for t in tables))
+    )(
+        num_tiles.reshape(1),
+        group_ids,
+        m_tile_ids,
+        offsets,
+        offset,
+        first,
+        tscale,
+        *operands,
+        *(_column_pairs(t, pairs) for t in tables),
+    )
     return tiling.zero_foreign_rows(out, offsets, offset[0], g_local, m)

@@ -45,8 +45,23 @@ def width_refusal(widths: list[int]) -> str | None:
     return f"4-bit experts need a K per device of a multiple of 256, these have {narrow}" if narrow else None
 
 
-def _kernel(group_ids, m_tile_ids, offsets, offset, first, tscale, *refs, quantized, fmt, block, tm,
-            tiles_k, cdtype, tables, act):
+def _kernel(
+    group_ids,
+    m_tile_ids,
+    offsets,
+    offset,
+    first,
+    tscale,
+    *refs,
+    quantized,
+    fmt,
+    block,
+    tm,
+    tiles_k,
+    cdtype,
+    tables,
+    act,
+):
     """One (n, active m tile, k) step. Refs: lhs (one, or its lo/hi K-halves for 4-bit),
     rhs (weights, or bytes + lo/hi scale bits), the epilogue's column scales and bias [1, tn]
     where `tables` says so, out [tm, tn] ([tm, tn/2] with act), acc [tm, tn] f32 scratch, and
@@ -68,12 +83,13 @@ def _kernel(group_ids, m_tile_ids, offsets, offset, first, tscale, *refs, quanti
         x_lo, x_hi, values, *scales = ins
         if len(scales) == 1:  # one block of both halves' scale rows: split as int32 (8-row tiles)
             both = scales[0][...].astype(jnp.int32)
-            s_lo, s_hi = both[:both.shape[0] // 2], both[both.shape[0] // 2:]
+            s_lo, s_hi = both[: both.shape[0] // 2], both[both.shape[0] // 2 :]
         else:
             s_lo, s_hi = (s[...] for s in scales)
         w_lo, w_hi = decode.decode_tile(values[...], s_lo, s_hi, block, fmt)
-        acc_ref[...] += (dot(x_lo[...].astype(cdtype), w_lo.astype(cdtype)) +
-                         dot(x_hi[...].astype(cdtype), w_hi.astype(cdtype)))
+        acc_ref[...] += dot(x_lo[...].astype(cdtype), w_lo.astype(cdtype)) + dot(
+            x_hi[...].astype(cdtype), w_hi.astype(cdtype)
+        )
     else:
         x, w = ins
         acc_ref[...] += dot(x[...].astype(cdtype), w[...].astype(cdtype))
@@ -99,8 +115,9 @@ def _lane_pairs(y, pairs_ref):
     return tuple(pairs_ref[pl.ds(i, half, stride=2), :].T.astype(y.dtype) for i in (0, 1))
 
 
-def gmm_pallas_tpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret: bool = False,
-                   tk: int | None = None, epilogue=None):
+def gmm_pallas_tpu(
+    lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret: bool = False, tk: int | None = None, epilogue=None
+):
     """lhs [M, K], rhs [G_local, K, N] (array or QuantizedArray, or a LayerOf either), group_sizes [G]
     -> [M, N].
 
@@ -127,7 +144,8 @@ def gmm_pallas_tpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
     tn = tiling.pick_tile(n, (256,) if act is not None else (256, 128))
     tn_out = tn // 2 if act is not None else tn
     lhs_p, offset, (offsets, group_ids, m_tile_ids), num_tiles = tiling.group_tiles(
-        lhs, group_sizes, group_offset, g_local, tm)
+        lhs, group_sizes, group_offset, g_local, tm
+    )
     tiles_k = k // tk
 
     def lhs_map(half):
@@ -140,11 +158,15 @@ def gmm_pallas_tpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
         half_rows, block = tk // 2, rhs.spec.block
         scale_halves = 1 if whole_scales else 2
         operands = (lhs_p, lhs_p, rhs.values, *(tiling.scale_bits(rhs),) * scale_halves)
-        in_specs = [pl.BlockSpec((tm, half_rows), lhs_map(0)),
-                    pl.BlockSpec((tm, half_rows), lhs_map(1)),
-                    pl.BlockSpec((None, half_rows, tn), rhs_map(0)),
-                    *(pl.BlockSpec((None, 2 * half_rows // block // scale_halves, tn), rhs_map(half))
-                      for half in range(scale_halves))]
+        in_specs = [
+            pl.BlockSpec((tm, half_rows), lhs_map(0)),
+            pl.BlockSpec((tm, half_rows), lhs_map(1)),
+            pl.BlockSpec((None, half_rows, tn), rhs_map(0)),
+            *(
+                pl.BlockSpec((None, 2 * half_rows // block // scale_halves, tn), rhs_map(half))
+                for half in range(scale_halves)
+            ),
+        ]
         tscale, fmt = lax.dynamic_slice_in_dim(tiling.tensor_scales(rhs), first[0], g_local), rhs.fmt  # the layer's
     else:
         block, fmt = 1, None
@@ -152,26 +174,36 @@ def gmm_pallas_tpu(lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret:
         in_specs = [pl.BlockSpec((tm, tk), lhs_map(0)), pl.BlockSpec((None, tk, tn), rhs_map(0))]
         tscale = jnp.ones((g_local,), jnp.float32)
     operands += tuple(tables)
-    in_specs += [pl.BlockSpec((None, 1, tn), lambda n_i, t, k_i, gids, mids, offs, off, at, ts: (gids[t] - off[0], 0, n_i))
-                 for _ in tables]
+    in_specs += [
+        pl.BlockSpec((None, 1, tn), lambda n_i, t, k_i, gids, mids, offs, off, at, ts: (gids[t] - off[0], 0, n_i))
+        for _ in tables
+    ]
 
     kernel = functools.partial(
-        _kernel, quantized=quantized, fmt=fmt, block=block, tm=tm, tiles_k=tiles_k,
-        cdtype=tiling.compute_dtype(lhs.dtype, rhs), tables=has, act=act)
+        _kernel,
+        quantized=quantized,
+        fmt=fmt,
+        block=block,
+        tm=tm,
+        tiles_k=tiles_k,
+        cdtype=tiling.compute_dtype(lhs.dtype, rhs),
+        tables=has,
+        act=act,
+    )
     out = pl.pallas_call(
         kernel,
-        out_shape=metadata.varying_struct((lhs_p.shape[0], n * tn_out // tn), out_dtype, lhs, rhs, group_sizes,
-                                          group_offset),
+        out_shape=metadata.varying_struct(
+            (lhs_p.shape[0], n * tn_out // tn), out_dtype, lhs, rhs, group_sizes, group_offset
+        ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             in_specs=in_specs,
             out_specs=pl.BlockSpec((tm, tn_out), lambda n_i, t, k_i, gids, mids, *_: (mids[t], n_i)),
             grid=(n // tn, num_tiles, tiles_k),
-            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)] + (
-                [pltpu.VMEM((tn, tm), jnp.float32)] if act is not None else []),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)]
+            + ([pltpu.VMEM((tn, tm), jnp.float32)] if act is not None else []),
         ),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=interpret,
         cost_estimate=tiling.cost_estimate(lhs, layer, lhs_p.shape[0], out_dtype, glu=act is not None),
     )(group_ids, m_tile_ids, offsets, offset, first, tscale, *operands)

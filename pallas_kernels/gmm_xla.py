@@ -125,8 +125,20 @@ def fuses_glu(m: int, n: int, rhs) -> bool:
 fuses_combine = fuses_glu
 
 
-def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = None, *, lhs_rows=None,
-            combine=None, bias=None, epilogue=None, platform: str | None = None):
+def gmm_xla(
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    out_dtype,
+    tm: int | None = None,
+    *,
+    lhs_rows=None,
+    combine=None,
+    bias=None,
+    epilogue=None,
+    platform: str | None = None,
+):
     """lhs [M, K], rhs [G_local, K, N] (array or QuantizedArray, or a LayerOf either),
     group_sizes [G] -> [M, N], the way `moejax.platform.gemm_rows` gives for M rows on `platform`.
 
@@ -147,8 +159,11 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = Non
     act = None
     if epilogue is not None:
         _, bias, act = epilogue  # no column scales: the loop applies a stack's own as it decodes
-    way = "groups" if isinstance(rhs, layered.Groups) else gemm_rows(
-        m, isinstance(layered.stored(rhs), formats.QuantizedArray), platform)
+    way = (
+        "groups"
+        if isinstance(rhs, layered.Groups)
+        else gemm_rows(m, isinstance(layered.stored(rhs), formats.QuantizedArray), platform)
+    )
     if way in ("gather", "rows"):
         lhs = lhs if lhs_rows is None else lhs[lhs_rows]
         y = _per_row(lhs, rhs, group_sizes, group_offset, way == "gather", precision)
@@ -161,8 +176,9 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = Non
 
         def write(out, y, p0, in_group, g):  # y [tm, N] (activated: [tm, N/2]) into the rows of the group
             if act is not None:  # as the registry finishes an unfused product: bias, then act(gate, up)
-                y = glu(*gate_up_columns(finish(y, out_dtype, None, None if bias is None else bias[g][None])),
-                        act).astype(jnp.float32)
+                y = glu(
+                    *gate_up_columns(finish(y, out_dtype, None, None if bias is None else bias[g][None])), act
+                ).astype(jnp.float32)
             keep = lax.dynamic_slice_in_dim(out, p0, tm, 0)
             return lax.dynamic_update_slice_in_dim(out, jnp.where(in_group[:, None], y, keep), p0, 0)
     else:
@@ -180,8 +196,11 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = Non
 
     def chunk(matmul, out, pos, end, g, live=True):  # rows pos .. pos + tm - 1 of group g, those below end
         p0 = jnp.minimum(pos, m - tm)  # the last chunk may hang over the end of lhs
-        x = (lax.dynamic_slice_in_dim(lhs32, p0, tm, 0) if lhs_rows is None
-             else lhs32[lax.dynamic_slice_in_dim(lhs_rows, p0, tm)])  # [tm, K]
+        x = (
+            lax.dynamic_slice_in_dim(lhs32, p0, tm, 0)
+            if lhs_rows is None
+            else lhs32[lax.dynamic_slice_in_dim(lhs_rows, p0, tm)]
+        )  # [tm, K]
         y = matmul(x)  # [tm, N]
         rows = p0 + lax.iota(jnp.int32, tm)
         return write(out, y, p0, (rows >= pos) & (rows < end) & live, g)
@@ -191,8 +210,9 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = Non
         from pallas_kernels import tiling  # megablox's schedule: not loaded where no accelerator runs it
 
         m_pad = -(-m // tm) * tm
-        offset, (offsets, group_ids, m_tile_ids), num_tiles = tiling.schedule(group_sizes, group_offset, g_local,
-                                                                               m_pad, tm)
+        offset, (offsets, group_ids, m_tile_ids), num_tiles = tiling.schedule(
+            group_sizes, group_offset, g_local, m_pad, tm
+        )
 
         def tile(t, out):  # tile t: rows of one group in one [tm]-row tile; past num_tiles, none
             g_global = group_ids[t]
@@ -200,7 +220,9 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = Non
             pos = m_tile_ids[t] * tm
             rows_end = jnp.minimum(offsets[g_global + 1], pos + tm)
             live = t < num_tiles
-            return chunk(_group_matmul(rhs, g, tm, precision), out, jnp.maximum(pos, offsets[g_global]), rows_end, g, live)
+            return chunk(
+                _group_matmul(rhs, g, tm, precision), out, jnp.maximum(pos, offsets[g_global]), rows_end, g, live
+            )
 
         return lax.fori_loop(0, m_pad // tm + g_local - 1, tile, out0).astype(out_dtype)
 
@@ -210,8 +232,9 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, out_dtype, tm: int | None = Non
         g = active[i]
         start, end = starts[g], starts[g] + sizes[g]
         matmul = _group_matmul(rhs, g, tm, precision)  # loaded here once for all its chunks
-        return lax.fori_loop(0, (sizes[g] + tm - 1) // tm, lambda j, out: chunk(matmul, out, start + j * tm, end, g),
-                             out)
+        return lax.fori_loop(
+            0, (sizes[g] + tm - 1) // tm, lambda j, out: chunk(matmul, out, start + j * tm, end, g), out
+        )
 
     # f32 out in the loop: XLA:CPU handles a bf16 loop carry through f32 round trips.
     return lax.fori_loop(0, num_active, group_body, out0).astype(out_dtype)

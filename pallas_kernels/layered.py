@@ -125,5 +125,4 @@ def stored(rhs):
 def _index(a: jax.Array, lead: tuple) -> jax.Array:
     """a[lead] with traced leading indices, as one dynamic slice."""
     start = (*lead, *(0,) * (a.ndim - len(lead)))
-    return lax.dynamic_slice(a, start, (*(1,) * len(lead), *a.shape[len(lead):])).reshape(a.shape[len(lead):])
-
+    return lax.dynamic_slice(a, start, (*(1,) * len(lead), *a.shape[len(lead) :])).reshape(a.shape[len(lead) :])

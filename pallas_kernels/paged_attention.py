@@ -85,10 +85,17 @@ def _ragged(q, kv, lens, table, scale):
     q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, lanes - dh))).reshape(b * t, h, lanes)
     lens = jnp.clip(lens, t, p * ps)  # a request past its table (writes dropped) reads its last page
     # Block sizes given: its tuned table looks up the device it runs on, which an export has not.
-    out = ragged_paged_attention(q, kv, lens, jnp.minimum(table, pages - 1), jnp.arange(b + 1, dtype=jnp.int32) * t,
-                                 jnp.full((1,), b, jnp.int32), sm_scale=scale,
-                                 num_kv_pages_per_block=min(p, TPU_KV_PAGES_PER_BLOCK),
-                                 num_queries_per_block=min(b * t, TPU_QUERIES_PER_BLOCK))
+    out = ragged_paged_attention(
+        q,
+        kv,
+        lens,
+        jnp.minimum(table, pages - 1),
+        jnp.arange(b + 1, dtype=jnp.int32) * t,
+        jnp.full((1,), b, jnp.int32),
+        sm_scale=scale,
+        num_kv_pages_per_block=min(p, TPU_KV_PAGES_PER_BLOCK),
+        num_queries_per_block=min(b * t, TPU_QUERIES_PER_BLOCK),
+    )
     return out.reshape(b, t, h, lanes)[..., :dh]
 
 
@@ -118,11 +125,20 @@ def _decode(q, k, v, lens, table, scale, interpret: bool):
     block = max(least, min(GPU_PAGES_PER_BLOCK, most // sub, _pow2_floor(-(-n // splits))))
     padded = splits * block * -(-n // (splits * block))
     i = jnp.arange(padded)
-    page = jnp.minimum(table, pages - 1)[:, jnp.minimum(i // per, p - 1)]  # [B, padded]; past the table: read no position
+    page = jnp.minimum(table, pages - 1)[
+        :, jnp.minimum(i // per, p - 1)
+    ]  # [B, padded]; past the table: read no position
     rows = (page[:, None, :] * hkv + jnp.arange(hkv, dtype=table.dtype)[None, :, None]) * per + i % per
     one_head = lambda pool: pool.reshape(1, pages * hkv * per, sub, width)
     q = jnp.pad((q * scale).astype(q.dtype).reshape(b * hkv, h // hkv, dh), ((0, 0), (0, 0), (0, width - dh)))
-    out = paged_attention(q, one_head(k), one_head(v), rows.reshape(b * hkv, padded),
-                          jnp.repeat(jnp.clip(lens, 1, p * ps), hkv), k_splits=splits, pages_per_compute_block=block,
-                          interpret=interpret)
+    out = paged_attention(
+        q,
+        one_head(k),
+        one_head(v),
+        rows.reshape(b * hkv, padded),
+        jnp.repeat(jnp.clip(lens, 1, p * ps), hkv),
+        k_splits=splits,
+        pages_per_compute_block=block,
+        interpret=interpret,
+    )
     return out.reshape(b, 1, h, width)[..., :dh]

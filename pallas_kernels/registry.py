@@ -93,9 +93,20 @@ def _known(name: str) -> str:
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "preferred_element_type", "act", "platform"))
-def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto",
-                 preferred_element_type=None, bias=None, act=None, lhs_rows=None, combine=None,
-                 platform: str | None = None):
+def grouped_gemm(
+    lhs,
+    rhs,
+    group_sizes,
+    *,
+    group_offset=0,
+    backend: str = "auto",
+    preferred_element_type=None,
+    bias=None,
+    act=None,
+    lhs_rows=None,
+    combine=None,
+    platform: str | None = None,
+):
     """out[r] = lhs[r] @ rhs[g(r) - group_offset] (+ bias[g(r) - group_offset]) for rows r of
     local groups, else 0; with `act`, rhs is a gate|up stack (gate and up interleaved along N)
     and out[r] = act(gate, up) of that product.
@@ -141,8 +152,15 @@ def grouped_gemm(lhs, rhs, group_sizes, *, group_offset=0, backend: str = "auto"
     if combine is not None and columns is None and _fuses(backend, "fuses_combine", m, n, rhs):
         return kernel(lhs, rhs, group_sizes, group_offset, out_dtype, combine=combine, bias=bias, **rows)
     if act is not None and _fuses(backend, "fuses_glu", m, n, rhs):
-        return kernel(lhs, _unit_scales(rhs) if columns is not None else rhs, group_sizes, group_offset, out_dtype,
-                      epilogue=(columns, bias, act), **rows)
+        return kernel(
+            lhs,
+            _unit_scales(rhs) if columns is not None else rhs,
+            group_sizes,
+            group_offset,
+            out_dtype,
+            epilogue=(columns, bias, act),
+            **rows,
+        )
     if columns is None:
         out = kernel(lhs, rhs, group_sizes, group_offset, out_dtype, **rows)
         scale = None

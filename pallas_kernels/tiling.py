@@ -19,8 +19,11 @@ def cost_estimate(lhs, rhs, out_rows: int, out_dtype, glu: bool = False) -> pl.C
     n = rhs.shape[2]
     out_cols = n // 2 if glu else n
     out_bytes = out_rows * out_cols * jnp.dtype(out_dtype).itemsize
-    return pl.CostEstimate(flops=2 * m * k * n, transcendentals=m * out_cols if glu else 0,
-                           bytes_accessed=formats.nbytes(lhs) + formats.nbytes(rhs) + out_bytes)
+    return pl.CostEstimate(
+        flops=2 * m * k * n,
+        transcendentals=m * out_cols if glu else 0,
+        bytes_accessed=formats.nbytes(lhs) + formats.nbytes(rhs) + out_bytes,
+    )
 
 
 def round_up(x: int, to: int) -> int:
@@ -64,8 +67,13 @@ def schedule(group_sizes: jax.Array, group_offset, g_local: int, m_pad: int, tm:
     M_pad / tm + g_local - 1 of them."""
     offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
     metadata, num_tiles = make_group_metadata(
-        group_sizes=group_sizes, m=m_pad, tm=tm, start_group=offset[0],
-        num_nonzero_groups=g_local, visit_empty_groups=False)
+        group_sizes=group_sizes,
+        m=m_pad,
+        tm=tm,
+        start_group=offset[0],
+        num_nonzero_groups=g_local,
+        visit_empty_groups=False,
+    )
     return offset, metadata, num_tiles
 
 
@@ -91,8 +99,7 @@ def compute_dtype(lhs_dtype, rhs) -> jnp.dtype:
     return jnp.dtype(jnp.bfloat16 if both_bf16 else jnp.float32)
 
 
-def zero_foreign_rows(out: jax.Array, offsets: jax.Array, first_group, g_local: int,
-                      m: int) -> jax.Array:
+def zero_foreign_rows(out: jax.Array, offsets: jax.Array, first_group, g_local: int, m: int) -> jax.Array:
     """out [M_pad, N] -> [M, N] with rows no local group owns set to 0.
 
     The kernels never write those rows (their memory is uninitialized); offsets [G + 1] are

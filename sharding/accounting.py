@@ -35,12 +35,27 @@ _COLLECTIVE = re.compile(
     r"(?:-start)?\(.*?replica_groups=(?P<groups>mesh\[[^\]]*\] \{[^}]*\}|\S+)"
 )
 _SHAPE = re.compile(r"(pred|s8|u8|s32|u32|f32|bf16|f16|s64|f64|f8e4m3fn|f4e2m1fn|f8e8m0fnu)\[([\d,]*)\]")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s32": 4, "u32": 4, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "f64": 8,
-          "f8e4m3fn": 1, "f8e8m0fnu": 1, "f4e2m1fn": 0.5}
+_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "bf16": 2,
+    "f16": 2,
+    "s64": 8,
+    "f64": 8,
+    "f8e4m3fn": 1,
+    "f8e8m0fnu": 1,
+    "f4e2m1fn": 0.5,
+}
 
 
 def _shape_bytes(text: str) -> float:
-    return sum(_BYTES[d] * int(np.prod([int(x) for x in dims.split(",") if x] or [1])) for d, dims in _SHAPE.findall(text))
+    return sum(
+        _BYTES[d] * int(np.prod([int(x) for x in dims.split(",") if x] or [1])) for d, dims in _SHAPE.findall(text)
+    )
 
 
 def _group_size(groups: str) -> int:

@@ -103,8 +103,10 @@ def rebalance_experts_hierarchical(
     weight float[L, E] (picks per expert) -> (phy2log int[L, P], phyrank int[L, P], logcnt int[L, E])."""
     num_layers, num_logical = weight.shape
     if num_logical % num_groups or num_groups % num_nodes or num_gpus % num_nodes or num_physical % num_gpus:
-        raise ValueError(f"E={num_logical}, groups={num_groups}, nodes={num_nodes}, gpus={num_gpus}, "
-                         f"slots={num_physical} do not nest")
+        raise ValueError(
+            f"E={num_logical}, groups={num_groups}, nodes={num_nodes}, gpus={num_gpus}, "
+            f"slots={num_physical} do not nest"
+        )
     group_size = num_logical // num_groups
     groups_per_node = num_groups // num_nodes
     slots_per_gpu = num_physical // num_gpus
@@ -112,8 +114,9 @@ def rebalance_experts_hierarchical(
     # Step 1: groups to nodes. mlog ("meta-logical") numbers experts node by node.
     tokens_per_group = weight.reshape(num_layers, num_groups, group_size).sum(-1)
     group_pack, group_rank = balanced_packing(tokens_per_group, num_nodes)
-    log2mlog = (((group_pack * groups_per_node + group_rank) * group_size)[..., None]
-                + np.arange(group_size)).reshape(num_layers, num_logical)
+    log2mlog = (((group_pack * groups_per_node + group_rank) * group_size)[..., None] + np.arange(group_size)).reshape(
+        num_layers, num_logical
+    )
     mlog2log = _inverse(log2mlog)
 
     # Step 2: replicas within each node. [L * nodes, E / nodes]
@@ -126,8 +129,10 @@ def rebalance_experts_hierarchical(
     pphy2phy = _inverse(pack_index * slots_per_gpu + rank_in_pack)
 
     pphy2mlog = np.take_along_axis(phy2mlog, pphy2phy, axis=-1)
-    pphy2mlog = (pphy2mlog.reshape(num_layers, num_nodes, -1)
-                 + np.arange(0, num_logical, num_logical // num_nodes)[None, :, None]).reshape(num_layers, -1)
+    pphy2mlog = (
+        pphy2mlog.reshape(num_layers, num_nodes, -1)
+        + np.arange(0, num_logical, num_logical // num_nodes)[None, :, None]
+    ).reshape(num_layers, -1)
     phy2log = np.take_along_axis(mlog2log, pphy2mlog, axis=-1)
     pphyrank = np.take_along_axis(phyrank, pphy2phy, axis=-1).reshape(num_layers, -1)
     logcnt = np.take_along_axis(mlogcnt.reshape(num_layers, -1), log2mlog, axis=-1)

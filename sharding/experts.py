@@ -15,8 +15,17 @@ import pallas_kernels
 from moejax.model.layers import silu_glu
 
 
-def expert_ffn(x: jax.Array, group_sizes: jax.Array, w: dict, *, picks, group_offset=0, kernel: str = "auto",
-               first_slice=True, platform: str | None = None) -> jax.Array:
+def expert_ffn(
+    x: jax.Array,
+    group_sizes: jax.Array,
+    w: dict,
+    *,
+    picks,
+    group_offset=0,
+    kernel: str = "auto",
+    first_slice=True,
+    platform: str | None = None,
+) -> jax.Array:
     """x: [T, D] tokens; group_sizes: [E_total] of their T*k picks sorted by expert; w: gate_up [E,
     D, 2F] (gate and up interleaved: one grouped GEMM for both), down [E, F, D], optional biases
     gate_up_bias [E, 2F], down_bias [E, D] and activation `act(gate, up)` (default silu(gate) *
@@ -28,11 +37,18 @@ def expert_ffn(x: jax.Array, group_sizes: jax.Array, w: dict, *, picks, group_of
     partial sum: only the `first_slice` adds the down bias, so the sum has it once. `platform`:
     the one the program is built for (default: this machine's), as the kernel runs there.
     """
-    gmm = functools.partial(pallas_kernels.grouped_gemm, group_sizes=group_sizes, group_offset=group_offset,
-                            backend=kernel, preferred_element_type=x.dtype, platform=platform)
+    gmm = functools.partial(
+        pallas_kernels.grouped_gemm,
+        group_sizes=group_sizes,
+        group_offset=group_offset,
+        backend=kernel,
+        preferred_element_type=x.dtype,
+        platform=platform,
+    )
     order, weights = picks
-    h = gmm(x, w["gate_up"], bias=w.get("gate_up_bias"), act=w.get("act", silu_glu),
-            lhs_rows=order // weights.shape[1])  # [T*k, F]
+    h = gmm(
+        x, w["gate_up"], bias=w.get("gate_up_bias"), act=w.get("act", silu_glu), lhs_rows=order // weights.shape[1]
+    )  # [T*k, F]
     down_bias = w.get("down_bias")
     return gmm(h, w["down"], bias=None if down_bias is None else jnp.where(first_slice, down_bias, 0), combine=picks)
 
@@ -45,8 +61,16 @@ def sort_picks(ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
 
 
 def moe_local(
-    x: jax.Array, ids: jax.Array, weights: jax.Array, w: dict, *, num_groups: int | None = None,
-    group_offset=0, kernel: str = "auto", first_slice=True, platform: str | None = None,
+    x: jax.Array,
+    ids: jax.Array,
+    weights: jax.Array,
+    w: dict,
+    *,
+    num_groups: int | None = None,
+    group_offset=0,
+    kernel: str = "auto",
+    first_slice=True,
+    platform: str | None = None,
 ) -> jax.Array:
     """The experts this device holds, applied to its rows: x: [T, D], ids/weights: [T, k] -> [T, D].
 
@@ -54,6 +78,16 @@ def moe_local(
     them); picks of other experts contribute zero, and cost nothing. `first_slice`, `platform`: see `expert_ffn`.
     """
     order, group_sizes = sort_picks(ids, num_groups or w["down"].shape[0])
-    with jax.named_scope("experts"):  # `moejax trace`'s expert GEMM time; the rest of the MoE block is dispatch / combine
-        return expert_ffn(x, group_sizes, w, picks=(order, weights), group_offset=group_offset,
-                          kernel=kernel, first_slice=first_slice, platform=platform)
+    with jax.named_scope(
+        "experts"
+    ):  # `moejax trace`'s expert GEMM time; the rest of the MoE block is dispatch / combine
+        return expert_ffn(
+            x,
+            group_sizes,
+            w,
+            picks=(order, weights),
+            group_offset=group_offset,
+            kernel=kernel,
+            first_slice=first_slice,
+            platform=platform,
+        )

@@ -24,13 +24,23 @@ class GatherScatter(MeshPlacement):
 
     def phases(self, w) -> overlap.Phases:
         def dispatch(x, ids, weights):  # DP attention: each device starts with its own rows; gather them all
-            return tuple(jax.lax.all_gather(a, ALL, tiled=True) for a in (x, ids, weights)) if self.rows_sharded \
+            return (
+                tuple(jax.lax.all_gather(a, ALL, tiled=True) for a in (x, ids, weights))
+                if self.rows_sharded
                 else (x, ids, weights)
+            )
 
         def compute(sent):
             e_local = w["down"].shape[0]
-            return moe_local(*sent, w, num_groups=self.num_experts, group_offset=jax.lax.axis_index("ep") * e_local,
-                             kernel=self.kernel, first_slice=jax.lax.axis_index("tp") == 0, platform=self.platform)
+            return moe_local(
+                *sent,
+                w,
+                num_groups=self.num_experts,
+                group_offset=jax.lax.axis_index("ep") * e_local,
+                kernel=self.kernel,
+                first_slice=jax.lax.axis_index("tp") == 0,
+                platform=self.platform,
+            )
 
         def combine(y):
             return jax.lax.psum_scatter(y, ALL, tiled=True) if self.rows_sharded else jax.lax.psum(y, ALL)

@@ -19,10 +19,13 @@ from pallas_kernels import layered
 from sharding import rules
 from sharding.placement import Placement
 
-EXPERT_AXES = {"gate_up": ("experts", "embed", "expert_mlp"), "down": ("experts", "expert_mlp", "embed"),
-               "gate_up_bias": ("experts", "expert_mlp"),
-               "down_bias": ("experts", "embed"),
-               "act": ()}  # the experts' activation (no arrays)
+EXPERT_AXES = {
+    "gate_up": ("experts", "embed", "expert_mlp"),
+    "down": ("experts", "expert_mlp", "embed"),
+    "gate_up_bias": ("experts", "expert_mlp"),
+    "down_bias": ("experts", "embed"),
+    "act": (),
+}  # the experts' activation (no arrays)
 
 
 def make_mesh(shape: tuple[int, int], devices: list | None = None) -> Mesh:
@@ -51,14 +54,18 @@ class MeshPlacement(Placement, abc.ABC):
         self.table = rules.rules(layout)
         self.sizes = dict(self.mesh.shape)
         if layout.redundant_experts % self.ep:
-            raise ConfigError(f"layout.redundant_experts {layout.redundant_experts} must be a multiple of ep "
-                              f"({self.ep}): each device holds as many slots")
+            raise ConfigError(
+                f"layout.redundant_experts {layout.redundant_experts} must be a multiple of ep "
+                f"({self.ep}): each device holds as many slots"
+            )
         self.set_slots(rules.padded_experts(config.model.num_experts, self.ep))
         self.rows_sharded = layout.attention == "dp"
         self.two_batch_overlap = layout.two_batch_overlap
         if self.two_batch_overlap and self.rows_stay_home:
-            raise ConfigError(f"two_batch_overlap splits the rows' exchange; under {self.name} rows stay on their "
-                              "device (its weight gathers already run layers ahead)")
+            raise ConfigError(
+                f"two_batch_overlap splits the rows' exchange; under {self.name} rows stay on their "
+                "device (its weight gathers already run layers ahead)"
+            )
 
     @classmethod
     @abc.abstractmethod
@@ -70,8 +77,10 @@ class MeshPlacement(Placement, abc.ABC):
         """`shape`, after checking that the layout does not ask for another one."""
         asked = (layout.ep or shape[0], layout.tp or shape[1])
         if asked != shape:
-            raise ConfigError(f"{cls.name} runs on a {shape[0]} x {shape[1]} (ep x tp) mesh of {layout.devices} "
-                              f"devices; ep={layout.ep} tp={layout.tp} do not apply to it")
+            raise ConfigError(
+                f"{cls.name} runs on a {shape[0]} x {shape[1]} (ep x tp) mesh of {layout.devices} "
+                f"devices; ep={layout.ep} tp={layout.tp} do not apply to it"
+            )
         return shape
 
     # ------------------------------------------------------------------ shardings
@@ -115,9 +124,13 @@ class MeshPlacement(Placement, abc.ABC):
         heads_spec, rows_spec = P(rows, None, heads, None), P(rows, None)
         pages_spec = paged.LayerPages(rows_spec, P())
         # check_vma off: a pallas_call's outputs carry no varying-axes types.
-        return jax.shard_map(per_device, mesh=self.mesh,
-                             in_specs=(heads_spec, heads_spec, heads_spec, rows_spec, pages_spec, pool_specs),
-                             out_specs=(heads_spec, pool_specs), check_vma=False)(q, k, v, positions, pages, pool)
+        return jax.shard_map(
+            per_device,
+            mesh=self.mesh,
+            in_specs=(heads_spec, heads_spec, heads_spec, rows_spec, pages_spec, pool_specs),
+            out_specs=(heads_spec, pool_specs),
+            check_vma=False,
+        )(q, k, v, positions, pages, pool)
 
     def store_pages(self, pool, new, positions, pages, seq_axis, view=True):
         """Under DP attention (the pool's pages axis split over every device) under shard_map: each
@@ -142,26 +155,44 @@ class MeshPlacement(Placement, abc.ABC):
                 return out[0], jax.lax.psum(out[1], rules.ALL)
             return out
 
-        return jax.shard_map(per_device, mesh=self.mesh, in_specs=(pool_spec, P(rows), P(rows), P(rows), P()),
-                             out_specs=(pool_spec, P(rows)) if view else pool_spec,
-                             check_vma=False)(pool, new, positions, table, layer)
+        return jax.shard_map(
+            per_device,
+            mesh=self.mesh,
+            in_specs=(pool_spec, P(rows), P(rows), P(rows), P()),
+            out_specs=(pool_spec, P(rows)) if view else pool_spec,
+            check_vma=False,
+        )(pool, new, positions, table, layer)
 
     def copy_pages(self, cache, source, target):
         """Under DP attention each device copies the pairs on its own pages (a pair never spans ranks)."""
-        specs = [{k: self.spec(axes[k], v.shape) for k, v in run.items()}
-                 for run, axes in zip(cache, self.cache_axes(cache, pool=True))]
+        specs = [
+            {k: self.spec(axes[k], v.shape) for k, v in run.items()}
+            for run, axes in zip(cache, self.cache_axes(cache, pool=True))
+        ]
         if any(spec[1] is None for run in specs for spec in run.values()):  # the pages axis is not split
             return super().copy_pages(cache, source, target)
 
         def per_device(cache, source, target):
             rank = jax.lax.axis_index(rules.ALL)  # each entry's pages here: its group's share
-            return [{k: paged.copy(v, paged.local(paged.ids_for(source, k), rank * v.shape[1], v.shape[1]),
-                                   paged.local(paged.ids_for(target, k), rank * v.shape[1], v.shape[1]))
-                     for k, v in run.items()} for run in cache]
+            return [
+                {
+                    k: paged.copy(
+                        v,
+                        paged.local(paged.ids_for(source, k), rank * v.shape[1], v.shape[1]),
+                        paged.local(paged.ids_for(target, k), rank * v.shape[1], v.shape[1]),
+                    )
+                    for k, v in run.items()
+                }
+                for run in cache
+            ]
 
-        return jax.shard_map(per_device, mesh=self.mesh, in_specs=(specs, jax.tree.map(lambda _: P(), source),
-                                                                     jax.tree.map(lambda _: P(), target)), out_specs=specs,
-                             check_vma=False)(cache, source, target)
+        return jax.shard_map(
+            per_device,
+            mesh=self.mesh,
+            in_specs=(specs, jax.tree.map(lambda _: P(), source), jax.tree.map(lambda _: P(), target)),
+            out_specs=specs,
+            check_vma=False,
+        )(cache, source, target)
 
     def batch_multiple(self) -> int:
         return self.devices if self.rows_sharded else 1
@@ -170,10 +201,14 @@ class MeshPlacement(Placement, abc.ABC):
     def expert_specs(self, w: dict, gathered: bool = False) -> dict:
         """Per-leaf PartitionSpecs of one layer's experts (4-bit leaves keep their rank);
         `gathered`: every device holds every expert."""
+
         def leaf_specs(name, tree):
             axes = EXPERT_AXES[name] if not gathered else (None,) + EXPERT_AXES[name][1:]
-            stored = lambda t, lead: jax.tree.map(lambda a: self.spec(rules.leaf_axes((*lead, *axes), a.ndim), a.shape), t)
+            stored = lambda t, lead: jax.tree.map(
+                lambda a: self.spec(rules.leaf_axes((*lead, *axes), a.ndim), a.shape), t
+            )
             return layered.specs(tree, stored, P())  # a layer left in its run's stack: a replicated index
+
         return {name: leaf_specs(name, tree) for name, tree in w.items()}
 
     def row_spec(self, ndim: int) -> P:
@@ -187,7 +222,9 @@ class MeshPlacement(Placement, abc.ABC):
     def moe(self, x, ids, weights, experts, gathered: bool = False):
         row = self.row_spec(2)
         return jax.shard_map(
-            self.exchange, mesh=self.mesh, in_specs=(row, row, row, self.expert_specs(experts, gathered)),
+            self.exchange,
+            mesh=self.mesh,
+            in_specs=(row, row, row, self.expert_specs(experts, gathered)),
             out_specs=row,
         )(x, ids, weights, experts)
 

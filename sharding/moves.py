@@ -108,7 +108,7 @@ def arrange(placement, params: dict, old: np.ndarray, new: np.ndarray, loops: tu
     for r in moe_runs(c):
         loop, run = loops[r], layers[r]
         count = loop.count(run)
-        o, n = old[at: at + count], new[at: at + count]
+        o, n = old[at : at + count], new[at : at + count]
         src = sources(o, n, devices)
         experts = loop.part(run, "moe", "experts")
         slot_bytes = sum(a.nbytes for a in jax.tree.leaves(experts)) // (count * o.shape[1])  # one slot of one layer

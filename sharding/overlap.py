@@ -21,7 +21,8 @@ sent are the same (two halves of one exchange).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,7 @@ MICROBATCHES = ("microbatch_a", "microbatch_b")
 
 class Phases(NamedTuple):
     """One exchange, split where its communication starts and ends (per device, in shard_map)."""
+
     dispatch: Callable[..., Any]  # (x: [T, D], ids: [T, k], weights: [T, k]) -> sent (a pytree)
     compute: Callable[[Any], Any]  # sent -> done: the local experts' outputs (and what combine needs)
     combine: Callable[[Any], jax.Array]  # done -> y: [T, D]

@@ -16,17 +16,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels
 from moejax.config import Config, ConfigError
 from moejax.model import paged
 from moejax.model.attention import cache_specs
 from moejax.model.layer_loop import layer_loops
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_specs
 from moejax.platform import attention_kernel, backend, buffers_apart, kernel, unrolls
-import pallas_kernels
 from pallas_kernels import layered
 from sharding import accounting, rules, slots
 from sharding.experts import moe_local
-
 
 GEMM_WEIGHTS = ("gate_up", "down")  # the expert matrices `expert_ffn` multiplies by
 
@@ -57,10 +56,14 @@ class Placement:
         # Where every device holds every expert and the kernel multiplies a group where it lies (on
         # XLA:CPU: `platform.buffers_apart`), an unrolled run holds each group of its experts in its
         # own buffers (`pallas_kernels/layered.py`).
-        groups = GEMM_WEIGHTS if self.holds_every_expert and self.kernel in layered.READS_GROUPS \
-            and buffers_apart(self.platform) else ()
-        self.loops = layer_loops(config.model, lambda layers: unrolls(config.engine.layer_loop, layers, self.platform),
-                                 groups)
+        groups = (
+            GEMM_WEIGHTS
+            if self.holds_every_expert and self.kernel in layered.READS_GROUPS and buffers_apart(self.platform)
+            else ()
+        )
+        self.loops = layer_loops(
+            config.model, lambda layers: unrolls(config.engine.layer_loop, layers, self.platform), groups
+        )
         self.set_slots(config.model.num_experts)
 
     def set_slots(self, num_logical: int) -> None:
@@ -89,8 +92,10 @@ class Placement:
             whole = c.num_kv_heads % self.devices == 0
             axes["kv"] = tuple(n if whole or n != "kv_heads" else None for n in paged.KV_POOL_AXES)
         # A window group's entries (`paged.WINDOW`) lie as the full group's.
-        return [{k: ("layers",) * (v.ndim - len(axes[paged.base(k)])) + axes[paged.base(k)] for k, v in layer.items()}
-                for layer in cache]
+        return [
+            {k: ("layers",) * (v.ndim - len(axes[paged.base(k)])) + axes[paged.base(k)] for k, v in layer.items()}
+            for layer in cache
+        ]
 
     def k_slices(self, spec: ParamSpec) -> int:
         return k_slices(spec, self.tp)
@@ -113,6 +118,7 @@ class Placement:
 
     def _padded(self, spec: ParamSpec, value):
         """An expert stack with empty experts appended up to `num_logical`; any other parameter as is."""
+
         def pad(a):
             ax = expert_axis(spec)
             if a.shape[ax] >= self.num_logical:
@@ -120,19 +126,24 @@ class Placement:
             widths = [(0, 0)] * a.ndim
             widths[ax] = (0, self.num_logical - a.shape[ax])
             return jnp.pad(a, widths) if isinstance(a, jax.Array) else np.pad(np.asarray(a), widths)
+
         return jax.tree.map(pad, value) if is_expert_stack(spec) else value
 
     def cache_shardings(self, cache, pool: bool = False) -> list[dict]:
         """Where this placement keeps each array of cache dicts or page pools (for one placed elsewhere)."""
-        return [{k: self.sharding(axes[k], v.shape) for k, v in layer.items()}
-                for layer, axes in zip(cache, self.cache_axes(cache, pool))]
+        return [
+            {k: self.sharding(axes[k], v.shape) for k, v in layer.items()}
+            for layer, axes in zip(cache, self.cache_axes(cache, pool))
+        ]
 
     def zeros_cache(self, init: Callable[[], list[dict]], pool: bool = False) -> list[dict]:
         """The zero cache dicts (or page pools) `init()` makes, each device making its own block
         where this placement keeps it (no whole cache on one device, no copy through the host)."""
         shapes = jax.eval_shape(init)
-        return [{k: jnp.zeros(s.shape, s.dtype, device=where[k]) for k, s in layer.items()}
-                for layer, where in zip(shapes, self.cache_shardings(shapes, pool))]
+        return [
+            {k: jnp.zeros(s.shape, s.dtype, device=where[k]) for k, s in layer.items()}
+            for layer, where in zip(shapes, self.cache_shardings(shapes, pool))
+        ]
 
     def batch_multiple(self) -> int:
         """Batch sizes must be a multiple of this (requests split over devices)."""
@@ -158,8 +169,10 @@ class Placement:
     def copy_pages(self, cache: list[dict], source, target) -> list[dict]:
         """Page pools [layers, pages, ...] with the pages `source` [F] copied into `target` [F]
         (global ids, each pair on one rank; id N: none; `paged.Tables` of ids with page groups)."""
-        return [{k: paged.copy(v, paged.ids_for(source, k), paged.ids_for(target, k)) for k, v in run.items()}
-                for run in cache]
+        return [
+            {k: paged.copy(v, paged.ids_for(source, k), paged.ids_for(target, k)) for k, v in run.items()}
+            for run in cache
+        ]
 
     # ------------------------------------------------------------------ the MoE exchange
     # MoE layers ahead that a placement moving weights to the rows gathers them (the decoder's
@@ -225,8 +238,13 @@ def gemm_kernel(config: Config, platform: str, tp: int) -> str:
     "auto" takes the XLA path where the platform's kernel cannot tile a device's expert widths; a
     kernel named for widths it cannot tile is refused with the reason."""
     name = kernel(config.kernel, platform)
-    widths = sorted({spec.shape[-2] // k_slices(spec, tp) for spec in jax.tree.leaves(
-        param_specs(config.model), is_leaf=lambda x: isinstance(x, ParamSpec)) if is_expert_matrix(spec)})
+    widths = sorted(
+        {
+            spec.shape[-2] // k_slices(spec, tp)
+            for spec in jax.tree.leaves(param_specs(config.model), is_leaf=lambda x: isinstance(x, ParamSpec))
+            if is_expert_matrix(spec)
+        }
+    )
     refusal = pallas_kernels.width_refusal(name, widths, config.weights.expert_format)
     if refusal and config.kernel != "auto":
         raise ConfigError(f"kernel {name}: {refusal}; these experts multiply through XLA (--kernel xla or auto)")
@@ -241,6 +259,8 @@ def paged_kernel(config: Config, platform: str) -> str:
     name = attention_kernel(config.attention_kernel, platform)
     refusal = None if name == "xla" else paged.kernel_refusal(config.model)
     if refusal and config.attention_kernel != "auto":
-        raise ConfigError(f"attention kernel {name}: {refusal}; this model reads its pages through XLA "
-                          "(--attention-kernel xla or auto)")
+        raise ConfigError(
+            f"attention kernel {name}: {refusal}; this model reads its pages through XLA "
+            "(--attention-kernel xla or auto)"
+        )
     return "xla" if refusal else name

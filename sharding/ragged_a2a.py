@@ -66,8 +66,9 @@ def local_picks(k: int, e_local: int) -> int:
     return min(k, e_local)
 
 
-def exchange_buffers(t_local: int, n: int, k: int, e_local: int, hidden: int, act_bytes: int,
-                     dispatch_row_bytes: int) -> dict[str, int]:
+def exchange_buffers(
+    t_local: int, n: int, k: int, e_local: int, hidden: int, act_bytes: int, dispatch_row_bytes: int
+) -> dict[str, int]:
     """Bytes of each buffer one device allocates for one MoE layer of a pass with t_local rows
     per device. Sized for the worst case (every row of every device picking this device), so no
     row is ever dropped: send and receive blocks of t_local slots per peer, each row with its
@@ -84,8 +85,9 @@ def exchange_buffers(t_local: int, n: int, k: int, e_local: int, hidden: int, ac
     }
 
 
-def ragged_phases(w, *, num_experts: int, dispatch_dtype: str, use_ragged: bool, kernel: str,
-                  platform: str | None = None) -> overlap.Phases:
+def ragged_phases(
+    w, *, num_experts: int, dispatch_dtype: str, use_ragged: bool, kernel: str, platform: str | None = None
+) -> overlap.Phases:
     """The exchange of one device's rows x: [T, D], ids/weights: [T, k] as its three phases
     (`kernel` runs the experts as on `platform`)."""
     e_local = w["down"].shape[0]
@@ -98,8 +100,11 @@ def ragged_phases(w, *, num_experts: int, dispatch_dtype: str, use_ragged: bool,
         # Unused slots keep the sentinel expert `num_experts` (nobody's) and so compute nothing.
         target = jnp.where(goes, slot, t)  # [T, n]; slot t is out of range: dropped by the scatter
         dev = jnp.broadcast_to(jnp.arange(n), (t, n))
-        row_of_slot = jnp.full((n, t), t, jnp.int32).at[dev, target].set(
-            jnp.broadcast_to(jnp.arange(t)[:, None], (t, n)), mode="drop")  # [n, T]
+        row_of_slot = (
+            jnp.full((n, t), t, jnp.int32)
+            .at[dev, target]
+            .set(jnp.broadcast_to(jnp.arange(t)[:, None], (t, n)), mode="drop")
+        )  # [n, T]
         valid = row_of_slot < t
         safe = jnp.where(valid, row_of_slot, 0)
         pick_dev = ids[safe] // e_local  # [n, T, k]
@@ -124,9 +129,16 @@ def ragged_phases(w, *, num_experts: int, dispatch_dtype: str, use_ragged: bool,
     def compute(sent):
         recv_rows, recv_ids, recv_w, send_sizes, row_of_slot = sent  # [n, T, D], [n, T, kk] x 2, [n], [n, T]
         n, t, kk = recv_ids.shape
-        y = moe_local(recv_rows.reshape(n * t, -1), recv_ids.reshape(n * t, kk), recv_w.reshape(n * t, kk), w,
-                      num_groups=num_experts + 1, group_offset=jax.lax.axis_index(ALL) * e_local, kernel=kernel,
-                      platform=platform)
+        y = moe_local(
+            recv_rows.reshape(n * t, -1),
+            recv_ids.reshape(n * t, kk),
+            recv_w.reshape(n * t, kk),
+            w,
+            num_groups=num_experts + 1,
+            group_offset=jax.lax.axis_index(ALL) * e_local,
+            kernel=kernel,
+            platform=platform,
+        )
         return y.reshape(n, t, -1), send_sizes, row_of_slot
 
     def combine(done):
@@ -134,8 +146,11 @@ def ragged_phases(w, *, num_experts: int, dispatch_dtype: str, use_ragged: bool,
         back = _exchange(y, jax.lax.all_to_all(send_sizes, ALL, 0, 0, tiled=True), use_ragged)
         # Sum each row's results from the devices it went to (row T: a slot nobody used, dropped).
         t = row_of_slot.shape[1]
-        return jnp.zeros((t, y.shape[-1]), y.dtype).at[row_of_slot.reshape(-1)].add(back.reshape(-1, y.shape[-1]),
-                                                                                   mode="drop")
+        return (
+            jnp.zeros((t, y.shape[-1]), y.dtype)
+            .at[row_of_slot.reshape(-1)]
+            .add(back.reshape(-1, y.shape[-1]), mode="drop")
+        )
 
     return overlap.Phases(dispatch, compute, combine)
 
@@ -158,8 +173,14 @@ class RaggedA2A(MeshPlacement):
         return cls.fixed_mesh(layout, (layout.devices, 1))
 
     def exchange(self, x, ids, weights, w):
-        phases = ragged_phases(w, num_experts=self.num_experts, dispatch_dtype=self.config.layout.dispatch_dtype,
-                               use_ragged=self.use_ragged, kernel=self.kernel, platform=self.platform)
+        phases = ragged_phases(
+            w,
+            num_experts=self.num_experts,
+            dispatch_dtype=self.config.layout.dispatch_dtype,
+            use_ragged=self.use_ragged,
+            kernel=self.kernel,
+            platform=self.platform,
+        )
         inner = functools.partial(overlap.run, phases, self.two_batch_overlap)
         return inner(x, ids, weights) if self.rows_sharded else own_share(inner, x, ids, weights)
 
@@ -172,8 +193,15 @@ class RaggedA2A(MeshPlacement):
 
     def exchange_buffer_bytes(self, rows, hidden, act_bytes):
         k = self.config.model.num_experts_per_tok
-        return exchange_buffers(-(-rows // self.devices), self.devices, k, self.num_experts // self.ep, hidden,
-                                act_bytes, self.dispatch_row_bytes(hidden, act_bytes))
+        return exchange_buffers(
+            -(-rows // self.devices),
+            self.devices,
+            k,
+            self.num_experts // self.ep,
+            hidden,
+            act_bytes,
+            self.dispatch_row_bytes(hidden, act_bytes),
+        )
 
     def sent_rows(self, ids: np.ndarray) -> np.ndarray:
         """sent[s, d]: rows device s dispatches to another device d (the exchange's own plan)."""

@@ -9,8 +9,8 @@ import pallas_kernels
 from moejax.config import Config, ConfigError
 from moejax.platform import attention_kernel, backend
 from pallas_kernels import paged_attention
-from sharding.expert_sharded import ExpertSharded
 from sharding import rules
+from sharding.expert_sharded import ExpertSharded
 from sharding.hybrid import Hybrid
 from sharding.mesh import MeshPlacement, make_mesh
 from sharding.placement import Placement
@@ -63,8 +63,10 @@ def make_placement(config: Config, platform: str | None = None, devices: list | 
     programs for `platform` (default: this machine's), on the machine's first `layout.devices`
     devices or on `devices` (a mesh even of one)."""
     if not config.layout.devices:
-        raise ConfigError("layout.devices 0 (this host's choice) is made by the verbs that run one model "
-                          "(generate, score, serve, bench); name a device count here")
+        raise ConfigError(
+            "layout.devices 0 (this host's choice) is made by the verbs that run one model "
+            "(generate, score, serve, bench); name a device count here"
+        )
     cls = placement_class(config.layout.placement)
     check_kernel(config, platform)
     rules.check_expert_widths(config.model, config.weights.expert_format)

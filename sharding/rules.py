@@ -69,7 +69,8 @@ def check_model(c: ModelConfig, ep: int, tp: int, expert_format: str = "unquanti
     f = c.moe_intermediate_size
     if f % tp:
         raise ConfigError(
-            f"expert intermediate size {f} cannot be sliced {tp} ways ({f / tp:g} per device); choose a tp that divides it"
+            f"expert intermediate size {f} cannot be sliced {tp} ways ({f / tp:g} per device); "
+            "choose a tp that divides it"
         )
     check_expert_widths(c, expert_format)
     unit = 2 * FORMATS[expert_format].block if expert_format in FORMATS else 1  # a byte pairs two blocks' values
@@ -88,9 +89,11 @@ def check_expert_widths(c: ModelConfig, expert_format: str) -> None:
     unit = 2 * FORMATS[expert_format].block
     for name, width in (("hidden_size", c.hidden_size), ("moe_intermediate_size", c.moe_intermediate_size)):
         if width % unit:
-            raise ConfigError(f"{expert_format} experts need {name} to be a multiple of {unit} (byte pairs of "
-                              f"{FORMATS[expert_format].block}-value blocks); this model's is {width}: run its experts "
-                              "unquantized (--expert-format unquantized)")
+            raise ConfigError(
+                f"{expert_format} experts need {name} to be a multiple of {unit} (byte pairs of "
+                f"{FORMATS[expert_format].block}-value blocks); this model's is {width}: run its experts "
+                "unquantized (--expert-format unquantized)"
+            )
 
 
 def padded_experts(num_experts: int, ep: int) -> int:

@@ -66,7 +66,8 @@ def pick_slots(ids: jax.Array, table: dict, devices: int = 1, home: bool = False
     row_device = jnp.arange(t) // -(-t // devices)  # [T]
     candidates = log2phy[ids]  # [T, k, X]
     local = (candidates // per_device == row_device[:, None, None]) & (
-        jnp.arange(candidates.shape[-1]) < logcnt[ids][..., None])
+        jnp.arange(candidates.shape[-1]) < logcnt[ids][..., None]
+    )
     first_local = jnp.take_along_axis(candidates, jnp.argmax(local, -1)[..., None], -1)[..., 0]
     return jnp.where(local.any(-1), first_local, spread)
 
@@ -95,8 +96,9 @@ def host_pick_slots(ids: np.ndarray, table: dict, devices: int = 1, home: bool =
     return np.where(local.any(-1), first_local, spread)
 
 
-def device_rows(ids: np.ndarray, valid: np.ndarray, phy2log: np.ndarray | None, num_logical: int, devices: int,
-                home: bool = False) -> np.ndarray:
+def device_rows(
+    ids: np.ndarray, valid: np.ndarray, phy2log: np.ndarray | None, num_logical: int, devices: int, home: bool = False
+) -> np.ndarray:
     """int[N]: rows each device's experts computed in one forward pass, summed over MoE layers:
     ids int[L, R, k] logical picks, valid bool[R], the experts placed by phy2log int[L, P] (None:
     checkpoint order, `num_logical` slots). A row with two picks on one device counts once; the
@@ -105,8 +107,7 @@ def device_rows(ids: np.ndarray, valid: np.ndarray, phy2log: np.ndarray | None, 
     table = None if phy2log is None else tables(phy2log, num_logical)
     num_slots = num_logical if phy2log is None else phy2log.shape[1]
     for l in range(ids.shape[0]):
-        where = ids[l] if table is None else host_pick_slots(
-            ids[l], {k: v[l] for k, v in table.items()}, devices, home)
+        where = ids[l] if table is None else host_pick_slots(ids[l], {k: v[l] for k, v in table.items()}, devices, home)
         device = where[valid] // (num_slots // devices)  # [valid rows, k]
         visits = np.zeros((device.shape[0], devices), bool)
         np.put_along_axis(visits, device, True, axis=-1)

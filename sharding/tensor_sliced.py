@@ -11,8 +11,10 @@ class TensorSliced(GatherScatter):
     def __init__(self, config, mesh=None, platform=None):
         layout = config.layout
         if layout.redundant_experts or layout.eplb or layout.eplb_online:
-            raise ConfigError("tensor_sliced holds every expert on every device: expert placement (--eplb, "
-                              "--eplb-online, --redundant-experts) does not apply to it")
+            raise ConfigError(
+                "tensor_sliced holds every expert on every device: expert placement (--eplb, "
+                "--eplb-online, --redundant-experts) does not apply to it"
+            )
         super().__init__(config, mesh, platform)
 
     @classmethod

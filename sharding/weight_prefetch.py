@@ -9,10 +9,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from pallas_kernels.layered import layer_slice
 from sharding import accounting
 from sharding.experts import moe_local
 from sharding.mesh import MeshPlacement, own_share
-from pallas_kernels.layered import layer_slice
 
 
 def gather_experts(w: dict) -> dict:
@@ -41,12 +41,17 @@ class WeightPrefetch(MeshPlacement):
         return self.gather_experts(layer_slice(stack, i))
 
     def gather_experts(self, w):
-        return jax.shard_map(gather_experts, mesh=self.mesh, in_specs=(self.expert_specs(w),),
-                             out_specs=self.expert_specs(w, gathered=True))(w)
+        return jax.shard_map(
+            gather_experts,
+            mesh=self.mesh,
+            in_specs=(self.expert_specs(w),),
+            out_specs=self.expert_specs(w, gathered=True),
+        )(w)
 
     def exchange(self, x, ids, weights, w):
-        inner = lambda x, ids, weights: moe_local(x, ids, weights, w, num_groups=self.num_experts, kernel=self.kernel,
-                                                  platform=self.platform)
+        inner = lambda x, ids, weights: moe_local(
+            x, ids, weights, w, num_groups=self.num_experts, kernel=self.kernel, platform=self.platform
+        )
         return inner(x, ids, weights) if self.rows_sharded else own_share(inner, x, ids, weights)
 
     def moe(self, x, ids, weights, experts, gathered: bool = True):
@@ -57,8 +62,9 @@ class WeightPrefetch(MeshPlacement):
         if self.devices == 1:
             return np.zeros(1)
         local = accounting.expert_bytes(experts) * self.num_experts / self.devices  # each device's experts
-        return np.full(self.devices, (self.devices - 1) * local + self.gathered_results_bytes(ids.shape[0], hidden,
-                                                                                             act_bytes))
+        return np.full(
+            self.devices, (self.devices - 1) * local + self.gathered_results_bytes(ids.shape[0], hidden, act_bytes)
+        )
 
     def expert_bytes_read_per_device(self, ids, experts):
         """Each device runs every expert its own rows pick."""

@@ -32,8 +32,10 @@ def custom_calls(op, target: str) -> list:
     for region in op.regions:
         for block in region.blocks:
             for child in block.operations:
-                if child.operation.name == "stablehlo.custom_call" and \
-                        ir.StringAttr(child.attributes["call_target_name"]).value == target:
+                if (
+                    child.operation.name == "stablehlo.custom_call"
+                    and ir.StringAttr(child.attributes["call_target_name"]).value == target
+                ):
                     found.append(child)
                 found += custom_calls(child.operation, target)
     return found
@@ -56,15 +58,19 @@ def precision(pattern: str, line: str) -> str:
 
 def products(dtype: str) -> dict:
     model = from_hf_config(hf_config("deepseek_v3").to_dict())
-    config = Config(model=model, layout=LayoutConfig(devices=1), engine=EngineConfig(dtype=dtype),
-                    kernel="auto").validate()
+    config = Config(
+        model=model, layout=LayoutConfig(devices=1), engine=EngineConfig(dtype=dtype), kernel="auto"
+    ).validate()
     _, step, args = decode_program(config, 8, 64, "cuda", devices=list(targets.devices("h100", 1)))
     lowered = jit_program(step, dtype, decode=True, platform_name="cuda", donate_argnums=1).lower(*args)
     hlo = lowered.compile().as_text()
     lines = hlo.splitlines()
     dots = [precision(r"operand_precision=\{([a-z,]+)\}", line) for line in lines if " dot(" in line]
-    cublas = [precision(r'"operand_precision":\[([^\]]*)\]', line) for line in lines
-              if 'custom_call_target="__cublas$gemm"' in line]
+    cublas = [
+        precision(r'"operand_precision":\[([^\]]*)\]', line)
+        for line in lines
+        if 'custom_call_target="__cublas$gemm"' in line
+    ]
     return {"dtype": dtype, "dots": dots, "cublas": cublas, "triton_dots": triton_dots(lowered)}
 
 

@@ -76,8 +76,12 @@ def write_fp8(directory: Path, block=(128, 128)):
         dequantized[name] = torch.from_numpy(fp8_dequantize(q, scale, block))
         tensors[name] = torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn)
         tensors[name + "_scale_inv"] = torch.from_numpy(scale)
-    return _save(directory, tensors, dequantized,
-                 {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)})
+    return _save(
+        directory,
+        tensors,
+        dequantized,
+        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)},
+    )
 
 
 def nvfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -88,8 +92,13 @@ def nvfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     blocks = w.reshape(o, i // 16, 16)
     scale = (np.abs(blocks).max(-1) / E2M1_MAX / scale_2).astype(ml_dtypes.float8_e4m3fn)
     step = scale.astype(np.float32)[..., None] * scale_2
-    codes = (np.clip(blocks / np.where(step > 0, step, 1), -E2M1_MAX, E2M1_MAX).astype(ml_dtypes.float4_e2m1fn)
-             .view(np.uint8).reshape(o, i) & 0xF)
+    codes = (
+        np.clip(blocks / np.where(step > 0, step, 1), -E2M1_MAX, E2M1_MAX)
+        .astype(ml_dtypes.float4_e2m1fn)
+        .view(np.uint8)
+        .reshape(o, i)
+        & 0xF
+    )
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8), scale, np.array(scale_2, np.float32)
 
 
@@ -119,7 +128,9 @@ def write_nvfp4(directory: Path, exclude: tuple[str, ...] = ()):
         tensors[pre + ".weight_scale_2"] = torch.from_numpy(scale_2)
         tensors[pre + ".input_scale"] = torch.tensor(1.0)
     quant = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": list(exclude)}
-    (directory / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": quant}))
+    (directory / "hf_quant_config.json").write_text(
+        json.dumps({"producer": {"name": "modelopt"}, "quantization": quant})
+    )
     return _save(directory, tensors, dequantized, {"quant_method": "modelopt", **quant})
 
 
@@ -130,8 +141,10 @@ def mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     blocks = w.reshape(e, n, k // 32, 32)
     amax = np.abs(blocks).max(-1)
     exp = np.clip(np.floor(np.log2(np.where(amax > 0, amax, 1.0))) - 2, -126, 127)
-    codes = (np.clip(blocks / np.exp2(exp)[..., None], -E2M1_MAX, E2M1_MAX).astype(ml_dtypes.float4_e2m1fn)
-             .view(np.uint8) & 0xF)
+    codes = (
+        np.clip(blocks / np.exp2(exp)[..., None], -E2M1_MAX, E2M1_MAX).astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
+        & 0xF
+    )
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8), (exp + 127).astype(np.uint8)
 
 
@@ -147,7 +160,12 @@ def write_mxfp4(directory: Path):
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         blocks, scales = mxfp4(tensors.pop(name).numpy().transpose(0, 2, 1))  # [E, in, out] -> [E, out, in]
         tensors[name + "_blocks"], tensors[name + "_scales"] = torch.from_numpy(blocks), torch.from_numpy(scales)
-        dequantized[name] = convert_moe_packed_tensors(tensors[name + "_blocks"], tensors[name + "_scales"],
-                                                       dtype=torch.float32)
-    return _save(directory, tensors, dequantized,
-                 {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]})
+        dequantized[name] = convert_moe_packed_tensors(
+            tensors[name + "_blocks"], tensors[name + "_scales"], dtype=torch.float32
+        )
+    return _save(
+        directory,
+        tensors,
+        dequantized,
+        {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]},
+    )

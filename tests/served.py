@@ -22,8 +22,21 @@ def free_port() -> int:
 class Server:
     def __init__(self, model_dir, *flags, api_key: str | None = KEY):
         self.port, self.api_key = free_port(), api_key
-        cmd = [sys.executable, "-m", "moejax", "serve", "--hf", str(model_dir), "--port", str(self.port),
-               "--prefill-chunk", "8", "--max-seq-len", str(MAX_LEN), *flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            "moejax",
+            "serve",
+            "--hf",
+            str(model_dir),
+            "--port",
+            str(self.port),
+            "--prefill-chunk",
+            "8",
+            "--max-seq-len",
+            str(MAX_LEN),
+            *flags,
+        ]
         if api_key:
             cmd += ["--api-key", api_key]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -63,8 +76,11 @@ class Server:
 
     def metric(self, name: str) -> float:
         text = self.request("GET", "/metrics")[1].decode()
-        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
-                   or line.startswith(name + "{"))
+        return sum(
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith(name + " ") or line.startswith(name + "{")
+        )
 
     def stop(self):
         if self.proc.poll() is None:

@@ -23,8 +23,15 @@ ROOT = Path(__file__).resolve().parent.parent
 # Widths no power of two divides past 8 (what small models have and Triton's blocks do not), for
 # GQA and for MLA models; and widths that fill the TPU grouped GEMM's 128-lane tiles.
 ODD_GQA = (("hidden_size", 40), ("moe_intermediate_size", 24), ("intermediate_size", 56), ("head_dim", 24))
-ODD_MLA = (("hidden_size", 40), ("moe_intermediate_size", 24), ("intermediate_size", 56), ("qk_nope_head_dim", 24),
-           ("v_head_dim", 24), ("kv_lora_rank", 48), ("q_lora_rank", 40))
+ODD_MLA = (
+    ("hidden_size", 40),
+    ("moe_intermediate_size", 24),
+    ("intermediate_size", 56),
+    ("qk_nope_head_dim", 24),
+    ("v_head_dim", 24),
+    ("kv_lora_rank", 48),
+    ("q_lora_rank", 40),
+)
 TILEABLE = (("hidden_size", 512), ("moe_intermediate_size", 2048))  # tensor-sliced on 8: K 256
 # Custom-call targets of Pallas kernels in an optimized HLO: Mosaic TPU's, Triton's; and the names
 # JAX's paged-attention kernels have in them (TPU's ragged paged attention, the Triton one).
@@ -50,8 +57,10 @@ class Case:
     def id(self) -> str:
         widths = f"-d{self.widths[0][1]}" if self.widths else ""
         pages = f"-pages{self.page_size}" if self.page_size else ""
-        return (f"{self.model}{widths}-{self.target}x{self.devices}-{self.placement}-{self.dtype}-{self.kernel}-"
-                f"{self.expert_format}{pages}")
+        return (
+            f"{self.model}{widths}-{self.target}x{self.devices}-{self.placement}-{self.dtype}-{self.kernel}-"
+            f"{self.expert_format}{pages}"
+        )
 
 
 def model_config(case: Case):
@@ -59,8 +68,9 @@ def model_config(case: Case):
     from moejax.config import preset
 
     if case.model.startswith("hf:"):
-        from checkpoints.hf_config import from_hf_config
         from hf_reference import hf_config
+
+        from checkpoints.hf_config import from_hf_config
 
         model = from_hf_config(hf_config(case.model[3:]).to_dict())
     else:
@@ -75,23 +85,38 @@ def compile_case(case: Case) -> dict:
     from moejax.plan import compile_program, programs
     from sharding import with_placement
 
-    config = Config(model=model_config(case), layout=LayoutConfig(devices=case.devices),
-                    weights=WeightsConfig(case.expert_format), engine=EngineConfig(dtype=case.dtype),
-                    kernel=case.kernel, attention_kernel=case.attention_kernel).validate()
+    config = Config(
+        model=model_config(case),
+        layout=LayoutConfig(devices=case.devices),
+        weights=WeightsConfig(case.expert_format),
+        engine=EngineConfig(dtype=case.dtype),
+        kernel=case.kernel,
+        attention_kernel=case.attention_kernel,
+    ).validate()
     config = with_placement(config, case.placement, case.devices)
     t = targets.target(case.target)
-    placement, progs = programs(config, batch=8, context=64, prefill_chunk=32, platform=t.platform,
-                                devices=list(targets.devices(t.name, case.devices)), page_size=case.page_size)
+    placement, progs = programs(
+        config,
+        batch=8,
+        context=64,
+        prefill_chunk=32,
+        platform=t.platform,
+        devices=list(targets.devices(t.name, case.devices)),
+        page_size=case.page_size,
+    )
     out = {"kernel": placement.kernel, "attention_kernel": placement.attention_kernel, "programs": {}}
     for name in case.programs:
         jitted, args = progs[name]
         compiled, seconds, error = compile_program(jitted, args, persist=False)
         hlo = compiled.as_text() if compiled else ""
         out["programs"][name] = {
-            "compiled": compiled is not None, "error": error, "seconds": round(seconds, 1),
+            "compiled": compiled is not None,
+            "error": error,
+            "seconds": round(seconds, 1),
             "pallas_calls": sorted({c for c in PALLAS_CALLS if f'custom_call_target="{c}"' in hlo}),
             "paged_attention": any(name in hlo for name in PAGED_KERNELS),
-            "ragged_all_to_all": "ragged-all-to-all(" in hlo or "ragged-all-to-all-start(" in hlo}
+            "ragged_all_to_all": "ragged-all-to-all(" in hlo or "ragged-all-to-all-start(" in hlo,
+        }
     return out
 
 

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from moejax.analysis import metrics, synthetic
-from sharding import eplb
 from moejax.cli import main
 from moejax.errors import UsageError
 from moejax.trace import Trace, load_trace, save_trace
+from sharding import eplb
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +40,12 @@ def decode(report, n):
 
 def small_trace(**changes) -> dict:
     fields = dict(
-        ids=np.array([[[[0, 1], [1, 2]]]]), valid=np.array([[True, True]]), kind=np.array(["decode"]),
-        layers=np.array([1]), num_experts=4, model="hand",
+        ids=np.array([[[[0, 1], [1, 2]]]]),
+        valid=np.array([[True, True]]),
+        kind=np.array(["decode"]),
+        layers=np.array([1]),
+        num_experts=4,
+        model="hand",
     )
     fields.update(changes)
     return fields
@@ -49,11 +53,13 @@ def small_trace(**changes) -> dict:
 
 # ----------------------------------------------------------------------------- trace format
 
+
 def test_trace_round_trips_with_padding_and_kinds(tmp_path):
     ids = np.arange(2 * 1 * 3 * 2).reshape(2, 1, 3, 2) % 4
     valid = np.array([[True, True, False], [True, True, True]])
-    save_trace(tmp_path / "t.npz", ids=ids, valid=valid, kind=["prefill", "decode"], layers=[3], num_experts=4,
-               model="m")
+    save_trace(
+        tmp_path / "t.npz", ids=ids, valid=valid, kind=["prefill", "decode"], layers=[3], num_experts=4, model="m"
+    )
     t = load_trace(tmp_path / "t.npz")
     assert t.ids.dtype == np.int32 and t.k == 2 and t.num_experts == 4 and t.model == "m"
     assert t.kind.tolist() == ["prefill", "decode"] and t.layers.tolist() == [3]
@@ -77,6 +83,7 @@ def test_load_trace_rejects_a_file_that_is_not_a_trace(tmp_path):
 
 
 # ----------------------------------------------------------------------------- metrics on hand cases
+
 
 def test_counts_of_a_hand_worked_step():
     # 4 experts on 2 devices (0,1 | 2,3); row 0 (on device 0) picks 0,1; row 1 (on device 1) picks 1,2.
@@ -106,6 +113,7 @@ def test_busiest_expert_against_mean_over_all_steps():
 
 # ----------------------------------------------------------------------------- synthetic generator
 
+
 def test_synthetic_trace_is_deterministic_per_seed():
     a = synthetic.generate(synthetic.GLM_LIKE, steps=2, rows=4, seed=0)["ids"]
     assert np.array_equal(a, synthetic.generate(synthetic.GLM_LIKE, steps=2, rows=4, seed=0)["ids"])
@@ -118,6 +126,7 @@ def test_synthetic_rows_pick_k_distinct_experts():
 
 
 # ----------------------------------------------------------------------------- Row-Meets-Experts's figures
+
 
 def test_glm_like_touches_about_72_percent_per_step(glm_report):
     touched = glm_report["kinds"]["decode"]["experts_touched"]
@@ -177,10 +186,21 @@ def test_analyze_reports_prefill_and_decode_apart(tmp_path, capsys):
     ids = np.stack([rng.permuted(np.broadcast_to(np.arange(16), (2, 6, 16)), axis=-1)[..., :4] for _ in range(5)])
     valid = np.ones((5, 6), dtype=bool)
     valid[1:, 4:] = False  # decode steps hold 4 rows, the prefill step 6
-    save_trace(tmp_path / "t.npz", ids=ids, valid=valid, kind=["prefill"] + ["decode"] * 4, layers=[1, 2],
-               num_experts=16, model="tiny")
-    assert main(["analyze", str(tmp_path / "t.npz"), "--preset", "tiny", "--devices", "2,4", "--eplb-slots", "4",
-                 "--json"]) == 0
+    save_trace(
+        tmp_path / "t.npz",
+        ids=ids,
+        valid=valid,
+        kind=["prefill"] + ["decode"] * 4,
+        layers=[1, 2],
+        num_experts=16,
+        model="tiny",
+    )
+    assert (
+        main(
+            ["analyze", str(tmp_path / "t.npz"), "--preset", "tiny", "--devices", "2,4", "--eplb-slots", "4", "--json"]
+        )
+        == 0
+    )
     kinds = json.loads(capsys.readouterr().out)["kinds"]
     assert kinds["prefill"]["rows_per_step"] == 6 and "eplb_test" not in kinds["prefill"]["devices"][0]
     assert kinds["decode"]["rows_per_step"] == 4 and kinds["decode"]["test_steps"] == 1

@@ -10,12 +10,14 @@ import json
 
 import numpy as np
 import pytest
-
 from served import MAX_LEN, Server
 from text_model import make_text_model
 
-QUESTIONS = [("The cat sat on the", [" mat", " moon", " xq"], 0), ("One two three", [" four", " zz", " !"], 1),
-             ("abc", [" d", " e f", " g"], 2)]
+QUESTIONS = [
+    ("The cat sat on the", [" mat", " moon", " xq"], 0),
+    ("One two three", [" four", " zz", " !"], 1),
+    ("abc", [" d", " e f", " g"], 2),
+]
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +75,7 @@ def complete(server, body: dict, path: str = "/v1/completions") -> dict:
 
 # ----------------------------------------------------------------------------- logprobs and echo
 
+
 def test_echo_logprobs_are_the_models_log_softmax(server, hf):
     ids = encode(hf, "hello world")
     out = complete(server, {"prompt": ids, "echo": True, "logprobs": 3, "max_tokens": 2, "temperature": 0})
@@ -80,8 +83,9 @@ def test_echo_logprobs_are_the_models_log_softmax(server, hf):
     tokens = ids + out["choices"][0]["token_ids"]
     reference = hf_logprobs(hf, tokens)
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    np.testing.assert_allclose(lp["token_logprobs"][1:], [reference[i - 1, t] for i, t in enumerate(tokens) if i],
-                               atol=1e-4)
+    np.testing.assert_allclose(
+        lp["token_logprobs"][1:], [reference[i - 1, t] for i, t in enumerate(tokens) if i], atol=1e-4
+    )
     best = [sorted(row.values(), reverse=True)[:3] for row in lp["top_logprobs"][1:]]
     np.testing.assert_allclose(best, -np.sort(-reference[:-1], axis=-1)[:, :3], atol=1e-4)
     assert lp["tokens"] == [hf[1].decode([t]) for t in tokens] and lp["text_offset"] == list(range(len(tokens)))
@@ -143,13 +147,14 @@ def test_streamed_chunks_carry_their_tokens_logprobs(server):
     body = {"prompt": "hello", "max_tokens": 6, "temperature": 0, "logprobs": 2}
     whole = complete(server, body)["choices"][0]["logprobs"]
     status, raw = server.request("POST", "/v1/completions", {**body, "stream": True})
-    events = [json.loads(e[len("data: "):]) for e in raw.decode().split("\n\n") if e and e != "data: [DONE]"]
+    events = [json.loads(e[len("data: ") :]) for e in raw.decode().split("\n\n") if e and e != "data: [DONE]"]
     pieces = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["token_ids"]]
     assert status == 200
     assert {k: sum((p[k] for p in pieces), []) for k in whole} == whole
 
 
 # ----------------------------------------------------------------------------- tokenize, version
+
 
 def test_tokenize_and_detokenize_round_trip(server, hf):
     out = complete(server, {"prompt": "hello"}, "/tokenize")
@@ -164,60 +169,90 @@ def test_version_answers(server):
 
 # ----------------------------------------------------------------------------- refused and bad
 
-@pytest.mark.parametrize("path, body, message", [
-    ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "'suffix' is not supported"),
-    ("/v1/completions", {"prompt": "hi", "best_of": 3}, "'best_of' 3"),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "'presence_penalty' is not supported"),
-    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 1}, "'frequency_penalty' is not supported"),
-    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1.2}, "'repetition_penalty' is not supported"),
-    ("/v1/completions", {"prompt": "hi", "min_p": 0.1}, "'min_p' is not supported"),
-    ("/v1/completions", {"prompt": "hi", "echo": True, "stream": True}, "'echo' with 'stream'"),
-    ("/v1/completions", {"prompt": "hi", "guided_json": {}}, "unknown field 'guided_json'"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
-     "'response_format' is not supported"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
-     "'tools' is not supported"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"},
-     "'tool_choice' is not supported"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, "unknown field 'echo'"),
-])
+
+@pytest.mark.parametrize(
+    "path, body, message",
+    [
+        ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "'suffix' is not supported"),
+        ("/v1/completions", {"prompt": "hi", "best_of": 3}, "'best_of' 3"),
+        ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "'presence_penalty' is not supported"),
+        ("/v1/completions", {"prompt": "hi", "frequency_penalty": 1}, "'frequency_penalty' is not supported"),
+        ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1.2}, "'repetition_penalty' is not supported"),
+        ("/v1/completions", {"prompt": "hi", "min_p": 0.1}, "'min_p' is not supported"),
+        ("/v1/completions", {"prompt": "hi", "echo": True, "stream": True}, "'echo' with 'stream'"),
+        ("/v1/completions", {"prompt": "hi", "guided_json": {}}, "unknown field 'guided_json'"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+            "'response_format' is not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+            "'tools' is not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"},
+            "'tool_choice' is not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "echo": True},
+            "unknown field 'echo'",
+        ),
+    ],
+)
 def test_refused_field_gets_400_naming_it(server, path, body, message):
     status, raw = server.request("POST", path, body)
     assert status == 400 and message in json.loads(raw)["error"]["message"]
 
 
-@pytest.mark.parametrize("raw, message", [
-    ('{"prompt": "hi", "temperature": NaN}', "non-finite number NaN"),
-    ('{"prompt": "hi", "temperature": Infinity}', "non-finite number Infinity"),
-    ('{"prompt": "hi", "top_p": -Infinity}', "non-finite number -Infinity"),
-    ('{"prompt": "hi", "temperature": 1e999}', "non-finite number 1e999"),
-    ('{"prompt": [5, 6], "max_tokens": 100000}', f"prompt of 2 tokens + max_tokens 100000 = 100002 exceeds the longest request of {MAX_LEN}"),
-    ('{"prompt": "hi", "logprobs": 21}', "'logprobs' must be 0..20"),
-    ('{"prompt": "hi", "n": 0}', "'n' must be at least 1"),
-    ('{"prompt": "hi", "n": 9}', "n=9 samples need as many slots"),
-    ('{"prompt": "hi", "max_tokens": 0}', "0 only with echo"),
-    ('{"prompt": "hi", "logit_bias": {"x": 1}}', "'logit_bias' maps token ids"),
-    ('{"prompt": "hi", "logit_bias": {"5": 500}}', "'logit_bias' maps token ids"),
-    ('{"prompt": "hi", "logit_bias": {"500": 1}}', "logit_bias token id 500 is outside"),
-    ('{"prompt": "hi", "min_tokens": 20, "max_tokens": 4}', "'min_tokens' 20 exceeds max_tokens 4"),
-    ('{"prompt": [[5, 6], 7]}', "'prompt' must be"),
-])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ('{"prompt": "hi", "temperature": NaN}', "non-finite number NaN"),
+        ('{"prompt": "hi", "temperature": Infinity}', "non-finite number Infinity"),
+        ('{"prompt": "hi", "top_p": -Infinity}', "non-finite number -Infinity"),
+        ('{"prompt": "hi", "temperature": 1e999}', "non-finite number 1e999"),
+        (
+            '{"prompt": [5, 6], "max_tokens": 100000}',
+            f"prompt of 2 tokens + max_tokens 100000 = 100002 exceeds the longest request of {MAX_LEN}",
+        ),
+        ('{"prompt": "hi", "logprobs": 21}', "'logprobs' must be 0..20"),
+        ('{"prompt": "hi", "n": 0}', "'n' must be at least 1"),
+        ('{"prompt": "hi", "n": 9}', "n=9 samples need as many slots"),
+        ('{"prompt": "hi", "max_tokens": 0}', "0 only with echo"),
+        ('{"prompt": "hi", "logit_bias": {"x": 1}}', "'logit_bias' maps token ids"),
+        ('{"prompt": "hi", "logit_bias": {"5": 500}}', "'logit_bias' maps token ids"),
+        ('{"prompt": "hi", "logit_bias": {"500": 1}}', "logit_bias token id 500 is outside"),
+        ('{"prompt": "hi", "min_tokens": 20, "max_tokens": 4}', "'min_tokens' 20 exceeds max_tokens 4"),
+        ('{"prompt": [[5, 6], 7]}', "'prompt' must be"),
+    ],
+)
 def test_bad_value_gets_400_with_one_line(server, raw, message):
     status, out = server.request("POST", "/v1/completions", raw)
     assert status == 400 and b"\n" not in out.strip()
     assert message in json.loads(out)["error"]["message"]
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "'top_logprobs' needs 'logprobs': true"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 30}, "'top_logprobs' must be 0..20"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "'top_logprobs' needs 'logprobs': true"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 30},
+            "'top_logprobs' must be 0..20",
+        ),
+    ],
+)
 def test_bad_chat_logprobs_get_400(server, body, message):
     status, out = server.request("POST", "/v1/chat/completions", body)
     assert status == 400 and message in json.loads(out)["error"]["message"]
 
 
 # ----------------------------------------------------------------------------- clients run unchanged
+
 
 def test_openai_client_completions_and_chat_logprobs(server, hf):
     import openai
@@ -228,26 +263,38 @@ def test_openai_client_completions_and_chat_logprobs(server, hf):
     prompt, new = hf[1]("hello").input_ids, c.to_dict()["token_ids"]  # moejax's and vLLM's extension
     reference = hf_logprobs(hf, prompt + new)
     assert new == hf_greedy(hf, prompt, 4) and c.logprobs.tokens == [hf[1].decode([t]) for t in new]
-    np.testing.assert_allclose(c.logprobs.token_logprobs, reference[len(prompt) - 1:-1].max(-1), atol=1e-4)
+    np.testing.assert_allclose(c.logprobs.token_logprobs, reference[len(prompt) - 1 : -1].max(-1), atol=1e-4)
     assert all(len(top) == 2 for top in c.logprobs.top_logprobs)
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
-                                          temperature=0, logprobs=True, top_logprobs=3, n=2).choices
-    ids = hf[1](hf[1].apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                          add_generation_prompt=True), add_special_tokens=False).input_ids
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        n=2,
+    ).choices
+    ids = hf[1](
+        hf[1].apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    ).input_ids
     content = chat[1].logprobs.content
     reference = hf_logprobs(hf, ids + hf_greedy(hf, ids, 3))
-    np.testing.assert_allclose([t.logprob for t in content], reference[len(ids) - 1:-1].max(-1), atol=1e-4)
-    np.testing.assert_allclose([[a.logprob for a in t.top_logprobs] for t in content],
-                               -np.sort(-reference[len(ids) - 1:-1], axis=-1)[:, :3], atol=1e-4)
+    np.testing.assert_allclose([t.logprob for t in content], reference[len(ids) - 1 : -1].max(-1), atol=1e-4)
+    np.testing.assert_allclose(
+        [[a.logprob for a in t.top_logprobs] for t in content],
+        -np.sort(-reference[len(ids) - 1 : -1], axis=-1)[:, :3],
+        atol=1e-4,
+    )
     assert "".join(t.token for t in content) == chat[0].message.content and len(chat) == 2
 
 
 TASKS = {
     "moejax_choice": "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
-                     "doc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n",
+    "doc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n",
     "moejax_until": "output_type: generate_until\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{choices[0]}}'\n"
-                    "generation_kwargs:\n  until: ['Q:']\n  max_gen_toks: 6\n  do_sample: false\n"
-                    "metric_list:\n  - metric: exact_match\n",
+    "generation_kwargs:\n  until: ['Q:']\n  max_gen_toks: 6\n  do_sample: false\n"
+    "metric_list:\n  - metric: exact_match\n",
 }
 
 
@@ -260,14 +307,29 @@ def test_lm_eval_loglikelihood_and_generation_equal_transformers(server, hf, mod
     data = tmp_path / "questions.jsonl"
     data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in QUESTIONS))
     for task, spec in TASKS.items():
-        (tmp_path / f"{task}.yaml").write_text(f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-                                               f"    test: {data}\ntest_split: test\n{spec}")
+        (tmp_path / f"{task}.yaml").write_text(
+            f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+            f"    test: {data}\ntest_split: test\n{spec}"
+        )
     out = simple_evaluate(
-        model="local-completions", tasks=list(TASKS), task_manager=TaskManager(include_path=str(tmp_path)),
-        model_args={"base_url": f"http://127.0.0.1:{server.port}/v1/completions", "model": str(model_dir),
-                    "tokenizer_backend": "huggingface", "tokenizer": str(model_dir), "batch_size": 3,
-                    "max_retries": 1, "num_concurrent": 1},
-        log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+        model="local-completions",
+        tasks=list(TASKS),
+        task_manager=TaskManager(include_path=str(tmp_path)),
+        model_args={
+            "base_url": f"http://127.0.0.1:{server.port}/v1/completions",
+            "model": str(model_dir),
+            "tokenizer_backend": "huggingface",
+            "tokenizer": str(model_dir),
+            "batch_size": 3,
+            "max_retries": 1,
+            "num_concurrent": 1,
+        },
+        log_samples=True,
+        random_seed=0,
+        numpy_random_seed=0,
+        torch_random_seed=0,
+        fewshot_random_seed=0,
+    )
     expected_acc = []
     for sample in sorted(out["samples"]["moejax_choice"], key=lambda s: s["doc_id"]):
         question, choices, answer = QUESTIONS[sample["doc_id"]]

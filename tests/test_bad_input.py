@@ -24,45 +24,90 @@ GEN = ["generate", "--preset", "tiny"]
 BAD_INPUT = {
     "unknown preset": (["generate", "--preset", "nope"], "unknown preset 'nope'"),
     "unknown placement": ([*GEN, "--placement", "nope"], "unknown placement 'nope'"),
-    "ep times tp not the device count": ([*GEN, "--placement", "hybrid", "--ep", "3", "--tp", "2", "--devices", "8"],
-                                         "ep * tp = devices"),
-    "more devices than the machine has": ([*GEN, "--placement", "expert_sharded", "--devices", "64"],
-                                          "this machine has 8"),
+    "ep times tp not the device count": (
+        [*GEN, "--placement", "hybrid", "--ep", "3", "--tp", "2", "--devices", "8"],
+        "ep * tp = devices",
+    ),
+    "more devices than the machine has": (
+        [*GEN, "--placement", "expert_sharded", "--devices", "64"],
+        "this machine has 8",
+    ),
     "zero devices": ([*GEN, "--devices", "0"], "devices must be at least 1"),
     "a negative page size": ([*GEN, "--page-size", "-1"], "engine.page_size must be positive"),
-    "a mesh the placement does not take": ([*GEN, "--placement", "expert_sharded", "--tp", "2", "--devices", "8"],
-                                           "do not apply to it"),
-    "the Blackwell kernel without a Blackwell GPU": ([*GEN, "--kernel", "blackwell"], "needs an NVIDIA Blackwell (sm_100)"),
+    "a mesh the placement does not take": (
+        [*GEN, "--placement", "expert_sharded", "--tp", "2", "--devices", "8"],
+        "do not apply to it",
+    ),
+    "the Blackwell kernel without a Blackwell GPU": (
+        [*GEN, "--kernel", "blackwell"],
+        "needs an NVIDIA Blackwell (sm_100)",
+    ),
     "the TPU kernel without a TPU": ([*GEN, "--kernel", "pallas_tpu"], "needs a TPU"),
-    "config.json field of the wrong type": (["generate", "--hf", "{configs}/wrong_type_hf"],
-                                            "num_local_experts must be an integer, got 'six'"),
-    "slice width that does not divide": ([*GEN, "--placement", "tensor_sliced", "--devices", "3"],
-                                         "cannot be sliced 3 ways"),
+    "config.json field of the wrong type": (
+        ["generate", "--hf", "{configs}/wrong_type_hf"],
+        "num_local_experts must be an integer, got 'six'",
+    ),
+    "slice width that does not divide": (
+        [*GEN, "--placement", "tensor_sliced", "--devices", "3"],
+        "cannot be sliced 3 ways",
+    ),
     "token id out of range": ([*GEN, "--prompt-ids", "1,99999"], "token id 99999 outside the vocabulary"),
-    "two-batch overlap where rows stay home": ([*GEN, "--placement", "weight_prefetch", "--devices", "8",
-                                                "--two-batch-overlap"], "rows stay on their device"),
-    "plan of two-batch overlap where rows stay home": (["plan", "--placement", "weight_prefetch", "--two-batch-overlap"],
-                                                       "rows stay on their device"),
-    "prefill devices without decode devices": ([*GEN, "--prefill-placement", "ragged_a2a", "--prefill-devices", "4"],
-                                               "--prefill-devices and --decode-devices go together"),
-    "prefill and decode devices the machine lacks": ([*GEN, "--decode-placement", "hybrid", "--prefill-devices", "6",
-                                                      "--decode-devices", "6"], "--devices 12 asked for"),
-    "prefill and decode devices unequal over processes": ([*GEN, "--decode-placement", "hybrid", "--prefill-devices", "4",
-                                                           "--decode-devices", "2", "--num-processes", "2",
-                                                           "--coordinator", "127.0.0.1:1"],
-                                                          "must be equal and divide by 2"),
-    "serving MTP drafts with prefill and decode apart": (["bench", "--preset", "tiny", "--speculative", "mtp",
-                                                          "--decode-placement", "hybrid"], "decodes under one placement"),
-    "serving MTP drafts on a device split": (["bench", "--preset", "tiny", "--speculative", "mtp", "--prefill-devices", "4",
-                                              "--decode-devices", "4"], "decodes under one placement"),
-    "compare's prefill and decode flags without --pd": (["compare", "--preset", "tiny", "--prefill-devices", "4",
-                                                         "--decode-devices", "4"], "add --pd"),
-    "recording the picks of MTP decoding": (["serve", "--preset", "tiny", "--speculative", "mtp", "--record", "x.npz"],
-                                            "drop --speculative or --record"),
-    "a target plan does not know": (["plan", "--preset", "tiny", "--target", "a100"],
-                                    "argument --target: invalid choice: 'a100'"),
-    "a TPU slice of no such size": (["plan", "--preset", "tiny", "--target", "v5e", "--devices", "3"],
-                                    "a v5e slice has 1, 4, 8, 16, 32, 64, 128, 256 chips, not 3"),
+    "two-batch overlap where rows stay home": (
+        [*GEN, "--placement", "weight_prefetch", "--devices", "8", "--two-batch-overlap"],
+        "rows stay on their device",
+    ),
+    "plan of two-batch overlap where rows stay home": (
+        ["plan", "--placement", "weight_prefetch", "--two-batch-overlap"],
+        "rows stay on their device",
+    ),
+    "prefill devices without decode devices": (
+        [*GEN, "--prefill-placement", "ragged_a2a", "--prefill-devices", "4"],
+        "--prefill-devices and --decode-devices go together",
+    ),
+    "prefill and decode devices the machine lacks": (
+        [*GEN, "--decode-placement", "hybrid", "--prefill-devices", "6", "--decode-devices", "6"],
+        "--devices 12 asked for",
+    ),
+    "prefill and decode devices unequal over processes": (
+        [
+            *GEN,
+            "--decode-placement",
+            "hybrid",
+            "--prefill-devices",
+            "4",
+            "--decode-devices",
+            "2",
+            "--num-processes",
+            "2",
+            "--coordinator",
+            "127.0.0.1:1",
+        ],
+        "must be equal and divide by 2",
+    ),
+    "serving MTP drafts with prefill and decode apart": (
+        ["bench", "--preset", "tiny", "--speculative", "mtp", "--decode-placement", "hybrid"],
+        "decodes under one placement",
+    ),
+    "serving MTP drafts on a device split": (
+        ["bench", "--preset", "tiny", "--speculative", "mtp", "--prefill-devices", "4", "--decode-devices", "4"],
+        "decodes under one placement",
+    ),
+    "compare's prefill and decode flags without --pd": (
+        ["compare", "--preset", "tiny", "--prefill-devices", "4", "--decode-devices", "4"],
+        "add --pd",
+    ),
+    "recording the picks of MTP decoding": (
+        ["serve", "--preset", "tiny", "--speculative", "mtp", "--record", "x.npz"],
+        "drop --speculative or --record",
+    ),
+    "a target plan does not know": (
+        ["plan", "--preset", "tiny", "--target", "a100"],
+        "argument --target: invalid choice: 'a100'",
+    ),
+    "a TPU slice of no such size": (
+        ["plan", "--preset", "tiny", "--target", "v5e", "--devices", "3"],
+        "a v5e slice has 1, 4, 8, 16, 32, 64, 128, 256 chips, not 3",
+    ),
     "negative token id": ([*GEN, "--prompt-ids", "1,-3"], "token id -3 outside the vocabulary"),
     "token id out of range when scoring": (["score", "--preset", "tiny", "--prompt-ids", "512"], "token id 512"),
     "empty prompt": ([*GEN, "--prompt-ids", ""], "--prompt-ids is empty"),
@@ -75,7 +120,10 @@ BAD_INPUT = {
     "non-numeric temperature": ([*GEN, "--temperature", "hot"], "argument --temperature: invalid float value"),
     "negative temperature": ([*GEN, "--temperature", "-1"], "--temperature >= 0"),
     "top-p above one": ([*GEN, "--temperature", "1", "--top-p", "2"], "0 < --top-p <= 1"),
-    "yaml value of the wrong type": ([*GEN, "--config", "{configs}/wrong_type.yaml"], "layout.devices must be an integer"),
+    "yaml value of the wrong type": (
+        [*GEN, "--config", "{configs}/wrong_type.yaml"],
+        "layout.devices must be an integer",
+    ),
     "yaml unknown key": ([*GEN, "--config", "{configs}/unknown_key.yaml"], "unknown config key 'layout.bogus'"),
     "file that is not yaml": ([*GEN, "--config", "{configs}/not_yaml.yaml"], "is not valid YAML"),
     "missing config file": ([*GEN, "--config", "{configs}/absent.yaml"], "does not exist"),
@@ -84,7 +132,8 @@ BAD_INPUT = {
     "convert from a missing directory": (["convert", "--hf", "{configs}/absent", "--out", "out"], "no such directory"),
     "convert to 4-bit a model the blocks do not divide": (
         ["convert", "--hf", str(ROOT / "tests/golden/deepseek_v3"), "--out", "out", "--expert-format", "mxfp4"],
-        "cannot be stored as mxfp4"),
+        "cannot be stored as mxfp4",
+    ),
 }
 
 
@@ -116,14 +165,19 @@ def test_bad_input_ends_in_one_line_and_exit_2_writing_nothing(case, configs, tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("argv", [
-    ["generate", "--preset", "nope"],
-    ["generate", "--devices", "two"],
-    ["score", "--preset", "tiny", "--prompt-ids", "-1"],
-], ids=["config error", "argparse error", "input data error"])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--preset", "nope"],
+        ["generate", "--devices", "two"],
+        ["score", "--preset", "tiny", "--prompt-ids", "-1"],
+    ],
+    ids=["config error", "argparse error", "input data error"],
+)
 def test_bad_input_exits_2_without_traceback_from_a_real_process(argv, tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "moejax", *argv], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moejax", *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr

@@ -129,15 +129,30 @@ def test_uneven_split_of_experts_over_devices_still_counts_every_expert():
 def test_cli_json_has_exactly_the_issue_keys(capsys):
     assert main(["calc", "--preset", "glm-5.3", "--devices", "8", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert set(doc) == {"expert_params", "expert_bytes", "layer_expert_bytes", "model_expert_bytes", "row_bytes",
-                        "kv_cache_bytes_per_token", "devices"}
+    assert set(doc) == {
+        "expert_params",
+        "expert_bytes",
+        "layer_expert_bytes",
+        "model_expert_bytes",
+        "row_bytes",
+        "kv_cache_bytes_per_token",
+        "devices",
+    }
     for key in ("expert_bytes", "layer_expert_bytes", "model_expert_bytes"):
         assert set(doc[key]) == {"bf16", "nvfp4_values", "nvfp4", "mxfp4"}
     assert set(doc["row_bytes"]) == {"bf16", "nvfp4"}
     assert set(doc["devices"][0]) == {
-        "n", "devices_per_row", "copies_sent_per_row", "copies_replicated", "slice_width", "even_touched_fraction",
-        "even_balancedness", "even_busiest_picks", "expert_bytes_read_per_device",
-        "two_batch_expert_bytes_read_per_device"}
+        "n",
+        "devices_per_row",
+        "copies_sent_per_row",
+        "copies_replicated",
+        "slice_width",
+        "even_touched_fraction",
+        "even_balancedness",
+        "even_busiest_picks",
+        "expert_bytes_read_per_device",
+        "two_batch_expert_bytes_read_per_device",
+    }
 
 
 def test_glm_kv_cache_per_token_is_the_mla_latent_rope_key_and_indexer_key_of_78_layers():
@@ -150,14 +165,26 @@ def test_two_micro_batches_of_a_decode_step_read_more_expert_bytes_than_one():
     two halves read 1.47x the bytes; at 256 tokens each half touches 98%: 1.97x."""
     (d64,) = calc.calc_report(preset("glm-5.3"), [8], 64, None, "nvfp4")["devices"]
     (d256,) = calc.calc_report(preset("glm-5.3"), [8], 256, None, "nvfp4")["devices"]
-    assert d64["two_batch_expert_bytes_read_per_device"] / d64["expert_bytes_read_per_device"] == pytest.approx(1.47, abs=0.01)
-    assert d256["two_batch_expert_bytes_read_per_device"] / d256["expert_bytes_read_per_device"] == pytest.approx(1.97, abs=0.01)
+    assert d64["two_batch_expert_bytes_read_per_device"] / d64["expert_bytes_read_per_device"] == pytest.approx(
+        1.47, abs=0.01
+    )
+    assert d256["two_batch_expert_bytes_read_per_device"] / d256["expert_bytes_read_per_device"] == pytest.approx(
+        1.97, abs=0.01
+    )
 
 
 def test_cli_reads_hf_config_json(tmp_path, capsys):
-    hf = {"model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
-          "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
-          "num_experts_per_tok": 2}
+    hf = {
+        "model_type": "mixtral",
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    }
     (tmp_path / "config.json").write_text(json.dumps(hf))
     assert main(["calc", "--hf", str(tmp_path), "--devices", "8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["expert_params"] == 3 * 4096 * 14336

@@ -14,11 +14,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from layouts import placement_layouts
 
 from checkpoints import legacy, orbax_io
 from checkpoints.manifest import FORMAT_VERSION, MANIFEST, Manifest, read_manifest
 from checkpoints.orbax_io import restore_params, save_params
-from layouts import placement_layouts
 from moejax import platform
 from moejax.cli import main
 from moejax.config import PRESETS, Config, WeightsConfig
@@ -68,14 +68,16 @@ def converted(tmp_path_factory):
 
 # ----------------------------------------------------------------------------- convert
 
+
 @pytest.mark.slow
 def test_converted_checkpoint_generates_the_tokens_of_the_transformers_directory(converted, capsys):
     """expected.npz holds transformers' greedy tokens, which generating from the directory
     reproduces (test_model.py); one engine here instead of two keeps the test short."""
     expected = np.load(GOLDEN / "expected.npz")
     prompt = ",".join(map(str, expected["prompt"].tolist()))
-    rc, out, _ = cli(["generate", "--checkpoint", converted, "--prompt-ids", prompt, "--max-new-tokens", "16",
-                      "--json"], capsys)
+    rc, out, _ = cli(
+        ["generate", "--checkpoint", converted, "--prompt-ids", prompt, "--max-new-tokens", "16", "--json"], capsys
+    )
     assert rc == 0 and json.loads(out)["tokens"] == [expected["greedy"].tolist()]
 
 
@@ -83,18 +85,23 @@ def test_converted_checkpoint_generates_the_tokens_of_the_transformers_directory
 def test_convert_with_json_prints_one_document_and_no_progress(tmp_path, capsys):
     rc, out, err = cli(["convert", "--hf", GOLDEN, "--out", tmp_path / "ckpt", "--json"], capsys)
     assert rc == 0 and err == ""
-    assert json.loads(out)["tensors"] == 31  # 4 layers as 2 runs (dense, MoE): each run's parameters stacked, gate_up one
+    assert (
+        json.loads(out)["tensors"] == 31
+    )  # 4 layers as 2 runs (dense, MoE): each run's parameters stacked, gate_up one
 
 
 def test_groups_hold_at_most_the_largest_tensor(converted):
     """The writer's memory bound: a group never outgrows the model's largest parameter."""
     manifest = read_manifest(converted)
-    sizes = {k: orbax_io._nbytes(orbax_io.stored_leaves(spec, manifest)) for k, spec in orbax_io.named_specs(manifest)[0]}
+    sizes = {
+        k: orbax_io._nbytes(orbax_io.stored_leaves(spec, manifest)) for k, spec in orbax_io.named_specs(manifest)[0]
+    }
     assert len(manifest.groups) > 1
     assert all(sum(sizes[k] for k in group) <= max(sizes.values()) for group in manifest.groups)
 
 
 # ----------------------------------------------------------------------------- placements
+
 
 @pytest.mark.parametrize("fmt", MODELS)
 @pytest.mark.parametrize("source", LAYOUTS)
@@ -110,7 +117,7 @@ def half_of(value, i: int):
     """Gate (i = 0) or up (1) of a gate_up parameter, as format 2 stored it apart."""
     take = lambda a: a[..., i::2]
     if isinstance(value, QuantizedArray):
-        ts = None if value.tensor_scale is None else value.tensor_scale[..., i:i + 1]  # one per matrix
+        ts = None if value.tensor_scale is None else value.tensor_scale[..., i : i + 1]  # one per matrix
         return value.replace(values=take(value.values), scales=take(value.scales), tensor_scale=ts)
     return take(value)
 
@@ -124,9 +131,17 @@ def test_format_2_checkpoint_of_gate_and_up_apart_restores_the_same_parameters(f
     old = dict(legacy.stored_names(names))
     assert {"layers.1.moe.experts.gate", "layers.1.moe.experts.up", "layers.0.mlp.gate"} <= set(old)
     assert not any(k.endswith("gate_up") for k in old)
-    stored = [(k, orbax_io.to_stored(spec, half_of(values[k.rpartition(".")[0] + ".gate_up"], k.endswith(".up"))
-                                     if k not in values else values[k], placement.k_slices(spec)))
-              for k, spec in old.items()]
+    stored = [
+        (
+            k,
+            orbax_io.to_stored(
+                spec,
+                half_of(values[k.rpartition(".")[0] + ".gate_up"], k.endswith(".up")) if k not in values else values[k],
+                placement.k_slices(spec),
+            ),
+        )
+        for k, spec in old.items()
+    ]
     orbax_io.write(tmp_path / "ckpt", manifest, stored)
     assert read_manifest(tmp_path / "ckpt").version == 2
     for target in ("tensor_sliced", "expert_sharded"):
@@ -154,8 +169,14 @@ convert.convert(sys.argv[1], sys.argv[2])
 
 def kill_convert_midway(hf: Path, ckpt: Path, after: int = 30) -> None:
     env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", KILL_AFTER_TENSORS, str(hf), str(ckpt), str(after)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_AFTER_TENSORS, str(hf), str(ckpt), str(after)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
 
 
@@ -194,6 +215,7 @@ def test_interrupted_first_save_is_reported_not_restored(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- damaged checkpoints
 
+
 def _largest_data_file(ckpt: Path) -> Path:
     return max((p for p in ckpt.glob("data-*/*/ocdbt.process_0/d/*")), key=lambda p: p.stat().st_size)
 
@@ -213,16 +235,21 @@ def _flip_bytes(path: Path) -> None:
 DAMAGE = {
     "manifest missing": (lambda c: (c / MANIFEST).unlink(), "moejax.json is missing"),
     "manifest not json": (lambda c: (c / MANIFEST).write_text("{"), "moejax.json: corrupted"),
-    "other format version": (lambda c: _edit_manifest(c, lambda d: d.update(format_version=99)),
-                             f"format version 99, this moejax reads version {FORMAT_VERSION}"),
-    "layer-by-layer format of earlier versions": (lambda c: _edit_manifest(c, lambda d: d.update(format_version=1)),
-                                                  "convert it again from its transformers directory"),
-    "config not matching arrays": (lambda c: _edit_manifest(c, lambda d: d["model"].update(hidden_size=48)),
-                                   "model config in moejax.json implies"),
+    "other format version": (
+        lambda c: _edit_manifest(c, lambda d: d.update(format_version=99)),
+        f"format version 99, this moejax reads version {FORMAT_VERSION}",
+    ),
+    "layer-by-layer format of earlier versions": (
+        lambda c: _edit_manifest(c, lambda d: d.update(format_version=1)),
+        "convert it again from its transformers directory",
+    ),
+    "config not matching arrays": (
+        lambda c: _edit_manifest(c, lambda d: d["model"].update(hidden_size=48)),
+        "model config in moejax.json implies",
+    ),
     "data file truncated": (lambda c: os.truncate(_largest_data_file(c), 100), "truncated"),
     "data file corrupted": (lambda c: _flip_bytes(_largest_data_file(c)), "corrupted (checksum"),
-    "group deleted": (lambda c: subprocess.run(["rm", "-r", str(next(c.glob("data-*/0003")))], check=True),
-                      "missing"),
+    "group deleted": (lambda c: subprocess.run(["rm", "-r", str(next(c.glob("data-*/0003")))], check=True), "missing"),
 }
 
 
@@ -254,7 +281,10 @@ def _edit_hf_config(hf: Path, **changes) -> None:
 
 HF_DAMAGE = {
     "missing shard": (_missing_shard, "shard model-00002-of-00002.safetensors listed in"),
-    "unsupported architecture": (lambda hf: _edit_hf_config(hf, model_type="llama"), "unsupported architecture 'llama'"),
+    "unsupported architecture": (
+        lambda hf: _edit_hf_config(hf, model_type="llama"),
+        "unsupported architecture 'llama'",
+    ),
     "truncated safetensors": (lambda hf: os.truncate(hf / "model.safetensors", 150_000), "truncated safetensors file"),
     "config not matching the tensors": (lambda hf: _edit_hf_config(hf, hidden_size=48), "config.json implies"),
 }

@@ -19,8 +19,25 @@ def ragged_report() -> dict:
     decode pair on 4 + 4 devices (a run per test would build and compile the same engines again)."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(["compare", "--placements", "ragged_a2a", "--two-batch-overlap", "--pd", "--prefill-devices", "4",
-                     "--decode-devices", "4", "--max-new-tokens", "3", "--json"]) == 0
+        assert (
+            main(
+                [
+                    "compare",
+                    "--placements",
+                    "ragged_a2a",
+                    "--two-batch-overlap",
+                    "--pd",
+                    "--prefill-devices",
+                    "4",
+                    "--decode-devices",
+                    "4",
+                    "--max-new-tokens",
+                    "3",
+                    "--json",
+                ]
+            )
+            == 0
+        )
     return json.loads(out.getvalue())
 
 

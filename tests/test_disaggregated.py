@@ -32,7 +32,7 @@ CYCLE = [(names()[i], names()[(i + 1) % len(names())]) for i in range(len(names(
 def engine(name: str, first: int, count: int) -> Engine:
     """Placement `name` on devices first .. first + count - 1 (one device: the reference)."""
     config = Config(model=preset("tiny"), layout=LayoutConfig(placement=name, devices=count)).validate()
-    placement = make_placement(config, devices=jax.devices()[first:first + count] if count > 1 else None)
+    placement = make_placement(config, devices=jax.devices()[first : first + count] if count > 1 else None)
     return Engine(config, load_params(config, placement, seed=1), placement)
 
 
@@ -45,8 +45,9 @@ def single_device_tokens():
 def pair(prefill: str, decode: str, split: bool):
     """4 + 4 devices when split, else both on all 8."""
     devices = (0, 4) if split else (0, 8)
-    return Disaggregated(engine(prefill, 0, devices[1]), engine(decode, devices[1] * split, devices[1])).generate(PROMPTS,
-                                                                                                                 NEW)
+    return Disaggregated(engine(prefill, 0, devices[1]), engine(decode, devices[1] * split, devices[1])).generate(
+        PROMPTS, NEW
+    )
 
 
 @pytest.mark.parametrize("prefill,decode", CYCLE)
@@ -72,11 +73,24 @@ def test_hand_over_moves_only_the_positions_the_prefill_wrote():
     """A 64-position cache of which the prefill wrote 16: a quarter travels, the rest is made
     as zeros on the decode mesh."""
     prefill, decode = engine(CYCLE[0][0], 0, 4), engine(CYCLE[0][1], 4, 4)
-    filled = jax.tree.map(lambda a: np.arange(a.size, dtype=np.float32).reshape(a.shape) % 7 + 1,
-                          init_cache(preset("tiny"), 4, 64, np.float32))
+    filled = jax.tree.map(
+        lambda a: np.arange(a.size, dtype=np.float32).reshape(a.shape) % 7 + 1,
+        init_cache(preset("tiny"), 4, 64, np.float32),
+    )
     cache = jax.device_put(filled, prefill.placement.cache_shardings(filled))
-    state = Prefilled(PROMPTS, cache, tok=jnp.zeros(4, jnp.int32), logits=None, lens=np.ones(4, np.int32), max_len=64,
-                      written=16, seeds=np.zeros(4, np.int32), dealer=None, picks=[], prefill_ms=0.0)
+    state = Prefilled(
+        PROMPTS,
+        cache,
+        tok=jnp.zeros(4, jnp.int32),
+        logits=None,
+        lens=np.ones(4, np.int32),
+        max_len=64,
+        written=16,
+        seeds=np.zeros(4, np.int32),
+        dealer=None,
+        picks=[],
+        prefill_ms=0.0,
+    )
     moved_state, moved, _ = Disaggregated(prefill, decode).hand_over(state)
     assert moved == cache_nbytes(4, 16)
     for run, got in zip(filled, moved_state.cache):

@@ -34,8 +34,11 @@ def test_every_flag_written_is_one_the_verb_takes(page):
     for verb, rest in _commands(page.read_text()):
         if verb not in options:
             continue  # prose such as "moejax serves"; verbs are checked by the flags they carry
-        wrong += [f"moejax {verb} {flag}" for flag in re.findall(r"(?<!\S)(--[a-z][a-z0-9-]*)", rest)
-                  if flag not in options[verb]]
+        wrong += [
+            f"moejax {verb} {flag}"
+            for flag in re.findall(r"(?<!\S)(--[a-z][a-z0-9-]*)", rest)
+            if flag not in options[verb]
+        ]
     assert not wrong, f"{page.name}: flags the parser does not take: {wrong}"
 
 
@@ -65,11 +68,18 @@ def test_nothing_points_outside_the_repository():
 # stop) or an unnamed article; a random seed ("seed 0", "seed S + i") is not one. Spelled in parts
 # so that this file does not match itself.
 _SEED, _ISSUE, _STOP, _ARTICLE = "seed", "issue", "stop", "the " + "article"
-CITATION = re.compile(rf"\b{_SEED} [12]\b(?! *[+*-])|\b{_ISSUE} [0-9]+|\b{_STOP} [0-9]+\b|\b{_ARTICLE}\b", re.IGNORECASE)
+CITATION = re.compile(
+    rf"\b{_SEED} [12]\b(?! *[+*-])|\b{_ISSUE} [0-9]+|\b{_STOP} [0-9]+\b|\b{_ARTICLE}\b", re.IGNORECASE
+)
 
 
 def test_code_and_docs_cite_references_by_name():
     """Sources are cited by their short names in docs/references.md, never by an internal number."""
-    found = [f"{path.relative_to(ROOT)}:{i}" for path in [*PAGES, *ROOT.glob("*/**/*.py")] if path.name != "test_docs.py"
-             for i, line in enumerate(path.read_text().splitlines(), 1) if CITATION.search(line)]
+    found = [
+        f"{path.relative_to(ROOT)}:{i}"
+        for path in [*PAGES, *ROOT.glob("*/**/*.py")]
+        if path.name != "test_docs.py"
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if CITATION.search(line)
+    ]
     assert not found, found

@@ -9,12 +9,10 @@ import json
 
 import jax.numpy as jnp
 import pytest
-
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from moejax.analysis.record import model_trace
-from moejax.trace import load_trace, save_trace
 from moejax.cli import main
 from moejax.config import Config, LayoutConfig, preset
 from moejax.engine import compile_clock
@@ -25,6 +23,7 @@ from moejax.serving.metrics import Metrics
 from moejax.serving.online_eplb import OnlineEPLB
 from moejax.serving.scheduler import Request, Scheduler
 from moejax.serving.stopping import Stopper
+from moejax.trace import load_trace, save_trace
 from sharding import make_placement, slots
 
 PROMPTS = [[i, i + 1, i + 2] for i in range(3, 60, 7)]  # 9 requests
@@ -34,16 +33,20 @@ HOT = (0, 1)  # experts 0 and 1: both on device 0 in the checkpoint order (2 exp
 
 def skew(params: dict, c) -> dict:
     """The router's correction bias raised for the HOT experts of every MoE layer."""
+
     def run(r, run_params):
         if "moe" not in run_params:
             return run_params
         bias = run_params["moe"]["router_bias"].at[..., jnp.asarray(HOT)].add(1.0)
         return {**run_params, "moe": {**run_params["moe"], "router_bias": bias}}
+
     return {**params, "layers": [run(r, p) for r, p in enumerate(params["layers"])]}
 
 
 def skewed_engine(**layout) -> Engine:
-    config = Config(model=preset("tiny"), layout=LayoutConfig(devices=8, placement="expert_sharded", **layout)).validate()
+    config = Config(
+        model=preset("tiny"), layout=LayoutConfig(devices=8, placement="expert_sharded", **layout)
+    ).validate()
     placement = make_placement(config)
     params = skew(load_params(config, placement, seed=3), config.model)
     params, phy2log = place_experts(params, placement, load_trace)
@@ -121,9 +124,11 @@ def test_nothing_compiles_after_warm_up_across_rebalances(online):
 
 def test_metrics_show_rows_per_device_balancedness_and_rebalances(online):
     (_, metrics, rebalancer, _) = online[1]
-    samples = {(s.name, tuple(s.labels.items())): s.value
-               for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
-               for s in family.samples}
+    samples = {
+        (s.name, tuple(s.labels.items())): s.value
+        for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+        for s in family.samples
+    }
     rows = metrics.devices.recent()
     assert [samples["moejax_device_rows", (("device", str(d)),)] for d in range(8)] == rows.tolist()
     assert samples["moejax_device_balancedness", ()] == pytest.approx(slots.balancedness(rows))
@@ -132,17 +137,51 @@ def test_metrics_show_rows_per_device_balancedness_and_rebalances(online):
 
 
 def test_bench_json_reports_device_rows_and_rebalances(capsys):
-    assert main(["bench", "--preset", "tiny", "--devices", "8", "--placement", "expert_sharded", "--redundant-experts",
-                 "8", "--eplb-online", "--eplb-interval", "4", "--eplb-window", "8", "--num-prompts", "8",
-                 "--input-len", "4", "--output-len", "12", "--slots", "8", "--json"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--preset",
+                "tiny",
+                "--devices",
+                "8",
+                "--placement",
+                "expert_sharded",
+                "--redundant-experts",
+                "8",
+                "--eplb-online",
+                "--eplb-interval",
+                "4",
+                "--eplb-window",
+                "8",
+                "--num-prompts",
+                "8",
+                "--input-len",
+                "4",
+                "--output-len",
+                "12",
+                "--slots",
+                "8",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr()
     summary = json.loads(out.out)
     assert len(summary["device_rows"]) == 8 and sum(summary["device_rows"]) > 0
     assert summary["eplb"]["rebalances"] == out.err.count("eplb: rebalance")
-    assert summary["eplb"]["rebalances"] >= 1 and summary["eplb"]["balancedness_after"] > summary["eplb"]["balancedness_before"]
+    assert (
+        summary["eplb"]["rebalances"] >= 1
+        and summary["eplb"]["balancedness_after"] > summary["eplb"]["balancedness_before"]
+    )
 
 
 def test_tensor_sliced_refuses_online_placement(capsys):
-    assert main(["generate", "--preset", "tiny", "--devices", "8", "--placement", "tensor_sliced", "--eplb",
-                 "missing.npz"]) == 2
+    assert (
+        main(
+            ["generate", "--preset", "tiny", "--devices", "8", "--placement", "tensor_sliced", "--eplb", "missing.npz"]
+        )
+        == 2
+    )
     assert "does not apply" in capsys.readouterr().err

@@ -31,8 +31,11 @@ def engine_for(fmt: str, params=None) -> Engine:
 def generation(fmt: str, twin: bool = False):
     engine = engine_for(fmt)
     if twin:  # the same 4-bit values, dequantized, through the full-precision path
-        params = jax.tree.map(lambda a: pallas_kernels.dequantize(a) if isinstance(a, pallas_kernels.QuantizedArray) else a,
-                              engine.params, is_leaf=lambda a: isinstance(a, pallas_kernels.QuantizedArray))
+        params = jax.tree.map(
+            lambda a: pallas_kernels.dequantize(a) if isinstance(a, pallas_kernels.QuantizedArray) else a,
+            engine.params,
+            is_leaf=lambda a: isinstance(a, pallas_kernels.QuantizedArray),
+        )
         engine = engine_for("unquantized", params)
     return engine.generate(PROMPTS, 8, return_logits=True)
 
@@ -55,7 +58,7 @@ def test_4bit_greedy_token_stays_among_the_full_precision_best(fmt):
     percent, but not past the model's own best few tokens (the top 2% of the vocabulary)."""
     full = generation("unquantized").logits[0]
     assert first_step_error(fmt) < 0.5 * np.abs(full).mean()
-    best = np.argsort(full, axis=-1)[:, -full.shape[-1] // 50:]
+    best = np.argsort(full, axis=-1)[:, -full.shape[-1] // 50 :]
     assert all(t in best[i] for i, t in enumerate(generation(fmt).logits[0].argmax(-1)))
 
 
@@ -66,5 +69,7 @@ def test_4bit_experts_are_about_a_quarter_of_the_bytes():
 
     full, nvfp4 = experts("unquantized"), experts("nvfp4")
     ratio = sum(pallas_kernels.nbytes(a) for a in jax.tree.leaves(full)) / sum(
-        pallas_kernels.nbytes(a) for a in jax.tree.leaves(nvfp4, is_leaf=lambda a: isinstance(a, pallas_kernels.QuantizedArray)))
+        pallas_kernels.nbytes(a)
+        for a in jax.tree.leaves(nvfp4, is_leaf=lambda a: isinstance(a, pallas_kernels.QuantizedArray))
+    )
     assert ratio > 7  # float32 against 4.5 bits per value

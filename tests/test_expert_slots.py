@@ -38,9 +38,14 @@ def load(model: str, config: Config, placement):
 def random_phy2log(layers: int, num_logical: int, num_slots: int, seed: int) -> np.ndarray:
     """int[L, P]: every expert once, the spare slots random replicas, all in a random order."""
     rng = np.random.default_rng(seed)
-    return np.stack([rng.permutation(np.concatenate([np.arange(num_logical),
-                                                     rng.integers(0, num_logical, num_slots - num_logical)]))
-                     for _ in range(layers)])
+    return np.stack(
+        [
+            rng.permutation(
+                np.concatenate([np.arange(num_logical), rng.integers(0, num_logical, num_slots - num_logical)])
+            )
+            for _ in range(layers)
+        ]
+    )
 
 
 def moe_layers(c) -> int:

@@ -82,7 +82,8 @@ def test_layout_shapes_and_axis(fmt):
     wt = jax.random.normal(jax.random.key(0), (3, 40, 128))
     np.testing.assert_array_equal(
         np.asarray(pk.dequantize(pk.quantize(wt, fmt, axis=-1))),
-        np.swapaxes(np.asarray(pk.dequantize(pk.quantize(jnp.swapaxes(wt, 1, 2), fmt))), 1, 2))
+        np.swapaxes(np.asarray(pk.dequantize(pk.quantize(jnp.swapaxes(wt, 1, 2), fmt))), 1, 2),
+    )
 
 
 def test_quantize_is_jit_and_vmap_friendly():
@@ -129,11 +130,13 @@ def test_bit_decoders_match_ml_dtypes_for_every_code():
     finite = ~np.isnan(bits.view(ml_dtypes.float8_e4m3fn).astype(np.float32))
     np.testing.assert_array_equal(
         np.asarray(decode.e4m3_to_f32(jnp.asarray(bits, jnp.int32)))[finite],
-        bits.view(ml_dtypes.float8_e4m3fn).astype(np.float32)[finite])
+        bits.view(ml_dtypes.float8_e4m3fn).astype(np.float32)[finite],
+    )
     normal = np.arange(1, 255)  # 0 is 2^-127 (an f32 subnormal), 255 is NaN
     np.testing.assert_array_equal(
         decode.e8m0_to_f32(jnp.asarray(normal, jnp.int32)),
-        normal.astype(np.uint8).view(ml_dtypes.float8_e8m0fnu).astype(np.float32))
+        normal.astype(np.uint8).view(ml_dtypes.float8_e8m0fnu).astype(np.float32),
+    )
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -160,8 +163,10 @@ def test_gate_up_quantized_as_one_matrix_keeps_every_bit_of_gate_and_up_apart(fm
         for i, half in enumerate((gate, up)):
             alone = pk.quantize_experts(half, fmt, k_slices)
             np.testing.assert_array_equal(fused.values[..., i::2], alone.values)
-            np.testing.assert_array_equal(np.asarray(fused.scales[..., i::2]).view(np.uint8),
-                                          np.asarray(alone.scales).view(np.uint8))
+            np.testing.assert_array_equal(
+                np.asarray(fused.scales[..., i::2]).view(np.uint8), np.asarray(alone.scales).view(np.uint8)
+            )
             if fmt == "nvfp4":
-                np.testing.assert_array_equal(fused.tensor_scale[..., i::2],
-                                              jnp.broadcast_to(alone.tensor_scale, (3, 1, 32)))
+                np.testing.assert_array_equal(
+                    fused.tensor_scale[..., i::2], jnp.broadcast_to(alone.tensor_scale, (3, 1, 32))
+                )

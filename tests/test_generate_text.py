@@ -7,10 +7,10 @@ import io
 import json
 
 import pytest
+from text_model import make_text_model
 
 from moejax.cli import main
 from moejax.serving.tokenizer import Tokenizer
-from text_model import make_text_model
 
 pytestmark = pytest.mark.slow  # runs `moejax generate` end to end
 

@@ -10,9 +10,9 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hf_reference import GLM5, build_hf_model, hf_greedy
 
 from checkpoints.hf_config import from_hf_config
-from hf_reference import GLM5, build_hf_model, hf_greedy
 from moejax.config import Config, preset
 from moejax.engine.engine import Engine
 from moejax.loading import load_params, with_hf_model
@@ -67,10 +67,26 @@ def test_glm53_preset_is_glm5_architecture():
 
 
 def test_mlp_layer_types_beat_first_k_dense():
-    hf = dict(model_type="glm_moe_dsa", vocab_size=8, hidden_size=8, num_hidden_layers=3, num_attention_heads=1,
-              num_experts_per_tok=1, n_routed_experts=2, first_k_dense_replace=1, q_lora_rank=4, kv_lora_rank=4,
-              qk_nope_head_dim=2, qk_rope_head_dim=2, v_head_dim=2, index_topk=2, index_head_dim=2, index_n_heads=1,
-              mlp_layer_types=["dense", "sparse", "dense"], indexer_types=["full", "shared", "full"])
+    hf = dict(
+        model_type="glm_moe_dsa",
+        vocab_size=8,
+        hidden_size=8,
+        num_hidden_layers=3,
+        num_attention_heads=1,
+        num_experts_per_tok=1,
+        n_routed_experts=2,
+        first_k_dense_replace=1,
+        q_lora_rank=4,
+        kv_lora_rank=4,
+        qk_nope_head_dim=2,
+        qk_rope_head_dim=2,
+        v_head_dim=2,
+        index_topk=2,
+        index_head_dim=2,
+        index_n_heads=1,
+        mlp_layer_types=["dense", "sparse", "dense"],
+        indexer_types=["full", "shared", "full"],
+    )
     c = from_hf_config(hf)
     c.validate()
     assert c.dense_layers == (0, 2) and c.dsa_shared_layers == (1,)

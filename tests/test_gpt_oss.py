@@ -11,13 +11,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from hf_quantized import write_mxfp4
+from hf_reference import build_hf_model, hf_greedy, hf_logits
+from layouts import placement_layouts
 
 from checkpoints import packing
 from checkpoints.manifest import read_manifest
 from checkpoints.orbax_io import restore_params
-from hf_quantized import write_mxfp4
-from hf_reference import build_hf_model, hf_greedy, hf_logits
-from layouts import placement_layouts
 from moejax.cli import main
 from moejax.config import Config, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import Engine
@@ -114,6 +114,7 @@ def test_every_placement_gives_the_single_device_tokens(gpt_oss, layout):
 
 # ----------------------------------------------------------------------------- MXFP4 as released
 
+
 def test_mxfp4_logits_match_transformers_on_the_dequantized_experts(released):
     model, directory = released
     config, _, _ = loaded(directory)
@@ -130,13 +131,18 @@ def test_mxfp4_experts_are_the_files_bits_under_every_placement(released, layout
     tensors = load_file(str(directory / "model.safetensors"))
     down_slices = placement.k_slices(moe_run_specs(placement.config.model)["experts"]["down"])
     for layer in range(placement.config.model.num_layers):
-        experts, pre = layer_params(params, layer, placement.config.model)["moe"]["experts"], f"model.layers.{layer}.mlp.experts."
+        experts, pre = (
+            layer_params(params, layer, placement.config.model)["moe"]["experts"],
+            f"model.layers.{layer}.mlp.experts.",
+        )
         for part, name, slices in (("gate_up", "gate_up_proj", 1), ("down", "down_proj", down_slices)):
             blocks, scales = tensors[pre + name + "_blocks"], tensors[pre + name + "_scales"]
             e, n = blocks.shape[:2]
             values = np.asarray(packing.to_disk(experts[part].values, slices))[:e]  # [E, K/2, N]
             np.testing.assert_array_equal(values, blocks.reshape(e, n, -1).transpose(0, 2, 1))
-            np.testing.assert_array_equal(np.asarray(experts[part].scales)[:e].view(np.uint8), scales.transpose(0, 2, 1))
+            np.testing.assert_array_equal(
+                np.asarray(experts[part].scales)[:e].view(np.uint8), scales.transpose(0, 2, 1)
+            )
 
 
 def test_mxfp4_greedy_tokens_under_a_k_sliced_placement_match_transformers(released):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-
 from hf_reference import FAMILIES
 from test_model import GOLDEN, assert_close_relative, make_engine
 

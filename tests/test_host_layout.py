@@ -31,11 +31,14 @@ def test_a_cpu_host_of_several_cores_runs_one_device_per_core_with_every_weight_
     assert (layout.placement, layout.devices, layout.attention, layout.head) == ("tensor_sliced", 4, "tp", "tp")
 
 
-@pytest.mark.parametrize("model, expert_format, cores, devices", [
-    ("tiny-qwen3-moe", "unquantized", 3, 2),  # 32 expert columns do not split 3 ways
-    ("tiny-qwen3-moe", "nvfp4", 2, 1),  # 16 columns a device would hold half an NVFP4 block pair
-    ("tiny", "unquantized", 1, 1),
-])
+@pytest.mark.parametrize(
+    "model, expert_format, cores, devices",
+    [
+        ("tiny-qwen3-moe", "unquantized", 3, 2),  # 32 expert columns do not split 3 ways
+        ("tiny-qwen3-moe", "nvfp4", 2, 1),  # 16 columns a device would hold half an NVFP4 block pair
+        ("tiny", "unquantized", 1, 1),
+    ],
+)
 def test_the_most_devices_that_slice_every_expert_evenly(monkeypatch, model, expert_format, cores, devices):
     on_cores(monkeypatch, cores)
     assert host_layout(auto(model, expert_format)).layout.devices == devices

@@ -11,18 +11,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compile_only import on, on_h100
 from jax import export
 
 import pallas_kernels as pk
 from moejax import targets
 from moejax.config import Config, EngineConfig, LayoutConfig, preset
+from moejax.model.layers import ClampedSwiGLU, silu_glu
 from moejax.plan import decode_program
 from pallas_kernels import epilogue, gmm_blackwell
 from pallas_kernels.gmm_pallas_gpu import gmm_pallas_gpu
 from pallas_kernels.gmm_pallas_tpu import gmm_pallas_tpu
 from pallas_kernels.layered import LayerOf, split
-from moejax.model.layers import ClampedSwiGLU, silu_glu
-from compile_only import on, on_h100
 
 
 def make_case(seed: int, scenario: str, dtype, m=45, k=128, n=256, groups=6, local=None):
@@ -48,7 +48,7 @@ def reference(lhs, rhs_f32, sizes, offset):
     ends = np.cumsum(sizes).astype(int)
     for j in range(rhs_f32.shape[0]):
         lo, hi = ends[offset + j] - sizes[offset + j], ends[offset + j]
-        out[int(lo):hi] = lhs[int(lo):hi] @ rhs_f32[j]
+        out[int(lo) : hi] = lhs[int(lo) : hi] @ rhs_f32[j]
     return out
 
 
@@ -73,24 +73,23 @@ ROWS = [70, 12]
 @pytest.mark.parametrize("scenario", ["ragged", "one_group", "offset"])
 @pytest.mark.parametrize("m", ROWS)
 def test_xla_matches_numpy(fmt, scenario, m):
-    lhs, rhs, sizes, offset = make_case(0, scenario, jnp.float32, m=m, n=48, groups=8,
-                                        local=3 if scenario == "offset" else None)
+    lhs, rhs, sizes, offset = make_case(
+        0, scenario, jnp.float32, m=m, n=48, groups=8, local=3 if scenario == "offset" else None
+    )
     w, w_f32 = weights(rhs, fmt, jnp.float32)
     out = pk.grouped_gemm(lhs, w, sizes, group_offset=offset, backend="xla")
     expected = reference(lhs, w_f32, sizes, offset)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(out)[int(sizes.sum()):], 0.0)  # rows past the sum
+    np.testing.assert_array_equal(np.asarray(out)[int(sizes.sum()) :], 0.0)  # rows past the sum
 
 
 def test_xla_bf16_traced_offset_and_out_dtype():
     lhs, rhs, sizes, _ = make_case(1, "ragged", jnp.bfloat16, m=33, n=32, groups=8)
     w = rhs[2:6].astype(jnp.bfloat16)
-    f = jax.jit(lambda l, w, s, o: pk.grouped_gemm(l, w, s, group_offset=o,
-                                                   preferred_element_type=jnp.float32))
+    f = jax.jit(lambda l, w, s, o: pk.grouped_gemm(l, w, s, group_offset=o, preferred_element_type=jnp.float32))
     out = f(lhs, w, sizes, jnp.int32(2))
     assert out.dtype == jnp.float32 and pk.grouped_gemm(lhs, w, sizes).dtype == jnp.bfloat16
-    np.testing.assert_allclose(out, reference(lhs, w.astype(jnp.float32), sizes, 2), rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(out, reference(lhs, w.astype(jnp.float32), sizes, 2), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("m", ROWS)
@@ -109,10 +108,13 @@ def test_xla_never_converts_all_groups(fmt):
     w = jax.ShapeDtypeStruct((6, 128, 80), jnp.bfloat16)  # [G, K, N], distinctive dims
     if fmt != "dense":
         w = jax.eval_shape(lambda a: pk.quantize(a, fmt), w)
-    hlo = jax.jit(lambda l, w, s: pk.grouped_gemm(l, w, s, backend="xla")).lower(
-        jax.ShapeDtypeStruct((16, 128), jnp.bfloat16), w,
-        jax.ShapeDtypeStruct((6,), jnp.int32)).compile().as_text()
-    entry = hlo[hlo.index("ENTRY"):]
+    hlo = (
+        jax.jit(lambda l, w, s: pk.grouped_gemm(l, w, s, backend="xla"))
+        .lower(jax.ShapeDtypeStruct((16, 128), jnp.bfloat16), w, jax.ShapeDtypeStruct((6,), jnp.int32))
+        .compile()
+        .as_text()
+    )
+    entry = hlo[hlo.index("ENTRY") :]
     assert not re.search(r"= \w+\[6,(128|64),80\]\S* (fusion|convert)", entry)
 
 
@@ -125,8 +127,7 @@ def test_xla_reads_groups_of_a_layer_stack(fmt, m):
     stack = jnp.stack([rhs * 2, rhs])  # [2, G, K, N]
     w, w_f32 = weights(stack, fmt, jnp.float32)
     f = jax.jit(lambda l, w, s, i: pk.grouped_gemm(l, LayerOf(w, i), s, backend="xla"))
-    np.testing.assert_allclose(f(lhs, w, sizes, jnp.int32(1)), reference(lhs, w_f32[1], sizes, 0),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(f(lhs, w, sizes, jnp.int32(1)), reference(lhs, w_f32[1], sizes, 0), rtol=1e-5, atol=1e-5)
     hlo = f.lower(lhs, w, sizes, jnp.int32(1)).compile().as_text()
     assert not re.search(r"= \w+\[6,(128|64),80\]", hlo)
 
@@ -140,26 +141,34 @@ def test_gpu_kernel_reads_a_layer_of_a_stack(fmt, act):
     stack = jnp.stack([rhs * 2, rhs, rhs * 3])  # [3, G, K, N]
     w = stack if fmt == "dense" else pk.quantize_experts(stack, fmt, gated=act is not None)
     bias = jnp.asarray(np.random.default_rng(3).standard_normal((3, 48)), jnp.float32)
-    run = jax.jit(lambda w: pk.grouped_gemm(lhs, w, sizes, group_offset=offset, bias=bias, act=GLU_ACTS.get(act),
-                                            backend="interpret_gpu"))
+    run = jax.jit(
+        lambda w: pk.grouped_gemm(
+            lhs, w, sizes, group_offset=offset, bias=bias, act=GLU_ACTS.get(act), backend="interpret_gpu"
+        )
+    )
     np.testing.assert_array_equal(run(LayerOf(w, jnp.int32(1))), run(jax.tree.map(lambda a: a[1], w)))
 
 
 def test_gpu_decode_step_copies_no_layer_of_experts():
-    """A scanned run's decode step on an H100 (engine.layer_loop scan) hands the Triton kernel each layer's experts where
-    they lie in the run's stack [L, E, K, N]: no instruction of the compiled step makes an array
+    """A scanned run's decode step on an H100 (engine.layer_loop scan) hands the Triton kernel each layer's experts
+    where they lie in the run's stack [L, E, K, N]: no instruction of the compiled step makes an array
     of one layer's [E, K, N] (a dynamic-slice fusion copied each layer out of the stack every step)."""
     model = dataclasses.replace(preset("tiny-qwen3-moe"), num_layers=4)  # a run of 2 identical MoE layers
-    config = Config(model=model, layout=LayoutConfig(devices=1), engine=EngineConfig(dtype="bfloat16", layer_loop="scan"))
+    config = Config(
+        model=model, layout=LayoutConfig(devices=1), engine=EngineConfig(dtype="bfloat16", layer_loop="scan")
+    )
     placement, step, args = decode_program(config.validate(), 8, 64, "cuda", devices=list(targets.devices("h100", 1)))
     stacks = [a.shape for run in args[0]["layers"] if "moe" in run for a in run["moe"]["experts"].values()]
     assert placement.kernel == "pallas_gpu" and max(shape[0] for shape in stacks) == 2
     hlo = jax.jit(step).lower(*args).compile().as_text()
     layer = "|".join(",".join(map(str, shape[1:])) for shape in stacks)
-    made = [line for line in hlo.splitlines()
-            if (m := re.search(r"= (\(.*?\)|\S+) ([\w-]+)\(", line))
-            and m.group(2) not in ("parameter", "get-tuple-element", "bitcast", "tuple")
-            and re.search(rf"bf16\[(1,)?({layer})\]", m.group(1))]
+    made = [
+        line
+        for line in hlo.splitlines()
+        if (m := re.search(r"= (\(.*?\)|\S+) ([\w-]+)\(", line))
+        and m.group(2) not in ("parameter", "get-tuple-element", "bitcast", "tuple")
+        and re.search(rf"bf16\[(1,)?({layer})\]", m.group(1))
+    ]
     assert not made, made[:3]
 
 
@@ -199,14 +208,16 @@ def test_xla_on_accelerators_matches_numpy(platform, fmt, m):
     """Layer 1 of a stack (`LayerOf`), local groups at an offset: the layer's product; rows of other
     groups and past the last zero (tests/test_target_structure.py: no loop whose trip count
     depends on the picks, compiled for an H100)."""
-    lhs, rhs, sizes, offset = make_case(zlib.crc32(f"{platform}/{fmt}/{m}".encode()), "offset", jnp.float32, m=m,
-                                        n=48, groups=8, local=3)
+    lhs, rhs, sizes, offset = make_case(
+        zlib.crc32(f"{platform}/{fmt}/{m}".encode()), "offset", jnp.float32, m=m, n=48, groups=8, local=3
+    )
     w, w_f32 = weights(jnp.stack([rhs * 2, rhs]), fmt, jnp.float32)
-    f = jax.jit(lambda l, w, s, i: pk.grouped_gemm(l, LayerOf(w, i), s, group_offset=offset, backend="xla",
-                                                   platform=platform))
+    f = jax.jit(
+        lambda l, w, s, i: pk.grouped_gemm(l, LayerOf(w, i), s, group_offset=offset, backend="xla", platform=platform)
+    )
     out = f(lhs, w, sizes, jnp.int32(1))
     np.testing.assert_allclose(out, reference(lhs, w_f32[1], sizes, offset), rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(out)[int(sizes.sum()):], 0.0)
+    np.testing.assert_array_equal(np.asarray(out)[int(sizes.sum()) :], 0.0)
 
 
 @pytest.mark.parametrize("platform", ACCELERATORS)
@@ -220,8 +231,17 @@ def test_xla_on_accelerators_finishes_products_as_the_loop(platform, tokens):
     up, w_up, up_sizes, up_offset, up_bias = glu_case("nvfp4", jnp.float32, n=96)
     rows = jnp.asarray(np.random.default_rng(tokens).integers(0, up.shape[0], 4 * tokens), jnp.int32)
     up_sizes = jnp.asarray(np.random.default_rng(1).multinomial(4 * tokens, np.ones(6) / 6), jnp.int32)
-    glu = functools.partial(pk.grouped_gemm, up, w_up, up_sizes, group_offset=up_offset, bias=up_bias, act=silu_glu,
-                            lhs_rows=rows, backend="xla")
+    glu = functools.partial(
+        pk.grouped_gemm,
+        up,
+        w_up,
+        up_sizes,
+        group_offset=up_offset,
+        bias=up_bias,
+        act=silu_glu,
+        lhs_rows=rows,
+        backend="xla",
+    )
     np.testing.assert_allclose(glu(platform=platform), glu(), rtol=1e-5, atol=1e-5)
 
 
@@ -234,23 +254,23 @@ KERNEL_CASES = [
     ("mxfp4", jnp.bfloat16, "one_group"),
     ("mxfp4", jnp.float32, "ragged"),
 ]
-KERNELS = {"interpret": functools.partial(gmm_pallas_tpu, interpret=True),
-           "interpret_gpu": functools.partial(gmm_pallas_gpu, interpret=True)}
+KERNELS = {
+    "interpret": functools.partial(gmm_pallas_tpu, interpret=True),
+    "interpret_gpu": functools.partial(gmm_pallas_gpu, interpret=True),
+}
 
 
 @pytest.mark.parametrize("backend", list(KERNELS))
 @pytest.mark.parametrize("fmt,dtype,scenario", KERNEL_CASES)
 def test_pallas_kernel_matches_xla(backend, fmt, dtype, scenario):
     seed = zlib.crc32(f"{backend}/{fmt}/{scenario}".encode())  # fresh inputs per case
-    lhs, rhs, sizes, offset = make_case(seed, scenario, dtype, local=3 if scenario == "offset"
-                                        else None)
+    lhs, rhs, sizes, offset = make_case(seed, scenario, dtype, local=3 if scenario == "offset" else None)
     w, _ = weights(rhs, fmt, dtype)
     out = pk.grouped_gemm(lhs, w, sizes, group_offset=offset, backend=backend)
     expected = pk.grouped_gemm(lhs, w, sizes, group_offset=offset, backend="xla")
     assert out.shape == expected.shape and out.dtype == expected.dtype
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32),
-                               **tolerance(dtype))
-    np.testing.assert_array_equal(np.asarray(out, np.float32)[int(sizes.sum()):], 0.0)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32), **tolerance(dtype))
+    np.testing.assert_array_equal(np.asarray(out, np.float32)[int(sizes.sum()) :], 0.0)
 
 
 @pytest.mark.parametrize("backend", ["xla", *KERNELS])
@@ -275,8 +295,11 @@ def test_pallas_kernel_accumulates_over_k_tiles(backend, fmt):
 
 GLU_ACTS = {"swiglu": silu_glu, "clamped_swiglu": ClampedSwiGLU(alpha=1.702, limit=7.0)}
 # Each backend runs both activations, every format and both dtypes over these three cases.
-GLU_CASES = [("dense", jnp.float32, "swiglu"), ("nvfp4", jnp.bfloat16, "clamped_swiglu"),
-             ("mxfp4", jnp.float32, "clamped_swiglu")]
+GLU_CASES = [
+    ("dense", jnp.float32, "swiglu"),
+    ("nvfp4", jnp.bfloat16, "clamped_swiglu"),
+    ("mxfp4", jnp.float32, "clamped_swiglu"),
+]
 
 
 def glu_case(fmt, dtype, n=512):
@@ -305,8 +328,9 @@ def test_glu_epilogue_matches_xla(backend, fmt, dtype, act):
 def test_glu_epilogue_writes_half_the_columns(backend):
     """The kernel itself writes [rows, N/2]: the activation is not applied after it."""
     lhs, w, sizes, offset, bias = glu_case("nvfp4", jnp.float32)
-    jaxpr = jax.make_jaxpr(lambda: pk.grouped_gemm(lhs, w, sizes, group_offset=offset, bias=bias,
-                                                   act=silu_glu, backend=backend))()
+    jaxpr = jax.make_jaxpr(
+        lambda: pk.grouped_gemm(lhs, w, sizes, group_offset=offset, bias=bias, act=silu_glu, backend=backend)
+    )()
     calls = [e for e in jaxpr.eqns[0].params["jaxpr"].eqns if e.primitive.name == "pallas_call"]
     assert [c.outvars[0].aval.shape[1] for c in calls] == [w.shape[2] // 2]
 
@@ -315,9 +339,14 @@ def test_glu_epilogue_writes_half_the_columns(backend):
 # kernel masks its edge tiles: K 40 in one masked tile of 64, N 24 in one of 32, gate|up N 48 as
 # 24 pairs in one tile of 32; NVFP4 K 96 as two K-halves of 48 in one masked tile of 64 (its
 # scale blocks masked with them); MXFP4 K 64 (a whole tile) and N 40.
-ODD_WIDTHS = [(40, 24, "dense", jnp.bfloat16, None), (40, 24, "dense", jnp.float32, None),
-              (40, 24, "dense", jnp.bfloat16, "swiglu"), (40, 48, "dense", jnp.float32, "swiglu"),
-              (96, 40, "nvfp4", jnp.bfloat16, "swiglu"), (64, 40, "mxfp4", jnp.float32, None)]
+ODD_WIDTHS = [
+    (40, 24, "dense", jnp.bfloat16, None),
+    (40, 24, "dense", jnp.float32, None),
+    (40, 24, "dense", jnp.bfloat16, "swiglu"),
+    (40, 48, "dense", jnp.float32, "swiglu"),
+    (96, 40, "nvfp4", jnp.bfloat16, "swiglu"),
+    (64, 40, "mxfp4", jnp.float32, None),
+]
 
 
 @pytest.mark.parametrize("k,n,fmt,dtype,act", ODD_WIDTHS)
@@ -325,34 +354,52 @@ def test_gpu_kernel_takes_any_width(k, n, fmt, dtype, act):
     """The Triton kernel (interpreted) at widths its blocks do not divide equals the XLA path:
     rows over two row tiles, local groups at an offset, a bias and column scales (NVFP4 gate|up:
     a tensor scale per half) in the epilogue; rows of no local group stay zero."""
-    lhs, rhs, sizes, offset = make_case(zlib.crc32(f"odd/{k}/{n}/{fmt}".encode()), "offset", dtype, m=70, k=k,
-                                        n=n, local=3)
+    lhs, rhs, sizes, offset = make_case(
+        zlib.crc32(f"odd/{k}/{n}/{fmt}".encode()), "offset", dtype, m=70, k=k, n=n, local=3
+    )
     w = rhs.astype(dtype) if fmt == "dense" else pk.quantize_experts(rhs, fmt, gated=act is not None)
     bias = jnp.asarray(np.random.default_rng(2).standard_normal((3, n)), dtype) if act else None
     run = functools.partial(pk.grouped_gemm, lhs, w, sizes, group_offset=offset, bias=bias, act=GLU_ACTS.get(act))
     out, expected = run(backend="interpret_gpu"), run(backend="xla")
     assert out.shape == expected.shape == (70, n // 2 if act else n) and out.dtype == expected.dtype
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32), **tolerance(dtype))
-    np.testing.assert_array_equal(np.asarray(out, np.float32)[int(sizes.sum()):], 0.0)
+    np.testing.assert_array_equal(np.asarray(out, np.float32)[int(sizes.sum()) :], 0.0)
 
 
-@pytest.mark.parametrize("k,n,fmt,act", [(40, 24, "dense", None), (40, 48, "dense", "swiglu"), (96, 40, "nvfp4", "swiglu")])
+@pytest.mark.parametrize(
+    "k,n,fmt,act", [(40, 24, "dense", None), (40, 48, "dense", "swiglu"), (96, 40, "nvfp4", "swiglu")]
+)
 def test_gpu_kernel_compiles_for_h100_at_any_width(k, n, fmt, act):
     """Triton takes only power-of-two blocks: the kernel compiles for an H100 at widths none
     divides (whole-width tiles were refused: "Encountered an array of shape (32, 40)")."""
     w = on_h100((8, k, n), jnp.bfloat16)
     if fmt != "dense":
-        w = jax.tree.map(lambda a: on_h100(a.shape, a.dtype),
-                         jax.eval_shape(lambda a: pk.quantize_experts(a, fmt, gated=act is not None), w))
-    f = jax.jit(lambda l, w, s, o, b: pk.grouped_gemm(l, w, s, group_offset=o, bias=b, act=GLU_ACTS.get(act),
-                                                      backend="pallas_gpu"))
-    hlo = f.lower(on_h100((12, k), jnp.bfloat16), w, on_h100((8,), jnp.int32), on_h100((), jnp.int32),
-                  on_h100((8, n), jnp.bfloat16) if act else None).compile().as_text()
+        w = jax.tree.map(
+            lambda a: on_h100(a.shape, a.dtype),
+            jax.eval_shape(lambda a: pk.quantize_experts(a, fmt, gated=act is not None), w),
+        )
+    f = jax.jit(
+        lambda l, w, s, o, b: pk.grouped_gemm(
+            l, w, s, group_offset=o, bias=b, act=GLU_ACTS.get(act), backend="pallas_gpu"
+        )
+    )
+    hlo = (
+        f.lower(
+            on_h100((12, k), jnp.bfloat16),
+            w,
+            on_h100((8,), jnp.int32),
+            on_h100((), jnp.int32),
+            on_h100((8, n), jnp.bfloat16) if act else None,
+        )
+        .compile()
+        .as_text()
+    )
     assert "__gpu$xla.gpu.triton" in hlo and f"bf16[12,{n // 2 if act else n}]" in hlo
 
 
-@pytest.mark.parametrize("fmt,dtype,act", [("dense", jnp.bfloat16, None), ("nvfp4", jnp.float32, "swiglu"),
-                                           ("mxfp4", jnp.bfloat16, None)])
+@pytest.mark.parametrize(
+    "fmt,dtype,act", [("dense", jnp.bfloat16, None), ("nvfp4", jnp.float32, "swiglu"), ("mxfp4", jnp.bfloat16, None)]
+)
 def test_tpu_kernel_reads_a_layer_of_a_stack(fmt, dtype, act):
     """The TPU kernel (interpreted) on layer i of a stack [L, G, K, N] (a `LayerOf`, read where it
     lies) equals the XLA path on that layer at each i: groups at an offset, 4-bit tensor scales
@@ -361,9 +408,12 @@ def test_tpu_kernel_reads_a_layer_of_a_stack(fmt, dtype, act):
     stack = jnp.stack([rhs * (1 + i) for i in range(3)])  # [3, 3, K, N]
     w = stack.astype(dtype) if fmt == "dense" else pk.quantize_experts(stack, fmt, gated=act is not None)
     bias = jnp.asarray(np.random.default_rng(3).standard_normal((3, rhs.shape[2])), dtype) if act else None
-    run = jax.jit(lambda l, w, s, i, backend: pk.grouped_gemm(l, LayerOf(w, i), s, group_offset=offset, bias=bias,
-                                                              act=GLU_ACTS.get(act), backend=backend),
-                  static_argnames="backend")
+    run = jax.jit(
+        lambda l, w, s, i, backend: pk.grouped_gemm(
+            l, LayerOf(w, i), s, group_offset=offset, bias=bias, act=GLU_ACTS.get(act), backend=backend
+        ),
+        static_argnames="backend",
+    )
     for i in (0, 2):
         out, expected = (run(lhs, w, sizes, jnp.int32(i), backend=b) for b in ("interpret", "xla"))
         assert out.shape == expected.shape and out.dtype == expected.dtype
@@ -376,14 +426,20 @@ def test_xla_loop_activates_each_chunk_without_writing_the_product(fmt, dtype, a
     goes: the [M, N/2] of the product with bias and activation applied after it, and no [M, N]."""
     lhs, w, sizes, offset, bias = glu_case(fmt, dtype)
     m, n = lhs.shape[0], w.shape[2]
-    run = jax.jit(lambda: pk.grouped_gemm(lhs, w, sizes, group_offset=offset, bias=bias, act=GLU_ACTS[act],
-                                          backend="xla"))
+    run = jax.jit(
+        lambda: pk.grouped_gemm(lhs, w, sizes, group_offset=offset, bias=bias, act=GLU_ACTS[act], backend="xla")
+    )
     product = pk.grouped_gemm(lhs, w, sizes, group_offset=offset, backend="xla")
-    expected = epilogue.glu(*epilogue.gate_up_columns(
-        epilogue.finish(product, dtype, None, epilogue.group_rows(bias, sizes, offset, m))), GLU_ACTS[act])
+    expected = epilogue.glu(
+        *epilogue.gate_up_columns(epilogue.finish(product, dtype, None, epilogue.group_rows(bias, sizes, offset, m))),
+        GLU_ACTS[act],
+    )
     assert run().dtype == dtype
-    np.testing.assert_allclose(np.asarray(run(), np.float32), np.asarray(expected, np.float32),
-                               **(tolerance(dtype) if dtype == jnp.bfloat16 else dict(rtol=1e-6, atol=1e-6)))
+    np.testing.assert_allclose(
+        np.asarray(run(), np.float32),
+        np.asarray(expected, np.float32),
+        **(tolerance(dtype) if dtype == jnp.bfloat16 else dict(rtol=1e-6, atol=1e-6)),
+    )
     assert not re.search(rf"\[{m},{n}\]", run.lower().compile().as_text())
 
 
@@ -396,10 +452,14 @@ def test_lhs_rows_reads_each_rows_token(backend, m):
     tokens = lhs[:9]  # [T, K]: rows repeat, as a token's k picks do
     lhs_rows = jnp.asarray(np.random.default_rng(m).integers(0, 9, m), jnp.int32)
     sizes = jnp.asarray(np.random.default_rng(0).multinomial(m, np.ones(sizes.shape[0]) / sizes.shape[0]), jnp.int32)
-    run = jax.jit(lambda x, r: pk.grouped_gemm(x, w, sizes, group_offset=offset, bias=bias, act=silu_glu,
-                                               lhs_rows=r, backend=backend))
-    expected = pk.grouped_gemm(tokens[lhs_rows], w, sizes, group_offset=offset, bias=bias, act=silu_glu,
-                               backend=backend)
+    run = jax.jit(
+        lambda x, r: pk.grouped_gemm(
+            x, w, sizes, group_offset=offset, bias=bias, act=silu_glu, lhs_rows=r, backend=backend
+        )
+    )
+    expected = pk.grouped_gemm(
+        tokens[lhs_rows], w, sizes, group_offset=offset, bias=bias, act=silu_glu, backend=backend
+    )
     np.testing.assert_allclose(run(tokens, lhs_rows), expected, rtol=1e-6, atol=1e-6)
     if backend == "xla" and m > 16:  # the group loop (few rows take one batched product)
         assert f"f32[{m},{lhs.shape[1]}]" not in run.lower(tokens, lhs_rows).compile().as_text()
@@ -429,12 +489,15 @@ def picks_case(seed: int, tokens: int, fmt: str, k=4, groups=8, local=3, d=64, n
 
 @pytest.mark.parametrize("backend", ["xla", *KERNELS])
 @pytest.mark.parametrize("fmt", ["dense", "nvfp4"])
-@pytest.mark.parametrize("tokens", [3, 40])  # a decode step's few picks, a prefill's many (the XLA loop sums them itself)
+@pytest.mark.parametrize(
+    "tokens", [3, 40]
+)  # a decode step's few picks, a prefill's many (the XLA loop sums them itself)
 def test_combine_sums_each_tokens_weighted_picks(backend, fmt, tokens):
     """A down product with combine: each token's picks of local experts, plus their bias,
     weighted and summed into the token's row; picks of other experts add nothing."""
-    lhs, w, sizes, offset, combine, bias, expected = picks_case(zlib.crc32(f"{backend}/{fmt}/{tokens}".encode()),
-                                                                tokens, fmt)
+    lhs, w, sizes, offset, combine, bias, expected = picks_case(
+        zlib.crc32(f"{backend}/{fmt}/{tokens}".encode()), tokens, fmt
+    )
     out = pk.grouped_gemm(lhs, w, sizes, group_offset=offset, bias=bias, combine=combine, backend=backend)
     assert out.shape == expected.shape and out.dtype == jnp.float32
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
@@ -450,8 +513,9 @@ def test_xla_loop_sums_picks_without_writing_the_product(as_groups):
     hlo = run.lower(lhs, rhs, sizes, combine, bias).compile().as_text()
     assert f"f32[{lhs.shape[0]},{w.shape[2]}]" not in hlo and f"f32[40,{w.shape[2]}]" in hlo
     unfused = pk.grouped_gemm(lhs, w, sizes, group_offset=offset, bias=bias, backend="xla")
-    np.testing.assert_allclose(run(lhs, rhs, sizes, combine, bias), epilogue.combine(unfused, *combine),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        run(lhs, rhs, sizes, combine, bias), epilogue.combine(unfused, *combine), rtol=1e-5, atol=1e-5
+    )
 
 
 # Each target's grouped-GEMM kernel and the custom call it compiles to.
@@ -499,8 +563,12 @@ def test_tpu_kernel_takes_k_whose_scale_rows_fill_no_tile(fmt, k):
     lhs = jax.random.normal(jax.random.key(0), (40, k), jnp.float32)
     rhs = pk.quantize_experts(jax.random.normal(jax.random.key(1), (4, k, 256), jnp.float32), fmt)
     sizes = jnp.array([10, 0, 20, 10], jnp.int32)
-    np.testing.assert_allclose(pk.grouped_gemm(lhs, rhs, sizes, backend="interpret"),
-                               pk.grouped_gemm(lhs, rhs, sizes, backend="xla"), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(
+        pk.grouped_gemm(lhs, rhs, sizes, backend="interpret"),
+        pk.grouped_gemm(lhs, rhs, sizes, backend="xla"),
+        rtol=1e-5,
+        atol=1e-4,
+    )
 
 
 def test_tpu_kernel_tells_xla_its_cost():
@@ -512,8 +580,7 @@ def test_tpu_kernel_tells_xla_its_cost():
 def test_auto_backend_and_bad_names():
     lhs, rhs, sizes, _ = make_case(5, "ragged", jnp.float32, m=16, n=64, k=64)
     assert jax.default_backend() == "cpu"
-    np.testing.assert_array_equal(pk.grouped_gemm(lhs, rhs, sizes),
-                                  pk.grouped_gemm(lhs, rhs, sizes, backend="xla"))
+    np.testing.assert_array_equal(pk.grouped_gemm(lhs, rhs, sizes), pk.grouped_gemm(lhs, rhs, sizes, backend="xla"))
     with pytest.raises(ValueError, match="unknown grouped_gemm backend"):
         pk.grouped_gemm(lhs, rhs, sizes, backend="cuda")
     with pytest.raises(ValueError, match="axis=-2"):
@@ -529,20 +596,28 @@ def test_blackwell_operands_and_export(fmt):
     q = pk.quantize(jax.random.normal(jax.random.key(6), (2, 256, 128)), fmt)
     prepared = gmm_blackwell.prepare_weights(q)
     codes = jax.lax.bitcast_convert_type(
-        pk.formats.unpack_codes(q.values, -2).astype(jnp.uint4), jnp.float4_e2m1fn)  # [G, K, N]
+        pk.formats.unpack_codes(q.values, -2).astype(jnp.uint4), jnp.float4_e2m1fn
+    )  # [G, K, N]
     np.testing.assert_array_equal(  # K-major float4 values, the same codes
-        prepared.values.astype(jnp.float32), jnp.swapaxes(codes.astype(jnp.float32), 1, 2))
+        prepared.values.astype(jnp.float32), jnp.swapaxes(codes.astype(jnp.float32), 1, 2)
+    )
     scales = np.arange(256 * 16).reshape(256, 16)  # PTX `.scale_vec::1X` tiling of [MN, K/B]
     np.testing.assert_array_equal(
         gmm_blackwell._mma_scale_tiling(jnp.asarray(scales)),
-        scales.reshape(2, 4, 32, 4, 4).transpose(0, 3, 2, 1, 4).reshape(2, 4, 32, 16))
+        scales.reshape(2, 4, 32, 4, 4).transpose(0, 3, 2, 1, 4).reshape(2, 4, 32, 16),
+    )
     for gated in (False, True):  # gate_up: NVFP4 tensor scales per half, applied after the kernel
-        w = jax.eval_shape(lambda a, gated=gated: gmm_blackwell.prepare_weights(pk.quantize_experts(a, fmt, gated=gated)),
-                           jax.ShapeDtypeStruct((8, 1024, 512), jnp.bfloat16))
+        w = jax.eval_shape(
+            lambda a, gated=gated: gmm_blackwell.prepare_weights(pk.quantize_experts(a, fmt, gated=gated)),
+            jax.ShapeDtypeStruct((8, 1024, 512), jnp.bfloat16),
+        )
         f = jax.jit(lambda l, w, s, o: pk.grouped_gemm(l, w, s, group_offset=o, backend="blackwell"))
         exported = export.export(
-            f, platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call(
-                "mosaic_gpu_v2")])(
-            jax.ShapeDtypeStruct((200, 1024), jnp.bfloat16), w, jax.ShapeDtypeStruct((16,), jnp.int32),
-            jax.ShapeDtypeStruct((), jnp.int32))
+            f, platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")]
+        )(
+            jax.ShapeDtypeStruct((200, 1024), jnp.bfloat16),
+            w,
+            jax.ShapeDtypeStruct((16,), jnp.int32),
+            jax.ShapeDtypeStruct((), jnp.int32),
+        )
         assert "mosaic_gpu_v2" in exported.mlir_module()

@@ -23,8 +23,12 @@ MODEL = dataclasses.replace(preset("tiny"), num_experts=32, moe_intermediate_siz
 
 
 def config(placement: str, fmt: str) -> Config:
-    return Config(model=MODEL, layout=LayoutConfig(devices=8, placement=placement), weights=WeightsConfig(fmt),
-                  engine=EngineConfig(dtype="bfloat16")).validate()
+    return Config(
+        model=MODEL,
+        layout=LayoutConfig(devices=8, placement=placement),
+        weights=WeightsConfig(fmt),
+        engine=EngineConfig(dtype="bfloat16"),
+    ).validate()
 
 
 def shard_bytes(arrays) -> list[int]:
@@ -86,8 +90,11 @@ def test_an_unrolled_run_loads_straight_into_its_layers_and_expert_groups(fmt, m
     stack holds (each layer's own arrays, each expert group its own buffer: same values, same
     shardings), and no stack is made on the way: at every put, no device buffer loading made is
     larger than the largest the engine keeps."""
-    cfg = dataclasses.replace(config(TensorSliced.name, fmt), layout=LayoutConfig(devices=2, placement=TensorSliced.name),
-                              engine=EngineConfig(dtype="bfloat16", layer_loop="unroll")).validate()
+    cfg = dataclasses.replace(
+        config(TensorSliced.name, fmt),
+        layout=LayoutConfig(devices=2, placement=TensorSliced.name),
+        engine=EngineConfig(dtype="bfloat16", layer_loop="unroll"),
+    ).validate()
     placement = make_placement(cfg)
     assert all(loop.groups for loop in placement.loops)
     want = arrange(load_params(cfg, placement, seed=3), placement.loops)

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from hf_reference import FAMILIES, build_hf_model, hf_greedy, hf_logits
+
 from moejax.config import Config, EngineConfig
 from moejax.engine.engine import Engine, decode_steps, decode_visible
 from moejax.engine.sampling import Sampling
@@ -108,6 +108,7 @@ def test_stored_goldens_without_torch(family):
 
 # ----------------------------------------------------------------------------- engine behaviour
 
+
 @pytest.fixture(scope="module")
 def tiny_engine():
     return make_engine(GOLDEN / "deepseek_v3", prefill_chunk=4)
@@ -148,8 +149,10 @@ def test_decode_compiles_with_its_platforms_options(tiny_engine):
     block holds no YNN fusion, where the same function under XLA's defaults holds several."""
     state = tiny_engine.start([PROMPT], 9)
     args = (tiny_engine.params, state.cache, state.tok, jnp.asarray(state.lens), state.seeds, 1, 8, state.pages)
-    defaults = jax.jit(functools.partial(decode_steps, c=tiny_engine.c, placement=tiny_engine.placement),
-                       static_argnames=("block", "sampling"))
+    defaults = jax.jit(
+        functools.partial(decode_steps, c=tiny_engine.c, placement=tiny_engine.placement),
+        static_argnames=("block", "sampling"),
+    )
 
     def ynn_fusions(f) -> int:
         return f.lower(*args, block=8, sampling=Sampling()).compile().as_text().count("__ynn_fusion")

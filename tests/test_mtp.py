@@ -22,8 +22,8 @@ from moejax.engine.kv_cache import init_cache
 from moejax.engine.sampling import Sampling, sampling_logits
 from moejax.engine.speculative import SpeculativeEngine, verify
 from moejax.loading import load_mtp, load_params
-from moejax.model.transformer import layer_params
 from moejax.model.mtp import init_mtp_cache, mirrored_draft
+from moejax.model.transformer import layer_params
 from sharding import make_placement
 
 RNG = np.random.RandomState(0)
@@ -37,7 +37,9 @@ def _mirror(layout: LayoutConfig, first: int = 0) -> SpeculativeEngine:
     """One-layer GLM-5 target with a draft that mirrors its layer: most drafts are accepted.
     On devices first .. first + layout.devices - 1."""
     config = Config(model=ONE_LAYER, layout=layout).validate()
-    placement = make_placement(config, devices=jax.devices()[first:first + layout.devices] if layout.devices > 1 else None)
+    placement = make_placement(
+        config, devices=jax.devices()[first : first + layout.devices] if layout.devices > 1 else None
+    )
     params, mtp = mirrored_draft(load_params(config, placement), config.model)
     return SpeculativeEngine(Engine(config, params, placement), mtp)
 
@@ -60,13 +62,17 @@ def test_greedy_equals_plain_greedy(draft):
     assert gen.steps < 24 if draft == "mirror" else gen.steps == 23
 
 
-@pytest.mark.parametrize("layout", [
-    LayoutConfig(placement="ragged_a2a", devices=8, attention="dp"),
-    LayoutConfig(placement="weight_prefetch", devices=8, attention="tp"),
-    LayoutConfig(placement="hybrid", devices=8, ep=4, tp=2, attention="dp"),
-    LayoutConfig(placement="tensor_sliced", devices=8, attention="dp"),
-    LayoutConfig(placement="expert_sharded", devices=8, attention="tp"),
-], ids=lambda l: l.placement)
+@pytest.mark.parametrize(
+    "layout",
+    [
+        LayoutConfig(placement="ragged_a2a", devices=8, attention="dp"),
+        LayoutConfig(placement="weight_prefetch", devices=8, attention="tp"),
+        LayoutConfig(placement="hybrid", devices=8, ep=4, tp=2, attention="dp"),
+        LayoutConfig(placement="tensor_sliced", devices=8, attention="dp"),
+        LayoutConfig(placement="expert_sharded", devices=8, attention="tp"),
+    ],
+    ids=lambda l: l.placement,
+)
 def test_greedy_equals_plain_greedy_under_placements(layout):
     spec = _mirror(layout)
     gen = spec.generate(PROMPTS, 16)
@@ -91,9 +97,13 @@ def test_sampled_request_amid_seven_others_equals_it_alone():
 RAGGED_DP = LayoutConfig(placement="ragged_a2a", devices=8, attention="dp")
 # Prefill and decode apart: (layout, first device) of each side; the shared pair's two layouts
 # of 8 devices are those of the placements test above (their programs compile once).
-PD = {"split": ((dataclasses.replace(RAGGED_DP, devices=4), 0),
-                (LayoutConfig(placement="weight_prefetch", devices=4, attention="dp"), 4)),
-      "shared": ((RAGGED_DP, 0), (LayoutConfig(placement="weight_prefetch", devices=8, attention="tp"), 0))}
+PD = {
+    "split": (
+        (dataclasses.replace(RAGGED_DP, devices=4), 0),
+        (LayoutConfig(placement="weight_prefetch", devices=4, attention="dp"), 4),
+    ),
+    "shared": ((RAGGED_DP, 0), (LayoutConfig(placement="weight_prefetch", devices=8, attention="tp"), 0)),
+}
 
 
 @functools.cache
@@ -156,14 +166,28 @@ def test_sampled_generation_follows_the_target_distribution():
     assert stats.chisquare(observed.ravel(), expected.ravel() * n).pvalue > 1e-3
 
 
-@pytest.mark.parametrize("where,sampling", [("single", Sampling(temperature=1.0, top_p=0.9)), ("ragged_a2a", Sampling())])
+@pytest.mark.parametrize(
+    "where,sampling", [("single", Sampling(temperature=1.0, top_p=0.9)), ("ragged_a2a", Sampling())]
+)
 def test_jitted_step_has_no_host_transfer(where, sampling):
-    spec = _random_draft("tiny-glm5") if where == "single" else _mirror(LayoutConfig(placement="ragged_a2a", devices=8, attention="dp"))
+    spec = (
+        _random_draft("tiny-glm5")
+        if where == "single"
+        else _mirror(LayoutConfig(placement="ragged_a2a", devices=8, attention="dp"))
+    )
     e = spec.engine
     cache = e.new_cache(8, 64)
     mtp_cache = e.placement.zeros_cache(lambda: [init_mtp_cache(e.c, 8, 64, e.dtype)])[0]
-    state, cache, mtp_cache = spec._prefill(e.params, spec.mtp, cache, mtp_cache, jax.numpy.ones((8, 16), jax.numpy.int32),
-                                            jax.numpy.full((8,), 3), jax.numpy.arange(8), sampling=sampling)
+    state, cache, mtp_cache = spec._prefill(
+        e.params,
+        spec.mtp,
+        cache,
+        mtp_cache,
+        jax.numpy.ones((8, 16), jax.numpy.int32),
+        jax.numpy.full((8,), 3),
+        jax.numpy.arange(8),
+        sampling=sampling,
+    )
     hlo = spec._step.lower(e.params, spec.mtp, cache, mtp_cache, state, sampling=sampling).compile().as_text()
     assert not HOST_TRANSFER.findall(hlo)
 
@@ -175,14 +199,14 @@ def test_host_transfer_pattern_catches_a_callback():
 
 # ----------------------------------------------------------------------------- loading and CLI
 
+
 @pytest.fixture(scope="module")
 def glm5_dirs(tmp_path_factory):
     """A transformers GLM-5 directory as saved (no MTP), and a copy carrying an MTP layer
     (layer 1's tensors renamed to layer num_layers, plus enorm/hnorm/eh_proj/shared_head)."""
     pytest.importorskip("torch")
-    from safetensors.numpy import load_file, save_file
-
     from hf_reference import GLM5, build_hf_model
+    from safetensors.numpy import load_file, save_file
 
     plain = tmp_path_factory.mktemp("glm5_plain")
     build_hf_model(GLM5, plain)
@@ -192,15 +216,21 @@ def glm5_dirs(tmp_path_factory):
         tensors.update(load_file(f))
     (with_mtp / "config.json").write_text((plain / "config.json").read_text())
     n, d = json.loads((plain / "config.json").read_text())["num_hidden_layers"], 32
-    extra = {k.replace("model.layers.1.", f"model.layers.{n}."): v for k, v in tensors.items() if k.startswith("model.layers.1.")}
+    extra = {
+        k.replace("model.layers.1.", f"model.layers.{n}."): v
+        for k, v in tensors.items()
+        if k.startswith("model.layers.1.")
+    }
     rng = np.random.RandomState(1)
-    extra.update({
-        f"model.layers.{n}.enorm.weight": rng.normal(1, 0.1, d).astype(np.float32),
-        f"model.layers.{n}.hnorm.weight": rng.normal(1, 0.1, d).astype(np.float32),
-        f"model.layers.{n}.eh_proj.weight": rng.normal(0, 0.2, (d, 2 * d)).astype(np.float32),
-        f"model.layers.{n}.shared_head.norm.weight": rng.normal(1, 0.1, d).astype(np.float32),
-        f"model.layers.{n}.shared_head.head.weight": tensors["lm_head.weight"],
-    })
+    extra.update(
+        {
+            f"model.layers.{n}.enorm.weight": rng.normal(1, 0.1, d).astype(np.float32),
+            f"model.layers.{n}.hnorm.weight": rng.normal(1, 0.1, d).astype(np.float32),
+            f"model.layers.{n}.eh_proj.weight": rng.normal(0, 0.2, (d, 2 * d)).astype(np.float32),
+            f"model.layers.{n}.shared_head.norm.weight": rng.normal(1, 0.1, d).astype(np.float32),
+            f"model.layers.{n}.shared_head.head.weight": tensors["lm_head.weight"],
+        }
+    )
     save_file(tensors, with_mtp / "model.safetensors")
     save_file(extra, with_mtp / "mtp.safetensors")
     return plain, with_mtp, extra, n
@@ -234,6 +264,21 @@ def test_checkpoint_without_mtp_is_a_clear_error_unless_random_init(glm5_dirs, c
 @pytest.mark.slow
 def test_cli_reads_mtp_from_the_checkpoint(glm5_dirs, capsys):
     _, with_mtp, _, _ = glm5_dirs
-    assert main(["generate", "--hf", str(with_mtp), "--speculative", "mtp", "--max-new-tokens", "6", "--json",
-                 "--prompt-ids", "3,17,45,2"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--hf",
+                str(with_mtp),
+                "--speculative",
+                "mtp",
+                "--max-new-tokens",
+                "6",
+                "--json",
+                "--prompt-ids",
+                "3,17,45,2",
+            ]
+        )
+        == 0
+    )
     assert set(json.loads(capsys.readouterr().out)) == {"tokens", "finish_reasons", "acceptance_rate", "timing"}

@@ -19,8 +19,20 @@ pytestmark = pytest.mark.slow  # starts moejax processes
 
 RUNNER = Path(__file__).parent / "multihost_runs.py"
 MARK = "moejax run: "  # the runner's line before each run's output
-ARGS = ["generate", "--preset", "tiny", "--devices", "8", "--prompt-ids", "1,2,3", "--prompt-ids", "4,5",
-        "--max-new-tokens", "4", "--json"]
+ARGS = [
+    "generate",
+    "--preset",
+    "tiny",
+    "--devices",
+    "8",
+    "--prompt-ids",
+    "1,2,3",
+    "--prompt-ids",
+    "4,5",
+    "--max-new-tokens",
+    "4",
+    "--json",
+]
 
 
 def free_port() -> int:
@@ -36,8 +48,16 @@ RUNS = {
     "ragged_a2a_two_batch_overlap": ["--placement", "ragged_a2a", "--two-batch-overlap"],
     # Prefill and decode apart: each mesh takes 2 devices of each process; the hand-over is one
     # program over both meshes (jax's device_put refuses a reshard between them).
-    "prefill_apart_from_decode": ["--prefill-placement", "ragged_a2a", "--decode-placement", "weight_prefetch",
-                                  "--prefill-devices", "4", "--decode-devices", "4"],
+    "prefill_apart_from_decode": [
+        "--prefill-placement",
+        "ragged_a2a",
+        "--decode-placement",
+        "weight_prefetch",
+        "--prefill-devices",
+        "4",
+        "--decode-devices",
+        "4",
+    ],
 }
 
 
@@ -49,9 +69,27 @@ def two_processes() -> list[dict]:
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     env = dict(os.environ, XLA_FLAGS=" ".join(flags))
     procs = [
-        subprocess.Popen([sys.executable, str(RUNNER), json.dumps([
-            [run, ARGS + flags_ + ["--num-processes", "2", "--process-id", str(i), "--coordinator", coordinator]]
-            for run, flags_ in RUNS.items()])], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(RUNNER),
+                json.dumps(
+                    [
+                        [
+                            run,
+                            ARGS
+                            + flags_
+                            + ["--num-processes", "2", "--process-id", str(i), "--coordinator", coordinator],
+                        ]
+                        for run, flags_ in RUNS.items()
+                    ]
+                ),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         for i in range(2)
     ]
     outs = [p.communicate(timeout=1200) for p in procs]
@@ -61,7 +99,7 @@ def two_processes() -> list[dict]:
         run = None
         for line in out.splitlines():  # gloo logs its connections on stdout too
             if line.startswith(MARK):
-                run = line[len(MARK):]
+                run = line[len(MARK) :]
             elif line.startswith("{"):
                 got[run] = json.loads(line)["tokens"]
     return tokens

@@ -19,16 +19,33 @@ import time
 
 import numpy as np
 import pytest
-
 from served import Server, free_port
 
 pytestmark = pytest.mark.slow  # starts moejax processes
 
 CASES = {  # placement and model: an MLA model with MTP drafts, a GQA one with prefill and decode apart
-    "ragged_a2a-mla-mtp": ["--placement", "ragged_a2a", "--preset", "tiny", "--speculative", "mtp",
-                           "--mtp-init", "random"],
-    "tensor_sliced-gqa-apart": ["--placement", "tensor_sliced", "--preset", "tiny-qwen3-moe",
-                                "--prefill-placement", "ragged_a2a", "--prefill-devices", "4", "--decode-devices", "4"],
+    "ragged_a2a-mla-mtp": [
+        "--placement",
+        "ragged_a2a",
+        "--preset",
+        "tiny",
+        "--speculative",
+        "mtp",
+        "--mtp-init",
+        "random",
+    ],
+    "tensor_sliced-gqa-apart": [
+        "--placement",
+        "tensor_sliced",
+        "--preset",
+        "tiny-qwen3-moe",
+        "--prefill-placement",
+        "ragged_a2a",
+        "--prefill-devices",
+        "4",
+        "--decode-devices",
+        "4",
+    ],
 }
 FLAGS = ["--devices", "8", "--slots", "8", "--max-seq-len", "64", "--prefill-chunk", "8"]
 SAMPLED = {"ragged_a2a-mla-mtp": False, "tensor_sliced-gqa-apart": True}  # MTP serves greedy requests only
@@ -62,8 +79,17 @@ def one_process(case: str) -> tuple[list[list[int]], dict]:
     recorder = TraceRecorder(scheduler, "one process")
 
     def run(some: list[dict]) -> list[list[int]]:
-        requests = [Request(b["prompt"], b["max_tokens"], Stopper(None), temperature=b["temperature"],
-                            top_p=b.get("top_p", 1.0), seed=b.get("seed", 0)) for b in some]
+        requests = [
+            Request(
+                b["prompt"],
+                b["max_tokens"],
+                Stopper(None),
+                temperature=b["temperature"],
+                top_p=b.get("top_p", 1.0),
+                seed=b.get("seed", 0),
+            )
+            for b in some
+        ]
         return [r.tokens for r in scheduler.run_all(requests)]
 
     tokens = run(bodies(case))
@@ -96,14 +122,36 @@ class TwoProcesses(Server):
         flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
         env = dict(os.environ, XLA_FLAGS=" ".join(flags))
         self.port, self.api_key = free_port(), None
-        common = [sys.executable, "-m", "moejax", "serve", *CASES[case], *FLAGS, "--num-processes", "2",
-                  "--coordinator", coordinator, "--port", str(self.port)]
+        common = [
+            sys.executable,
+            "-m",
+            "moejax",
+            "serve",
+            *CASES[case],
+            *FLAGS,
+            "--num-processes",
+            "2",
+            "--coordinator",
+            coordinator,
+            "--port",
+            str(self.port),
+        ]
         self.record = record
         records = (["--record", record], ["--record", f"{record}.follower"]) if record else ([], [])
-        self.follower = subprocess.Popen(common + ["--process-id", "1", *records[1]], stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, text=True, env=env)
-        self.proc = subprocess.Popen(common + ["--process-id", "0", *records[0]], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env=env)
+        self.follower = subprocess.Popen(
+            common + ["--process-id", "1", *records[1]],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        self.proc = subprocess.Popen(
+            common + ["--process-id", "0", *records[0]],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
         self.wait_healthy(600)
 
     def stop(self):
@@ -202,7 +250,7 @@ def test_a_lost_follower_ends_streams_with_an_error_and_fails_new_requests_with_
     server.follower.kill()
     client.join()
     status, raw = streamed[0]
-    events = [line[len("data: "):] for line in raw.decode().split("\n\n") if line]
+    events = [line[len("data: ") :] for line in raw.decode().split("\n\n") if line]
     assert status == 200 and "lost process 1" in json.loads(events[-1])["error"]["message"], raw
     deadline = time.monotonic() + 60
     while server.request("GET", "/health")[0] == 200 and time.monotonic() < deadline:

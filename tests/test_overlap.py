@@ -27,8 +27,10 @@ ROW_MOVERS = ["tensor_sliced", "expert_sharded", "hybrid", "ragged_a2a"]
 # attention (a decode step has one row per device: one micro-batch). The row-level tests below
 # cover the other placements' exchanges.
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15]]
-CASES = {"odd_batch_expert_sharded_tp": ("expert_sharded", "tp", PROMPTS),
-         "batch_1_ragged_a2a_dp": ("ragged_a2a", "dp", PROMPTS[:1])}
+CASES = {
+    "odd_batch_expert_sharded_tp": ("expert_sharded", "tp", PROMPTS),
+    "batch_1_ragged_a2a_dp": ("ragged_a2a", "dp", PROMPTS[:1]),
+}
 
 
 def config(name: str, tbo: bool, attention: str = "dp") -> Config:
@@ -43,7 +45,9 @@ def test_two_batch_overlap_generates_the_plain_tokens(case):
     for tbo in (False, True):
         cfg = config(name, tbo, attention)
         placement = make_placement(cfg)
-        outs.append(Engine(cfg, load_params(cfg, placement, seed=1), placement).generate(prompts, 5, return_logits=True))
+        outs.append(
+            Engine(cfg, load_params(cfg, placement, seed=1), placement).generate(prompts, 5, return_logits=True)
+        )
     plain, tbo = outs
     assert tbo.tokens == plain.tokens
     np.testing.assert_allclose(tbo.logits, plain.logits, rtol=0, atol=1e-5 * np.abs(plain.logits).max())
@@ -67,7 +71,11 @@ def moe_rows(name: str, tbo: bool, rows_per_device: int, attention: str = "dp"):
     args = [jnp.asarray(rng.standard_normal((t, d)), jnp.float32), ids, jnp.asarray(rng.random((t, k)), jnp.float32)]
     rows = placement.sharding(("batch", None) if attention == "dp" else (None, None), (t, d))
     args = [jax.device_put(a, rows) for a in args]
-    fn = jax.jit(lambda x, i, w, ex: placement.moe(x, i, w, placement.gather_experts(ex))).lower(*args, experts).compile()
+    fn = (
+        jax.jit(lambda x, i, w, ex: placement.moe(x, i, w, placement.gather_experts(ex)))
+        .lower(*args, experts)
+        .compile()
+    )
     return np.asarray(fn(*args, experts)), fn.as_text()
 
 
@@ -98,8 +106,13 @@ def issue_order(hlo: str) -> list[str]:
     """'microbatch_x/phase' of each collective in the computation that issues them, in schedule
     order (a scheduled module prints each computation's instructions in the order they run)."""
     for computation in re.split(r"\n(?=\S)", hlo):
-        order = [m.group(1) for line in computation.splitlines() if COLLECTIVE.search(line)
-                 for m in [re.search(r'op_name="[^"]*?(microbatch_[ab]/\w+)', line)] if m]
+        order = [
+            m.group(1)
+            for line in computation.splitlines()
+            if COLLECTIVE.search(line)
+            for m in [re.search(r'op_name="[^"]*?(microbatch_[ab]/\w+)', line)]
+            if m
+        ]
         if order:
             return order
     return []

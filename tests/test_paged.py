@@ -35,12 +35,23 @@ MAX_LEN = 16  # both caches hold the same positions: the paged view equals the c
 
 @functools.cache
 def run(model: str, page_size: int, placement: str = "", attention: str = "dp", fmt: str = "unquantized"):
-    layout = LayoutConfig(placement=placement, devices=8, attention=attention,
-                          head="tp" if attention == "tp" else "replicated") if placement else LayoutConfig()
-    config = Config(model=preset(model), layout=layout, weights=WeightsConfig(fmt),
-                    engine=EngineConfig(page_size=page_size, max_seq_len=MAX_LEN)).validate()
+    layout = (
+        LayoutConfig(
+            placement=placement, devices=8, attention=attention, head="tp" if attention == "tp" else "replicated"
+        )
+        if placement
+        else LayoutConfig()
+    )
+    config = Config(
+        model=preset(model),
+        layout=layout,
+        weights=WeightsConfig(fmt),
+        engine=EngineConfig(page_size=page_size, max_seq_len=MAX_LEN),
+    ).validate()
     placement_ = make_placement(config)
-    return Engine(config, load_params(config, placement_, seed=1), placement_).generate(PROMPTS, NEW, return_logits=True)
+    return Engine(config, load_params(config, placement_, seed=1), placement_).generate(
+        PROMPTS, NEW, return_logits=True
+    )
 
 
 def assert_same(got, ref):
@@ -95,7 +106,9 @@ def test_allocator_hands_out_only_free_pages():
 
 # Ops that may yield a whole pool in a decode step's optimized HLO: the donated parameter and
 # its in-place scatters (anything else, a copy, slice or update-slice fusion, copies the pool).
-IN_PLACE = re.compile(r"= \S+ (parameter|bitcast|get-tuple-element|tuple|scatter)\(|= \S+ fusion\(.*calls=%wrapped_scatter")
+IN_PLACE = re.compile(
+    r"= \S+ (parameter|bitcast|get-tuple-element|tuple|scatter)\(|= \S+ fusion\(.*calls=%wrapped_scatter"
+)
 
 
 def test_a_decode_step_copies_no_pool():
@@ -104,15 +117,25 @@ def test_a_decode_step_copies_no_pool():
     engine = Engine(config, load_params(config, placement), placement)
     pool = engine.new_pool(37, 4)  # a page count no other array has
     shapes = {s for a in jax.tree.leaves(pool) for s in (a.shape, a.shape[1:])}
-    step = jax.jit(functools.partial(decode_slots, c=engine.c, placement=placement, greedy_only=True, extras=False),
-                   donate_argnums=1)
+    step = jax.jit(
+        functools.partial(decode_slots, c=engine.c, placement=placement, greedy_only=True, extras=False),
+        donate_argnums=1,
+    )
     rows = sampling_rows([None, None], 2)[0]
-    hlo = step.lower(engine.params, pool, jnp.asarray([[3, 1], [5, 37]]), jnp.ones(2, jnp.int32), jnp.asarray([5, 9]),
-                     rows).compile().as_text()
+    hlo = (
+        step.lower(
+            engine.params, pool, jnp.asarray([[3, 1], [5, 37]]), jnp.ones(2, jnp.int32), jnp.asarray([5, 9]), rows
+        )
+        .compile()
+        .as_text()
+    )
     assert "input_output_alias" in hlo  # the pool is donated
-    made = [line for line in hlo.splitlines()
-            if (m := re.match(r"\s*(ROOT )?%\S+ = \w+\[([\d,]*)\]", line))
-            and tuple(int(d) for d in m.group(2).split(",") if d) in shapes]
+    made = [
+        line
+        for line in hlo.splitlines()
+        if (m := re.match(r"\s*(ROOT )?%\S+ = \w+\[([\d,]*)\]", line))
+        and tuple(int(d) for d in m.group(2).split(",") if d) in shapes
+    ]
     assert made and not [line[:160] for line in made if not IN_PLACE.search(line)]
 
 
@@ -121,9 +144,14 @@ def test_kv_cache_gb_holds_the_pages_its_bytes_hold_in_the_kernels_layout():
     (the TPU kernel's pool pads head_dim 24 to 128 lanes, the Triton kernel's to 32: fewer pages
     in the same bytes)."""
     c = dataclasses.replace(preset("tiny-qwen3-moe"), head_dim=24)
-    pages = {k: pool_pages(types.SimpleNamespace(c=c, dtype=jnp.float32,
-                                                 placement=types.SimpleNamespace(attention_kernel=k)), 16, kv_gb=0.001)
-             for k in ("xla", "pallas_tpu", "pallas_gpu")}
+    pages = {
+        k: pool_pages(
+            types.SimpleNamespace(c=c, dtype=jnp.float32, placement=types.SimpleNamespace(attention_kernel=k)),
+            16,
+            kv_gb=0.001,
+        )
+        for k in ("xla", "pallas_tpu", "pallas_gpu")
+    }
     assert pages == {k: 1e6 // page_bytes(c, 16, jnp.float32, k) for k in pages}
     assert page_bytes(c, 16, jnp.float32, "pallas_gpu") == page_bytes(c, 16, jnp.float32, "xla") * 32 // 24
     assert pages["pallas_tpu"] < pages["pallas_gpu"] < pages["xla"]

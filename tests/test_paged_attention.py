@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compile_only import on_h100
 from jax.experimental.pallas.ops.tpu import ragged_paged_attention as tpu_module
 
 from moejax.config import Config, ConfigError, EngineConfig, LayoutConfig, preset
@@ -21,7 +22,6 @@ from moejax.model import attention, paged
 from pallas_kernels import paged_attention as kernels
 from sharding import make_placement
 from sharding.placement import Placement
-from compile_only import on_h100
 
 C = preset("tiny-qwen3-moe")  # 4 query heads over 2 kv heads of 16
 # Widths Triton's power-of-two blocks do not take as they are: heads of 24 (the kernel's pool pads
@@ -37,8 +37,10 @@ def inputs(t: int, c=C, page_size=PAGE_SIZE):
     """A pool of random k/v [pages, H_kv, ps, Dh], and the call's q, k, v [B, t, ...] at each
     request's last t positions."""
     keys = jax.random.split(jax.random.PRNGKey(0), 5)
-    pool = {name: jax.random.normal(key, (PAGES, c.num_kv_heads, page_size, c.head_dim))
-            for name, key in zip("kv", keys[:2])}
+    pool = {
+        name: jax.random.normal(key, (PAGES, c.num_kv_heads, page_size, c.head_dim))
+        for name, key in zip("kv", keys[:2])
+    }
     b = len(LENS)
     q = jax.random.normal(keys[2], (b, t, c.num_heads, c.head_dim))
     k, v = (jax.random.normal(key, (b, t, c.num_kv_heads, c.head_dim)) for key in keys[3:])
@@ -69,8 +71,9 @@ def kernel(name: str, t: int, c=C, page_size=PAGE_SIZE):
         pool = {n: paged.widen(a, kernels.head_dim(name, c.head_dim)) for n, a in pool.items()}
     # As layer 1 of a run of two: the kernel reads the run's pools flattened, layer 0's untouched.
     run = {k: jnp.stack([jnp.full_like(a, 7.0), a]) for k, a in pool.items()}
-    out, run = paged.store_and_attend(name, c.softmax_scale, 0, q, k, v, positions,
-                                      paged.LayerPages(jnp.asarray(TABLE), 1), run)
+    out, run = paged.store_and_attend(
+        name, c.softmax_scale, 0, q, k, v, positions, paged.LayerPages(jnp.asarray(TABLE), 1), run
+    )
     assert all(bool((a[0] == 7.0).all()) for a in run.values())
     return out, {k: a[1] for k, a in run.items()}
 
@@ -87,8 +90,8 @@ def test_gpu_kernel_interpreted_equals_the_xla_path_on_a_decode_step(c, page_siz
     (got, got_pool), (want, want_pool) = kernel("interpret_gpu", 1, c, page_size), xla(1, c, page_size)
     assert_close(got, want)
     for name in "kv":
-        assert_close(got_pool[name][..., :c.head_dim], want_pool[name])
-        assert not got_pool[name][..., c.head_dim:].any()
+        assert_close(got_pool[name][..., : c.head_dim], want_pool[name])
+        assert not got_pool[name][..., c.head_dim :].any()
 
 
 @pytest.mark.parametrize("t", [1, 3], ids=["decode", "prefill_chunk"])
@@ -106,8 +109,11 @@ def test_xla_path_reads_a_kernels_wider_pool(t):
 
 # Each once refused by Triton's lowering ("an array of shape ..."): heads of 24 ((16, 24)), a page
 # of 12 positions ((1, 12, 16)), a table of 48 pages in 16 splits of 3 ((3,)).
-@pytest.mark.parametrize("c,page_size,width", [(ODD, 16, 16), (C, 12, 8), (C, 16, 48)],
-                         ids=["heads_24_in_groups_of_3", "pages_of_12", "table_of_48"])
+@pytest.mark.parametrize(
+    "c,page_size,width",
+    [(ODD, 16, 16), (C, 12, 8), (C, 16, 48)],
+    ids=["heads_24_in_groups_of_3", "pages_of_12", "table_of_48"],
+)
 def test_gpu_kernel_compiles_for_h100_at_any_width(c, page_size, width):
     """A decode step's paged attention through the Triton kernel, over the pools `init_pool` makes
     for it, compiles for an H100."""
@@ -115,8 +121,12 @@ def test_gpu_kernel_compiles_for_h100_at_any_width(c, page_size, width):
     pool = {name: on_h100(a.shape, a.dtype) for name, a in pool.items()}
     b = 4
     q, k, v = (on_h100((b, 1, h, c.head_dim), jnp.bfloat16) for h in (c.num_heads, c.num_kv_heads, c.num_kv_heads))
-    step = jax.jit(lambda q, k, v, positions, table, pool: paged.store_and_attend(
-        "pallas_gpu", c.softmax_scale, 0, q, k, v, positions, paged.LayerPages(table, 1), pool), donate_argnums=5)
+    step = jax.jit(
+        lambda q, k, v, positions, table, pool: paged.store_and_attend(
+            "pallas_gpu", c.softmax_scale, 0, q, k, v, positions, paged.LayerPages(table, 1), pool
+        ),
+        donate_argnums=5,
+    )
     hlo = step.lower(q, k, v, on_h100((b, 1), jnp.int32), on_h100((b, width), jnp.int32), pool).compile().as_text()
     assert "__gpu$xla.gpu.triton" in hlo
 
@@ -126,7 +136,9 @@ def test_tpu_kernel_adapter_equals_the_xla_path(t, monkeypatch):
     """On the TPU kernel's own reference: Mosaic TPU's interpreter in JAX 0.10.2 cannot run the
     kernel (it reshapes a VMEM ref), so the layout, tables and lengths handed to it are checked
     here and the kernel itself lowers in `test_plan`'s export."""
-    reference = lambda *a, num_kv_pages_per_block, num_queries_per_block, **kw: tpu_module.ref_ragged_paged_attention(*a, **kw)
+    reference = lambda *a, num_kv_pages_per_block, num_queries_per_block, **kw: tpu_module.ref_ragged_paged_attention(
+        *a, **kw
+    )
     monkeypatch.setattr(tpu_module, "ragged_paged_attention", reference)
     (got, got_pool), (want, want_pool) = kernel("pallas_tpu", t), xla(t)
     assert_close(got, want)
@@ -136,8 +148,12 @@ def test_tpu_kernel_adapter_equals_the_xla_path(t, monkeypatch):
 @functools.cache
 def tokens(attention_kernel: str, placement: str = "", mode: str = "dp", devices: int = 1, c=C, page_size=4):
     layout = LayoutConfig(placement=placement, devices=devices, attention=mode) if placement else LayoutConfig()
-    config = Config(model=c, layout=layout, attention_kernel=attention_kernel,
-                    engine=EngineConfig(page_size=page_size, max_seq_len=32)).validate()
+    config = Config(
+        model=c,
+        layout=layout,
+        attention_kernel=attention_kernel,
+        engine=EngineConfig(page_size=page_size, max_seq_len=32),
+    ).validate()
     live = make_placement(config)
     prompts = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21, 22]]
     return Engine(config, load_params(config, live, seed=1), live).generate(prompts, 4).tokens
@@ -175,5 +191,7 @@ def test_auto_reads_sinks_windows_and_mla_through_xla(platform, kernel):
 
 def test_a_kernel_named_for_sinks_and_windows_is_refused_with_the_reason():
     config = Config(model=preset("tiny-gpt-oss"), attention_kernel="pallas_gpu").validate()
-    with pytest.raises(ConfigError, match="^attention kernel pallas_gpu: the kernels' softmax takes no attention sinks"):
+    with pytest.raises(
+        ConfigError, match="^attention kernel pallas_gpu: the kernels' softmax takes no attention sinks"
+    ):
         make_placement(config, platform="cuda")

@@ -35,7 +35,7 @@ PS = 3  # positions per page in the HLO checks: a size no other array ends in
 
 def engine_on(model, layout=LayoutConfig(), chunk: int = 0, first: int = 0) -> Engine:
     config = Config(model=model, layout=layout, engine=EngineConfig(prefill_chunk=chunk)).validate()
-    devices = jax.devices()[first:first + layout.devices] if layout.devices > 1 else None
+    devices = jax.devices()[first : first + layout.devices] if layout.devices > 1 else None
     placement = make_placement(config, devices=devices)
     return Engine(config, load_params(config, placement, seed=1), placement)
 
@@ -72,10 +72,22 @@ def dp_engine():
 def test_a_gqa_decode_step_under_dp_attention_moves_no_pages(dp_engine):
     engine = dp_engine
     pool = engine.new_pool(16, PS)
-    step = jax.jit(functools.partial(decode_slots, c=engine.c, placement=engine.placement, greedy_only=True,
-                                     extras=False), donate_argnums=1)
-    hlo = step.lower(engine.params, pool, tables(4, 16), jnp.ones(4, jnp.int32), jnp.asarray([4, 2, 5, 1]),
-                     sampling_rows([None] * 4, 4)[0]).compile().as_text()
+    step = jax.jit(
+        functools.partial(decode_slots, c=engine.c, placement=engine.placement, greedy_only=True, extras=False),
+        donate_argnums=1,
+    )
+    hlo = (
+        step.lower(
+            engine.params,
+            pool,
+            tables(4, 16),
+            jnp.ones(4, jnp.int32),
+            jnp.asarray([4, 2, 5, 1]),
+            sampling_rows([None] * 4, 4)[0],
+        )
+        .compile()
+        .as_text()
+    )
     assert COLLECTIVE.search(hlo)  # the step has its MoE exchange
     moved = moved_pages(hlo, pool)
     assert not moved, moved
@@ -88,8 +100,20 @@ def test_a_speculative_decode_step_on_mla_dsa_and_the_mtp_pool_moves_no_pages():
     pool = engine.new_pool(16, PS)
     mtp_pool = engine.placement.zeros_cache(lambda: [init_mtp_pool(engine.c, 16, PS, engine.dtype)], pool=True)[0]
     step = jax.jit(functools.partial(spec_decode_slots, c=engine.c, placement=engine.placement), donate_argnums=(2, 3))
-    hlo = step.lower(engine.params, mtp, pool, mtp_pool, tables(4, 16), jnp.ones(4, jnp.int32), jnp.ones(4, jnp.int32),
-                     jnp.asarray([1, 2, 3, 1])).compile().as_text()
+    hlo = (
+        step.lower(
+            engine.params,
+            mtp,
+            pool,
+            mtp_pool,
+            tables(4, 16),
+            jnp.ones(4, jnp.int32),
+            jnp.ones(4, jnp.int32),
+            jnp.asarray([1, 2, 3, 1]),
+        )
+        .compile()
+        .as_text()
+    )
     assert any("index_k" in run for run in pool) and "index_k" in mtp_pool
     moved = moved_pages(hlo, [pool, mtp_pool])
     assert not moved, moved
@@ -99,8 +123,17 @@ def test_forking_samples_under_dp_attention_moves_no_pages(dp_engine):
     pool = dp_engine.new_pool(16, PS)
     step = jax.jit(functools.partial(fork_slots, placement=dp_engine.placement), donate_argnums=0)
     pairs = jnp.asarray([1, 5, 16, 16], jnp.int32), jnp.asarray([2, 6, 16, 16], jnp.int32)  # pages on ranks 0 and 1
-    hlo = step.lower(pool, *pairs, jnp.zeros(dp_engine.c.vocab_size), sampling_rows([], 4, extras=True)[0],
-                     jnp.zeros(4, jnp.int32)).compile().as_text()
+    hlo = (
+        step.lower(
+            pool,
+            *pairs,
+            jnp.zeros(dp_engine.c.vocab_size),
+            sampling_rows([], 4, extras=True)[0],
+            jnp.zeros(4, jnp.int32),
+        )
+        .compile()
+        .as_text()
+    )
     moved = moved_pages(hlo, pool)
     assert not moved, moved
 
@@ -135,8 +168,15 @@ def test_admission_skips_a_rank_without_the_pages():
 
 
 # ---------------------------------------------------------------------------------- serving
-PROMPTS = [[5, 17, 45, 2, 88, 61, 9, 30, 12], [7, 3], [40] * 13, [9, 8, 7, 6, 5], [60, 61, 62, 63, 64, 65, 66],
-           [11, 12, 13], [90, 91, 92, 93, 94, 95]]
+PROMPTS = [
+    [5, 17, 45, 2, 88, 61, 9, 30, 12],
+    [7, 3],
+    [40] * 13,
+    [9, 8, 7, 6, 5],
+    [60, 61, 62, 63, 64, 65, 66],
+    [11, 12, 13],
+    [90, 91, 92, 93, 94, 95],
+]
 NEW = 10
 
 
@@ -166,8 +206,9 @@ def test_dp_ranks_serve_the_single_device_tokens_through_preemption(dp, referenc
 def test_a_request_holds_only_its_ranks_pages(dp):
     seen = []
     r = Request(PROMPTS[0], NEW, Stopper(None))
-    r.on_event = lambda *_: seen.extend((s, dp.kv.rank_of(p)) for s, slot in enumerate(dp.slots) if slot is not None
-                                        for p in slot.pages)
+    r.on_event = lambda *_: seen.extend(
+        (s, dp.kv.rank_of(p)) for s, slot in enumerate(dp.slots) if slot is not None for p in slot.pages
+    )
     dp.run_all([r])
     assert seen and all(rank == dp.rank(s) for s, rank in seen)
 
@@ -227,6 +268,7 @@ def test_plan_leaves_the_mtp_pool_its_share_of_each_devices_pages():
     config = Config(model=preset("tiny-glm5"), layout=DP4).validate()
     plain, mtp = (kv_pages(config, make_placement(config), 1e6, 16, 100, 20, mtp=m) for m in (False, True))
     c = config.model
-    assert [m["page_bytes_per_device"] for m in (plain, mtp)] == [page_bytes(c, 16, jnp.float32, mtp=m)
-                                                                 for m in (False, True)]
+    assert [m["page_bytes_per_device"] for m in (plain, mtp)] == [
+        page_bytes(c, 16, jnp.float32, mtp=m) for m in (False, True)
+    ]
     assert mtp["pages_per_device"] == int(1e6 // mtp["page_bytes_per_device"]) < plain["pages_per_device"]

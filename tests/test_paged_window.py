@@ -34,9 +34,10 @@ HELD = window_held(MODEL, PS, CHUNK, 64)  # (4 - 1 + 8) / 4 rounded up, + 1: 4 p
 
 
 def engine_on(layout=LayoutConfig(), layer_loop: str = "auto", first: int = 0) -> Engine:
-    config = Config(model=MODEL, layout=layout, engine=EngineConfig(prefill_chunk=CHUNK,
-                                                                    layer_loop=layer_loop)).validate()
-    devices = jax.devices()[first:first + layout.devices] if layout.devices > 1 else None
+    config = Config(
+        model=MODEL, layout=layout, engine=EngineConfig(prefill_chunk=CHUNK, layer_loop=layer_loop)
+    ).validate()
+    devices = jax.devices()[first : first + layout.devices] if layout.devices > 1 else None
     placement = make_placement(config, devices=devices)
     return Engine(config, load_params(config, placement, seed=1), placement)
 
@@ -132,8 +133,13 @@ def test_dp_ranks_hold_their_own_window_pages_and_give_the_same_tokens(dp_engine
     seen = []
     requests = [Request(p, NEW, Stopper(None)) for p in PROMPTS]
     for r in requests:
-        r.on_event = lambda *_: seen.extend((dp.rank(s), dp.window_kv.rank_of(p)) for s, slot in enumerate(dp.slots)
-                                            if slot is not None for p in slot.window if p != dp.window_kv.num_pages)
+        r.on_event = lambda *_: seen.extend(
+            (dp.rank(s), dp.window_kv.rank_of(p))
+            for s, slot in enumerate(dp.slots)
+            if slot is not None
+            for p in slot.window
+            if p != dp.window_kv.num_pages
+        )
     dp.run_all(requests)
     assert [r.tokens for r in requests] == reference
     assert seen and all(rank == page_rank for rank, page_rank in seen)
@@ -153,8 +159,9 @@ def test_a_layer_scan_over_mixed_layers_gives_the_same_tokens(reference):
 
 def test_mtp_drafts_over_window_pages_give_the_plain_greedy_tokens(engine, reference):
     """A random MTP layer (a full-attention one): drafts accepted or not, the tokens are greedy's."""
-    s = SpecScheduler(engine, load_mtp(engine.config, engine.placement), slots=4, max_len=64, page_size=PS,
-                      kv_tokens=256)
+    s = SpecScheduler(
+        engine, load_mtp(engine.config, engine.placement), slots=4, max_len=64, page_size=PS, kv_tokens=256
+    )
     assert [r.tokens for r in run(s, PROMPTS)] == reference and s.window_kv.usage == 0
 
 
@@ -166,10 +173,15 @@ def test_page_bytes_split_into_the_two_groups():
 
 def test_the_pool_holds_each_groups_layers_and_pages():
     (run_pool,) = init_pool(MODEL, 10, PS, jnp.float32, window_pages=3)
-    assert {k: a.shape[:2] for k, a in run_pool.items()} == {"k": (1, 10), "v": (1, 10), "window_k": (2, 3),
-                                                               "window_v": (2, 3)}
-    assert all(not k.startswith("window") for run in init_pool(preset("tiny-qwen3-moe"), 10, PS, jnp.float32)
-               for k in run)
+    assert {k: a.shape[:2] for k, a in run_pool.items()} == {
+        "k": (1, 10),
+        "v": (1, 10),
+        "window_k": (2, 3),
+        "window_v": (2, 3),
+    }
+    assert all(
+        not k.startswith("window") for run in init_pool(preset("tiny-qwen3-moe"), 10, PS, jnp.float32) for k in run
+    )
 
 
 def test_kv_cache_gb_pays_for_the_window_pool_first():
@@ -182,8 +194,10 @@ def test_kv_cache_gb_pays_for_the_window_pool_first():
 def test_plan_counts_both_groups_per_request():
     config = Config(model=MODEL, layout=LayoutConfig(placement="expert_sharded", devices=4, attention="dp")).validate()
     kv = kv_pages(config, make_placement(config), 1e6, 16, 1000, 200)
-    per_request = kv["pages_per_request"] * kv["page_bytes_per_device"] + \
-        kv["window_pages_per_request"] * kv["window_page_bytes_per_device"]
+    per_request = (
+        kv["pages_per_request"] * kv["page_bytes_per_device"]
+        + kv["window_pages_per_request"] * kv["window_page_bytes_per_device"]
+    )
     assert kv["window_pages_per_request"] == window_held(MODEL, 16, 64, 1200) < kv["pages_per_request"] == 75
     assert kv["requests_per_rank"] == int(1e6 // per_request) > int(1e6 // (75 * page_bytes(MODEL, 16, jnp.float32)))
     assert kv["window_pages_per_device"] == kv["requests_per_rank"] * kv["window_pages_per_request"]
@@ -193,4 +207,3 @@ def test_a_model_without_window_layers_has_no_window_group():
     plain = dataclasses.replace(MODEL, sliding_layers=(), sliding_window=0)
     assert page_bytes(plain, 16, jnp.float32, window=False) == page_bytes(plain, 16, jnp.float32)
     assert page_bytes(plain, 16, jnp.float32, window=True) == 0
-

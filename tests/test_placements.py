@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels
 from moejax.config import Config, ConfigError, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import Engine
 from moejax.loading import load_params
 from moejax.model.transformer import layer_params
-import pallas_kernels
 from sharding import accounting, make_placement, names
 from sharding.experts import moe_local
 from sharding.mesh import MeshPlacement
@@ -43,8 +43,13 @@ def run(model_name: str, layout_cfg: LayoutConfig | None, fmt: str = "unquantize
     return engine.generate(PROMPTS, NEW, return_logits=True)
 
 
-CASES = [(m, name, att) for m in ("tiny", "tiny-qwen3-moe") for name in LAYOUTS for att in ("dp", "tp")
-         if att == "dp" or m == "tiny"]
+CASES = [
+    (m, name, att)
+    for m in ("tiny", "tiny-qwen3-moe")
+    for name in LAYOUTS
+    for att in ("dp", "tp")
+    if att == "dp" or m == "tiny"
+]
 
 
 @pytest.mark.parametrize("model,name,attention", CASES)
@@ -83,6 +88,7 @@ def test_nvfp4_dispatch_equals_the_experts_on_quantized_rows():
 
 
 # ----------------------------------------------------------------------------- nothing dropped
+
 
 def adversarial_params(config, placement, key=0):
     """Every row picks experts 0 and 1, both on device 0 under 8-way expert parallelism."""
@@ -127,6 +133,7 @@ def test_slice_width_that_does_not_divide_is_a_clear_error():
 
 
 # ----------------------------------------------------------------------------- accounting
+
 
 def glm_placement(name: str) -> MeshPlacement:
     return make_placement(Config(model=preset("glm-5.3"), layout=layout(name)).validate())
@@ -178,6 +185,7 @@ def test_ragged_accounting_is_within_the_worst_case_buffers_of_the_compiled_exch
 
 # ----------------------------------------------------------------------------- compiled programs
 
+
 def test_ragged_receiver_expands_each_row_to_its_local_picks_only():
     """32 experts top-8 on 8 devices: a received row has at most 4 picks there, so the local
     experts run on 4 copies of each received slot, not 8 (the buffers `exchange_buffers` states)."""
@@ -207,7 +215,9 @@ def test_real_ragged_all_to_all_lowers_for_tpu_and_cuda(tbo):
     # ragged_all_to_all is a custom call without export compatibility guarantees.
     allow = [jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")]
     for platform in ("tpu", "cuda"):
-        exported = jax.export.export(jax.jit(placement.moe), platforms=[platform], disabled_checks=allow)(*args, experts)
+        exported = jax.export.export(jax.jit(placement.moe), platforms=[platform], disabled_checks=allow)(
+            *args, experts
+        )
         # dispatch (rows, ids, weights) and combine each travel through one ragged exchange
         assert exported.mlir_module().count("@ragged_all_to_all(") == 4 * (1 + tbo)
 
@@ -241,7 +251,9 @@ def expert_loops_fed_by_gathers(hlo: str, gathered: tuple[str, ...]) -> tuple[in
     same computation, following operands)."""
     comps = _computations(hlo)
     # XLA:CPU may call a loop as a computation of its own, whose root is the while (jax 0.11 on).
-    wrapped = {name for name, lines in comps.items() if any(" while(" in l for l in lines if l.lstrip().startswith("ROOT "))}
+    wrapped = {
+        name for name, lines in comps.items() if any(" while(" in l for l in lines if l.lstrip().startswith("ROOT "))
+    }
 
     def loop(rhs: str) -> bool:
         call = re.search(r" call\(.*to_apply=(%[\w.\-]+)", rhs)
@@ -267,8 +279,9 @@ def expert_loops_fed_by_gathers(hlo: str, gathered: tuple[str, ...]) -> tuple[in
 def prefetch_engine(depth: int) -> Engine:
     model = dataclasses.replace(preset("tiny"), num_layers=4)  # a run of 3 MoE layers
     # The layer scan, as accelerators run it (XLA:CPU unrolls by default).
-    config = Config(model=model, layout=layout("weight_prefetch", prefetch_depth=depth),
-                    engine=EngineConfig(layer_loop="scan")).validate()
+    config = Config(
+        model=model, layout=layout("weight_prefetch", prefetch_depth=depth), engine=EngineConfig(layer_loop="scan")
+    ).validate()
     placement = make_placement(config)
     return Engine(config, load_params(config, placement), placement)
 
@@ -282,7 +295,14 @@ def test_weight_prefetch_expert_loops_compute_with_weights_gathered_iterations_e
     engine = prefetch_engine(depth)
     c = engine.c
     # 64 requests: 8 rows per device, more picks than the grouped GEMM gathers row by row (it loops)
-    args = (engine.params, engine.new_cache(64, 32), jnp.zeros(64, jnp.int32), jnp.zeros(64, jnp.int32), jnp.zeros(64, jnp.int32), 1)
+    args = (
+        engine.params,
+        engine.new_cache(64, 32),
+        jnp.zeros(64, jnp.int32),
+        jnp.zeros(64, jnp.int32),
+        jnp.zeros(64, jnp.int32),
+        1,
+    )
     hlo = engine._decode.lower(*args, sampling=Sampling(), record=False).compile().as_text()
     e, d, f = c.num_experts, c.hidden_size, c.moe_intermediate_size
     loops, fed = expert_loops_fed_by_gathers(hlo, (f"f32[{e},{d},{2 * f}]", f"f32[{e},{f},{d}]"))

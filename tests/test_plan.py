@@ -22,14 +22,32 @@ from sharding.ragged_a2a import exchange_buffers
 
 @pytest.mark.slow
 def test_plan_of_glm_reports_calcs_expert_bytes_per_device(capsys):
-    assert main(["plan", "--preset", "glm-5.3", "--devices", "8", "--placement", "ragged_a2a", "--batch", "64",
-                 "--context", "4096", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--preset",
+                "glm-5.3",
+                "--devices",
+                "8",
+                "--placement",
+                "ragged_a2a",
+                "--batch",
+                "64",
+                "--context",
+                "4096",
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     (row,) = report["placements"]
     closed_form = calc.expert_bytes(preset("glm-5.3"))["nvfp4"] * 256 * 75 / 8  # values + block scales
     assert row["expert_bytes_per_device"] == pytest.approx(closed_form, rel=0.01)
-    assert row["total_bytes_per_device"] == (row["param_bytes_per_device"] + row["kv_cache_bytes_per_device"]
-                                             + row["temp_bytes_per_device"])
+    assert row["total_bytes_per_device"] == (
+        row["param_bytes_per_device"] + row["kv_cache_bytes_per_device"] + row["temp_bytes_per_device"]
+    )
     assert row["fits"] == (row["total_bytes_per_device"] <= 288e9)
     c = preset("glm-5.3")  # ragged_a2a's worst-case buffers for 64 decode rows: 8 per device, bf16 rows
     d = c.hidden_size
@@ -44,11 +62,14 @@ def test_plan_of_one_device_reports_it_once(capsys):
     assert row["fits"]
 
 
-@pytest.mark.parametrize("placement,fmt,devices", [("hybrid", "nvfp4", 8), ("expert_sharded", "unquantized", 8),
-                                                    ("expert_sharded", "unquantized", 1)])
+@pytest.mark.parametrize(
+    "placement,fmt,devices",
+    [("hybrid", "nvfp4", 8), ("expert_sharded", "unquantized", 8), ("expert_sharded", "unquantized", 1)],
+)
 def test_plan_bytes_are_those_a_live_run_allocates(placement, fmt, devices):
-    config = Config(model=preset("tiny"), layout=LayoutConfig(placement=placement, devices=devices),
-                    weights=WeightsConfig(fmt)).validate()
+    config = Config(
+        model=preset("tiny"), layout=LayoutConfig(placement=placement, devices=devices), weights=WeightsConfig(fmt)
+    ).validate()
     planned = plan_placement(config, batch=16, context=64, prefill_chunk=64, hbm_gb=1.0)
     live = make_placement(config)
     engine = Engine(config, load_params(config, live), live)
@@ -56,7 +77,8 @@ def test_plan_bytes_are_those_a_live_run_allocates(placement, fmt, devices):
     assert planned["param_bytes_per_device"] == param_bytes_per_device(engine.params)
     assert planned["kv_cache_bytes_per_device"] == max(
         sum(s.data.nbytes for leaf in jax.tree.leaves(cache) for s in leaf.addressable_shards if s.device == d)
-        for d in jax.devices()[:devices])
+        for d in jax.devices()[:devices]
+    )
 
 
 @pytest.mark.parametrize("model", ["glm-5.3", "mixtral-8x7b"])
@@ -76,8 +98,11 @@ def test_kv_pages_per_device_and_the_requests_they_fit_by_attention_mode(model):
     free, page, need = 100e9, 16 * position, -(-1150 // 16)
 
     def fit(mode: str) -> dict:
-        config = Config(model=c, layout=LayoutConfig(placement="expert_sharded", devices=8, attention=mode),
-                        engine=EngineConfig(dtype="bfloat16")).validate()
+        config = Config(
+            model=c,
+            layout=LayoutConfig(placement="expert_sharded", devices=8, attention=mode),
+            engine=EngineConfig(dtype="bfloat16"),
+        ).validate()
         return kv_pages(config, make_placement(config), free, 16, 1000, 150)
 
     dp, tp = fit("dp"), fit("tp")
@@ -99,10 +124,15 @@ def test_a_program_that_does_not_compile_is_reported_with_its_reason():
 def test_spare_slots_grow_expert_bytes_per_device_by_their_share():
     """`plan --redundant-experts 32` of GLM-5.3 (256 experts): each device holds 288 / 256 of the
     expert bytes, the slot tables beside them."""
+
     def expert_bytes(spare: int) -> int:
-        config = Config(model=preset("glm-5.3"), layout=LayoutConfig(devices=8, placement="expert_sharded",
-                                                                      redundant_experts=spare),
-                        weights=WeightsConfig("nvfp4"), engine=EngineConfig(dtype="bfloat16")).validate()
+        config = Config(
+            model=preset("glm-5.3"),
+            layout=LayoutConfig(devices=8, placement="expert_sharded", redundant_experts=spare),
+            weights=WeightsConfig("nvfp4"),
+            engine=EngineConfig(dtype="bfloat16"),
+        ).validate()
         params = abstract_params(config, make_placement(config))
         return bytes_per_device([run["moe"]["experts"] for run in params["layers"] if "moe" in run])
+
     assert expert_bytes(32) * 256 == expert_bytes(0) * 288

@@ -72,8 +72,10 @@ def test_a_placement_runs_layers_and_the_exchange_as_its_platform_does(target, s
     assert placement.use_ragged == ragged
 
 
-@pytest.mark.parametrize("name, target, groups", [("tensor_sliced", "cpu", GEMM_WEIGHTS), ("expert_sharded", "cpu", ()),
-                                                   ("tensor_sliced", "tpu", None)])
+@pytest.mark.parametrize(
+    "name, target, groups",
+    [("tensor_sliced", "cpu", GEMM_WEIGHTS), ("expert_sharded", "cpu", ()), ("tensor_sliced", "tpu", None)],
+)
 def test_unrolled_experts_a_buffer_per_group_where_every_device_holds_every_expert_on_the_cpu(name, target, groups):
     """XLA:CPU copies a group sliced out of a stack: a placement that keeps every expert on every
     device holds an unrolled run's experts a buffer per group; one that splits them over devices

@@ -28,12 +28,21 @@ def test_the_engines_programs_trace_their_products_at_the_runs_precision(dtype):
     rows = jnp.zeros(b, jnp.int32)
     seeds = jnp.asarray(np.arange(b, dtype=np.int32))
     texts = [
-        engine._prefill.lower(engine.params, engine.new_cache(b, n), jnp.zeros((b, n), jnp.int32), jnp.int32(0), rows,
-                              all_logits=False, record=False).as_text(),
-        engine._decode.lower(engine.params, engine.new_cache(b, n), rows, rows, seeds, 1, sampling=Sampling(),
-                             record=False).as_text(),
-        engine._decode_block.lower(engine.params, engine.new_cache(b, n), rows, rows, seeds, 1, 4, block=4,
-                                   sampling=Sampling()).as_text(),
+        engine._prefill.lower(
+            engine.params,
+            engine.new_cache(b, n),
+            jnp.zeros((b, n), jnp.int32),
+            jnp.int32(0),
+            rows,
+            all_logits=False,
+            record=False,
+        ).as_text(),
+        engine._decode.lower(
+            engine.params, engine.new_cache(b, n), rows, rows, seeds, 1, sampling=Sampling(), record=False
+        ).as_text(),
+        engine._decode_block.lower(
+            engine.params, engine.new_cache(b, n), rows, rows, seeds, 1, 4, block=4, sampling=Sampling()
+        ).as_text(),
     ]
     for text in texts:
         dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
@@ -47,8 +56,12 @@ def test_an_h100s_float32_decode_step_compiles_with_full_precision_products():
     aborted the process) and every XLA product and cuBLAS call is at HIGHEST and every Pallas
     Triton dot at "ieee" (Triton's default, which its IR leaves unprinted); in bf16 none is forced."""
     pytest.importorskip("jax_plugins.xla_cuda12")
-    run = subprocess.run([sys.executable, str(Path(__file__).with_name("h100_precision.py")), "float32", "bfloat16"],
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("h100_precision.py")), "float32", "bfloat16"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     aborts = [line for line in run.stderr.splitlines() if "Check failed" in line]
     assert run.returncode == 0, aborts or run.stderr[-3000:]
     f32, bf16 = (json.loads(line) for line in run.stdout.splitlines())

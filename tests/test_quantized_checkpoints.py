@@ -12,14 +12,14 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from hf_quantized import nvfp4_dequantize, write_fp8, write_nvfp4
+from hf_reference import build_hf_model, hf_config, hf_greedy, hf_logits
+from layouts import placement_layouts
 
 import pallas_kernels
 from checkpoints import packing
 from checkpoints.manifest import read_manifest
 from checkpoints.orbax_io import restore_params
-from hf_quantized import nvfp4_dequantize, write_fp8, write_nvfp4
-from hf_reference import build_hf_model, hf_config, hf_greedy, hf_logits
-from layouts import placement_layouts
 from moejax.cli import main
 from moejax.config import Config, LayoutConfig, WeightsConfig
 from moejax.engine.engine import Engine
@@ -97,6 +97,7 @@ def host(tree):
 
 # ----------------------------------------------------------------------------- FP8 block-scaled
 
+
 def test_fp8_logits_match_transformers_on_the_dequantized_weights(fp8):
     model, directory = fp8
     assert_close_relative(engine(directory).score([PROMPT])[0], hf_logits(model, PROMPT))
@@ -105,8 +106,10 @@ def test_fp8_logits_match_transformers_on_the_dequantized_weights(fp8):
 @pytest.mark.slow
 def test_fp8_generate_gives_transformers_greedy_tokens(fp8, capsys):
     model, directory = fp8
-    rc, out, _ = cli(["generate", "--hf", directory, "--prompt-ids", ",".join(map(str, PROMPT)),
-                      "--max-new-tokens", 12, "--json"], capsys)
+    rc, out, _ = cli(
+        ["generate", "--hf", directory, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", 12, "--json"],
+        capsys,
+    )
     assert rc == 0 and json.loads(out)["tokens"] == [hf_greedy(model, PROMPT, 12)]
 
 
@@ -150,13 +153,15 @@ def test_fp8_128x128_blocks_scale_each_block_by_its_own_scale(tmp_path):
     q = torch.from_numpy(rng.normal(size=(300, 200)).astype(np.float32)).to(torch.float8_e4m3fn)
     scale = rng.uniform(0.5, 2.0, size=(3, 2)).astype(np.float32)
     save_file({"w.weight": q, "w.weight_scale_inv": torch.from_numpy(scale)}, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
+    )
     expected = q.float().numpy() * scale[np.arange(300)[:, None] // 128, np.arange(200)[None, :] // 128]
     np.testing.assert_array_equal(Tensors(tmp_path).get("w.weight"), expected)
 
 
 # ----------------------------------------------------------------------------- refusals
+
 
 def _edit_config(directory: Path, **changes) -> None:
     doc = json.loads((directory / "config.json").read_text())
@@ -185,20 +190,37 @@ SCALE = "model.layers.0.self_attn.q_proj.weight_scale_inv"
 NVFP4_SCALE = "model.layers.2.mlp.experts.5.up_proj.weight_scale"
 REFUSED = {  # case: (what to damage, how, what the one line says); fp8 unless named nvfp4
     "weight_scale_inv missing": (lambda d: _rewrite_tensor(d, SCALE, None), f"tensor {SCALE} is missing"),
-    "weight_scale_inv mis-shaped": (lambda d: _rewrite_tensor(d, SCALE, _torch_zeros(1, 1)),
-                                    f"tensor {SCALE} has shape [1, 1], expected [2, 2]"),
-    "unknown quant_method": (lambda d: _edit_config(d, quantization_config={"quant_method": "gptq", "bits": 4}),
-                             "quant_method 'gptq' is not read"),
-    "fp8 without block scales": (lambda d: _edit_config(d, quantization_config={"quant_method": "fp8"}),
-                                 "per-tensor FP8"),
-    "F8_E4M3 without a quantization_config": (lambda d: _edit_config(d, quantization_config=None),
-                                              "has dtype F8_E4M3, which moejax does not read here"),
-    "ModelOpt FP8": (lambda d: (_edit_config(d, quantization_config=None), (d / "hf_quant_config.json").write_text(
-        json.dumps({"quantization": {"quant_algo": "FP8"}}))), "ModelOpt quant_algo 'FP8' is not read"),
-    "nvfp4 weight_scale_2 missing": (lambda d: _rewrite_tensor(d, NVFP4_SCALE + "_2", None),
-                                     f"tensor {NVFP4_SCALE}_2 is missing"),
-    "nvfp4 weight_scale mis-shaped": (lambda d: _rewrite_tensor(d, NVFP4_SCALE, _torch_zeros(64, 1)),
-                                      f"tensor {NVFP4_SCALE} has shape [64, 1], expected [64, 2]"),
+    "weight_scale_inv mis-shaped": (
+        lambda d: _rewrite_tensor(d, SCALE, _torch_zeros(1, 1)),
+        f"tensor {SCALE} has shape [1, 1], expected [2, 2]",
+    ),
+    "unknown quant_method": (
+        lambda d: _edit_config(d, quantization_config={"quant_method": "gptq", "bits": 4}),
+        "quant_method 'gptq' is not read",
+    ),
+    "fp8 without block scales": (
+        lambda d: _edit_config(d, quantization_config={"quant_method": "fp8"}),
+        "per-tensor FP8",
+    ),
+    "F8_E4M3 without a quantization_config": (
+        lambda d: _edit_config(d, quantization_config=None),
+        "has dtype F8_E4M3, which moejax does not read here",
+    ),
+    "ModelOpt FP8": (
+        lambda d: (
+            _edit_config(d, quantization_config=None),
+            (d / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}})),
+        ),
+        "ModelOpt quant_algo 'FP8' is not read",
+    ),
+    "nvfp4 weight_scale_2 missing": (
+        lambda d: _rewrite_tensor(d, NVFP4_SCALE + "_2", None),
+        f"tensor {NVFP4_SCALE}_2 is missing",
+    ),
+    "nvfp4 weight_scale mis-shaped": (
+        lambda d: _rewrite_tensor(d, NVFP4_SCALE, _torch_zeros(64, 1)),
+        f"tensor {NVFP4_SCALE} has shape [64, 1], expected [64, 2]",
+    ),
 }
 
 
@@ -216,9 +238,12 @@ def test_unreadable_quantization_ends_in_one_line(case, request, tmp_path, capsy
 
 # ----------------------------------------------------------------------------- NVFP4 (ModelOpt)
 
+
 def gate_and_up(experts: dict) -> dict:
     """gate_up's gate and up halves (each leaf's columns de-interleaved), beside down."""
-    halves = {name: jax.tree.map(lambda a, i=i: a[..., i::2], experts["gate_up"]) for i, name in enumerate(("gate", "up"))}
+    halves = {
+        name: jax.tree.map(lambda a, i=i: a[..., i::2], experts["gate_up"]) for i, name in enumerate(("gate", "up"))
+    }
     return {**halves, "down": experts["down"]}
 
 

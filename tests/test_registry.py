@@ -25,8 +25,23 @@ def toy(monkeypatch):
 
 @pytest.mark.slow
 def test_a_registered_placement_runs_in_generate(toy, capsys):
-    assert main(["generate", "--devices", "8", "--placement", toy, "--prompt-ids", "1,2,3", "--max-new-tokens", "3",
-                 "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--devices",
+                "8",
+                "--placement",
+                toy,
+                "--prompt-ids",
+                "1,2,3",
+                "--max-new-tokens",
+                "3",
+                "--json",
+            ]
+        )
+        == 0
+    )
     toy_tokens = json.loads(capsys.readouterr().out)["tokens"]
     assert main(["generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--json"]) == 0
     assert toy_tokens == json.loads(capsys.readouterr().out)["tokens"]

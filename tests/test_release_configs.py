@@ -12,15 +12,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from checkpoints.hf_config import FAMILY_DEFAULTS, from_hf_config
 from hf_quantized import write_fp8
 from hf_reference import hf_greedy
+from release_configs import RELEASES, write_release
+
+from checkpoints.hf_config import FAMILY_DEFAULTS, from_hf_config
 from moejax.cli import main
 from moejax.config import Config, ConfigError, ModelConfig, read_rope
 from moejax.engine.engine import Engine
 from moejax.loading import load_params, with_hf_model
-from release_configs import RELEASES, write_release
 from sharding import make_placement, names, with_placement
 
 pytest.importorskip("torch")
@@ -70,6 +70,7 @@ def assert_matches(gen, tokens, logits):
 
 # ----------------------------------------------------------------------------- as published
 
+
 @pytest.mark.parametrize("family", RELEASES)
 def test_release_config_gives_transformers_logits_and_tokens_on_one_device(releases, family):
     directory, tokens, logits = releases(family)
@@ -84,8 +85,10 @@ def test_release_config_gives_transformers_logits_and_tokens_on_several_devices(
 
 # Values moejax reads that the releases leave at their defaults: a window on every Mixtral
 # layer; Qwen3-MoE's attention biases (q, k, v and o).
-VARIANTS = {"mixtral window": ("mixtral", {"sliding_window": 4}),
-            "qwen3_moe attention_bias": ("qwen3_moe", {"attention_bias": True})}
+VARIANTS = {
+    "mixtral window": ("mixtral", {"sliding_window": 4}),
+    "qwen3_moe attention_bias": ("qwen3_moe", {"attention_bias": True}),
+}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -112,8 +115,11 @@ def test_deepseek_v3_release_takes_yarns_attention_scale():
     """The release's rope_scaling ("type": "yarn", mscale_all_dim 1) scales MLA's softmax by
     yarn_mscale(40, 1)^2, as DeepSeek's code does; the rope_type spelling reads the same."""
     c = from_hf_config(RELEASES["deepseek_v3"])
-    respelled = dict(RELEASES["deepseek_v3"], rope_scaling=None,
-                     rope_parameters={**RELEASES["deepseek_v3"]["rope_scaling"], "rope_theta": 10000})
+    respelled = dict(
+        RELEASES["deepseek_v3"],
+        rope_scaling=None,
+        rope_parameters={**RELEASES["deepseek_v3"]["rope_scaling"], "rope_theta": 10000},
+    )
     del respelled["rope_parameters"]["type"]
     respelled["rope_parameters"]["rope_type"] = "yarn"
     del respelled["rope_theta"]
@@ -152,8 +158,14 @@ def test_null_or_default_rope_is_plain_rope(params):
 def test_absent_keys_take_the_familys_transformers_defaults():
     import transformers
 
-    classes = {"deepseek_v3": "DeepseekV3Config", "glm_moe_dsa": "GlmMoeDsaConfig", "glm4_moe": "Glm4MoeConfig",
-               "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig", "gpt_oss": "GptOssConfig"}
+    classes = {
+        "deepseek_v3": "DeepseekV3Config",
+        "glm_moe_dsa": "GlmMoeDsaConfig",
+        "glm4_moe": "Glm4MoeConfig",
+        "qwen3_moe": "Qwen3MoeConfig",
+        "mixtral": "MixtralConfig",
+        "gpt_oss": "GptOssConfig",
+    }
     for family, defaults in FAMILY_DEFAULTS.items():
         reference = getattr(transformers, classes[family])()
         assert {k: getattr(reference, k) for k in defaults} == defaults, family
@@ -167,10 +179,14 @@ ROPE_REFUSED = {  # rope mapping -> what the line says
     "dynamic": ({"type": "dynamic", "factor": 2.0}, "'dynamic' is not computed"),
     "linear": ({"type": "linear", "factor": 2.0}, "'linear' is not computed"),
     "two types": ({"type": "yarn", "rope_type": "linear", "factor": 2.0}, "names two rope types"),
-    "unknown yarn key": ({"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64, "alpha": 1},
-                         "key 'alpha' is not one rope type 'yarn' reads"),
-    "theta given twice, differently": ({"type": "yarn", "factor": 2.0, "rope_theta": 5.0},
-                                       "rope_theta is 1e+06 at the top level but 5 in"),
+    "unknown yarn key": (
+        {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64, "alpha": 1},
+        "key 'alpha' is not one rope type 'yarn' reads",
+    ),
+    "theta given twice, differently": (
+        {"type": "yarn", "factor": 2.0, "rope_theta": 5.0},
+        "rope_theta is 1e+06 at the top level but 5 in",
+    ),
     "per layer type": ({"full_attention": {"rope_type": "default"}}, "per-layer-type rope settings"),
 }
 REFUSED = {  # family, change to the release config -> what the line says
@@ -180,16 +196,22 @@ REFUSED = {  # family, change to the release config -> what the line says
     "moe_layer_freq 2": ("deepseek_v3", {"moe_layer_freq": 2}, "asks for MoE layers at another interval"),
     "MLA attention_bias": ("deepseek_v3", {"attention_bias": True}, "asks for biases on the MLA projections"),
     "partial rope on MLA": ("deepseek_v3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 asks for"),
-    "partial rope inside": ("qwen3_moe", {"rope_scaling": {"rope_type": "default", "partial_rotary_factor": 0.5}},
-                            "partial_rotary_factor 0.5 asks for a partial rotary embedding"),
+    "partial rope inside": (
+        "qwen3_moe",
+        {"rope_scaling": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+        "partial_rotary_factor 0.5 asks for a partial rotary embedding",
+    ),
     "Qwen3 sliding window": ("qwen3_moe", {"use_sliding_window": True}, "asks for sliding-window attention"),
     "GLM-5 plain rope": ("glm_moe_dsa", {"rope_interleave": False}, "asks for non-interleaved rope"),
     "GLM-5 indexer rope": ("glm_moe_dsa", {"indexer_rope_interleave": False}, "non-interleaved indexer rope"),
     "GLM-5 mlp_bias": ("glm_moe_dsa", {"mlp_bias": True}, "asks for biases on the MLPs"),
     "gpt-oss experts_per_token": ("gpt_oss", {"experts_per_token": 4}, "experts_per_token 4 differs"),
     "gpt-oss layer_types": ("gpt_oss", {"layer_types": ["chunked_attention"] * 3}, "layer_types must name"),
-    "both rope keys, differing": ("qwen3_moe", {"rope_parameters": {"rope_type": "default"}},
-                                  "both rope_scaling and rope_parameters"),
+    "both rope keys, differing": (
+        "qwen3_moe",
+        {"rope_parameters": {"rope_type": "default"}},
+        "both rope_scaling and rope_parameters",
+    ),
     "unknown key": ("qwen3_moe", {"use_mup": True}, "key 'use_mup' is not one moejax reads for qwen3_moe"),
     "unknown architecture": ("mixtral", {"model_type": "kimi_k2"}, "unsupported architecture 'kimi_k2'"),
 } | {f"rope {name}": ("qwen3_moe", {"rope_scaling": params}, says) for name, (params, says) in ROPE_REFUSED.items()}
@@ -212,6 +234,7 @@ def test_a_config_file_rope_moejax_cannot_compute_is_refused():
 
 
 # ----------------------------------------------------------------------------- 4-bit widths
+
 
 def test_nvfp4_on_experts_too_narrow_for_it_is_one_line_before_loading(releases, capsys):
     """DeepSeek-V3 with moe_intermediate_size 24 on 8 devices: NVFP4 packs pairs of 16-value

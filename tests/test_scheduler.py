@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import pytest
+from text_model import make_text_model
 
 from moejax import platform
 from moejax.config import Config, EngineConfig, LayoutConfig
@@ -16,7 +17,6 @@ from moejax.serving.scheduler import Request, Scheduler
 from moejax.serving.stopping import Stopper
 from moejax.serving.tokenizer import Tokenizer
 from sharding import make_placement
-from text_model import make_text_model
 
 PROMPTS = [[5, 17, 45, 2, 88, 61, 9, 30, 12], [7, 3], [40] * 13, [9, 8, 7, 6, 5], [60, 61, 62, 63, 64, 65, 66]]
 LENGTHS = [6, 9, 3, 12, 5]
@@ -25,8 +25,9 @@ LENGTHS = [6, 9, 3, 12, 5]
 def build_engine(directory, prefill_chunk: int, layout: LayoutConfig = LayoutConfig(), first: int = 0) -> Engine:
     """On devices first .. first + layout.devices - 1."""
     config = with_hf_model(Config(engine=EngineConfig(prefill_chunk=prefill_chunk), layout=layout), str(directory))
-    placement = make_placement(config.validate(),
-                               devices=jax.devices()[first:first + layout.devices] if layout.devices > 1 else None)
+    placement = make_placement(
+        config.validate(), devices=jax.devices()[first : first + layout.devices] if layout.devices > 1 else None
+    )
     return Engine(config, load_params(config, placement, hf_dir=str(directory)), placement)
 
 
@@ -66,10 +67,16 @@ def test_requests_among_others_equal_the_static_engine_alone(engine, scheduler):
 
 
 # ragged_a2a runs in test_server.py (the server on 8 devices).
-@pytest.mark.parametrize("layout", [
-    LayoutConfig(placement="tensor_sliced", devices=8), LayoutConfig(placement="hybrid", devices=8, ep=4, tp=2),
-    LayoutConfig(placement="weight_prefetch", devices=8), LayoutConfig(placement="expert_sharded", devices=8, attention="tp"),
-], ids=lambda layout: f"{layout.placement}-{layout.attention}")
+@pytest.mark.parametrize(
+    "layout",
+    [
+        LayoutConfig(placement="tensor_sliced", devices=8),
+        LayoutConfig(placement="hybrid", devices=8, ep=4, tp=2),
+        LayoutConfig(placement="weight_prefetch", devices=8),
+        LayoutConfig(placement="expert_sharded", devices=8, attention="tp"),
+    ],
+    ids=lambda layout: f"{layout.placement}-{layout.attention}",
+)
 def test_every_placement_batches_continuously_to_the_single_device_tokens(engine, model_dir, layout):
     s = Scheduler(build_engine(model_dir, 8, layout), slots=8, max_len=64)
     done = s.run_all([request(p, n) for p, n in zip(PROMPTS, LENGTHS)])
@@ -79,8 +86,12 @@ def test_every_placement_batches_continuously_to_the_single_device_tokens(engine
 @pytest.fixture(scope="module")
 def apart(model_dir):
     """Prefill chunks under ragged_a2a on devices 0-3, decode under weight_prefetch on 4-7."""
-    s = Scheduler(build_engine(model_dir, 8, LayoutConfig(placement="weight_prefetch", devices=4), first=4), slots=4,
-                  max_len=64, prefill_engine=build_engine(model_dir, 8, LayoutConfig(placement="ragged_a2a", devices=4)))
+    s = Scheduler(
+        build_engine(model_dir, 8, LayoutConfig(placement="weight_prefetch", devices=4), first=4),
+        slots=4,
+        max_len=64,
+        prefill_engine=build_engine(model_dir, 8, LayoutConfig(placement="ragged_a2a", devices=4)),
+    )
     s.warm_up()
     return s
 
@@ -154,7 +165,9 @@ def test_bench_drives_an_in_process_scheduler(engine):
     from moejax.serving import bench
 
     client = bench.LocalClient(Scheduler(engine, slots=2, max_len=32))
-    s = bench.run(client, num_prompts=5, input_len=6, output_len=4, request_rate=50.0, max_concurrency=None, progress=False)
+    s = bench.run(
+        client, num_prompts=5, input_len=6, output_len=4, request_rate=50.0, max_concurrency=None, progress=False
+    )
     client.close()
     assert (s["completed"], s["total_output_tokens"]) == (5, 20) and s["request_throughput"] > 0
 
@@ -223,9 +236,13 @@ def test_metrics_report_pages_preemptions_and_prefix_cache(small):
     from moejax.serving.metrics import Metrics
 
     text = generate_latest(Metrics(small).registry).decode()
-    for name, value in (("moejax_kv_cache_usage", small.kv.usage), ("moejax_kv_pages_total", 12),
-                        ("moejax_preemptions", small.preemptions), ("moejax_prefix_cache_hits", small.kv.prefix.hits),
-                        ("moejax_prefix_cache_queries", small.kv.prefix.queries)):
+    for name, value in (
+        ("moejax_kv_cache_usage", small.kv.usage),
+        ("moejax_kv_pages_total", 12),
+        ("moejax_preemptions", small.preemptions),
+        ("moejax_prefix_cache_hits", small.kv.prefix.hits),
+        ("moejax_prefix_cache_queries", small.kv.prefix.queries),
+    ):
         assert f"{name} {float(value)}" in text
 
 

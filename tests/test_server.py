@@ -12,10 +12,10 @@ import time
 
 import numpy as np
 import pytest
-
-from moejax.trace import load_trace
 from served import KEY, MAX_LEN, Server
 from text_model import make_text_model
+
+from moejax.trace import load_trace
 
 pytestmark = pytest.mark.slow  # starts servers
 
@@ -34,8 +34,14 @@ def server(model_dir):
 
 def mixed_requests(n: int = 64) -> list[dict]:
     rng = np.random.default_rng(0)
-    return [{"prompt": rng.integers(3, 96, rng.integers(1, 40)).tolist(), "max_tokens": int(rng.integers(1, 12)),
-             "temperature": 0} for _ in range(n)]
+    return [
+        {
+            "prompt": rng.integers(3, 96, rng.integers(1, 40)).tolist(),
+            "max_tokens": int(rng.integers(1, 12)),
+            "temperature": 0,
+        }
+        for _ in range(n)
+    ]
 
 
 def concurrently(server, bodies: list[dict]) -> list[dict]:
@@ -65,9 +71,11 @@ def test_concurrent_requests_under_ragged_a2a_on_8_devices_equal_one_device_alon
 
 
 def stream(server, body: dict, chat: bool) -> list[dict]:
-    status, raw = server.request("POST", "/v1/chat/completions" if chat else "/v1/completions", {**body, "stream": True})
+    status, raw = server.request(
+        "POST", "/v1/chat/completions" if chat else "/v1/completions", {**body, "stream": True}
+    )
     assert status == 200
-    events = [line[len("data: "):] for line in raw.decode().split("\n\n") if line]
+    events = [line[len("data: ") :] for line in raw.decode().split("\n\n") if line]
     assert events[-1] == "[DONE]"
     return [json.loads(e) for e in events[:-1]]
 
@@ -80,8 +88,22 @@ def test_sampled_request_is_the_same_through_generate_serve_alone_and_amid_seven
     from moejax.cli import main
 
     prompts = ["hello there", "a second prompt"]
-    args = ["generate", "--hf", str(model_dir), "--max-new-tokens", "12", "--json", "--sample-seed", "11",
-            "--temperature", "0.9", "--top-p", "0.9", "--top-k", "50"]
+    args = [
+        "generate",
+        "--hf",
+        str(model_dir),
+        "--max-new-tokens",
+        "12",
+        "--json",
+        "--sample-seed",
+        "11",
+        "--temperature",
+        "0.9",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "50",
+    ]
     assert main(args + [x for p in prompts for x in ("--prompt", p)]) == 0
     generated = json.loads(capsys.readouterr().out)["tokens"]
     bodies = [{"prompt": p, "max_tokens": 12, "seed": 11 + i, **SAMPLED} for i, p in enumerate(prompts)]
@@ -95,8 +117,12 @@ def test_sampled_request_is_the_same_through_generate_serve_alone_and_amid_seven
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_streamed_chunks_concatenate_to_the_whole_answer(server, chat):
-    body = {"max_tokens": 12, "temperature": 0, "stop": ["zz"],
-            **({"messages": [{"role": "user", "content": "hello"}]} if chat else {"prompt": "hello"})}
+    body = {
+        "max_tokens": 12,
+        "temperature": 0,
+        "stop": ["zz"],
+        **({"messages": [{"role": "user", "content": "hello"}]} if chat else {"prompt": "hello"}),
+    }
     whole = server.complete(body, chat)["choices"][0]
     chunks = [c["choices"][0] for c in stream(server, body, chat)]
     text = "".join(c["delta"]["content"] if chat else c["text"] for c in chunks)
@@ -105,13 +131,16 @@ def test_streamed_chunks_concatenate_to_the_whole_answer(server, chat):
     assert chunks[-1]["finish_reason"] == whole["finish_reason"]
 
 
-@pytest.mark.parametrize("body, message", [
-    ("{not json", "not valid JSON"),
-    ({"prompt": [5] * MAX_LEN}, "does not fit"),
-    ({"prompt": "hi", "model": "gpt-4"}, "not served here"),
-    ({"prompt": "hi", "max_tokens": "many"}, "'max_tokens' must be int"),
-    ({"prompt": [3, 500]}, "outside the vocabulary"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("{not json", "not valid JSON"),
+        ({"prompt": [5] * MAX_LEN}, "does not fit"),
+        ({"prompt": "hi", "model": "gpt-4"}, "not served here"),
+        ({"prompt": "hi", "max_tokens": "many"}, "'max_tokens' must be int"),
+        ({"prompt": [3, 500]}, "outside the vocabulary"),
+    ],
+)
 def test_bad_request_gets_400_with_one_line(server, body, message):
     status, raw = server.request("POST", "/v1/completions", body)
     assert status == 400 and b"\n" not in raw.strip()
@@ -137,8 +166,13 @@ def test_models_lists_the_served_model(server, model_dir):
 
 
 def test_metrics_count_tokens_latencies_and_expert_picks(server):
-    names = ["moejax_generation_tokens_total", "moejax_prompt_tokens_total", "moejax_e2e_request_latency_seconds_count",
-             "moejax_inter_token_latency_seconds_count", "moejax_expert_tokens"]
+    names = [
+        "moejax_generation_tokens_total",
+        "moejax_prompt_tokens_total",
+        "moejax_e2e_request_latency_seconds_count",
+        "moejax_inter_token_latency_seconds_count",
+        "moejax_expert_tokens",
+    ]
     before = [server.metric(n) for n in names]
     server.complete({"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0})
     after = [server.metric(n) for n in names]
@@ -147,6 +181,7 @@ def test_metrics_count_tokens_latencies_and_expert_picks(server):
 
 
 # ----------------------------------------------------------------------------- a one-slot server
+
 
 @pytest.fixture(scope="module")
 def small(model_dir, tmp_path_factory):
@@ -200,8 +235,24 @@ def test_bench_against_the_server_reports_every_request(server, capsys):
     from moejax.cli import main
 
     url = f"http://127.0.0.1:{server.port}"
-    code = main(["bench", "--url", url, "--api-key", KEY, "--num-prompts", "12", "--input-len", "9", "--output-len", "5",
-                 "--max-concurrency", "4", "--json"])
+    code = main(
+        [
+            "bench",
+            "--url",
+            url,
+            "--api-key",
+            KEY,
+            "--num-prompts",
+            "12",
+            "--input-len",
+            "9",
+            "--output-len",
+            "5",
+            "--max-concurrency",
+            "4",
+            "--json",
+        ]
+    )
     s = json.loads(capsys.readouterr().out)
     assert code == 0 and (s["completed"], s["failed"], s["total_output_tokens"]) == (12, 0, 60)
     for name in ("ttft", "tpot", "itl", "e2e_latency"):

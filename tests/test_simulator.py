@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from moejax.analysis import costs
-from sharding import eplb
 from moejax.analysis.simulate import device_work, layouts, phase_us, simulate
 from moejax.cli import main
 from moejax.config import Config, preset
 from moejax.trace import Trace, save_trace
+from sharding import eplb
 
 N, E, K, ROWS = 8, 32, 4, 8  # 8 devices, 32 experts top-4 (4 per device), one 8-row decode step
 
@@ -29,8 +29,9 @@ def hand_table(num_experts=E, model="hand") -> costs.CostTable:
 
 def trace_of(picks, num_experts=E, steps=1) -> Trace:
     ids = np.broadcast_to(np.asarray(picks, np.int32), (steps, 1, ROWS, K)).copy()
-    return Trace(ids, np.ones((steps, ROWS), bool), np.array(["decode"] * steps), np.array([1], np.int32),
-                 num_experts, "hand")
+    return Trace(
+        ids, np.ones((steps, ROWS), bool), np.array(["decode"] * steps), np.array([1], np.int32), num_experts, "hand"
+    )
 
 
 SKEWED = trace_of([[0, 1, 2, 3]] * ROWS)  # every pick on device 0
@@ -86,10 +87,31 @@ def test_advise_json(tmp_path, capsys):
     costs.save(table, tmp_path / "costs.json")
     rng = np.random.default_rng(0)
     ids = np.stack([[rng.choice(16, K, replace=False) for _ in range(ROWS)] for _ in range(10)])[:, None]
-    save_trace(tmp_path / "t.npz", ids=ids, valid=np.ones((10, ROWS), bool), kind=["decode"] * 10, layers=[1],
-               num_experts=16, model="tiny")
-    assert main(["advise", str(tmp_path / "t.npz"), "--preset", "tiny", "--devices", "8",
-                 "--costs", str(tmp_path / "costs.json"), "--json"]) == 0
+    save_trace(
+        tmp_path / "t.npz",
+        ids=ids,
+        valid=np.ones((10, ROWS), bool),
+        kind=["decode"] * 10,
+        layers=[1],
+        num_experts=16,
+        model="tiny",
+    )
+    assert (
+        main(
+            [
+                "advise",
+                str(tmp_path / "t.npz"),
+                "--preset",
+                "tiny",
+                "--devices",
+                "8",
+                "--costs",
+                str(tmp_path / "costs.json"),
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["devices"] == 8 and report["steps"] == 10 and (report["fit_steps"], report["test_steps"]) == (6, 4)
     assert sorted(report["ranking"]) == sorted(l.name for l in layouts(N))
@@ -102,35 +124,79 @@ def test_advise_json(tmp_path, capsys):
 
 
 def test_advise_rejects_a_trace_of_another_model(tmp_path, capsys):
-    save_trace(tmp_path / "t.npz", ids=np.zeros((1, 1, 2, 2)), valid=np.ones((1, 2), bool), kind=["decode"],
-               layers=[1], num_experts=6, model="x")
+    save_trace(
+        tmp_path / "t.npz",
+        ids=np.zeros((1, 1, 2, 2)),
+        valid=np.ones((1, 2), bool),
+        kind=["decode"],
+        layers=[1],
+        num_experts=6,
+        model="x",
+    )
     assert main(["advise", str(tmp_path / "t.npz"), "--preset", "tiny", "--costs", str(tmp_path / "c.json")]) == 2
     assert "6 experts" in capsys.readouterr().err
 
 
-LAYER = {"layer": 1, "slowest_ms": 2.0, "devices": [
-    {"device": 0, "attention_ms": 9.0, "dispatch_ms": 1.0, "experts_ms": 2.0, "combine_ms": 1.0},
-    {"device": 1, "attention_ms": 1.0, "dispatch_ms": 3.0, "experts_ms": 0.5, "combine_ms": 1.0}]}
-TRACED = {"placement": "expert_sharded", "ep": 8, "tp": 1, "devices": 8, "routing": "replay:t.npz", "steps": 3,
-          "step_ms": 12.5, "imbalance_ms": 1.25, "layers": [LAYER, LAYER]}
+LAYER = {
+    "layer": 1,
+    "slowest_ms": 2.0,
+    "devices": [
+        {"device": 0, "attention_ms": 9.0, "dispatch_ms": 1.0, "experts_ms": 2.0, "combine_ms": 1.0},
+        {"device": 1, "attention_ms": 1.0, "dispatch_ms": 3.0, "experts_ms": 0.5, "combine_ms": 1.0},
+    ],
+}
+TRACED = {
+    "placement": "expert_sharded",
+    "ep": 8,
+    "tp": 1,
+    "devices": 8,
+    "routing": "replay:t.npz",
+    "steps": 3,
+    "step_ms": 12.5,
+    "imbalance_ms": 1.25,
+    "layers": [LAYER, LAYER],
+}
 
 
 def advise_with_step_trace(tmp_path, traced: dict) -> list[str]:
     """advise's argv on a 3-step trace of every pick on device 0, with `traced` as the step trace."""
     tiny = dataclasses.replace(Config(), model=preset("tiny"))
     costs.save(hand_table(16, costs.geometry_key(tiny)), tmp_path / "costs.json")
-    save_trace(tmp_path / "t.npz", ids=np.tile(np.arange(K), (3, 1, ROWS, 1)), valid=np.ones((3, ROWS), bool),
-               kind=["decode"] * 3, layers=[1], num_experts=16, model="tiny")
+    save_trace(
+        tmp_path / "t.npz",
+        ids=np.tile(np.arange(K), (3, 1, ROWS, 1)),
+        valid=np.ones((3, ROWS), bool),
+        kind=["decode"] * 3,
+        layers=[1],
+        num_experts=16,
+        model="tiny",
+    )
     (tmp_path / "st.json").write_text(json.dumps(traced))
-    return ["advise", str(tmp_path / "t.npz"), "--preset", "tiny", "--devices", "8", "--costs",
-            str(tmp_path / "costs.json"), "--step-trace", str(tmp_path / "st.json")]
+    return [
+        "advise",
+        str(tmp_path / "t.npz"),
+        "--preset",
+        "tiny",
+        "--devices",
+        "8",
+        "--costs",
+        str(tmp_path / "costs.json"),
+        "--step-trace",
+        str(tmp_path / "st.json"),
+    ]
 
 
 def test_advise_puts_a_traced_step_beside_the_simulated_one(tmp_path, capsys):
     assert main(advise_with_step_trace(tmp_path, TRACED) + ["--json"]) == 0
     rows = {p["placement"]: p for p in json.loads(capsys.readouterr().out)["placements"]}
-    assert rows["expert_sharded"]["measured"] == {"step_ms": 12.5, "moe_ms": 9.0, "expert_ms": 4.0,
-                                                  "imbalance_ms": 1.25, "steps": 3, "routing": "replay:t.npz"}
+    assert rows["expert_sharded"]["measured"] == {
+        "step_ms": 12.5,
+        "moe_ms": 9.0,
+        "expert_ms": 4.0,
+        "imbalance_ms": 1.25,
+        "steps": 3,
+        "routing": "replay:t.npz",
+    }
     assert [name for name, p in rows.items() if "measured" in p] == ["expert_sharded"]
     simulated = rows["expert_sharded"]["contiguous"]  # every pick on device 0: the slowest minus the mean device
     assert simulated["imbalance_ms"] == pytest.approx(simulated["expert_ms"] - simulated["mean_device_expert_ms"])

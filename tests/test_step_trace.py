@@ -18,8 +18,21 @@ PROMPTS = ["1"] * 8  # one request per device (DP attention); decode steps of 8 
 
 
 def trace(routing, *extra):
-    argv = ["trace", "--preset", "tiny", "--devices", "8", "--placement", "expert_sharded", "--steps", str(STEPS),
-            "--routing", routing, "--json", *extra]
+    argv = [
+        "trace",
+        "--preset",
+        "tiny",
+        "--devices",
+        "8",
+        "--placement",
+        "expert_sharded",
+        "--steps",
+        str(STEPS),
+        "--routing",
+        routing,
+        "--json",
+        *extra,
+    ]
     for p in PROMPTS:
         argv += ["--prompt-ids", p]
     out = io.StringIO()
@@ -42,8 +55,15 @@ def skewed(tmp_path_factory):
     path = tmp_path_factory.mktemp("trace") / "skewed.npz"
     passes = 1 + STEPS
     valid = [valid_rows([1] * 8, 8, 16, 0)] + [np.pad(valid_rows([1] * 8, 8, 1, None), (0, 120))] * STEPS
-    save_trace(path, np.tile([0, 1, 0, 1], (passes, 2, 128, 1)), valid, ["prefill"] + ["decode"] * STEPS, [1, 2], 16,
-               "every pick on device 0's experts")
+    save_trace(
+        path,
+        np.tile([0, 1, 0, 1], (passes, 2, 128, 1)),
+        valid,
+        ["prefill"] + ["decode"] * STEPS,
+        [1, 2],
+        16,
+        "every pick on device 0's experts",
+    )
     return trace(f"replay:{path}")
 
 
@@ -79,13 +99,29 @@ def test_imbalance_grows_when_every_pick_is_on_device_0(even, skewed):
 def test_events_belong_to_the_layer_window_they_start_in():
     # Two layers; "attn" runs once per layer and opens each window; a nested loop's "gemm" runs 3
     # times in layer 0 and once in layer 1; "xch" before the gemms is dispatch, after them combine.
-    scopes = {"attn": "f/moe_layers/attention/dot", "gemm": "f/moe_layers/moe/shard_map/experts/dot",
-              "xch": "f/moe_layers/moe/shard_map/all_gather", "norm": "f/moe_layers/rsqrt"}
+    scopes = {
+        "attn": "f/moe_layers/attention/dot",
+        "gemm": "f/moe_layers/moe/shard_map/experts/dot",
+        "xch": "f/moe_layers/moe/shard_map/all_gather",
+        "norm": "f/moe_layers/rsqrt",
+    }
     ms = 1_000_000
-    events = [(7, 0, op, a * ms, b * ms) for op, a, b in [
-        ("attn", 0, 1), ("xch", 1, 2), ("gemm", 2, 3), ("gemm", 3, 4), ("gemm", 4, 5), ("xch", 5, 7), ("norm", 7, 8),
-        ("attn", 10, 12), ("xch", 12, 13), ("gemm", 13, 17), ("xch", 17, 18)]]
+    events = [
+        (7, 0, op, a * ms, b * ms)
+        for op, a, b in [
+            ("attn", 0, 1),
+            ("xch", 1, 2),
+            ("gemm", 2, 3),
+            ("gemm", 3, 4),
+            ("gemm", 4, 5),
+            ("xch", 5, 7),
+            ("norm", 7, 8),
+            ("attn", 10, 12),
+            ("xch", 12, 13),
+            ("gemm", 13, 17),
+            ("xch", 17, 18),
+        ]
+    ]
     parts, steps = step_trace.attribute(events, scopes, layers=2, devices=1)
     assert parts[0, 0].tolist() == [[1, 1, 3, 2], [2, 1, 4, 1]]  # attention, dispatch, experts, combine
     assert steps.tolist() == [18]
-

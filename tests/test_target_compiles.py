@@ -23,9 +23,11 @@ from sharding.placement import gemm_kernel
 # Every family once: the goldens' transformers models (the ones that met a GPU first), then a tiny
 # preset of each family they lack; and GQA and MLA models of widths no power of two divides.
 TINY = {model.family: name for name, model in reversed(PRESETS.items()) if name.startswith("tiny")}
-MODELS = [(f"hf:{family}", ()) for family in FAMILIES] \
-    + [(name, ()) for family, name in TINY.items() if family not in FAMILIES] \
+MODELS = (
+    [(f"hf:{family}", ()) for family in FAMILIES]
+    + [(name, ()) for family, name in TINY.items() if family not in FAMILIES]
     + [("tiny-qwen3-moe", ODD_GQA), ("tiny", ODD_MLA)]
+)
 DTYPES = ("bfloat16", "float32")
 PAGE_SIZE = 16
 
@@ -33,22 +35,48 @@ PAGE_SIZE = 16
 # block is the decode step in a loop: `test_target_structure.py` compiles it); the XLA path's own
 # expert products in bf16 (its float32 dots are the auto path's, and the expert einsums'), without
 # pages (`XLA_ONLY` reads pages through XLA).
-FAMILY_CASES = [case for model, widths in MODELS for dtype in DTYPES for case in (
-    Case(model, "h100", widths, dtype=dtype, programs=("decode", "prefill")),
-    Case(model, "h100", widths, dtype=dtype, page_size=PAGE_SIZE, programs=("decode",)),
-    *([Case(model, "h100", widths, kernel="xla", programs=("decode", "prefill"))] if dtype == "bfloat16" else []))]
+FAMILY_CASES = [
+    case
+    for model, widths in MODELS
+    for dtype in DTYPES
+    for case in (
+        Case(model, "h100", widths, dtype=dtype, programs=("decode", "prefill")),
+        Case(model, "h100", widths, dtype=dtype, page_size=PAGE_SIZE, programs=("decode",)),
+        *([Case(model, "h100", widths, kernel="xla", programs=("decode", "prefill"))] if dtype == "bfloat16" else []),
+    )
+]
 # 4-bit experts on widths the TPU grouped GEMM tiles; pages, for the paged-attention kernels.
 TARGET_DEVICES = {"h100": 8, "v5e": 8}
-PLACEMENT_CASES = [Case("tiny-qwen3-moe", target, TILEABLE, devices=n, placement=name, expert_format="nvfp4",
-                        page_size=PAGE_SIZE, programs=("decode", "prefill"))
-                   for target, n in TARGET_DEVICES.items() for name in names()]
+PLACEMENT_CASES = [
+    Case(
+        "tiny-qwen3-moe",
+        target,
+        TILEABLE,
+        devices=n,
+        placement=name,
+        expert_format="nvfp4",
+        page_size=PAGE_SIZE,
+        programs=("decode", "prefill"),
+    )
+    for target, n in TARGET_DEVICES.items()
+    for name in names()
+]
 # The Pallas custom call each target's grouped GEMM is (`auto` picks pallas_gpu, pallas_tpu).
 KERNEL_CALL = {"h100": "__gpu$xla.gpu.triton", "v5e": "tpu_custom_call"}
 # 4-bit experts sliced narrower than the TPU grouped GEMM tiles (K 64 a device): `auto` multiplies
 # them through XLA (Mosaic refused the program: GLM-5.3 tensor-sliced over 32 v6e chips).
-NARROW = Case("tiny-qwen3-moe", "v5e", (("hidden_size", 512), ("moe_intermediate_size", 512)), devices=8,
-              placement="tensor_sliced", expert_format="nvfp4", programs=("decode",))
-XLA_ONLY = Case("tiny-qwen3-moe", "h100", kernel="xla", attention_kernel="xla", page_size=PAGE_SIZE, programs=("decode",))
+NARROW = Case(
+    "tiny-qwen3-moe",
+    "v5e",
+    (("hidden_size", 512), ("moe_intermediate_size", 512)),
+    devices=8,
+    placement="tensor_sliced",
+    expert_format="nvfp4",
+    programs=("decode",),
+)
+XLA_ONLY = Case(
+    "tiny-qwen3-moe", "h100", kernel="xla", attention_kernel="xla", page_size=PAGE_SIZE, programs=("decode",)
+)
 
 
 @pytest.fixture(scope="session")
@@ -93,9 +121,13 @@ def test_auto_multiplies_experts_the_tpu_kernel_cannot_tile_through_xla(compiled
 
 
 def test_the_tpu_kernel_named_for_experts_it_cannot_tile_is_refused_with_the_reason():
-    config = Config(model=model_config(NARROW), layout=LayoutConfig(devices=8), weights=WeightsConfig("nvfp4"),
-                    kernel="pallas_tpu").validate()
+    config = Config(
+        model=model_config(NARROW), layout=LayoutConfig(devices=8), weights=WeightsConfig("nvfp4"), kernel="pallas_tpu"
+    ).validate()
     assert gemm_kernel(config, "tpu", 1) == "pallas_tpu"  # K 512 and 512 on one device
-    with pytest.raises(ConfigError, match=r"kernel pallas_tpu: 4-bit experts need a K per device of a multiple "
-                                          r"of 256, these have \[64\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"kernel pallas_tpu: 4-bit experts need a K per device of a multiple "
+        r"of 256, these have \[64\]",
+    ):
         gemm_kernel(config, "tpu", 8)

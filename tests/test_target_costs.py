@@ -98,12 +98,25 @@ def test_hlo_ops_price_slices_updates_in_place_loops_and_collectives(loop):
     assert (other.scope, other.bytes, other.fixed) == ("jit(f)/attention/all_gather", 7 * 512, 0)
     assert kernel.bytes == 512 + 4 + 512  # a kernel handed the whole stack reads one layer per trip
     assert update.bytes == 2 * (1024 + 4)  # the update and its index, not the cache it lands in
-    assert [target_costs.category(op) for op in ops] == ["attention", "experts", "exchange", "attention", "rest",
-                                                         "rest"]
+    assert [target_costs.category(op) for op in ops] == [
+        "attention",
+        "experts",
+        "exchange",
+        "attention",
+        "rest",
+        "rest",
+    ]
 
 
-@pytest.mark.parametrize("attrs, size", [("replica_groups={{0,1,2,3},{4,5,6,7}}", 4), ("replica_groups=[2,4]<=[8]", 4),
-                                         ("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_1'}", 2), ("", 8)])
+@pytest.mark.parametrize(
+    "attrs, size",
+    [
+        ("replica_groups={{0,1,2,3},{4,5,6,7}}", 4),
+        ("replica_groups=[2,4]<=[8]", 4),
+        ("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_1'}", 2),
+        ("", 8),
+    ],
+)
 def test_hlo_group_sizes(attrs, size):
     assert hlo.group_size(attrs, 8) == size
 
@@ -124,8 +137,12 @@ def test_b300_expert_time_per_touched_gb_is_the_placement_studys():
 
 # ----------------------------------------------------------------------------- a tiny model on 8 H100s
 
-TINY = Config(model=preset("tiny"), layout=LayoutConfig(devices=8), weights=WeightsConfig("nvfp4"),
-              engine=EngineConfig(dtype="bfloat16")).validate()
+TINY = Config(
+    model=preset("tiny"),
+    layout=LayoutConfig(devices=8),
+    weights=WeightsConfig("nvfp4"),
+    engine=EngineConfig(dtype="bfloat16"),
+).validate()
 
 
 def even(rows: int, steps: int, seed: int = 0):
@@ -136,8 +153,9 @@ def even(rows: int, steps: int, seed: int = 0):
 def h100():
     """The tiny model's expert_sharded and ragged_a2a layouts compiled for 8 H100s, ranked on an even router."""
     t = targets.target("h100")
-    return target_costs.advise(TINY, even(64, 8), t, list(targets.devices("h100", 8)), 256, 512,
-                               ["expert_sharded", "ragged_a2a"])
+    return target_costs.advise(
+        TINY, even(64, 8), t, list(targets.devices("h100", 8)), 256, 512, ["expert_sharded", "ragged_a2a"]
+    )
 
 
 def test_advise_ranks_each_phase_with_its_time_table(h100):
@@ -160,8 +178,12 @@ def test_advise_ranks_each_phase_with_its_time_table(h100):
 
 
 def test_a_layout_that_alone_fits_leads_by_its_memory():
-    row = lambda name, us, gb: {"layout": name, "us": {"step": us, **dict.fromkeys(target_costs.CATEGORIES, us / 4)},
-                                "memory_gb": gb, "fits": gb <= 32}
+    row = lambda name, us, gb: {
+        "layout": name,
+        "us": {"step": us, **dict.fromkeys(target_costs.CATEGORIES, us / 4)},
+        "memory_gb": gb,
+        "fits": gb <= 32,
+    }
     d = target_costs.decides([row("tensor_sliced", 900.0, 31.7), row("expert_sharded", 100.0, 33.2)])
     assert d["part"] == "memory" and d["part_gb"] == pytest.approx(1.5) and d["lead_us"] == pytest.approx(-800)
     assert target_costs.decides([row("a", 100.0, 20), row("b", 140.0, 20)])["part_us"] == pytest.approx(10)
@@ -177,10 +199,13 @@ def test_the_trace_sets_the_busiest_devices_experts_and_travelling_rows():
     """A hand-made program: per MoE layer one expert kernel reading its 2 local experts of 1 MB, and
     ragged all-to-alls sized for all 8 rows of a device going to the 7 others."""
     t, per_expert, ragged = targets.target("h100"), 1e6, 7 * 8 * 1e3
-    ops = [hlo.Op("kernel", "moe/shard_map/experts/gemm", 2 * per_expert + 1e3, 0.0, 2.0),
-           hlo.Op("ragged-all-to-all", "", ragged, 0.0, 2.0)]
-    c = target_costs.Candidate(Layout("ragged_a2a", 8, 1), "pallas_gpu", per_expert, 0.0,
-                               {"decode": target_costs.Program(ops, 8)})
+    ops = [
+        hlo.Op("kernel", "moe/shard_map/experts/gemm", 2 * per_expert + 1e3, 0.0, 2.0),
+        hlo.Op("ragged-all-to-all", "", ragged, 0.0, 2.0),
+    ]
+    c = target_costs.Candidate(
+        Layout("ragged_a2a", 8, 1), "pallas_gpu", per_expert, 0.0, {"decode": target_costs.Program(ops, 8)}
+    )
     price = lambda trace: target_costs.phase_us(c, "decode", trace, t, TINY.model)
     hot = price(picks(lambda d: [0, 1, 2, 3]))  # every row to devices 0 and 1, which read both their experts
     thin = price(picks(lambda d: [0, 2, 4, 6]))  # every row to devices 0-3, which read one expert each
@@ -197,8 +222,9 @@ def test_one_device_prices_the_one_program_every_placement_is():
     """One GPU: a single layout, no exchange, what a serve on it runs (no placement to pick)."""
     t = targets.target("h200")
     config = dataclasses.replace(TINY, layout=LayoutConfig(devices=1))
-    report, _ = target_costs.advise(config, even(4, 4), t, list(targets.devices("h200", 1)), 256, 512,
-                                    ["expert_sharded", "ragged_a2a"])
+    report, _ = target_costs.advise(
+        config, even(4, 4), t, list(targets.devices("h200", 1)), 256, 512, ["expert_sharded", "ragged_a2a"]
+    )
     for phase in ("decode", "prefill"):
         [row] = report["phases"][phase]["layouts"]
         assert row["layout"] == target_costs.ONE_DEVICE and row["us"]["exchange"] == 0 < row["us"]["step"]
@@ -209,8 +235,13 @@ def test_hybrid_is_tried_at_every_mesh():
     assert [(l.ep, l.tp) for l in target_costs.layouts(TINY, 8, ["hybrid"])] == [(2, 4), (4, 2)]
 
 
-@pytest.mark.parametrize("extra, message", [(["--eplb", "t.npz"], "--eplb, --step-trace and --costs go with --target cpu"),
-                                            (["--placements", "nosuch"], "nosuch")])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--eplb", "t.npz"], "--eplb, --step-trace and --costs go with --target cpu"),
+        (["--placements", "nosuch"], "nosuch"),
+    ],
+)
 def test_advise_target_bad_input_is_one_line(tmp_path, capsys, monkeypatch, extra, message):
     monkeypatch.chdir(tmp_path)
     save_trace("t.npz", **dataclasses.asdict(even(8, 2)))
@@ -221,14 +252,16 @@ def test_advise_target_bad_input_is_one_line(tmp_path, capsys, monkeypatch, extr
 
 # ----------------------------------------------------------------------------- serve --placement auto on a CPU
 
+
 def table_for(config: Config, trace, n: int) -> costs.CostTable:
     """A cost table holding every entry `advise` needs for `trace` on n devices (nothing to measure),
     with exchanges far apart so that one placement leads."""
     c, table = config.model, costs.CostTable(costs.geometry_key(config), config.model.moe_intermediate_size, 1 << 20)
     rows = int(-(-trace.valid.sum(axis=1).max() // n) * n)
     for layout, us in zip(layouts(n), (50.0, 40.0, 30.0, 5.0, 60.0)):
-        work = device_work(trace.select([0]), layout, eplb.contiguous(len(c.moe_layers), c.num_experts),
-                           c.moe_intermediate_size)
+        work = device_work(
+            trace.select([0]), layout, eplb.contiguous(len(c.moe_layers), c.num_experts), c.moe_intermediate_size
+        )
         table.compute_fit[f"{int(work.rows[0])},{work.width},{work.held}"] = [5.0, 1.0, 2.0]
         table.exchange[f"{layout.name},{layout.ep},{layout.tp},{rows}"] = us
     return table
@@ -248,7 +281,9 @@ def test_serve_placement_auto_takes_what_advise_ranks_first_and_says_so(tmp_path
     assert args.placement == first and (args.prefill_placement, args.decode_placement) == (None, None)
     assert f"decode and prefill {first}, predicted" in log.getvalue() and len(log.getvalue().splitlines()) == 1
     metric = next(iter(choice.collect()))
-    assert {s.labels["layout"] for s in metric.samples} == {first} and {s.labels["target"] for s in metric.samples} == {"cpu"}
+    assert {s.labels["layout"] for s in metric.samples} == {first} and {s.labels["target"] for s in metric.samples} == {
+        "cpu"
+    }
 
 
 def test_online_eplb_readvises_on_the_live_window_and_logs_a_better_layout():
@@ -266,8 +301,9 @@ def test_online_eplb_readvises_on_the_live_window_and_logs_a_better_layout():
         seen.append(trace.ids.shape)
         return ranked[len(seen) - 1]
 
-    choice = layout_choice.LayoutChoice("h100", {"decode": layout_choice.Ranked("expert_sharded", "expert_sharded", 8,
-                                                                                1, 100.0)}, [], rerank, log)
+    choice = layout_choice.LayoutChoice(
+        "h100", {"decode": layout_choice.Ranked("expert_sharded", "expert_sharded", 8, 1, 100.0)}, [], rerank, log
+    )
     choice.follow(scheduler)
     for _ in range(4):
         scheduler.between_steps[0]()

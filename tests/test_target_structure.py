@@ -23,8 +23,15 @@ from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, pre
 # [32, 2048, 1536] and down [32, 768, 2048], its pools of 16-position pages [128, 2, 16, 128] (GPU)
 # or [128, 16, 4, 128] (TPU: k and v interleaved); 8 rows of 4 picks (32 rows per expert product:
 # past the rows XLA:CPU gathers, within those an accelerator does), 256 positions.
-MODEL = dataclasses.replace(preset("tiny-qwen3-moe"), num_layers=4, dense_layers=(), hidden_size=2048,
-                            moe_intermediate_size=768, num_experts=32, head_dim=128)
+MODEL = dataclasses.replace(
+    preset("tiny-qwen3-moe"),
+    num_layers=4,
+    dense_layers=(),
+    hidden_size=2048,
+    moe_intermediate_size=768,
+    num_experts=32,
+    head_dim=128,
+)
 BATCH, CONTEXT, PAGE_SIZE = 8, 256, 16
 KERNELS = ("xla", "auto")  # auto on h100: pallas_gpu; on v5e: pallas_tpu
 # Ops that only name or pass on buffers, and the ops whose computations are listed on their own.
@@ -61,7 +68,9 @@ def run_ops(hlo: str) -> list[tuple[str, str]]:
             if m:
                 ops.append((m.group(2), m.group(1)))
                 if m.group(2) in ("while", "conditional", "call"):
-                    todo += re.findall(r"(?:body|condition|to_apply|true_computation|false_computation)=%([\w.-]+)", line)
+                    todo += re.findall(
+                        r"(?:body|condition|to_apply|true_computation|false_computation)=%([\w.-]+)", line
+                    )
                     branches = re.search(r"branch_computations=\{([^}]*)\}", line)
                     todo += re.findall(r"%([\w.-]+)", branches.group(1)) if branches else []
     return ops
@@ -77,24 +86,37 @@ def dims(shape, ordered: bool = False) -> tuple[int, ...]:
 def copies_of(hlo: str, shapes, ordered: bool = False) -> list[str]:
     """Ops writing an array of one of `shapes` (as `dims` sees them)."""
     wanted = {dims(s, ordered) for s in shapes}
-    return [f"{op} {out}" for op, out in run_ops(hlo) if op not in PASSING
-            for t in re.findall(r"\w+\[([\d,]*)\]", out)
-            if dims((int(d) for d in t.split(",") if d), ordered) in wanted]
+    return [
+        f"{op} {out}"
+        for op, out in run_ops(hlo)
+        if op not in PASSING
+        for t in re.findall(r"\w+\[([\d,]*)\]", out)
+        if dims((int(d) for d in t.split(",") if d), ordered) in wanted
+    ]
 
 
 def loops_of_unknown_trip_count(hlo: str) -> list[str]:
-    return [line.strip()[:160] for line in hlo.splitlines() if re.search(r" while\(", line)
-            and "known_trip_count" not in line]
+    return [
+        line.strip()[:160]
+        for line in hlo.splitlines()
+        if re.search(r" while\(", line) and "known_trip_count" not in line
+    ]
 
 
 @functools.cache
 def program(target: str, kernel: str, page_size: int):
     """(optimized HLO of a decode block, abstract params, abstract cache, its temporary bytes) on one
     `target` device; page_size 0: a contiguous cache."""
-    config = Config(model=MODEL, layout=LayoutConfig(devices=1), weights=WeightsConfig("unquantized"),
-                    engine=EngineConfig(dtype="bfloat16"), kernel=kernel).validate()
-    _, progs = plan.programs(config, BATCH, CONTEXT, BATCH, targets.target(target).platform,
-                             list(targets.devices(target, 1)), page_size)
+    config = Config(
+        model=MODEL,
+        layout=LayoutConfig(devices=1),
+        weights=WeightsConfig("unquantized"),
+        engine=EngineConfig(dtype="bfloat16"),
+        kernel=kernel,
+    ).validate()
+    _, progs = plan.programs(
+        config, BATCH, CONTEXT, BATCH, targets.target(target).platform, list(targets.devices(target, 1)), page_size
+    )
     jitted, args = progs["decode block"]
     compiled = jitted.lower(*args).compile()
     return compiled.as_text(), *args[:2], compiled.memory_analysis().temp_size_in_bytes
@@ -168,6 +190,13 @@ def test_the_xla_grouped_gemm_loops_a_known_number_of_times_on_a_gpu(fmt, rows):
     if fmt != "unquantized":
         w = jax.eval_shape(lambda a: pk.quantize_experts(a, fmt), w)
     f = jax.jit(lambda l, w, s: pk.grouped_gemm(l, w, s, backend="xla", platform="cuda"))
-    hlo = f.lower(on("h100", (rows, 256), jnp.bfloat16), jax.tree.map(lambda a: on("h100", a.shape, a.dtype), w),
-                  on("h100", (16,), jnp.int32)).compile().as_text()
+    hlo = (
+        f.lower(
+            on("h100", (rows, 256), jnp.bfloat16),
+            jax.tree.map(lambda a: on("h100", a.shape, a.dtype), w),
+            on("h100", (16,), jnp.int32),
+        )
+        .compile()
+        .as_text()
+    )
     assert loops_of_unknown_trip_count(hlo) == []

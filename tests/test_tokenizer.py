@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from text_model import make_text_model
 
 from moejax.errors import UsageError
 from moejax.serving.stopping import Stopper
 from moejax.serving.tokenizer import Tokenizer, eos_ids
-from text_model import make_text_model
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +34,15 @@ def test_chat_template_renders_messages_with_generation_prompt(tok):
     assert tok.encode_chat(messages) == tok.encode("s:be brief;u:hi;a:")  # the template's <s>, no second one
 
 
-@pytest.mark.parametrize("files, expected", [
-    ({"generation_config.json": {"eos_token_id": [1, 5]}, "config.json": {"eos_token_id": 9}}, (1, 5)),
-    ({"generation_config.json": {}, "config.json": {"eos_token_id": 9}}, (9,)),
-    ({"generation_config.json": {"eos_token_id": []}, "config.json": {"eos_token_id": 9}}, ()),
-    ({"config.json": {"eos_token_id": None}}, None),
-])
+@pytest.mark.parametrize(
+    "files, expected",
+    [
+        ({"generation_config.json": {"eos_token_id": [1, 5]}, "config.json": {"eos_token_id": 9}}, (1, 5)),
+        ({"generation_config.json": {}, "config.json": {"eos_token_id": 9}}, (9,)),
+        ({"generation_config.json": {"eos_token_id": []}, "config.json": {"eos_token_id": 9}}, ()),
+        ({"config.json": {"eos_token_id": None}}, None),
+    ],
+)
 def test_eos_ids_from_generation_config_else_config(tmp_path, files, expected):
     for name, content in files.items():
         (tmp_path / name).write_text(json.dumps(content))

@@ -13,9 +13,8 @@ from moejax import platform, vocab
 from moejax.cli import build_parser
 from moejax.config import Config, ConfigError, EngineConfig, LayoutConfig, WeightsConfig, load_file
 from moejax.flags import config_from_args
-from pallas_kernels import paged_attention
+from pallas_kernels import paged_attention, run_weights
 from pallas_kernels import registry as kernel_registry
-from pallas_kernels import run_weights
 from pallas_kernels.gmm_blackwell import BlackwellWeights
 from sharding import names
 
@@ -28,11 +27,19 @@ def choices(verb: str, flag: str) -> tuple:
     return tuple(next(a for a in sub._actions if flag in a.option_strings).choices)
 
 
-@pytest.mark.parametrize("flag,expected", [
-    ("--placement", names()), ("--kernel", vocab.KERNELS), ("--expert-format", vocab.EXPERT_FORMATS),
-    ("--dtype", vocab.RUN_DTYPES), ("--attention", vocab.ATTENTION_MODES), ("--dispatch-dtype", vocab.DISPATCH_DTYPES),
-    ("--head", vocab.SPLIT_MODES), ("--attention-kernel", vocab.ATTENTION_KERNELS),
-])
+@pytest.mark.parametrize(
+    "flag,expected",
+    [
+        ("--placement", names()),
+        ("--kernel", vocab.KERNELS),
+        ("--expert-format", vocab.EXPERT_FORMATS),
+        ("--dtype", vocab.RUN_DTYPES),
+        ("--attention", vocab.ATTENTION_MODES),
+        ("--dispatch-dtype", vocab.DISPATCH_DTYPES),
+        ("--head", vocab.SPLIT_MODES),
+        ("--attention-kernel", vocab.ATTENTION_KERNELS),
+    ],
+)
 def test_cli_choices_are_the_vocabulary(flag, expected):
     assert choices("generate", flag) == tuple(expected)
 
@@ -45,16 +52,25 @@ def test_every_kernel_name_is_a_backend_function_on_every_platform(name):
         assert backend != "auto" and callable(kernel_registry._backend_fn(backend))
 
 
-@pytest.mark.parametrize("section,key,values", [
-    ("engine", "dtype", vocab.RUN_DTYPES), ("weights", "expert_format", vocab.EXPERT_FORMATS),
-    ("layout", "attention", vocab.ATTENTION_MODES), ("layout", "dense", vocab.SPLIT_MODES),
-    ("layout", "shared_expert", vocab.SPLIT_MODES), ("layout", "dispatch_dtype", vocab.DISPATCH_DTYPES),
-    ("layout", "head", vocab.SPLIT_MODES), ("engine", "layer_loop", vocab.LAYER_LOOPS),
-])
+@pytest.mark.parametrize(
+    "section,key,values",
+    [
+        ("engine", "dtype", vocab.RUN_DTYPES),
+        ("weights", "expert_format", vocab.EXPERT_FORMATS),
+        ("layout", "attention", vocab.ATTENTION_MODES),
+        ("layout", "dense", vocab.SPLIT_MODES),
+        ("layout", "shared_expert", vocab.SPLIT_MODES),
+        ("layout", "dispatch_dtype", vocab.DISPATCH_DTYPES),
+        ("layout", "head", vocab.SPLIT_MODES),
+        ("engine", "layer_loop", vocab.LAYER_LOOPS),
+    ],
+)
 def test_config_accepts_each_word_of_its_vocabulary_and_nothing_else(section, key, values):
-    make = {"engine": lambda v: Config(engine=EngineConfig(**{key: v})),
-            "weights": lambda v: Config(weights=WeightsConfig(**{key: v})),
-            "layout": lambda v: Config(layout=LayoutConfig(**{key: v}))}[section]
+    make = {
+        "engine": lambda v: Config(engine=EngineConfig(**{key: v})),
+        "weights": lambda v: Config(weights=WeightsConfig(**{key: v})),
+        "layout": lambda v: Config(layout=LayoutConfig(**{key: v})),
+    }[section]
     for value in values:
         make(value).validate()
     with pytest.raises(ConfigError, match=key):

@@ -36,8 +36,9 @@ def make_text_model(directory: Path, eos_token_id=None) -> Path:
     generation_config.json."""
     shutil.copytree(GOLDEN, directory, dirs_exist_ok=True, ignore=shutil.ignore_patterns("expected.npz"))
     build_tokenizer().save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": CHAT_TEMPLATE}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": CHAT_TEMPLATE})
+    )
     if eos_token_id is not None:
         (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_token_id}))
     return directory

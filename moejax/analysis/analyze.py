@@ -23,8 +23,10 @@ FIT_FRACTION = 0.6  # steps EPLB is fitted on; it is scored on the remaining one
 def check_devices(num_experts: int, devices: list[int], spare_slots: int) -> None:
     for n in devices:
         if n < 1 or num_experts % n or (num_experts + spare_slots) % n:
-            raise UsageError(f"{n} devices do not divide {num_experts} experts and {num_experts + spare_slots} "
-                             f"EPLB slots evenly; choose device counts that divide both")
+            raise UsageError(
+                f"{n} devices do not divide {num_experts} experts and {num_experts + spare_slots} "
+                f"EPLB slots evenly; choose device counts that divide both"
+            )
 
 
 def even_router(num_experts: int, k: int, n: int, rows: int, bytes_per_expert: float) -> dict:
@@ -76,15 +78,24 @@ def analyze_kind(trace: Trace, devices: list[int], bytes_per_expert: float, spar
         "rows_per_step": float(trace.valid.sum(axis=1).mean()),
         "experts_touched": {"trace": float(touched.mean()), "even": calc.even_touched_fraction(e, k, rows)},
         "picks_per_expert": {"mean": rows * k / e, "busiest_per_step": float(counts.max(axis=-1).mean())},
-        "busiest_expert_vs_mean": {"min": float(ratio.min()), "median": float(np.median(ratio)),
-                                   "max": float(ratio.max())},
-        "per_layer": {"layer": trace.layers.tolist(), "touched_fraction": touched.mean(axis=0).tolist(),
-                      "busiest_expert_vs_mean": ratio.tolist(), "balancedness": {}},
+        "busiest_expert_vs_mean": {
+            "min": float(ratio.min()),
+            "median": float(np.median(ratio)),
+            "max": float(ratio.max()),
+        },
+        "per_layer": {
+            "layer": trace.layers.tolist(),
+            "touched_fraction": touched.mean(axis=0).tolist(),
+            "busiest_expert_vs_mean": ratio.tolist(),
+            "balancedness": {},
+        },
         "devices": [],
     }
     for n in devices:
         contiguous = metrics.placement_counts(trace, eplb.contiguous(num_layers, e), n)
-        report["per_layer"]["balancedness"][str(n)] = metrics.balancedness(contiguous.device_picks).mean(axis=0).tolist()
+        report["per_layer"]["balancedness"][str(n)] = (
+            metrics.balancedness(contiguous.device_picks).mean(axis=0).tolist()
+        )
         entry = {
             "n": n,
             "even": even_router(e, k, n, rows, bytes_per_expert),
@@ -95,21 +106,27 @@ def analyze_kind(trace: Trace, devices: list[int], bytes_per_expert: float, spar
             picks_placement, _, _ = eplb.rebalance_experts(fitted, e + spare_slots, 1, 1, n)
             bytes_placement, _, _ = eplb.rebalance_for_bytes(touch_prob, n)
             entry["contiguous_test"] = metrics.score(contiguous.select(test), bytes_per_expert)
-            entry["eplb_test"] = metrics.score(metrics.placement_counts(test_trace, picks_placement, n), bytes_per_expert)
+            entry["eplb_test"] = metrics.score(
+                metrics.placement_counts(test_trace, picks_placement, n), bytes_per_expert
+            )
             entry["eplb_bytes_test"] = metrics.score(
-                metrics.placement_counts(test_trace, bytes_placement, n), bytes_per_expert)
+                metrics.placement_counts(test_trace, bytes_placement, n), bytes_per_expert
+            )
         report["devices"].append(entry)
         if n == devices[0]:
             report["example"] = _example(counts, contiguous)
     return report
 
 
-def analyze(trace: Trace, devices: list[int], geometry: ModelConfig, geometry_name: str, expert_format: str,
-            spare_slots: int) -> dict:
+def analyze(
+    trace: Trace, devices: list[int], geometry: ModelConfig, geometry_name: str, expert_format: str, spare_slots: int
+) -> dict:
     """The `moejax analyze --json` document."""
     if geometry.num_experts != trace.num_experts:
-        raise UsageError(f"the trace has {trace.num_experts} experts but preset {geometry_name!r} has "
-                         f"{geometry.num_experts}; pass the trace's model with --preset")
+        raise UsageError(
+            f"the trace has {trace.num_experts} experts but preset {geometry_name!r} has "
+            f"{geometry.num_experts}; pass the trace's model with --preset"
+        )
     check_devices(trace.num_experts, devices, spare_slots)
     bytes_per_expert = calc.expert_bytes(geometry)[expert_format]
     kinds = {}
@@ -118,8 +135,13 @@ def analyze(trace: Trace, devices: list[int], geometry: ModelConfig, geometry_na
         if steps.any():
             kinds[kind] = analyze_kind(trace.select(steps), devices, bytes_per_expert, spare_slots)
     return {
-        "trace": {"model": trace.model, "num_experts": trace.num_experts, "k": trace.k,
-                  "layers": int(trace.ids.shape[1]), "steps": int(trace.num_steps)},
+        "trace": {
+            "model": trace.model,
+            "num_experts": trace.num_experts,
+            "k": trace.k,
+            "layers": int(trace.ids.shape[1]),
+            "steps": int(trace.num_steps),
+        },
         "geometry": {"preset": geometry_name, "expert_format": expert_format, "expert_bytes": bytes_per_expert},
         "eplb": {"spare_slots": spare_slots, "fit_fraction": FIT_FRACTION, "policy": "global"},
         "kinds": kinds,

@@ -120,8 +120,9 @@ def even_balance(num_experts: int, k: int, n: int, tokens: int) -> tuple[float, 
 def kv_cache_bytes_per_token(cfg: ModelConfig, act_bytes: int = 2) -> int:
     """KV cache bytes one position of one request takes over every layer: what handing a
     prefilled request to a decode mesh moves per prompt token (`moejax.engine.disaggregated`)."""
-    return act_bytes * sum(math.prod(shape) for layer in range(cfg.num_layers)
-                           for shape, _ in cache_specs(cfg, 1, 1, layer).values())
+    return act_bytes * sum(
+        math.prod(shape) for layer in range(cfg.num_layers) for shape, _ in cache_specs(cfg, 1, 1, layer).values()
+    )
 
 
 def calc_report(cfg: ModelConfig, devices: list[int], tokens: int, touched: float | None, expert_format: str) -> dict:
@@ -135,21 +136,26 @@ def calc_report(cfg: ModelConfig, devices: list[int], tokens: int, touched: floa
     rows = []
     for n in devices:
         balancedness, busiest = even_balance(e, k, n, tokens)
-        rows.append({
-            "n": n,
-            "devices_per_row": devices_per_row(e, k, n),
-            "copies_sent_per_row": copies_sent_per_row(e, k, n),
-            "copies_replicated": n - 1,
-            "slice_width": slice_width(cfg.moe_intermediate_size, n),
-            "even_touched_fraction": touched_fraction,
-            "even_balancedness": balancedness,
-            "even_busiest_picks": busiest,
-            "expert_bytes_read_per_device": touched_experts * per_expert[expert_format] / n,
-            # Two-batch overlap: each micro-batch of half the step's tokens reads the experts it
-            # touches (an even router's), so a step reads them up to twice.
-            "two_batch_expert_bytes_read_per_device":
-                2 * even_touched_fraction(e, k, -(-tokens // 2)) * e * per_expert[expert_format] / n,
-        })
+        rows.append(
+            {
+                "n": n,
+                "devices_per_row": devices_per_row(e, k, n),
+                "copies_sent_per_row": copies_sent_per_row(e, k, n),
+                "copies_replicated": n - 1,
+                "slice_width": slice_width(cfg.moe_intermediate_size, n),
+                "even_touched_fraction": touched_fraction,
+                "even_balancedness": balancedness,
+                "even_busiest_picks": busiest,
+                "expert_bytes_read_per_device": touched_experts * per_expert[expert_format] / n,
+                # Two-batch overlap: each micro-batch of half the step's tokens reads the experts it
+                # touches (an even router's), so a step reads them up to twice.
+                "two_batch_expert_bytes_read_per_device": 2
+                * even_touched_fraction(e, k, -(-tokens // 2))
+                * e
+                * per_expert[expert_format]
+                / n,
+            }
+        )
     return {
         "expert_params": expert_params(cfg),
         "expert_bytes": per_expert,

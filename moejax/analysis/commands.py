@@ -56,12 +56,12 @@ def emit_json(doc: dict) -> None:
 
 # ----------------------------------------------------------------------------- calc
 
+
 def calc_table(report: dict, cfg: ModelConfig, tokens: int, expert_format: str) -> str:
     eb, lb, mb, rb = (report[k] for k in ("expert_bytes", "layer_expert_bytes", "model_expert_bytes", "row_bytes"))
     lines = [
         f"expert: {report['expert_params'] / 1e6:.1f}M parameters",
-        "bytes          per expert   per layer ({} experts)   all {} MoE layers".format(
-            cfg.num_experts, len(cfg.moe_layers)),
+        f"bytes          per expert   per layer ({cfg.num_experts} experts)   all {len(cfg.moe_layers)} MoE layers",
     ]
     lines += [f"  {f:<12} {eb[f] / MB:8.1f} MB   {lb[f] / GB:10.2f} GB   {mb[f] / GB:18.1f} GB" for f in eb]
     lines += [
@@ -99,14 +99,16 @@ def run_calc(args) -> int:
 
 # ----------------------------------------------------------------------------- record
 
+
 def trace_fields(args) -> dict:
     """`save_trace`'s arguments from the chosen source (a synthetic generator or a model run), so
     there is one path to the file."""
     steps = positive("--steps", args.steps)
     model_source = args.preset or args.hf or getattr(args, "checkpoint", None)
     if not (args.synthetic or model_source):  # a bad argument: argparse's one line and exit 2
-        args.parser.error("record needs a source: --synthetic NAME, or a model: --preset NAME, --hf DIR "
-                          "or --checkpoint CKPT")
+        args.parser.error(
+            "record needs a source: --synthetic NAME, or a model: --preset NAME, --hf DIR or --checkpoint CKPT"
+        )
     if args.synthetic:
         if model_source:
             raise UsageError("--synthetic generates its own picks; drop --preset/--hf/--checkpoint")
@@ -123,22 +125,34 @@ def trace_fields(args) -> dict:
 
 def run_record(args) -> int:
     trace = save_trace(args.out, **trace_fields(args))
-    summary = {"out": args.out, "model": trace.model, "steps": trace.num_steps, "layers": int(trace.ids.shape[1]),
-               "rows": int(trace.ids.shape[2]), "k": trace.k, "num_experts": trace.num_experts}
+    summary = {
+        "out": args.out,
+        "model": trace.model,
+        "steps": trace.num_steps,
+        "layers": int(trace.ids.shape[1]),
+        "rows": int(trace.ids.shape[2]),
+        "k": trace.k,
+        "num_experts": trace.num_experts,
+    }
     if args.json:
         emit_json(summary)
     else:
-        print(f"wrote {args.out}: {summary['steps']} steps x {summary['layers']} MoE layers x {summary['rows']} rows, "
-              f"top-{summary['k']} of {summary['num_experts']} experts ({trace.model})")
+        print(
+            f"wrote {args.out}: {summary['steps']} steps x {summary['layers']} MoE layers x {summary['rows']} rows, "
+            f"top-{summary['k']} of {summary['num_experts']} experts ({trace.model})"
+        )
     return 0
 
 
 # ----------------------------------------------------------------------------- analyze
 
+
 def analyze_text(report: dict) -> str:
-    lines = [f"trace: {report['trace']['model']}, {report['trace']['layers']} MoE layers, "
-             f"top-{report['trace']['k']} of {report['trace']['num_experts']} experts; expert bytes as "
-             f"{report['geometry']['expert_format']} of {report['geometry']['preset']}"]
+    lines = [
+        f"trace: {report['trace']['model']}, {report['trace']['layers']} MoE layers, "
+        f"top-{report['trace']['k']} of {report['trace']['num_experts']} experts; expert bytes as "
+        f"{report['geometry']['expert_format']} of {report['geometry']['preset']}"
+    ]
     for name, kind in report["kinds"].items():
         ratio = kind["busiest_expert_vs_mean"]
         lines += [
@@ -188,6 +202,7 @@ def run_analyze(args) -> int:
 
 # ----------------------------------------------------------------------------- trace
 
+
 def run_trace(args) -> int:
     from moejax.analysis import plots, step_trace
     from moejax.factory import build_engine
@@ -217,36 +232,47 @@ def run_trace(args) -> int:
 
 # ----------------------------------------------------------------------------- advise
 
+
 def advise_text(report: dict) -> str:
-    lines = [f"{report['steps']} decode steps of {report['rows_per_step']:.0f} rows, {report['layers']} MoE layers, "
-             f"{report['devices']} devices; costs of {report['costs']}",
-             "placement        ep x tp  step ms   MoE ms  experts ms  imbalance ms  exchange ms  busiest/mean routes  "
-             "EPLB test (contiguous test) MoE ms"]
+    lines = [
+        f"{report['steps']} decode steps of {report['rows_per_step']:.0f} rows, {report['layers']} MoE layers, "
+        f"{report['devices']} devices; costs of {report['costs']}",
+        "placement        ep x tp  step ms   MoE ms  experts ms  imbalance ms  exchange ms  busiest/mean routes  "
+        "EPLB test (contiguous test) MoE ms",
+    ]
     for r in report["placements"]:
         s = r["contiguous"]
         step = f"{s['step_ms']:7.2f}" if s["step_ms"] is not None else "      -"
-        eplb_ms = (f"{r['eplb_test']['moe_ms']:.2f} ({r['contiguous_test']['moe_ms']:.2f})" if "eplb_test" in r
-                   else "-")
-        lines.append(f"{r['placement']:<16} {r['ep']:>3} x {r['tp']:<2} {step}  {s['moe_ms']:7.2f}"
-                     f"  {s['expert_ms']:10.2f}  {s['imbalance_ms']:12.2f}"
-                     f"  {s['exchange_ms']:11.2f}  {s['busiest_device_routes']:8.1f} / {s['mean_device_routes']:<8.1f}"
-                     f"  {eplb_ms}")
+        eplb_ms = f"{r['eplb_test']['moe_ms']:.2f} ({r['contiguous_test']['moe_ms']:.2f})" if "eplb_test" in r else "-"
+        lines.append(
+            f"{r['placement']:<16} {r['ep']:>3} x {r['tp']:<2} {step}  {s['moe_ms']:7.2f}"
+            f"  {s['expert_ms']:10.2f}  {s['imbalance_ms']:12.2f}"
+            f"  {s['exchange_ms']:11.2f}  {s['busiest_device_routes']:8.1f} / {s['mean_device_routes']:<8.1f}"
+            f"  {eplb_ms}"
+        )
     for r in report["placements"]:
         if "eplb_placed" in r:
-            lines.append(f"{r['placement']}: experts placed by --eplb, MoE {r['eplb_placed']['moe_ms']:.2f} ms per decode "
-                         f"step (contiguous {r['contiguous']['moe_ms']:.2f})")
+            lines.append(
+                f"{r['placement']}: experts placed by --eplb, MoE {r['eplb_placed']['moe_ms']:.2f} ms per decode "
+                f"step (contiguous {r['contiguous']['moe_ms']:.2f})"
+            )
     lines.append(f"fastest: {report['ranking'][0]}")
     measured = [r for r in report["placements"] if "measured" in r]
     if measured:
         lines.append("simulated / traced (moejax trace), ms per decode step")
-        lines.append(f"{'placement':<16} {'step':^15}" + "".join(f"  {h:^13}" for h in ("MoE", "experts", "imbalance"))
-                     + "  traced routing")
+        lines.append(
+            f"{'placement':<16} {'step':^15}"
+            + "".join(f"  {h:^13}" for h in ("MoE", "experts", "imbalance"))
+            + "  traced routing"
+        )
         for r in measured:
             s, m = r["contiguous"], r["measured"]
             step = f"{s['step_ms']:.2f}" if s["step_ms"] is not None else "-"
-            lines.append(f"{r['placement']:<16} {step:>6} / {m['step_ms']:<6.2f}"
-                         + "".join(f"  {s[k]:>5.2f} / {m[k]:<5.2f}" for k in ("moe_ms", "expert_ms", "imbalance_ms"))
-                         + f"  {m['routing']}")
+            lines.append(
+                f"{r['placement']:<16} {step:>6} / {m['step_ms']:<6.2f}"
+                + "".join(f"  {s[k]:>5.2f} / {m[k]:<5.2f}" for k in ("moe_ms", "expert_ms", "imbalance_ms"))
+                + f"  {m['routing']}"
+            )
     return "\n".join(lines)
 
 
@@ -261,18 +287,24 @@ def run_advise(args) -> int:
     trace = load_trace(args.trace)
     placed, spare = None, config.layout.redundant_experts
     if args.target != "cpu" and (config.layout.eplb or args.step_trace or args.costs):
-        raise UsageError("advise --target prices contiguous experts from the target's compiled programs; "
-                         "--eplb, --step-trace and --costs go with --target cpu")
+        raise UsageError(
+            "advise --target prices contiguous experts from the target's compiled programs; "
+            "--eplb, --step-trace and --costs go with --target cpu"
+        )
     if config.layout.eplb:
         placed = metrics.expert_counts(load_trace(config.layout.eplb)).sum(axis=0).astype(float)
         if placed.shape != (trace.ids.shape[1], trace.num_experts):
-            raise UsageError(f"--eplb: its trace has {placed.shape[0]} MoE layers of {placed.shape[1]} experts, "
-                             f"{args.trace} {trace.ids.shape[1]} of {trace.num_experts}")
+            raise UsageError(
+                f"--eplb: its trace has {placed.shape[0]} MoE layers of {placed.shape[1]} experts, "
+                f"{args.trace} {trace.ids.shape[1]} of {trace.num_experts}"
+            )
     elif spare:
         raise UsageError("advise: --redundant-experts goes with --eplb TRACE (the placement to simulate)")
     if trace.num_experts != config.model.num_experts:
-        raise UsageError(f"the trace has {trace.num_experts} experts but the model has {config.model.num_experts}; "
-                         "pass the trace's model with --preset or --hf")
+        raise UsageError(
+            f"the trace has {trace.num_experts} experts but the model has {config.model.num_experts}; "
+            "pass the trace's model with --preset or --hf"
+        )
     if trace.num_experts % n:
         raise UsageError(f"{n} devices do not divide {trace.num_experts} experts")
     if args.target != "cpu":
@@ -296,10 +328,20 @@ def target_advise(args, config, trace, n: int) -> int:
     from sharding import registry
 
     t = targets.target(args.target)
-    names = [registry.placement_class(name).name for name in args.placements.split(",")] if args.placements \
+    names = (
+        [registry.placement_class(name).name for name in args.placements.split(",")]
+        if args.placements
         else registry.names()
-    report, _ = target_costs.advise(config, trace, t, list(targets.devices(t.name, n)), positive("--context", args.context),
-                                    platform.prefill_chunk(config.engine.prefill_chunk, t.platform), names)
+    )
+    report, _ = target_costs.advise(
+        config,
+        trace,
+        t,
+        list(targets.devices(t.name, n)),
+        positive("--context", args.context),
+        platform.prefill_chunk(config.engine.prefill_chunk, t.platform),
+        names,
+    )
     report = {"model": args.hf or args.preset or "tiny", **report}
     if args.json:
         emit_json(report)
@@ -309,6 +351,7 @@ def target_advise(args, config, trace, n: int) -> int:
 
 
 # ----------------------------------------------------------------------------- registration
+
 
 def _add_model(parser: argparse.ArgumentParser, default: str | None) -> None:
     group = parser.add_mutually_exclusive_group(required=default is None)
@@ -322,15 +365,22 @@ def register(subparsers) -> None:
     p.add_argument("--devices", default="8,16,32", help="device counts, comma-separated (default 8,16,32)")
     p.add_argument("--tokens", type=int, default=64, help="rows per step (default 64: a 64-request decode step)")
     p.add_argument("--touched", type=float, help="experts a step touches, for bytes read (default: even router's)")
-    p.add_argument("--expert-format", choices=STORAGE_FORMATS, default="nvfp4",
-                   help="expert format for bytes read per device (default nvfp4, with scales)")
+    p.add_argument(
+        "--expert-format",
+        choices=STORAGE_FORMATS,
+        default="nvfp4",
+        help="expert format for bytes read per device (default nvfp4, with scales)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_calc)
 
     p = subparsers.add_parser("record", help="write a router-pick trace of a model run or a synthetic workload")
     add_model_args(p)  # the model run's source, placement and --seed, --json
-    p.add_argument("--synthetic", choices=sorted(synthetic.SPECS),
-                   help="generate a synthetic trace with a published model's statistics instead of running a model")
+    p.add_argument(
+        "--synthetic",
+        choices=sorted(synthetic.SPECS),
+        help="generate a synthetic trace with a published model's statistics instead of running a model",
+    )
     p.add_argument("--prompt-ids", type=prompt_ids, action="append", help="1,2,3 (repeat: one request each)")
     p.add_argument("--out", required=True, metavar="TRACE", help="output .npz")
     p.add_argument("--steps", type=int, default=300, help="decode steps (default 300)")
@@ -341,37 +391,70 @@ def register(subparsers) -> None:
     p.add_argument("trace", help="trace .npz written by `moejax record`")
     p.add_argument("--devices", default="8,16,32", help="device counts, comma-separated (default 8,16,32)")
     _add_model(p, "glm-5.3")
-    p.add_argument("--expert-format", choices=STORAGE_FORMATS, default="nvfp4",
-                   help="expert format for bytes read (default nvfp4, with scales)")
+    p.add_argument(
+        "--expert-format",
+        choices=STORAGE_FORMATS,
+        default="nvfp4",
+        help="expert format for bytes read (default nvfp4, with scales)",
+    )
     p.add_argument("--eplb-slots", type=int, default=32, help="EPLB spare slots per layer (default 32)")
     p.add_argument("--plots", metavar="DIR", help="write PNG figures into DIR")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_analyze)
 
-    p = subparsers.add_parser("trace", help="per device and MoE layer: attention, dispatch, expert and combine time "
-                                            "of decode steps, from the profiler (Decode-Anatomy's table)")
+    p = subparsers.add_parser(
+        "trace",
+        help="per device and MoE layer: attention, dispatch, expert and combine time "
+        "of decode steps, from the profiler (Decode-Anatomy's table)",
+    )
     add_model_args(p)  # the model, layout, --routing, --json
-    p.add_argument("--prompt-ids", type=prompt_ids, action="append",
-                   help="1,2,3 (repeat: one request each; default compare's eight requests)")
+    p.add_argument(
+        "--prompt-ids",
+        type=prompt_ids,
+        action="append",
+        help="1,2,3 (repeat: one request each; default compare's eight requests)",
+    )
     p.add_argument("--steps", type=int, default=8, help="decode steps traced (default 8)")
     p.add_argument("--prefill", action="store_true", help="also report the prefill call(s) before them")
     p.add_argument("--plot", metavar="PNG", help="write the devices x layers heat map of expert time")
     p.set_defaults(func=run_trace)
 
-    p = subparsers.add_parser("advise", help="rank placements for a trace's workload by simulated step time, on this "
-                                             "machine's measured costs or a target's compiled programs")
+    p = subparsers.add_parser(
+        "advise",
+        help="rank placements for a trace's workload by simulated step time, on this "
+        "machine's measured costs or a target's compiled programs",
+    )
     p.add_argument("trace", help="trace .npz written by `moejax record`")
     add_model_args(p)  # the model (its geometry, dtype, expert format, kernel) and --devices, --json
-    p.add_argument("--target", choices=("cpu", *targets.TARGETS), default="cpu",
-                   help="cpu: costs measured on this machine's virtual devices (decode); an accelerator: each layout's "
-                        "decode step and prefill chunk compiled by its own compiler and priced from the HLO")
-    p.add_argument("--placements", metavar="NAMES", help="--target: only these placements, comma-separated (default all; "
-                                                          "hybrid at every ep x tp)")
-    p.add_argument("--context", type=int, default=PROMPT_LEN + OUTPUT_LEN,
-                   help="--target: KV positions each decode row reads (default %(default)s)")
-    p.add_argument("--step-trace", metavar="JSON", action="append", default=[],
-                   help="a `moejax trace --json` report of the same workload (repeatable): its measured step and "
-                        "imbalance beside the simulated ones")
-    p.add_argument("--costs", metavar="FILE",
-                   help="cost table JSON (default: measured on this machine, cached under ~/.cache/moejax/costs)")
+    p.add_argument(
+        "--target",
+        choices=("cpu", *targets.TARGETS),
+        default="cpu",
+        help="cpu: costs measured on this machine's virtual devices (decode); an accelerator: each layout's "
+        "decode step and prefill chunk compiled by its own compiler and priced from the HLO",
+    )
+    p.add_argument(
+        "--placements",
+        metavar="NAMES",
+        help="--target: only these placements, comma-separated (default all; hybrid at every ep x tp)",
+    )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=PROMPT_LEN + OUTPUT_LEN,
+        help="--target: KV positions each decode row reads (default %(default)s)",
+    )
+    p.add_argument(
+        "--step-trace",
+        metavar="JSON",
+        action="append",
+        default=[],
+        help="a `moejax trace --json` report of the same workload (repeatable): its measured step and "
+        "imbalance beside the simulated ones",
+    )
+    p.add_argument(
+        "--costs",
+        metavar="FILE",
+        help="cost table JSON (default: measured on this machine, cached under ~/.cache/moejax/costs)",
+    )
     p.set_defaults(func=run_advise)

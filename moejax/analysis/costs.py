@@ -59,8 +59,10 @@ class CostTable:
 
 def geometry_key(config: Config) -> str:
     c = config.model
-    return (f"{c.family} D{c.hidden_size} F{c.moe_intermediate_size} E{c.num_experts} k{c.num_experts_per_tok} "
-            f"L{len(c.moe_layers)} {platform.run_dtype(config.engine.dtype)} {config.weights.expert_format} {config.kernel}")
+    return (
+        f"{c.family} D{c.hidden_size} F{c.moe_intermediate_size} E{c.num_experts} k{c.num_experts_per_tok} "
+        f"L{len(c.moe_layers)} {platform.run_dtype(config.engine.dtype)} {config.weights.expert_format} {config.kernel}"
+    )
 
 
 def default_path(config: Config) -> Path:
@@ -68,8 +70,14 @@ def default_path(config: Config) -> Path:
     return COSTS_DIR / f"{hashlib.sha1(geometry_key(config).encode()).hexdigest()[:12]}.json"
 
 
-def advise(config: Config, trace: Trace, n: int, path: Path | None = None, placed: np.ndarray | None = None,
-           spare_slots: int = 0) -> dict:
+def advise(
+    config: Config,
+    trace: Trace,
+    n: int,
+    path: Path | None = None,
+    placed: np.ndarray | None = None,
+    spare_slots: int = 0,
+) -> dict:
     """`simulate.advise`'s report on this machine's table at `path` (default: `default_path`),
     measuring first what the trace needs and the table lacks."""
     from moejax.factory import ensure_devices
@@ -110,6 +118,7 @@ def save(table: CostTable, path: Path) -> None:
 
 # ----------------------------------------------------------------------------- timing
 
+
 def _timer(fn, *args):
     """Compiles fn(*args) (a jitted scan of REPS calls); returns a function timing one run, in
     microseconds per call."""
@@ -119,6 +128,7 @@ def _timer(fn, *args):
         t0 = time.perf_counter()
         fn(*args).block_until_ready()
         return 1e6 * (time.perf_counter() - t0) / REPS
+
     return once
 
 
@@ -139,7 +149,9 @@ def _repeated(call):
             # which would time that work once rather than once per call.
             x, tied = jax.lax.optimization_barrier((x, rest))
             return x + 1e-3 * call(x, *tied)
+
         return jax.lax.fori_loop(0, REPS, body, x)
+
     return jax.jit(run)
 
 
@@ -211,16 +223,24 @@ def layer_timer(config: Config, layout: Layout, ids: np.ndarray, seed: int = 0):
     def layer(x, ids, wts, w):
         w = placement.gather_experts(w)  # a placement that moves weights gathers here
         return placement.moe(x, ids, wts, w)
+
     return _timer(_repeated(layer), x, put(jnp.asarray(ids)), put(jnp.full((rows, k), 1.0 / k, dtype)), experts)
 
 
 def one_step(ids: np.ndarray, num_experts: int) -> Trace:
     """A trace of one decode step of one layer: the picks int[rows, k] a measurement ran."""
-    return Trace(ids=ids[None, None], valid=np.ones((1, ids.shape[0]), bool), kind=np.array(["decode"]),
-                 layers=np.zeros(1, np.int32), num_experts=num_experts, model="calibration")
+    return Trace(
+        ids=ids[None, None],
+        valid=np.ones((1, ids.shape[0]), bool),
+        kind=np.array(["decode"]),
+        layers=np.zeros(1, np.int32),
+        num_experts=num_experts,
+        model="calibration",
+    )
 
 
 # ----------------------------------------------------------------------------- filling the table
+
 
 def ensure(table: CostTable, config: Config, trace: Trace, n: int, seed: int = 0) -> CostTable:
     """Measures every entry the simulation of `trace`'s decode steps on n devices needs and is missing.

@@ -26,15 +26,58 @@ import dataclasses
 import math
 import re
 
-BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "f4e2m1fn": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-         "f8e8m0fnu": 1, "f8e4m3b11fnuz": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
-         "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+BYTES = {
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "f4e2m1fn": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "f8e8m0fnu": 1,
+    "f8e4m3b11fnuz": 1,
+    "bf16": 2,
+    "f16": 2,
+    "s16": 2,
+    "u16": 2,
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "f64": 8,
+    "s64": 8,
+    "u64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute",
-               "collective-broadcast")
+COLLECTIVES = (
+    "all-gather",
+    "all-reduce",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+)
 # Values without memory traffic of their own, and the halves of async pairs whose start is priced.
-FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id", "replica-id", "after-all",
-        "add-dependency", "opt-barrier", "async-update", "async-done", "copy-done", "call-done", "domain"}
+FREE = {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "partition-id",
+    "replica-id",
+    "after-all",
+    "add-dependency",
+    "opt-barrier",
+    "async-update",
+    "async-done",
+    "copy-done",
+    "call-done",
+    "domain",
+}
 SLICES = {"dynamic-slice", "slice", "gather"}
 MOVES = {"bitcast", "copy", "reshape", "transpose", "convert"}  # of one operand: its elements moved, not read whole
 IN_PLACE = {"dynamic-update-slice", "scatter"}
@@ -65,8 +108,9 @@ class Instr:
 
 
 def shape_bytes(type_: str) -> float:
-    return sum(math.prod(int(d) for d in sizes.split(",") if d) * BYTES.get(dtype, 0)
-               for dtype, sizes in SHAPE.findall(type_))
+    return sum(
+        math.prod(int(d) for d in sizes.split(",") if d) * BYTES.get(dtype, 0) for dtype, sizes in SHAPE.findall(type_)
+    )
 
 
 def dims(type_: str) -> list[int]:
@@ -86,20 +130,20 @@ def _close(text: str, start: int) -> int:
             depth -= 1
             if depth == 0:
                 return i
-    raise ValueError(f"unbalanced HLO: {text[start:start + 80]}")
+    raise ValueError(f"unbalanced HLO: {text[start : start + 80]}")
 
 
 def _instr(line: str) -> Instr:
     root = line.startswith("ROOT ")
-    name, rest = line[5 if root else 0:].split(" = ", 1)
+    name, rest = line[5 if root else 0 :].split(" = ", 1)
     if rest.startswith("("):
         end = _close(rest, 0)
-        type_, rest = rest[:end + 1], rest[end + 2:]
+        type_, rest = rest[: end + 1], rest[end + 2 :]
     else:
         type_, rest = rest.split(" ", 1)
     opcode, rest = rest.split("(", 1)
     end = _close("(" + rest, 0)
-    return Instr(name.lstrip("%"), type_, opcode, rest[:end - 1], rest[end:], root)
+    return Instr(name.lstrip("%"), type_, opcode, rest[: end - 1], rest[end:], root)
 
 
 def computations(text: str) -> tuple[dict[str, list[Instr]], str]:
@@ -171,8 +215,9 @@ def _sliced_bytes(comps: dict, instrs: list[Instr], name: str) -> float | None:
                 part = shape_bytes(i.type)
             elif i.opcode == "fusion":  # slices inside it, or (a layout change) slices of what it gives
                 inner = comps[_attr(i.attrs, "calls")]
-                part = _sliced_bytes(comps, inner, next(f.name for f in inner if f.opcode == "parameter"
-                                                         and int(f.args) == k))
+                part = _sliced_bytes(
+                    comps, inner, next(f.name for f in inner if f.opcode == "parameter" and int(f.args) == k)
+                )
                 if part is None and len(i.operands) == 1:
                     part = _sliced_bytes(comps, instrs, i.name)
             elif i.opcode in MOVES and len(i.operands) == 1:
@@ -191,8 +236,9 @@ def _layer_stack(symbols: dict, name: str, trips: int) -> bool:
     i = symbols[name]
     while i.opcode == "bitcast":
         i = symbols[i.operands[0]]
-    return (i.opcode == "get-tuple-element" and symbols[i.operands[0]].opcode == "parameter"
-            and dims(i.type)[:1] == [trips])
+    return (
+        i.opcode == "get-tuple-element" and symbols[i.operands[0]].opcode == "parameter" and dims(i.type)[:1] == [trips]
+    )
 
 
 def _kernel_bytes(i: Instr, symbols: dict, comps: dict, trips: int) -> float:
@@ -233,8 +279,12 @@ def _collective(kind: str, i: Instr, symbols: dict, n: int, count: float) -> lis
     sizes = [shape_bytes(symbols[o].type) for o in i.operands]
     if kind == "ragged-all-to-all":  # (input, output, offsets and sizes): the input's rows go out
         return [Op(kind, _scope(i), sizes[0] * (n - 1) / n, 0.0, count)]
-    share = {"all-gather": n - 1, "reduce-scatter": (n - 1) / n, "all-to-all": (n - 1) / n,
-             "all-reduce": 2 * (n - 1) / n}.get(kind, 1.0)
+    share = {
+        "all-gather": n - 1,
+        "reduce-scatter": (n - 1) / n,
+        "all-to-all": (n - 1) / n,
+        "all-reduce": 2 * (n - 1) / n,
+    }.get(kind, 1.0)
     m = re.fullmatch(r"(.*/|)\(([^()]*)\)", _scope(i))
     parts = [m.group(1) + part for part in m.group(2).split(":")] if m else []
     if len(parts) != len(sizes):
@@ -257,8 +307,11 @@ def _trips(i: Instr, symbols: dict, comps: dict) -> int:
     if counter.opcode != "get-tuple-element" or bound.opcode != "constant":
         return 1
     init = symbols[i.operands[0]]
-    start = symbols[init.operands[int(re.search(r"index=(\d+)", counter.attrs).group(1))]] \
-        if init.opcode == "tuple" else None
+    start = (
+        symbols[init.operands[int(re.search(r"index=(\d+)", counter.attrs).group(1))]]
+        if init.opcode == "tuple"
+        else None
+    )
     return max(1, int(bound.args) - (int(start.args) if start is not None and start.opcode == "constant" else 0))
 
 
@@ -281,8 +334,11 @@ def ops(text: str, devices: int) -> list[Op]:
                 walk(_attr(i.attrs, "body"), count * t, t)
             elif i.opcode == "conditional":
                 m = re.search(r"branch_computations=\{([^}]*)\}", i.attrs)
-                branches = re.findall(r"%([\w.\-]+)", m.group(1)) if m else [
-                    _attr(i.attrs, "true_computation"), _attr(i.attrs, "false_computation")]
+                branches = (
+                    re.findall(r"%([\w.\-]+)", m.group(1))
+                    if m
+                    else [_attr(i.attrs, "true_computation"), _attr(i.attrs, "false_computation")]
+                )
                 for b in branches:
                     walk(b, count / len(branches), trips)
             elif i.opcode in ("call", "call-start", "async-start"):
@@ -290,8 +346,15 @@ def ops(text: str, devices: int) -> list[Op]:
             elif kind in COLLECTIVES:
                 out.extend(_collective(kind, i, symbols, group_size(i.attrs, devices), count))
             elif i.opcode not in FREE and not i.opcode.endswith("-done"):
-                out.append(Op("kernel", _scope(i), _kernel_bytes(i, symbols, comps, trips),
-                              _kernel_flops(i, symbols, comps), count))
+                out.append(
+                    Op(
+                        "kernel",
+                        _scope(i),
+                        _kernel_bytes(i, symbols, comps, trips),
+                        _kernel_flops(i, symbols, comps),
+                        count,
+                    )
+                )
 
     walk(entry, 1.0, 1)
     return out

@@ -32,14 +32,20 @@ def even_trace(model, rows: int, steps: int = EVEN_STEPS, seed: int = 0) -> Trac
     """Decode steps of `rows` rows, each picking k distinct experts uniformly in every MoE layer."""
     rng = np.random.default_rng(seed)
     ids = np.argsort(rng.random((steps, len(model.moe_layers), rows, model.num_experts)), axis=-1)
-    return Trace(ids=ids[..., :model.num_experts_per_tok].astype(np.int32), valid=np.ones((steps, rows), bool),
-                 kind=np.full(steps, "decode"), layers=np.array(model.moe_layers, np.int32),
-                 num_experts=model.num_experts, model="even router")
+    return Trace(
+        ids=ids[..., : model.num_experts_per_tok].astype(np.int32),
+        valid=np.ones((steps, rows), bool),
+        kind=np.full(steps, "decode"),
+        layers=np.array(model.moe_layers, np.int32),
+        num_experts=model.num_experts,
+        model="even router",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Ranked:
     """One layout as advise ranks it for a phase."""
+
     layout: str  # advise's label ("hybrid 2x4")
     placement: str
     ep: int
@@ -58,8 +64,10 @@ class LayoutChoice:
 
     def line(self) -> str:
         same = len(set(self.chosen.values())) == 1  # one layout, one time: said once
-        picks = "; ".join(f"{' and '.join(self.chosen) if same else phase} {r.layout}, predicted {r.us:.1f} us {self.per}"
-                          for phase, r in (list(self.chosen.items())[:1] if same else self.chosen.items()))
+        picks = "; ".join(
+            f"{' and '.join(self.chosen) if same else phase} {r.layout}, predicted {r.us:.1f} us {self.per}"
+            for phase, r in (list(self.chosen.items())[:1] if same else self.chosen.items())
+        )
         return f"layout auto ({self.target}): {picks}; advise's decode ranking: {', '.join(self.ranking)}"
 
     def follow(self, scheduler) -> None:
@@ -75,9 +83,14 @@ class LayoutChoice:
             if steps % eplb.interval or not eplb.passes:
                 return
             ids = np.stack([i for i, _ in eplb.passes])  # [S, L, R, k]
-            window = Trace(ids=ids, valid=np.stack([v for _, v in eplb.passes]), kind=np.full(len(ids), "decode"),
-                           layers=np.zeros(ids.shape[1], np.int32), num_experts=eplb.engine.c.num_experts,
-                           model="live window")
+            window = Trace(
+                ids=ids,
+                valid=np.stack([v for _, v in eplb.passes]),
+                kind=np.full(len(ids), "decode"),
+                layers=np.zeros(ids.shape[1], np.int32),
+                num_experts=eplb.engine.c.num_experts,
+                model="live window",
+            )
             ranked = self.rerank(window)
             if not ranked:
                 return
@@ -85,21 +98,30 @@ class LayoutChoice:
             mine = self.chosen["decode"].layout
             now = dict(ranked).get(mine)
             if best[0] != mine and now and now - best[1] > MARGIN * now:
-                print(f"moejax: layout re-advised at step {steps} on the last {len(ids)} passes: {best[0]} would "
-                      f"decode in {best[1]:.1f} us against {now:.1f} us under {mine} (the server keeps {mine})",
-                      file=self.log or sys.stderr, flush=True)
+                print(
+                    f"moejax: layout re-advised at step {steps} on the last {len(ids)} passes: {best[0]} would "
+                    f"decode in {best[1]:.1f} us against {now:.1f} us under {mine} (the server keeps {mine})",
+                    file=self.log or sys.stderr,
+                    flush=True,
+                )
 
         scheduler.between_steps.append(readvise)
 
     def collect(self):
-        chosen = GaugeMetricFamily("moejax_layout_predicted_us", "the layout serve --placement auto chose per phase "
-                                   "and its predicted microseconds per call", labels=["phase", "layout", "target"])
+        chosen = GaugeMetricFamily(
+            "moejax_layout_predicted_us",
+            "the layout serve --placement auto chose per phase and its predicted microseconds per call",
+            labels=["phase", "layout", "target"],
+        )
         for phase, r in self.chosen.items():
             chosen.add_metric([phase, r.layout, self.target], r.us)
         yield chosen
         if self.latest:
-            live = GaugeMetricFamily("moejax_layout_live_best_us", "the decode layout ranked first on the live "
-                                     "window of picks and its predicted microseconds per step", labels=["layout"])
+            live = GaugeMetricFamily(
+                "moejax_layout_live_best_us",
+                "the decode layout ranked first on the live window of picks and its predicted microseconds per step",
+                labels=["layout"],
+            )
             live.add_metric([self.latest[0]], self.latest[1])
             yield live
 
@@ -107,13 +129,19 @@ class LayoutChoice:
 def choose(args, log=None) -> LayoutChoice | None:
     """Resolves the "auto" placement flags in `args` to advise's choice (None when none is auto):
     a phase auto on its own takes its own first layout; both auto, advise's recommendation."""
-    auto = [phase for phase in ("decode", "prefill") if getattr(args, f"{phase}_placement") == AUTO
-            or (getattr(args, f"{phase}_placement") is None and args.placement == AUTO)]
+    auto = [
+        phase
+        for phase in ("decode", "prefill")
+        if getattr(args, f"{phase}_placement") == AUTO
+        or (getattr(args, f"{phase}_placement") is None and args.placement == AUTO)
+    ]
     if not auto:
         return None
     if args.num_processes > 1 or args.prefill_devices or args.decode_devices or args.ep or args.tp:
-        raise UsageError("--placement auto chooses the layout for one process on the devices both phases share; "
-                         "drop --num-processes, --prefill-devices/--decode-devices and --ep/--tp, or name the placements")
+        raise UsageError(
+            "--placement auto chooses the layout for one process on the devices both phases share; "
+            "drop --num-processes, --prefill-devices/--decode-devices and --ep/--tp, or name the placements"
+        )
     from moejax import platform
     from moejax.flags import config_from_args
     from moejax.loading import with_hf_model
@@ -123,7 +151,8 @@ def choose(args, log=None) -> LayoutChoice | None:
     config = with_hf_model(config_from_args(given), args.hf, args.checkpoint)
     trace = load_trace(config.layout.eplb) if config.layout.eplb else even_trace(config.model, args.slots)
     target, ranked, recommended, rerank, per = (_on_target if platform.attached_accelerator() else _on_cpu)(
-        args, config, trace)
+        args, config, trace
+    )
     chosen = {phase: recommended[phase] if len(auto) == 2 else ranked[phase][0] for phase in auto}
     if len(auto) == 2 and chosen["decode"].layout == chosen["prefill"].layout:
         args.placement, args.prefill_placement, args.decode_placement = chosen["decode"].placement, None, None
@@ -147,13 +176,24 @@ def _on_cpu(args, config, trace) -> tuple:
     args.devices = n = args.devices or platform.host_cores()
 
     def ranking(report: dict) -> list[Ranked]:
-        return [Ranked(r["placement"], r["placement"], r["ep"], r["tp"],
-                       1e3 * (r["contiguous"]["step_ms"] or r["contiguous"]["moe_ms"])) for r in report["placements"]]
+        return [
+            Ranked(
+                r["placement"],
+                r["placement"],
+                r["ep"],
+                r["tp"],
+                1e3 * (r["contiguous"]["step_ms"] or r["contiguous"]["moe_ms"]),
+            )
+            for r in report["placements"]
+        ]
 
     report = costs.advise(config, trace, n)
     first, table = ranking(report), costs.load(costs.default_path(config), config)
-    per = "per decode step" if report["placements"][0]["contiguous"]["step_ms"] else \
-        "of MoE per decode step (the table has no non-MoE term)"
+    per = (
+        "per decode step"
+        if report["placements"][0]["contiguous"]["step_ms"]
+        else "of MoE per decode step (the table has no non-MoE term)"
+    )
 
     def rerank(window: Trace):
         try:
@@ -177,17 +217,20 @@ def _on_target(args, config, trace) -> tuple:
     t = next((t for t in targets.TARGETS.values() if t.device_kind == kind), None)
     if t is None:
         raise UsageError(f"no target in moejax.targets describes {kind!r}; name the placements")
-    devices = jax.devices()[:args.devices or len(jax.devices())]
+    devices = jax.devices()[: args.devices or len(jax.devices())]
     args.devices = len(devices)
     context = args.max_seq_len or min(config.model.max_position_embeddings, 2048)
     chunk = (config.engine.prefill_chunk or SERVE_PREFILL_CHUNK) * args.prefill_rows
     report, candidates = target_costs.advise(config, trace, t, devices, context, chunk, registry.names())
-    ranked = {phase: [Ranked(r["layout"], r["placement"], r["ep"], r["tp"], r["us"]["step"]) for r in p["layouts"]]
-              for phase, p in report["phases"].items()}
-    recommended = {phase: next(r for r in ranked[phase] if r.layout == report["recommend"][phase])
-                   for phase in ranked}
+    ranked = {
+        phase: [Ranked(r["layout"], r["placement"], r["ep"], r["tp"], r["us"]["step"]) for r in p["layouts"]]
+        for phase, p in report["phases"].items()
+    }
+    recommended = {phase: next(r for r in ranked[phase] if r.layout == report["recommend"][phase]) for phase in ranked}
 
     def rerank(window: Trace):
-        return [(r["layout"], r["us"]["step"]) for r in target_costs.ranked(candidates, "decode", window, t, config.model)]
+        return [
+            (r["layout"], r["us"]["step"]) for r in target_costs.ranked(candidates, "decode", window, t, config.model)
+        ]
 
     return t.name, ranked, recommended, rerank, "per call"

@@ -28,7 +28,7 @@ class PlacementCounts:
     copies: np.ndarray  # int[S, L]: rows sent to devices other than their own, summed over rows
     rows: np.ndarray  # int[S]: valid rows per step
 
-    def select(self, steps: np.ndarray) -> "PlacementCounts":
+    def select(self, steps: np.ndarray) -> PlacementCounts:
         """The counts of `steps` only (indices or a bool mask over S)."""
         return PlacementCounts(*(getattr(self, f.name)[steps] for f in dataclasses.fields(self)))
 

@@ -20,14 +20,21 @@ def skew_figure(kind: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [2, 1]})
     left.bar(np.arange(len(experts)), experts, width=1.0, color="tab:blue")
     left.axhline(experts.mean(), color="black", linestyle="--", label=f"mean {experts.mean():.0f}")
-    left.set(title=f"Picks per expert in layer {kind['per_layer']['layer'][ex['layer']]} over {kind['steps']} steps\n"
-                   f"busiest {experts.max() / experts.mean():.1f}x the mean",
-             xlabel="expert id", ylabel="picks", xlim=(-0.5, len(experts) - 0.5))
+    left.set(
+        title=f"Picks per expert in layer {kind['per_layer']['layer'][ex['layer']]} over {kind['steps']} steps\n"
+        f"busiest {experts.max() / experts.mean():.1f}x the mean",
+        xlabel="expert id",
+        ylabel="picks",
+        xlim=(-0.5, len(experts) - 0.5),
+    )
     left.legend()
     right.bar(np.arange(len(devices)), devices, color="tab:orange")
     right.axhline(devices.mean(), color="black", linestyle="--", label=f"mean {devices.mean():.0f}")
-    right.set(title=f"Picks per device in step {ex['step']}\nbalancedness {devices.mean() / devices.max():.2f}",
-              xlabel=f"device (of {ex['n']}, contiguous experts)", ylabel="picks")
+    right.set(
+        title=f"Picks per device in step {ex['step']}\nbalancedness {devices.mean() / devices.max():.2f}",
+        xlabel=f"device (of {ex['n']}, contiguous experts)",
+        ylabel="picks",
+    )
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -40,20 +47,33 @@ def scaling_figure(kind: dict, path: Path) -> None:
     n = [d["n"] for d in entries]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     left.plot(n, [x - 1 for x in n], "o-", color="black", label="row on every device (N - 1)")
-    left.plot(n, [d["contiguous"]["copies_per_row"] for d in entries], "o-", color="tab:blue",
-              label="traveling rows, trace")
-    left.plot(n, [d["even"]["copies_per_row"] for d in entries], "x--", color="tab:gray",
-              label="traveling rows, even router")
+    left.plot(
+        n, [d["contiguous"]["copies_per_row"] for d in entries], "o-", color="tab:blue", label="traveling rows, trace"
+    )
+    left.plot(
+        n, [d["even"]["copies_per_row"] for d in entries], "x--", color="tab:gray", label="traveling rows, even router"
+    )
     left.set(title="Copies sent per row", xlabel="devices", ylabel="copies", xticks=n)
     left.legend()
-    right.plot(n, [d["contiguous"]["balancedness"] for d in entries], "o-", color="tab:blue",
-               label="contiguous experts")
+    right.plot(
+        n, [d["contiguous"]["balancedness"] for d in entries], "o-", color="tab:blue", label="contiguous experts"
+    )
     if "eplb_test" in entries[0]:
-        right.plot(n, [d["eplb_test"]["balancedness"] for d in entries], "o-", color="tab:green",
-                   label=f"EPLB (fitted on {kind['fit_steps']} steps, scored on {kind['test_steps']})")
+        right.plot(
+            n,
+            [d["eplb_test"]["balancedness"] for d in entries],
+            "o-",
+            color="tab:green",
+            label=f"EPLB (fitted on {kind['fit_steps']} steps, scored on {kind['test_steps']})",
+        )
     right.plot(n, [d["even"]["balancedness"] for d in entries], "x--", color="tab:gray", label="even router")
-    right.set(title="Balancedness (mean / busiest device's picks)", xlabel="devices", ylabel="balancedness",
-              xticks=n, ylim=(0, 1))
+    right.set(
+        title="Balancedness (mean / busiest device's picks)",
+        xlabel="devices",
+        ylabel="balancedness",
+        xticks=n,
+        ylim=(0, 1),
+    )
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -82,10 +102,15 @@ def step_trace_heatmap(doc: dict, path: str | Path) -> Path:
     image = ax.imshow(grid, aspect="auto", cmap="viridis", origin="upper")
     for i, entry in enumerate(layers):
         ax.add_patch(plt.Rectangle((i - 0.5, entry["slowest_device"] - 0.5), 1, 1, fill=False, color="red", lw=2))
-    ax.set(xticks=range(len(layers)), xticklabels=[e["layer"] for e in layers], yticks=range(grid.shape[0]),
-           xlabel="MoE layer", ylabel="device",
-           title=f"{doc['placement']}: expert time per device (ms)\nstep {doc['step_ms']:.2f} ms; "
-                 f"sum of slowest - mean {doc['imbalance_ms']:.2f} ms")
+    ax.set(
+        xticks=range(len(layers)),
+        xticklabels=[e["layer"] for e in layers],
+        yticks=range(grid.shape[0]),
+        xlabel="MoE layer",
+        ylabel="device",
+        title=f"{doc['placement']}: expert time per device (ms)\nstep {doc['step_ms']:.2f} ms; "
+        f"sum of slowest - mean {doc['imbalance_ms']:.2f} ms",
+    )
     fig.colorbar(image, ax=ax, label="ms")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -30,5 +30,11 @@ def model_trace(engine, prompts: list[list[int]], steps: int, model: str) -> dic
         ids[s, :, : p.shape[1]] = p
         mask[s, : p.shape[1]] = v
     c = engine.c
-    return dict(ids=ids, valid=mask, kind=["prefill"] * num_prefill + ["decode"] * steps, layers=list(c.moe_layers),
-                num_experts=c.num_experts, model=model)
+    return dict(
+        ids=ids,
+        valid=mask,
+        kind=["prefill"] * num_prefill + ["decode"] * steps,
+        layers=list(c.moe_layers),
+        num_experts=c.num_experts,
+        model=model,
+    )

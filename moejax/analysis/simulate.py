@@ -48,13 +48,16 @@ class Layout:
 def layouts(n: int) -> list[Layout]:
     """Every registered placement on n devices, each on the mesh it takes by default (as
     `moejax compare` runs it)."""
-    return [Layout(name, *cls.mesh_shape(LayoutConfig(placement=name, devices=n)))
-            for name, cls in registry.REGISTRY.items()]
+    return [
+        Layout(name, *cls.mesh_shape(LayoutConfig(placement=name, devices=n)))
+        for name, cls in registry.REGISTRY.items()
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
 class Work:
     """What each device's local expert call runs in every step and layer."""
+
     rows: np.ndarray  # int[S]: rows of the call (the whole padded batch, or a device's own share)
     width: int  # intermediate width of each expert slice it holds
     held: int  # experts (slots) it holds
@@ -92,8 +95,13 @@ def device_work(trace: Trace, layout: Layout, phy2log: np.ndarray, intermediate:
     # picks of them (rows that travel: those it received, in a buffer of the whole batch's size).
     counts = metrics.placement_counts(trace, phy2log, layout.ep)
     spread = lambda a: np.repeat(a, layout.tp, axis=-1)  # [S, L, ep] -> [S, L, N], ep-major as the mesh
-    return Work(rows, intermediate // layout.tp, phy2log.shape[1] // layout.ep, spread(counts.device_picks),
-                spread(counts.device_experts))
+    return Work(
+        rows,
+        intermediate // layout.tp,
+        phy2log.shape[1] // layout.ep,
+        spread(counts.device_picks),
+        spread(counts.device_experts),
+    )
 
 
 def phase_us(call_us: np.ndarray, concurrency: int) -> np.ndarray:
@@ -144,8 +152,12 @@ def advise(trace: Trace, n: int, costs, placed: np.ndarray | None = None, spare_
     rows = []
     for layout in layouts(n):
         order = eplb.contiguous(num_layers, e)
-        entry = {"placement": layout.name, "ep": layout.ep, "tp": layout.tp,
-                 "contiguous": simulate(decode, layout, order, costs)}
+        entry = {
+            "placement": layout.name,
+            "ep": layout.ep,
+            "tp": layout.tp,
+            "contiguous": simulate(decode, layout, order, costs),
+        }
         if test.num_steps and layout.ep > 1 and not layout.rows_stay_home:
             fitted, _, _ = eplb.rebalance_experts(weight, e, 1, 1, layout.ep)
             entry["contiguous_test"] = simulate(test, layout, order, costs)
@@ -155,9 +167,16 @@ def advise(trace: Trace, n: int, costs, placed: np.ndarray | None = None, spare_
             entry["eplb_placed"] = simulate(decode, layout, phy2log, costs)
         rows.append(entry)
     rows.sort(key=lambda r: r["contiguous"]["moe_ms"])
-    return {"devices": n, "steps": decode.num_steps, "fit_steps": fit, "test_steps": test.num_steps,
-            "rows_per_step": float(decode.valid.sum(axis=1).mean()), "layers": num_layers,
-            "ranking": [r["placement"] for r in rows], "placements": rows}
+    return {
+        "devices": n,
+        "steps": decode.num_steps,
+        "fit_steps": fit,
+        "test_steps": test.num_steps,
+        "rows_per_step": float(decode.valid.sum(axis=1).mean()),
+        "layers": num_layers,
+        "ranking": [r["placement"] for r in rows],
+        "placements": rows,
+    }
 
 
 def with_measured(report: dict, step_traces: list[dict]) -> dict:
@@ -169,15 +188,20 @@ def with_measured(report: dict, step_traces: list[dict]) -> dict:
     for doc in step_traces:
         entry = entries.get(doc["placement"])
         if entry is None or doc["devices"] != report["devices"] or (doc["ep"], doc["tp"]) != (entry["ep"], entry["tp"]):
-            raise ValueError(f"a step trace of {doc['placement']} {doc['ep']} x {doc['tp']} on {doc['devices']} devices "
-                             f"matches no placement advise simulates on {report['devices']} devices")
+            raise ValueError(
+                f"a step trace of {doc['placement']} {doc['ep']} x {doc['tp']} on {doc['devices']} devices "
+                f"matches no placement advise simulates on {report['devices']} devices"
+            )
         layers = doc["layers"]
         entry["measured"] = {
             "step_ms": doc["step_ms"],
             # The simulator's MoE time and expert phase are slowest-device figures per layer, summed.
-            "moe_ms": sum(max(d["dispatch_ms"] + d["experts_ms"] + d["combine_ms"] for d in layer["devices"])
-                          for layer in layers),
+            "moe_ms": sum(
+                max(d["dispatch_ms"] + d["experts_ms"] + d["combine_ms"] for d in layer["devices"]) for layer in layers
+            ),
             "expert_ms": sum(layer["slowest_ms"] for layer in layers),
-            "imbalance_ms": doc["imbalance_ms"], "steps": doc["steps"], "routing": doc["routing"],
+            "imbalance_ms": doc["imbalance_ms"],
+            "steps": doc["steps"],
+            "routing": doc["routing"],
         }
     return report

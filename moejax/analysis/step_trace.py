@@ -9,8 +9,8 @@ How the profiler's events are attributed:
   the `jax.named_scope` path it came from. The model names `moe_layers` (the MoE layers' scan
   body), `attention`, `moe` (router and the placement's exchange) and `experts` (the local
   expert GEMMs). A `moe` op that starts before the middle (median start) of the layer's
-  `experts` ops on that device is dispatch, one after it combine. Ops under none of these (norms, the shared expert, the dense
-  layers, sampling) count only in the step total.
+  `experts` ops on that device is dispatch, one after it combine. Ops under none of these (norms, the shared expert,
+  the dense layers, sampling) count only in the step total.
 - Which layer: the MoE layers are iterations of one `lax.scan`, so the ops of its body run once
   per layer (nested loops', such as a grouped GEMM's, more often). On each device, layer j begins
   at the j-th run of the first op that runs exactly L times in the step, and every event belongs
@@ -71,8 +71,11 @@ def _capture(engine, name: str):
     so the program it ran can be lowered again for its text (the donated cache is gone by then)."""
     jitted, calls = getattr(engine, name), []
     # Uncommitted arrays (host inputs) go wherever the step puts them: no sharding of their own.
-    spec = lambda x: (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if x.committed else None)
-                      if isinstance(x, jax.Array) else x)
+    spec = lambda x: (
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if x.committed else None)
+        if isinstance(x, jax.Array)
+        else x
+    )
 
     def spy(*args, **kwargs):
         calls.append((jitted, jax.tree.map(spec, args), kwargs))
@@ -122,7 +125,9 @@ def read_events(profile, module: str) -> list[tuple]:
                     continue
                 device = device_of(plane.name, stats)
                 if device is not None:
-                    out.append((stats.get("run_id", 0), device, stats["hlo_op"], e.start_ns, e.start_ns + e.duration_ns))
+                    out.append(
+                        (stats.get("run_id", 0), device, stats["hlo_op"], e.start_ns, e.start_ns + e.duration_ns)
+                    )
     return out
 
 
@@ -148,8 +153,11 @@ def attribute(events: list[tuple], scopes: dict[str, str], layers: int, devices:
         evs = by_run[run]
         steps[r] = (max(ev[4] for ev in evs) - min(ev[3] for ev in evs)) / 1e6
         for device in range(devices):
-            mine = sorted((ev[3], ev[4], ev[2], part) for ev in evs if ev[1] == device
-                          and (part := part_of(scopes.get(ev[2], ""))) is not None)
+            mine = sorted(
+                (ev[3], ev[4], ev[2], part)
+                for ev in evs
+                if ev[1] == device and (part := part_of(scopes.get(ev[2], ""))) is not None
+            )
             for layer, spans in enumerate(_by_layer(mine, layers)):
                 parts[r, device, layer] = [_union_ns(spans[p]) / 1e6 for p in PARTS]
     return parts, steps
@@ -185,29 +193,46 @@ def report(parts: np.ndarray, steps: np.ndarray, moe_layers: list[int]) -> dict:
     layers = []
     for i, layer in enumerate(moe_layers):
         slowest = int(experts[:, i].argmax())
-        layers.append({
-            "layer": int(layer), "slowest_ms": float(experts[slowest, i]), "mean_ms": float(experts[:, i].mean()),
-            "imbalance_ms": float(experts[slowest, i] - experts[:, i].mean()), "slowest_device": slowest,
-            "devices": [{"device": d, **{f"{p}_ms": float(mean[d, i, j]) for j, p in enumerate(PARTS)}}
-                        for d in range(mean.shape[0])],
-        })
-    return {"step_ms": float(np.median(steps)), "steps": int(len(steps)), "layers": layers,
-            "imbalance_ms": float(sum(entry["imbalance_ms"] for entry in layers))}
+        layers.append(
+            {
+                "layer": int(layer),
+                "slowest_ms": float(experts[slowest, i]),
+                "mean_ms": float(experts[:, i].mean()),
+                "imbalance_ms": float(experts[slowest, i] - experts[:, i].mean()),
+                "slowest_device": slowest,
+                "devices": [
+                    {"device": d, **{f"{p}_ms": float(mean[d, i, j]) for j, p in enumerate(PARTS)}}
+                    for d in range(mean.shape[0])
+                ],
+            }
+        )
+    return {
+        "step_ms": float(np.median(steps)),
+        "steps": int(len(steps)),
+        "layers": layers,
+        "imbalance_ms": float(sum(entry["imbalance_ms"] for entry in layers)),
+    }
 
 
 def table(doc: dict) -> str:
     """Decode-Anatomy's table per MoE layer, then each device's parts."""
-    lines = [f"decode step {doc['step_ms']:.3f} ms (median of {doc['steps']} traced steps); expert time per MoE layer:",
-             "layer  slowest ms  mean ms  slowest-mean ms  slowest device"]
+    lines = [
+        f"decode step {doc['step_ms']:.3f} ms (median of {doc['steps']} traced steps); expert time per MoE layer:",
+        "layer  slowest ms  mean ms  slowest-mean ms  slowest device",
+    ]
     for entry in doc["layers"]:
-        lines.append(f"{entry['layer']:5d}  {entry['slowest_ms']:10.3f}  {entry['mean_ms']:7.3f}  "
-                     f"{entry['imbalance_ms']:15.3f}  {entry['slowest_device']:14d}")
+        lines.append(
+            f"{entry['layer']:5d}  {entry['slowest_ms']:10.3f}  {entry['mean_ms']:7.3f}  "
+            f"{entry['imbalance_ms']:15.3f}  {entry['slowest_device']:14d}"
+        )
     lines.append(f"sum of slowest - mean over layers: {doc['imbalance_ms']:.3f} ms")
     lines.append("layer  device  attention ms  dispatch ms  experts ms  combine ms")
     for entry in doc["layers"]:
         for d in entry["devices"]:
-            lines.append(f"{entry['layer']:5d}  {d['device']:6d}  {d['attention_ms']:12.3f}  {d['dispatch_ms']:11.3f}"
-                         f"  {d['experts_ms']:10.3f}  {d['combine_ms']:10.3f}")
+            lines.append(
+                f"{entry['layer']:5d}  {d['device']:6d}  {d['attention_ms']:12.3f}  {d['dispatch_ms']:11.3f}"
+                f"  {d['experts_ms']:10.3f}  {d['combine_ms']:10.3f}"
+            )
     return "\n".join(lines)
 
 
@@ -218,12 +243,20 @@ def trace_engine(engine, prompts: list[list[int]], steps: int, prefill: bool = F
     c, placement = engine.c, engine.placement
 
     def one(module: str) -> dict:
-        parts, step_ms = attribute(read_events(profile, module), op_scopes(texts[module]), len(c.moe_layers),
-                                   placement.devices)
+        parts, step_ms = attribute(
+            read_events(profile, module), op_scopes(texts[module]), len(c.moe_layers), placement.devices
+        )
         return report(parts, step_ms, list(c.moe_layers))
 
-    doc = {"placement": placement.name, "ep": placement.ep, "tp": placement.tp, "devices": placement.devices,
-           "routing": engine.config.engine.routing, "requests": len(prompts), **one("jit_decode_step")}
+    doc = {
+        "placement": placement.name,
+        "ep": placement.ep,
+        "tp": placement.tp,
+        "devices": placement.devices,
+        "routing": engine.config.engine.routing,
+        "requests": len(prompts),
+        **one("jit_decode_step"),
+    }
     if prefill:
         doc["prefill"] = one("jit_prefill")
     return doc

@@ -51,8 +51,16 @@ class SyntheticSpec:
 
 
 GLM_LIKE = SyntheticSpec(
-    num_experts=256, k=8, moe_layers=tuple(range(3, 78)), sigma_min=0.16, sigma_max=0.56, spacing=0.7,
-    tail=0.5, tau=0.2, lifetime=150, model="synthetic glm-like (GLM-5.3 geometry, skew fitted to Row-Meets-Experts)",
+    num_experts=256,
+    k=8,
+    moe_layers=tuple(range(3, 78)),
+    sigma_min=0.16,
+    sigma_max=0.56,
+    spacing=0.7,
+    tail=0.5,
+    tau=0.2,
+    lifetime=150,
+    model="synthetic glm-like (GLM-5.3 geometry, skew fitted to Row-Meets-Experts)",
 )
 SPECS = {"glm-like": GLM_LIKE}
 
@@ -71,7 +79,9 @@ def generate(spec: SyntheticSpec, steps: int, rows: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     e, l = spec.num_experts, len(spec.moe_layers)
     spread = np.linspace(0, 1, l) ** spec.spacing
-    sigma = (spec.sigma_min + (spec.sigma_max - spec.sigma_min) * spread)[rng.permutation(l)]  # layer order means nothing
+    sigma = (spec.sigma_min + (spec.sigma_max - spec.sigma_min) * spread)[
+        rng.permutation(l)
+    ]  # layer order means nothing
     z = rng.permuted(np.broadcast_to(popularity_quantiles(e, spec.tail), (l, e)), axis=1)
     popularity = sigma[:, None] * z  # [L, E]
     remaining = rng.integers(1, spec.lifetime + 1, size=rows)  # [rows]: steps left of each slot's request
@@ -88,6 +98,10 @@ def generate(spec: SyntheticSpec, steps: int, rows: int, seed: int) -> dict:
         ids[s] = np.argpartition(-scores, spec.k - 1, axis=-1)[..., : spec.k]
         remaining -= 1
     return dict(
-        ids=ids, valid=np.ones((steps, rows), dtype=bool), kind=np.full(steps, "decode"),
-        layers=np.array(spec.moe_layers), num_experts=e, model=spec.model,
+        ids=ids,
+        valid=np.ones((steps, rows), dtype=bool),
+        kind=np.full(steps, "decode"),
+        layers=np.array(spec.moe_layers),
+        num_experts=e,
+        model=spec.model,
     )

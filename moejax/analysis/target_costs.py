@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
 
 from moejax import plan, platform
@@ -45,8 +44,17 @@ CATEGORIES = ("attention", "experts", "exchange", "rest")
 # all_gather to "invarying", outside it). A ragged all-to-all carries no scope; only exchanges run one.
 EXCHANGE_SCOPES = ("moe/", "all_gather_invariant")
 # The target's figures a report carries.
-TARGET_FIGURES = ("name", "device_kind", "hbm_gb", "hbm_tb_s", "bf16_tflops", "fp4_tflops", "link_gb_s", "launch_us",
-                  "collective_us")
+TARGET_FIGURES = (
+    "name",
+    "device_kind",
+    "hbm_gb",
+    "hbm_tb_s",
+    "bf16_tflops",
+    "fp4_tflops",
+    "link_gb_s",
+    "launch_us",
+    "collective_us",
+)
 MAX_PREFILL_CHUNKS = 8  # chunks of the trace's rows a prefill prices (each of thousands of rows)
 ONE_DEVICE = "one device"  # the layout of one device: no exchange, every placement the reference
 
@@ -60,6 +68,7 @@ class Program:
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One layout compiled for a target."""
+
     layout: Layout
     kernel: str  # the grouped GEMM it runs
     expert_bytes: float  # one local expert (slice) as a device holds it
@@ -70,8 +79,11 @@ class Candidate:
 def label(layout: Layout) -> str:
     if layout.devices == 1:
         return ONE_DEVICE
-    return f"{layout.name} {layout.ep}x{layout.tp}" if registry.placement_class(layout.name).mesh_from_layout \
+    return (
+        f"{layout.name} {layout.ep}x{layout.tp}"
+        if registry.placement_class(layout.name).mesh_from_layout
         else layout.name
+    )
 
 
 def layouts(config: Config, n: int, names: list[str]) -> list[Layout]:
@@ -82,8 +94,11 @@ def layouts(config: Config, n: int, names: list[str]) -> list[Layout]:
     out = []
     for name in names:
         cls = registry.placement_class(name)
-        shapes = [(ep, n // ep) for ep in range(2, n) if n % ep == 0] if cls.mesh_from_layout else \
-            [cls.mesh_shape(dataclasses.replace(config.layout, placement=name, devices=n))]
+        shapes = (
+            [(ep, n // ep) for ep in range(2, n) if n % ep == 0]
+            if cls.mesh_from_layout
+            else [cls.mesh_shape(dataclasses.replace(config.layout, placement=name, devices=n))]
+        )
         for ep, tp in shapes:
             try:
                 registry.with_placement(config, name, n, ep, tp)
@@ -93,8 +108,9 @@ def layouts(config: Config, n: int, names: list[str]) -> list[Layout]:
     return out
 
 
-def compile_candidate(config: Config, layout: Layout, t: Target, devices: list, batch: int, context: int,
-                      chunk: int) -> Candidate | str:
+def compile_candidate(
+    config: Config, layout: Layout, t: Target, devices: list, batch: int, context: int, chunk: int
+) -> Candidate | str:
     """`layout`'s decode step and prefill chunk compiled for `t` on `devices`, or why not."""
     cfg = registry.with_placement(config, layout.name, layout.devices, layout.ep, layout.tp)
     try:
@@ -109,24 +125,34 @@ def compile_candidate(config: Config, layout: Layout, t: Target, devices: list, 
         jitted, args = progs[phase]
         compiled, _, error = plan.compile_program(jitted, args, persist=False)
         if compiled is None:  # the TPU compiler's "temporaries" it refuses count the parameters too
-            return f"its {phase} does not compile ({plan.bytes_per_device(params) / GB:.1f} GB of parameters a device): {error}"
+            held = plan.bytes_per_device(params) / GB
+            return f"its {phase} does not compile ({held:.1f} GB of parameters a device): {error}"
         temp = max(temp, compiled.memory_analysis().temp_size_in_bytes)
         programs[phase] = Program(hlo.ops(compiled.as_text(), layout.devices), -(-rows // layout.devices))
-    return Candidate(layout, placement.kernel, plan.bytes_per_device(experts) / len(cfg.model.moe_layers) / held,
-                     plan.bytes_per_device(params) + plan.bytes_per_device(cache) + temp, programs)
+    return Candidate(
+        layout,
+        placement.kernel,
+        plan.bytes_per_device(experts) / len(cfg.model.moe_layers) / held,
+        plan.bytes_per_device(params) + plan.bytes_per_device(cache) + temp,
+        programs,
+    )
 
 
-def advise(config: Config, trace: Trace, t: Target, devices: list, context: int, chunk: int,
-           names: list[str]) -> tuple[dict, list[Candidate]]:
+def advise(
+    config: Config, trace: Trace, t: Target, devices: list, context: int, chunk: int, names: list[str]
+) -> tuple[dict, list[Candidate]]:
     """(`advise --target`'s report, the compiled candidates, which `rank` prices again for
     another trace): the layouts of placements `names` on `devices`, decode steps of the trace's
     rows over `context` positions and prefill chunks of `chunk` tokens, for target `t`."""
     n = len(devices)
     if trace.ids.shape[1] != len(config.model.moe_layers):
-        raise UsageError(f"the trace has {trace.ids.shape[1]} MoE layers but the model has "
-                         f"{len(config.model.moe_layers)}; pass the trace's model with --preset or --hf")
-    config = dataclasses.replace(config, engine=dataclasses.replace(
-        config.engine, dtype=platform.run_dtype(config.engine.dtype, t.platform)))
+        raise UsageError(
+            f"the trace has {trace.ids.shape[1]} MoE layers but the model has "
+            f"{len(config.model.moe_layers)}; pass the trace's model with --preset or --hf"
+        )
+    config = dataclasses.replace(
+        config, engine=dataclasses.replace(config.engine, dtype=platform.run_dtype(config.engine.dtype, t.platform))
+    )
     decode = trace.valid[trace.kind == "decode"].sum(axis=1)
     batch = n * -(-int(decode.max(initial=1)) // n)  # the trace's decode rows, split over the devices
     candidates, skipped = [], []
@@ -138,9 +164,15 @@ def advise(config: Config, trace: Trace, t: Target, devices: list, context: int,
             candidates.append(c)
     if not candidates:
         raise UsageError(f"no layout compiles for {n} {t.name}: {skipped[0]['layout']} {skipped[0]['error']}")
-    report = {"devices": n, "batch": batch, "context": context, "prefill_chunk": chunk,
-              "target": {k: v for k, v in dataclasses.asdict(t).items() if k in TARGET_FIGURES},
-              **rank(candidates, config.model, trace, t, chunk), "not_compiled": skipped}
+    report = {
+        "devices": n,
+        "batch": batch,
+        "context": context,
+        "prefill_chunk": chunk,
+        "target": {k: v for k, v in dataclasses.asdict(t).items() if k in TARGET_FIGURES},
+        **rank(candidates, config.model, trace, t, chunk),
+        "not_compiled": skipped,
+    }
     return report, candidates
 
 
@@ -163,11 +195,14 @@ def op_us(op: hlo.Op, t: Target) -> float:
     return op.bytes / (t.link_gb_s * 1e3) + op.fixed * t.collective_us
 
 
-def expert_us(t: Target, other_bytes: float, touched_bytes: np.ndarray, flops: np.ndarray, kernels: float,
-              peak_tflops: float) -> np.ndarray:
+def expert_us(
+    t: Target, other_bytes: float, touched_bytes: np.ndarray, flops: np.ndarray, kernels: float, peak_tflops: float
+) -> np.ndarray:
     """One MoE layer's expert kernels on each device: HBM or compute bound, plus their launches."""
-    return np.maximum((other_bytes + touched_bytes) / (t.hbm_tb_s * 1e6), flops / (peak_tflops * 1e6)) \
+    return (
+        np.maximum((other_bytes + touched_bytes) / (t.hbm_tb_s * 1e6), flops / (peak_tflops * 1e6))
         + kernels * t.launch_us
+    )
 
 
 def travelling_rows(trace: Trace, n: int) -> np.ndarray:
@@ -206,8 +241,9 @@ def phase_us(c: Candidate, phase: str, trace: Trace, t: Target, model: ModelConf
     out["experts"] = float(layers.max(axis=-1).sum(axis=-1).mean())
     if ragged_ops:  # compiled for every row going to every other device: scaled to the rows that go
         share = np.minimum(1.0, travelling_rows(trace, layout.devices) / (p.rows * (layout.devices - 1)))
-        out["exchange"] += (ragged_bytes / moe_layers * share.sum(axis=-1).mean() / (t.link_gb_s * 1e3)
-                            + ragged_ops * t.collective_us)
+        out["exchange"] += (
+            ragged_bytes / moe_layers * share.sum(axis=-1).mean() / (t.link_gb_s * 1e3) + ragged_ops * t.collective_us
+        )
     return {"step": sum(out.values()), **out}
 
 
@@ -217,16 +253,25 @@ def prefill_chunks(trace: Trace, rows: int) -> Trace:
     ids = np.concatenate([trace.step_ids(s) for s in range(trace.num_steps)], axis=1)  # [L, all rows, k]
     ids = np.tile(ids, (1, -(-rows // ids.shape[1]), 1))
     steps = min(MAX_PREFILL_CHUNKS, ids.shape[1] // rows)
-    ids = ids[:, :steps * rows].reshape(ids.shape[0], steps, rows, -1).transpose(1, 0, 2, 3)
+    ids = ids[:, : steps * rows].reshape(ids.shape[0], steps, rows, -1).transpose(1, 0, 2, 3)
     return dataclasses.replace(trace, ids=ids, valid=np.ones((steps, rows), bool), kind=np.full(steps, "prefill"))
 
 
 def ranked(candidates: list[Candidate], phase: str, steps: Trace, t: Target, model: ModelConfig) -> list[dict]:
     """The layouts by predicted time of one call of `phase` over `steps`, those that fit the
     target's memory first."""
-    rows = [{"layout": label(c.layout), "placement": c.layout.name, "ep": c.layout.ep, "tp": c.layout.tp,
-             "memory_gb": c.memory_bytes / GB, "fits": c.memory_bytes <= t.hbm_gb * GB,
-             "us": phase_us(c, phase, steps, t, model)} for c in candidates]
+    rows = [
+        {
+            "layout": label(c.layout),
+            "placement": c.layout.name,
+            "ep": c.layout.ep,
+            "tp": c.layout.tp,
+            "memory_gb": c.memory_bytes / GB,
+            "fits": c.memory_bytes <= t.hbm_gb * GB,
+            "us": phase_us(c, phase, steps, t, model),
+        }
+        for c in candidates
+    ]
     return sorted(rows, key=lambda r: (not r["fits"], r["us"]["step"]))
 
 
@@ -238,8 +283,12 @@ def rank(candidates: list[Candidate], model: ModelConfig, trace: Trace, t: Targe
     phases = {}
     for phase, steps in (("decode", decode), ("prefill", prefill_chunks(trace, chunk))):
         rows = ranked(candidates, phase, steps, t, model)
-        phases[phase] = {"steps": steps.num_steps, "rows": int(steps.valid.sum(axis=1).max()), "layouts": rows,
-                         "decides": decides(rows)}
+        phases[phase] = {
+            "steps": steps.num_steps,
+            "rows": int(steps.valid.sum(axis=1).max()),
+            "layouts": rows,
+            "decides": decides(rows),
+        }
     return {"phases": phases, "recommend": recommend(phases)}
 
 
@@ -261,46 +310,77 @@ def recommend(phases: dict) -> dict:
     for both); apart when they differ, with what prefill saves by it."""
     decode = phases["decode"]["layouts"][0]
     prefill_rows = phases["prefill"]["layouts"]
-    prefill = next(r for r in prefill_rows if r["placement"] != Hybrid.name or decode["placement"] != Hybrid.name
-                   or r["layout"] == decode["layout"])
+    prefill = next(
+        r
+        for r in prefill_rows
+        if r["placement"] != Hybrid.name or decode["placement"] != Hybrid.name or r["layout"] == decode["layout"]
+    )
     same = next(r for r in prefill_rows if r["layout"] == decode["layout"])
     hybrid = next((r for r in (decode, prefill) if r["placement"] == Hybrid.name), None)
     mesh = f" --ep {hybrid['ep']} --tp {hybrid['tp']}" if hybrid else ""
     apart = prefill["layout"] != decode["layout"]
-    flags = (f"--prefill-placement {prefill['placement']} --decode-placement {decode['placement']}" if apart
-             else f"--placement {decode['placement']}") + mesh if decode["layout"] != ONE_DEVICE else "--devices 1"
-    return {"decode": decode["layout"], "prefill": prefill["layout"], "apart": apart, "flags": flags,
-            "fits": decode["fits"] and prefill["fits"],
-            "decode_us": decode["us"]["step"], "prefill_us": prefill["us"]["step"],
-            "apart_saves_us": same["us"]["step"] - prefill["us"]["step"]}
+    flags = (
+        (
+            f"--prefill-placement {prefill['placement']} --decode-placement {decode['placement']}"
+            if apart
+            else f"--placement {decode['placement']}"
+        )
+        + mesh
+        if decode["layout"] != ONE_DEVICE
+        else "--devices 1"
+    )
+    return {
+        "decode": decode["layout"],
+        "prefill": prefill["layout"],
+        "apart": apart,
+        "flags": flags,
+        "fits": decode["fits"] and prefill["fits"],
+        "decode_us": decode["us"]["step"],
+        "prefill_us": prefill["us"]["step"],
+        "apart_saves_us": same["us"]["step"] - prefill["us"]["step"],
+    }
 
 
 def table(report: dict) -> str:
     t = report["target"]
-    lines = [f"{report['model']} on {report['devices']} {t['name']} ({t['device_kind']}): decode {report['batch']} rows "
-             f"over {report['context']} positions, prefill chunks of {report['prefill_chunk']} tokens; HBM "
-             f"{t['hbm_tb_s']} TB/s, bf16 {t['bf16_tflops']:g} TFLOPS, links {t['link_gb_s']:g} GB/s, "
-             f"{t['launch_us']:g} us per kernel, {t['collective_us']:g} us per collective"]
+    lines = [
+        f"{report['model']} on {report['devices']} {t['name']} ({t['device_kind']}): decode {report['batch']} rows "
+        f"over {report['context']} positions, prefill chunks of {report['prefill_chunk']} tokens; HBM "
+        f"{t['hbm_tb_s']} TB/s, bf16 {t['bf16_tflops']:g} TFLOPS, links {t['link_gb_s']:g} GB/s, "
+        f"{t['launch_us']:g} us per kernel, {t['collective_us']:g} us per collective"
+    ]
     for phase, p in report["phases"].items():
         lines.append(f"\n{phase} ({p['steps']} steps of {p['rows']} rows), us per call")
         lines.append(f"{'layout':<18}{'step':>9}" + "".join(f"{c:>11}" for c in CATEGORIES) + f"{'GB/device':>11}")
         for r in p["layouts"]:
             us = r["us"]
-            lines.append(f"{r['layout']:<18}{us['step']:>9.1f}" + "".join(f"{us[c]:>11.1f}" for c in CATEGORIES)
-                         + f"{r['memory_gb']:>11.1f}" + ("" if r["fits"] else "  does not fit"))
+            lines.append(
+                f"{r['layout']:<18}{us['step']:>9.1f}"
+                + "".join(f"{us[c]:>11.1f}" for c in CATEGORIES)
+                + f"{r['memory_gb']:>11.1f}"
+                + ("" if r["fits"] else "  does not fit")
+            )
         d = p["decides"]
         if d and d["part"] == "memory":
-            lines.append(f"{d['first']} leads {d['second']}, {-d['lead_us']:.1f} us slower, by fitting "
-                         f"{t['hbm_gb']:g} GB: {d['part_gb']:.1f} GB a device less")
+            lines.append(
+                f"{d['first']} leads {d['second']}, {-d['lead_us']:.1f} us slower, by fitting "
+                f"{t['hbm_gb']:g} GB: {d['part_gb']:.1f} GB a device less"
+            )
         elif d:
-            lines.append(f"{d['first']} leads {d['second']} by {d['lead_us']:.1f} us: {d['part']} "
-                         f"{d['part_us']:.1f} us less")
+            lines.append(
+                f"{d['first']} leads {d['second']} by {d['lead_us']:.1f} us: {d['part']} {d['part_us']:.1f} us less"
+            )
     for skipped in report["not_compiled"]:
         lines.append(f"{skipped['layout']}: {skipped['error']}")
     r = report["recommend"]
-    why = (f" (apart: prefill {r['apart_saves_us']:.1f} us faster per chunk than under {r['decode']})"
-           if r["apart"] else "")
-    lines.append(f"\nrecommend: serve {r['flags']}{why}; predicted decode step {r['decode_us']:.1f} us, "
-                 f"prefill chunk {r['prefill_us']:.1f} us" + ("" if r["fits"] else
-                                                            f"; but no layout fits {t['hbm_gb']:g} GB per device"))
+    why = (
+        f" (apart: prefill {r['apart_saves_us']:.1f} us faster per chunk than under {r['decode']})"
+        if r["apart"]
+        else ""
+    )
+    lines.append(
+        f"\nrecommend: serve {r['flags']}{why}; predicted decode step {r['decode_us']:.1f} us, "
+        f"prefill chunk {r['prefill_us']:.1f} us"
+        + ("" if r["fits"] else f"; but no layout fits {t['hbm_gb']:g} GB per device")
+    )
     return "\n".join(lines)

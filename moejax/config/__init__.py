@@ -7,9 +7,21 @@ from moejax.config.errors import ConfigError
 from moejax.config.files import from_dict, load_file, replace_checked
 from moejax.config.presets import PRESETS, preset
 from moejax.config.rope import Rope, read_rope
-from moejax.config.schema import (OLD_EXPERT_FORMAT_NAMES, Config, EngineConfig, LayoutConfig,
-                                  ModelConfig, WeightsConfig)
+from moejax.config.schema import OLD_EXPERT_FORMAT_NAMES, Config, EngineConfig, LayoutConfig, ModelConfig, WeightsConfig
 
-__all__ = ["OLD_EXPERT_FORMAT_NAMES", "PRESETS", "Config", "ConfigError", "EngineConfig",
-           "LayoutConfig", "ModelConfig", "Rope", "WeightsConfig", "from_dict", "load_file", "preset", "read_rope",
-           "replace_checked"]
+__all__ = [
+    "OLD_EXPERT_FORMAT_NAMES",
+    "PRESETS",
+    "Config",
+    "ConfigError",
+    "EngineConfig",
+    "LayoutConfig",
+    "ModelConfig",
+    "Rope",
+    "WeightsConfig",
+    "from_dict",
+    "load_file",
+    "preset",
+    "read_rope",
+    "replace_checked",
+]

@@ -15,6 +15,7 @@ from moejax.config.errors import ConfigError
 from moejax.config.presets import preset
 from moejax.config.schema import Config, EngineConfig, LayoutConfig, ModelConfig, WeightsConfig
 
+
 def coerce(value: Any, tp: Any, where: str) -> Any:
     """Checks `value` against a dataclass field type; one clear error naming the key otherwise."""
     origin = typing.get_origin(tp)
@@ -24,7 +25,9 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
             return None
         return coerce(value, next(a for a in args if a is not type(None)), where)
     if origin is tuple:
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
             raise ConfigError(f"{where} must be a list of integers, got {value!r}")
         return tuple(value)
     if tp is bool:
@@ -101,6 +104,7 @@ def load_file(path: str | Path, base: Config | None = None, preset_name: str | N
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ConfigError(f"config file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
-                          f"{str(e).splitlines()[0]}") from None
+        raise ConfigError(
+            f"config file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {str(e).splitlines()[0]}"
+        ) from None
     return from_dict(data or {}, base, preset_name)

@@ -17,8 +17,16 @@ from moejax.config.errors import ConfigError
 
 ROPE_TYPES = ("default", "yarn")
 # YaRN's settings, as transformers' _compute_yarn_parameters and DeepSeek's reference read them.
-YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
-             "attention_factor", "truncate")
+YARN_KEYS = (
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "attention_factor",
+    "truncate",
+)
 _NUMBERS = ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
 
 
@@ -79,9 +87,15 @@ def _one(inside, outside, key: str, where: str) -> float | None:
     return inside if inside is not None else outside
 
 
-def read_rope(params: dict | None, theta=None, partial=None, max_position_embeddings: int = 0,
-              where: str = "rope_scaling", default_theta: float = 10000.0,
-              default_partial: float = 1.0) -> tuple[Rope, float]:
+def read_rope(
+    params: dict | None,
+    theta=None,
+    partial=None,
+    max_position_embeddings: int = 0,
+    where: str = "rope_scaling",
+    default_theta: float = 10000.0,
+    default_partial: float = 1.0,
+) -> tuple[Rope, float]:
     """(Rope, partial_rotary_factor) from a rope mapping (`params`, None: no scaling) and the
     top-level `theta` and `partial` (None: not given). A yarn mapping without
     `original_max_position_embeddings` means `max_position_embeddings`, as transformers reads it."""
@@ -105,8 +119,10 @@ def read_rope(params: dict | None, theta=None, partial=None, max_position_embedd
     allowed = YARN_KEYS if kind == "yarn" else ()
     unread = [k for k in rest if k not in allowed]
     if unread:
-        raise ConfigError(f"{where} key {unread[0]!r} is not one rope type {kind!r} reads "
-                          f"({', '.join(allowed) or 'it reads none besides rope_theta and partial_rotary_factor'})")
+        raise ConfigError(
+            f"{where} key {unread[0]!r} is not one rope type {kind!r} reads "
+            f"({', '.join(allowed) or 'it reads none besides rope_theta and partial_rotary_factor'})"
+        )
     if kind == "default":
         return Rope(theta=theta), partial
     return _yarn(rest, theta, max_position_embeddings, where), partial

@@ -11,8 +11,20 @@ import dataclasses
 
 from moejax.config.errors import ConfigError
 from moejax.config.rope import Rope, read_rope
-from moejax.vocab import (ATTENTION_KERNELS, ATTENTION_MODES, DISPATCH_DTYPES, EXPERT_ACTIVATIONS, EXPERT_FORMATS, FAMILIES, KERNELS,
-                          LAYER_LOOPS, ROUTER_SCORINGS, ROUTING_MODES, RUN_DTYPES, SPLIT_MODES)
+from moejax.vocab import (
+    ATTENTION_KERNELS,
+    ATTENTION_MODES,
+    DISPATCH_DTYPES,
+    EXPERT_ACTIVATIONS,
+    EXPERT_FORMATS,
+    FAMILIES,
+    KERNELS,
+    LAYER_LOOPS,
+    ROUTER_SCORINGS,
+    ROUTING_MODES,
+    RUN_DTYPES,
+    SPLIT_MODES,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +108,13 @@ class ModelConfig:
     @property
     def rope(self) -> Rope:
         """The rotary embedding, read from rope_theta, rope_scaling and partial_rotary_factor."""
-        return read_rope(self.rope_scaling, self.rope_theta, self.partial_rotary_factor, self.max_position_embeddings,
-                         "model.rope_scaling")[0]
+        return read_rope(
+            self.rope_scaling,
+            self.rope_theta,
+            self.partial_rotary_factor,
+            self.max_position_embeddings,
+            "model.rope_scaling",
+        )[0]
 
     @property
     def softmax_scale(self) -> float:
@@ -108,31 +125,52 @@ class ModelConfig:
     def validate(self) -> None:
         if self.family not in FAMILIES:
             raise ConfigError(f"model.family {self.family!r} is not one of {', '.join(FAMILIES)}")
-        read_rope(self.rope_scaling, self.rope_theta, self.partial_rotary_factor, self.max_position_embeddings,
-                  "model.rope_scaling")  # an unreadable rope mapping ends here, in one line
+        read_rope(
+            self.rope_scaling,
+            self.rope_theta,
+            self.partial_rotary_factor,
+            self.max_position_embeddings,
+            "model.rope_scaling",
+        )  # an unreadable rope mapping ends here, in one line
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ConfigError(f"num_experts_per_tok {self.num_experts_per_tok} must be in 1..num_experts {self.num_experts}")
+            raise ConfigError(
+                f"num_experts_per_tok {self.num_experts_per_tok} must be in 1..num_experts {self.num_experts}"
+            )
         if self.num_experts % self.n_group or self.topk_group > self.n_group:
-            raise ConfigError(f"n_group {self.n_group} / topk_group {self.topk_group} do not fit {self.num_experts} experts")
+            raise ConfigError(
+                f"n_group {self.n_group} / topk_group {self.topk_group} do not fit {self.num_experts} experts"
+            )
         if self.router_scoring not in ROUTER_SCORINGS:
             raise ConfigError(f"router_scoring {self.router_scoring!r} is not one of {', '.join(ROUTER_SCORINGS)}")
         if self.expert_act not in EXPERT_ACTIVATIONS:
             raise ConfigError(f"expert_act {self.expert_act!r} is not one of {', '.join(EXPERT_ACTIVATIONS)}")
-        if any(not 0 <= i < self.num_layers for i in self.sliding_layers) or (self.sliding_layers and self.sliding_window < 1):
-            raise ConfigError(f"sliding_layers {self.sliding_layers} need a sliding_window >= 1 and layers in "
-                              f"0..{self.num_layers - 1}")
+        if any(not 0 <= i < self.num_layers for i in self.sliding_layers) or (
+            self.sliding_layers and self.sliding_window < 1
+        ):
+            raise ConfigError(
+                f"sliding_layers {self.sliding_layers} need a sliding_window >= 1 and layers in "
+                f"0..{self.num_layers - 1}"
+            )
         if any(not 0 <= i < self.num_layers for i in self.dense_layers):
             raise ConfigError(f"dense_layers {self.dense_layers} outside 0..{self.num_layers - 1}")
         if self.is_dsa:
-            if (not 0 < self.qk_rope_head_dim <= self.index_head_dim or self.index_n_heads < 1 or self.index_topk < 1
-                    or not self.q_lora_rank):
-                raise ConfigError(f"the DSA indexer needs q_lora_rank, index_topk, index_n_heads >= 1 and "
-                                  f"index_head_dim >= qk_rope_head_dim {self.qk_rope_head_dim}")
+            if (
+                not 0 < self.qk_rope_head_dim <= self.index_head_dim
+                or self.index_n_heads < 1
+                or self.index_topk < 1
+                or not self.q_lora_rank
+            ):
+                raise ConfigError(
+                    f"the DSA indexer needs q_lora_rank, index_topk, index_n_heads >= 1 and "
+                    f"index_head_dim >= qk_rope_head_dim {self.qk_rope_head_dim}"
+                )
             if any(not 0 < i < self.num_layers for i in self.dsa_shared_layers):
-                raise ConfigError(f"dsa_shared_layers {self.dsa_shared_layers} must lie in 1..{self.num_layers - 1} "
-                                  "(layer 0 has no selection to share)")
+                raise ConfigError(
+                    f"dsa_shared_layers {self.dsa_shared_layers} must lie in 1..{self.num_layers - 1} "
+                    "(layer 0 has no selection to share)"
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,8 +206,10 @@ class LayoutConfig:
         if self.redundant_experts < 0:
             raise ConfigError(f"layout.redundant_experts must not be negative, got {self.redundant_experts}")
         if self.eplb_window < 1 or self.eplb_interval < 1:
-            raise ConfigError(f"layout.eplb_window and layout.eplb_interval must be at least 1, got {self.eplb_window} "
-                              f"and {self.eplb_interval}")
+            raise ConfigError(
+                f"layout.eplb_window and layout.eplb_interval must be at least 1, got {self.eplb_window} "
+                f"and {self.eplb_interval}"
+            )
         if self.devices < 0:
             raise ConfigError(f"devices must be at least 1 (or 0: this host's choice), got {self.devices}")
         if self.ep < 0 or self.tp < 0:
@@ -219,10 +259,13 @@ class EngineConfig:
         mode, _, arg = self.routing.partition(":")
         arg_ok = {"replay": bool(arg), "even": not arg or arg.isdigit()}.get(mode, not arg)
         if mode not in ROUTING_MODES or not arg_ok:
-            raise ConfigError(f"engine.routing {self.routing!r} is not one of natural, even[:SEED], round_robin, "
-                              "replay:TRACE")
+            raise ConfigError(
+                f"engine.routing {self.routing!r} is not one of natural, even[:SEED], round_robin, replay:TRACE"
+            )
         if self.prefill_chunk < 0:
-            raise ConfigError(f"engine.prefill_chunk must be positive (or 0: the platform's default), got {self.prefill_chunk}")
+            raise ConfigError(
+                f"engine.prefill_chunk must be positive (or 0: the platform's default), got {self.prefill_chunk}"
+            )
         if self.page_size < 0:
             raise ConfigError(f"engine.page_size must be positive (or 0: a contiguous cache), got {self.page_size}")
         if self.decode_block < 1:
@@ -240,7 +283,7 @@ class Config:
     kernel: str = "auto"
     attention_kernel: str = "auto"  # ATTENTION_KERNELS: how a paged cache's GQA attention reads its pages
 
-    def validate(self) -> "Config":
+    def validate(self) -> Config:
         self.model.validate()
         self.layout.validate()
         self.weights.validate()
@@ -248,7 +291,9 @@ class Config:
         if self.kernel not in KERNELS:
             raise ConfigError(f"kernel {self.kernel!r} is not one of {', '.join(KERNELS)}")
         if self.attention_kernel not in ATTENTION_KERNELS:
-            raise ConfigError(f"attention_kernel {self.attention_kernel!r} is not one of {', '.join(ATTENTION_KERNELS)}")
+            raise ConfigError(
+                f"attention_kernel {self.attention_kernel!r} is not one of {', '.join(ATTENTION_KERNELS)}"
+            )
         return self
 
 
@@ -256,4 +301,3 @@ def _default_model() -> ModelConfig:
     from moejax.config.presets import PRESETS  # presets are built from this module's classes
 
     return PRESETS["tiny"]
-

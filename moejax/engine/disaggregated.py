@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from moejax.engine import compile_clock
 from moejax.engine.engine import Engine, Generation, Prefilled, to_host
 from moejax.engine.sampling import Sampling
-from moejax.engine.speculative import SpecGeneration, SpeculativeEngine, SpecPrefilled, SpecState
+from moejax.engine.speculative import SpecGeneration, SpecPrefilled, SpecState, SpeculativeEngine
 
 
 def _overlap(a: tuple, b: tuple, shape: tuple) -> int:
@@ -41,8 +41,10 @@ def bytes_moved(array: jax.Array, target: jax.sharding.Sharding) -> int:
     less what of it the device already holds."""
     shape = array.shape
     have = array.sharding.devices_indices_map(shape)
-    elements = sum(_overlap(index, index, shape) - (_overlap(index, have[d], shape) if d in have else 0)
-                   for d, index in target.devices_indices_map(shape).items())
+    elements = sum(
+        _overlap(index, index, shape) - (_overlap(index, have[d], shape) if d in have else 0)
+        for d, index in target.devices_indices_map(shape).items()
+    )
     return elements * array.dtype.itemsize
 
 
@@ -74,8 +76,9 @@ def _paired(source: list, target: np.ndarray) -> np.ndarray:
 @functools.cache
 def _permute(both: Mesh, spec: P):
     """Side 0's shards of a [2, ...] array to side 1's devices, one collective permute."""
-    return jax.jit(jax.shard_map(lambda a: jax.lax.ppermute(a, "side", [(0, 1)]), mesh=both, in_specs=spec,
-                                 out_specs=spec))
+    return jax.jit(
+        jax.shard_map(lambda a: jax.lax.ppermute(a, "side", [(0, 1)]), mesh=both, in_specs=spec, out_specs=spec)
+    )
 
 
 def _across_processes(x: jax.Array, target: NamedSharding, source: list) -> jax.Array:
@@ -95,10 +98,12 @@ def _across_processes(x: jax.Array, target: NamedSharding, source: list) -> jax.
     here = [d for d in target.mesh.devices.flat if d.process_index == jax.process_index()]
     zeros = [jax.device_put(np.zeros((1, *target.shard_shape(x.shape)), x.dtype), d) for d in here]
     stacked = jax.make_array_from_single_device_arrays(
-        (2, *x.shape), NamedSharding(both, spec), [s.data[None] for s in x.addressable_shards] + zeros)
+        (2, *x.shape), NamedSharding(both, spec), [s.data[None] for s in x.addressable_shards] + zeros
+    )
     moved = _permute(both, spec)(stacked)
     return jax.make_array_from_single_device_arrays(
-        x.shape, target, [s.data[0] for s in moved.addressable_shards if s.device in set(here)])
+        x.shape, target, [s.data[0] for s in moved.addressable_shards if s.device in set(here)]
+    )
 
 
 def onto(x: jax.Array, target: NamedSharding, source: list) -> jax.Array:
@@ -122,8 +127,9 @@ def _via_host(x: jax.Array, axes: tuple, placement) -> jax.Array:
 
 
 # Logical axes of the speculative state's arrays on the decode mesh.
-SPEC_STATE_AXES = SpecState(token=("batch",), draft=("batch",), draft_probs=("batch", None), pos=("batch",),
-                            count=("batch",), seeds=("batch",))
+SPEC_STATE_AXES = SpecState(
+    token=("batch",), draft=("batch",), draft_probs=("batch", None), pos=("batch",), count=("batch",), seeds=("batch",)
+)
 
 
 class Disaggregated:
@@ -138,11 +144,15 @@ class Disaggregated:
         max_len -> (runs there, bytes that changed device)."""
         decode = self.decode.placement
         axes = decode.cache_axes(runs)
-        head = [{k: _positions(v, axes_k[k], written) for k, v in run.items()}  # [layers, B, written, ...]
-                for run, axes_k in zip(runs, axes)]
+        head = [
+            {k: _positions(v, axes_k[k], written) for k, v in run.items()}  # [layers, B, written, ...]
+            for run, axes_k in zip(runs, axes)
+        ]
         head, moved = move_cache(head, decode, list(self.prefill.placement.mesh.devices.flat))
-        return [{k: _zero_tail(v, axes_k[k], max_len, full_t[k]) for k, v in run.items()}
-                for run, axes_k, full_t in zip(head, axes, decode.cache_shardings(runs))], moved
+        return [
+            {k: _zero_tail(v, axes_k[k], max_len, full_t[k]) for k, v in run.items()}
+            for run, axes_k, full_t in zip(head, axes, decode.cache_shardings(runs))
+        ], moved
 
     def hand_over(self, state: Prefilled | SpecPrefilled) -> tuple[Prefilled | SpecPrefilled, int, float]:
         """The prefilled batch onto the decode engine's devices -> (state there, cache bytes
@@ -153,22 +163,25 @@ class Disaggregated:
         if isinstance(state, SpecPrefilled):
             # The MTP wrote positions 1 .. written (it sees the prompt shifted by one; a write
             # past the cache's end is dropped).
-            (changes["mtp_cache"],), mtp_moved = self._move_cache([state.mtp_cache], min(state.written + 1, state.max_len),
-                                                                  state.max_len)
+            (changes["mtp_cache"],), mtp_moved = self._move_cache(
+                [state.mtp_cache], min(state.written + 1, state.max_len), state.max_len
+            )
             moved += mtp_moved
         jax.block_until_ready(changes)
         t1 = compile_clock.now()
         # The tokens, positions and seeds ([B] arrays; the draft's distribution [B, V] when
         # sampling) go through the host, not counted.
         if isinstance(state, SpecPrefilled):
-            changes["state"] = SpecState(*map(functools.partial(_via_host, placement=self.decode.placement), state.state,
-                                              SPEC_STATE_AXES))
+            changes["state"] = SpecState(
+                *map(functools.partial(_via_host, placement=self.decode.placement), state.state, SPEC_STATE_AXES)
+            )
         else:
             changes["tok"] = _via_host(state.tok, ("batch",), self.decode.placement)
         return dataclasses.replace(state, **changes), moved, compile_clock.run_ms(t0, t1)
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
-                 seed: int = 0) -> Generation | SpecGeneration:
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(), seed: int = 0
+    ) -> Generation | SpecGeneration:
         # One batch size both placements can split their rows by.
         multiple = math.lcm(self.prefill.placement.batch_multiple(), self.decode.placement.batch_multiple())
         state = self.prefill.start(prompts, max_new_tokens, sampling, seed, batch_multiple=multiple)
@@ -188,4 +201,4 @@ def split_devices(prefill_devices: int, decode_devices: int, shared: int) -> tup
     n = jax.process_count()
     local = [[d for d in devices if d.process_index == i] for i in sorted({d.process_index for d in devices})]
     p, d = prefill_devices // n, decode_devices // n
-    return [x for ds in local for x in ds[:p]], [x for ds in local for x in ds[p:p + d]]
+    return [x for ds in local for x in ds[:p]], [x for ds in local for x in ds[p : p + d]]

@@ -13,8 +13,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
+from jax import lax
 
 from moejax import platform
 from moejax.config import Config, ModelConfig
@@ -29,8 +29,21 @@ from moejax.model.layer_loop import arrange
 from moejax.model.transformer import forward, lm_head
 
 
-def prefill(params, cache, tokens, start, last, forced=None, pages=None, *, c: ModelConfig, placement,
-            all_logits: bool, record: bool, visible: int = 0):
+def prefill(
+    params,
+    cache,
+    tokens,
+    start,
+    last,
+    forced=None,
+    pages=None,
+    *,
+    c: ModelConfig,
+    placement,
+    all_logits: bool,
+    record: bool,
+    visible: int = 0,
+):
     """One prefill chunk. tokens: [B, C] at positions start..start+C-1; last: [B] each request's
     last prompt position; forced: int32 [MoE layers, B*C, k] picks of a routing override, or None;
     visible (static): the chunk ends by this position, so attention reads only the cache's first
@@ -53,8 +66,21 @@ def prefill(params, cache, tokens, start, last, forced=None, pages=None, *, c: M
     return lm_head(params, h, c), cache, picks if record else None
 
 
-def decode_step(params, cache, tokens, lens, seeds, step, forced=None, pages=None, *, c: ModelConfig, placement,
-                sampling: Sampling, record: bool):
+def decode_step(
+    params,
+    cache,
+    tokens,
+    lens,
+    seeds,
+    step,
+    forced=None,
+    pages=None,
+    *,
+    c: ModelConfig,
+    placement,
+    sampling: Sampling,
+    record: bool,
+):
     """Decode step `step` (1: the first after the prompt): tokens [B] go to positions lens + step - 1
     (lens: [B] prompt lengths) -> (next tokens [B], logits [B, V], cache, picks), each row's drawn
     with its seed [B] at its position. forced: int32 [MoE layers, B, k] picks of a routing override,
@@ -67,8 +93,22 @@ def decode_step(params, cache, tokens, lens, seeds, step, forced=None, pages=Non
     return sample(logits, sampling, seeds, positions + 1), logits, cache, picks if record else None
 
 
-def decode_steps(params, cache, tokens, lens, seeds, first, count, pages=None, *, block: int, c: ModelConfig,
-                 placement, sampling: Sampling, visible: int = 0):
+def decode_steps(
+    params,
+    cache,
+    tokens,
+    lens,
+    seeds,
+    first,
+    count,
+    pages=None,
+    *,
+    block: int,
+    c: ModelConfig,
+    placement,
+    sampling: Sampling,
+    visible: int = 0,
+):
     """Decode steps first .. first + count - 1 (count <= block), each a `decode_step`, in one
     program -> (their tokens [block, B], rows past count zero; the last tokens [B]; cache).
     A program per step leaves the devices waiting on the host between steps, and each other
@@ -89,8 +129,19 @@ def decode_steps(params, cache, tokens, lens, seeds, first, count, pages=None, *
         tok, cache, out = carry
         live = i < count
         # A step past count at step length + 1: its positions are >= lens + length, past the cache.
-        new, _, cache, _ = decode_step(params, cache, tok, lens, seeds, jnp.where(live, first + i, length + 1),
-                                       pages=pages, c=c, placement=placement, sampling=sampling, record=False)
+        new, _, cache, _ = decode_step(
+            params,
+            cache,
+            tok,
+            lens,
+            seeds,
+            jnp.where(live, first + i, length + 1),
+            pages=pages,
+            c=c,
+            placement=placement,
+            sampling=sampling,
+            record=False,
+        )
         return jnp.where(live, new, tok), cache, out.at[i].set(jnp.where(live, new, 0))
 
     out = jnp.zeros((block, tokens.shape[0]), tokens.dtype)
@@ -104,8 +155,11 @@ def jit_program(fn, dtype, *, decode: bool = False, platform_name: str | None = 
     """jax.jit of an engine program of a run in `dtype` on `platform_name` (default: this machine's):
     traced at the run's matmul precision, compiled with its compiler options (`decode`: those of a
     decode program)."""
-    return jax.jit(platform.at_matmul_precision(fn, dtype),
-                   compiler_options=platform.compiler_options(dtype, decode, platform_name), **jit_kwargs)
+    return jax.jit(
+        platform.at_matmul_precision(fn, dtype),
+        compiler_options=platform.compiler_options(dtype, decode, platform_name),
+        **jit_kwargs,
+    )
 
 
 def to_host(x: jax.Array) -> np.ndarray:
@@ -166,6 +220,7 @@ class Generation:
 @dataclasses.dataclass
 class Prefilled:
     """A batch after its prefill and first token: what decoding continues from."""
+
     prompts: list[list[int]]
     cache: list[dict]  # per run of layers, arrays [layers, B, ...] of max_len positions
     tok: jax.Array  # [B] the first new tokens
@@ -184,8 +239,15 @@ class Engine:
     """Binds a model, its (placed) parameters and a placement to jitted prefill/decode, under a
     routing override (`engine.routing`; default the router's own picks)."""
 
-    def __init__(self, config: Config, params: dict, placement, routing: Routing = Routing(), phy2log=None,
-                 arranged: bool = False):
+    def __init__(
+        self,
+        config: Config,
+        params: dict,
+        placement,
+        routing: Routing = Routing(),
+        phy2log=None,
+        arranged: bool = False,
+    ):
         """`params` with every run stacked, or `arranged` already for this placement's loops
         (loaded with them, or another engine's, lent)."""
         self.config = config
@@ -200,12 +262,26 @@ class Engine:
         compile_clock.start()
         self.max_chunk = platform.prefill_chunk(config.engine.prefill_chunk)
         bind = dict(c=self.c, placement=placement)
-        self._prefill = jit_program(functools.partial(prefill, **bind), self.dtype, donate_argnums=1,
-                                    static_argnames=("all_logits", "record", "visible"))
-        self._decode = jit_program(functools.partial(decode_step, **bind), self.dtype, decode=True, donate_argnums=1,
-                                   static_argnames=("sampling", "record"))
-        self._decode_block = jit_program(functools.partial(decode_steps, **bind), self.dtype, decode=True,
-                                         donate_argnums=1, static_argnames=("block", "sampling", "visible"))
+        self._prefill = jit_program(
+            functools.partial(prefill, **bind),
+            self.dtype,
+            donate_argnums=1,
+            static_argnames=("all_logits", "record", "visible"),
+        )
+        self._decode = jit_program(
+            functools.partial(decode_step, **bind),
+            self.dtype,
+            decode=True,
+            donate_argnums=1,
+            static_argnames=("sampling", "record"),
+        )
+        self._decode_block = jit_program(
+            functools.partial(decode_steps, **bind),
+            self.dtype,
+            decode=True,
+            donate_argnums=1,
+            static_argnames=("block", "sampling", "visible"),
+        )
         self.decode_block = config.engine.decode_block  # `moejax trace` sets 1: a program per step
         # The first tokens placed as a decode step leaves its own (rows over the batch axis): the
         # first step then runs the program every later step runs, rather than compiling its own.
@@ -231,7 +307,9 @@ class Engine:
         the pages, and its requests' tables name only those (every device reads and writes its
         own: `store_pages`, `on_pages`)."""
         return self.placement.zeros_cache(
-            lambda: init_pool(self.c, pages, page_size, self.dtype, self.placement.attention_kernel, window_pages), pool=True)
+            lambda: init_pool(self.c, pages, page_size, self.dtype, self.placement.attention_kernel, window_pages),
+            pool=True,
+        )
 
     def _paged_cache(self, batch: int, max_len: int):
         """engine.page_size: a pool of pages for `batch` rows of `max_len` positions and their
@@ -269,21 +347,39 @@ class Engine:
             lens[i] = len(p)
         return tokens, lens
 
-    def _run_prefill(self, cache, tokens: np.ndarray, lens: np.ndarray, all_logits: bool, record: bool, dealer,
-                     prompt_lens: list[int], pages=None):
+    def _run_prefill(
+        self,
+        cache,
+        tokens: np.ndarray,
+        lens: np.ndarray,
+        all_logits: bool,
+        record: bool,
+        dealer,
+        prompt_lens: list[int],
+        pages=None,
+    ):
         chunk = min(self.max_chunk, tokens.shape[1])  # _padded's width: one bucket, or whole max chunks
         last = jnp.asarray(lens - 1)
         outs, picks = [], []
         # every contiguous entry's positions precede one last axis
-        cache_len = jax.tree.leaves(cache)[0].shape[-2] if pages is None else paged.page_size_of(cache) * paged.width(pages)
+        cache_len = (
+            jax.tree.leaves(cache)[0].shape[-2] if pages is None else paged.page_size_of(cache) * paged.width(pages)
+        )
         for start in range(0, tokens.shape[1], chunk):
             valid = valid_rows(prompt_lens, tokens.shape[0], chunk, start)
             # Attention over the positions this chunk can see, not the whole cache; in buckets,
             # so that the programs stay few.
             visible = bucket(start + chunk, MIN_POSITIONS)
             logits, cache, p = self._prefill(
-                self.params, cache, jnp.asarray(tokens[:, start : start + chunk]), jnp.int32(start), last,
-                forced(dealer, "prefill", valid), pages, all_logits=all_logits, record=record,
+                self.params,
+                cache,
+                jnp.asarray(tokens[:, start : start + chunk]),
+                jnp.int32(start),
+                last,
+                forced(dealer, "prefill", valid),
+                pages,
+                all_logits=all_logits,
+                record=record,
                 visible=visible if visible < cache_len else 0,
             )
             outs.append(logits)
@@ -300,20 +396,40 @@ class Engine:
         self.check_prompts(prompts)
         tokens, lens = self._padded(prompts)
         cache = self.new_cache(tokens.shape[0], bucket(tokens.shape[1], MIN_POSITIONS))
-        logits, _, _ = self._run_prefill(cache, tokens, lens, all_logits=True, record=False,
-                                         dealer=self.routing.start(self.c), prompt_lens=[len(p) for p in prompts])
+        logits, _, _ = self._run_prefill(
+            cache,
+            tokens,
+            lens,
+            all_logits=True,
+            record=False,
+            dealer=self.routing.start(self.c),
+            prompt_lens=[len(p) for p in prompts],
+        )
         logits = to_host(logits)
         return [logits[i, : len(p)] for i, p in enumerate(prompts)]
 
     def generate(
-        self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(), seed: int = 0,
-        record: bool = False, return_logits: bool = False,
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        sampling: Sampling = Sampling(),
+        seed: int = 0,
+        record: bool = False,
+        return_logits: bool = False,
     ) -> Generation:
-        return self.decode(self.start(prompts, max_new_tokens, sampling, seed, record), max_new_tokens, sampling,
-                           record, return_logits)
+        return self.decode(
+            self.start(prompts, max_new_tokens, sampling, seed, record), max_new_tokens, sampling, record, return_logits
+        )
 
-    def start(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(), seed: int = 0,
-              record: bool = False, batch_multiple: int | None = None) -> Prefilled:
+    def start(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        sampling: Sampling = Sampling(),
+        seed: int = 0,
+        record: bool = False,
+        batch_multiple: int | None = None,
+    ) -> Prefilled:
         """Prefill a batch and sample its first tokens. `batch_multiple`: pad the batch to a
         multiple of this (default: this placement's), for a cache that another engine decodes."""
         self.check_prompts(prompts)
@@ -326,7 +442,9 @@ class Engine:
                 f"of {self.c.max_position_embeddings}"
             )
         tokens, lens = self._padded(prompts, batch_multiple)
-        max_len = self.config.engine.max_seq_len or bucket(max(tokens.shape[1], longest + max_new_tokens), MIN_POSITIONS)
+        max_len = self.config.engine.max_seq_len or bucket(
+            max(tokens.shape[1], longest + max_new_tokens), MIN_POSITIONS
+        )
         if longest >= max_len:
             raise UsageError(f"prompt of {longest} tokens does not fit the KV cache of {max_len} positions")
         pages = None
@@ -336,23 +454,51 @@ class Engine:
             cache = self.new_cache(tokens.shape[0], max_len)
         dealer, prompt_lens = self.routing.start(self.c), [len(p) for p in prompts]
         t0 = compile_clock.now()
-        logits, cache, picks = self._run_prefill(cache, tokens, lens, all_logits=False, record=record, dealer=dealer,
-                                                 prompt_lens=prompt_lens, pages=pages)
+        logits, cache, picks = self._run_prefill(
+            cache, tokens, lens, all_logits=False, record=record, dealer=dealer, prompt_lens=prompt_lens, pages=pages
+        )
         seeds = seed_rows(seed, tokens.shape[0])
         tok = self._as_decoded(sample(logits, sampling, seeds, lens)).block_until_ready()
         t1 = compile_clock.now()
-        return Prefilled(prompts, cache, tok, logits, lens, max_len, tokens.shape[1], seeds, dealer, picks,
-                         prefill_ms=compile_clock.run_ms(t0, t1), pages=pages)
+        return Prefilled(
+            prompts,
+            cache,
+            tok,
+            logits,
+            lens,
+            max_len,
+            tokens.shape[1],
+            seeds,
+            dealer,
+            picks,
+            prefill_ms=compile_clock.run_ms(t0, t1),
+            pages=pages,
+        )
 
-    def decode(self, state: Prefilled, max_new_tokens: int, sampling: Sampling = Sampling(), record: bool = False,
-               return_logits: bool = False) -> Generation:
+    def decode(
+        self,
+        state: Prefilled,
+        max_new_tokens: int,
+        sampling: Sampling = Sampling(),
+        record: bool = False,
+        return_logits: bool = False,
+    ) -> Generation:
         """Decode from `state` (this engine's prefill, or another's handed over) to max_new_tokens."""
-        cache, tok, logits, picks, prompts, max_len = (state.cache, state.tok, state.logits, state.picks,
-                                                       state.prompts, state.max_len)
+        cache, tok, logits, picks, prompts, max_len = (
+            state.cache,
+            state.tok,
+            state.logits,
+            state.picks,
+            state.prompts,
+            state.max_len,
+        )
         prompt_lens = [len(p) for p in prompts]
         t1 = compile_clock.now()
         lens = jnp.asarray(state.lens)
-        out, step_logits = [(tok, 1)], [logits] if return_logits else []  # (tokens [B] or [block, B], steps); logits when asked
+        out, step_logits = (
+            [(tok, 1)],
+            [logits] if return_logits else [],
+        )  # (tokens [B] or [block, B], steps); logits when asked
         # Plain generation runs in blocks of steps; recording picks, keeping logits or a routing
         # override (picks fed per step from the host) go step by step.
         blocks = self.decode_block > 1 and not (record or return_logits or state.dealer is not None)
@@ -364,16 +510,33 @@ class Engine:
                 visible = 0
             for step in range(1, max_new_tokens, self.decode_block):
                 count = min(self.decode_block, max_new_tokens - step)
-                toks, tok, cache = self._decode_block(self.params, cache, tok, lens, state.seeds, step, count,
-                                                      state.pages, block=self.decode_block, sampling=sampling,
-                                                      visible=visible)
+                toks, tok, cache = self._decode_block(
+                    self.params,
+                    cache,
+                    tok,
+                    lens,
+                    state.seeds,
+                    step,
+                    count,
+                    state.pages,
+                    block=self.decode_block,
+                    sampling=sampling,
+                    visible=visible,
+                )
                 out.append((toks, count))
         else:
             for step in range(1, max_new_tokens):
                 tok, logits, cache, p = self._decode(
-                    self.params, cache, tok, lens, state.seeds, step,
-                    forced(state.dealer, "decode", valid_rows(prompt_lens, len(state.lens), 1, None)), state.pages,
-                    sampling=sampling, record=record,
+                    self.params,
+                    cache,
+                    tok,
+                    lens,
+                    state.seeds,
+                    step,
+                    forced(state.dealer, "decode", valid_rows(prompt_lens, len(state.lens), 1, None)),
+                    state.pages,
+                    sampling=sampling,
+                    record=record,
                 )
                 out.append((tok, 1))
                 if return_logits:

@@ -26,8 +26,10 @@ def trace_counts(trace, c, num_logical: int) -> np.ndarray:
     """float[L, E_padded]: picks per logical expert over a trace's valid rows, checked against the model."""
     layers = moe_layers(c)
     if trace.num_experts != c.num_experts or trace.ids.shape[1] != layers:
-        raise UsageError(f"--eplb: the trace has {trace.ids.shape[1]} MoE layers of {trace.num_experts} experts; "
-                         f"this model has {layers} of {c.num_experts}")
+        raise UsageError(
+            f"--eplb: the trace has {trace.ids.shape[1]} MoE layers of {trace.num_experts} experts; "
+            f"this model has {layers} of {c.num_experts}"
+        )
     counts = np.zeros((layers, num_logical))
     for l in range(layers):
         picked = trace.ids[:, l][np.broadcast_to(trace.valid[..., None], trace.ids[:, l].shape)]
@@ -65,6 +67,12 @@ def place_experts(params: dict, placement, load_trace, loops: tuple | None = Non
 def trace_device_rows(trace, phy2log: np.ndarray | None, placement) -> np.ndarray:
     """int[N]: rows each ep device's experts computed over every pass of `trace`, summed over
     MoE layers, with the experts placed by `phy2log` (None: checkpoint order)."""
-    return sum((slots.device_rows(trace.ids[s], trace.valid[s], phy2log, placement.num_logical, placement.ep,
-                                  placement.home_replicas) for s in range(trace.num_steps)),
-               np.zeros(placement.ep, np.int64))
+    return sum(
+        (
+            slots.device_rows(
+                trace.ids[s], trace.valid[s], phy2log, placement.num_logical, placement.ep, placement.home_replicas
+            )
+            for s in range(trace.num_steps)
+        ),
+        np.zeros(placement.ep, np.int64),
+    )

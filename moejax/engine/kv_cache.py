@@ -36,7 +36,10 @@ def restack(cache: list) -> list[dict]:
 
 def init_cache(c: ModelConfig, batch: int, max_len: int, dtype) -> list[dict]:
     return [
-        {k: jnp.zeros((run.count, *shape), dtype) for k, (shape, _) in cache_specs(c, batch, max_len, run.first).items()}
+        {
+            k: jnp.zeros((run.count, *shape), dtype)
+            for k, (shape, _) in cache_specs(c, batch, max_len, run.first).items()
+        }
         for run in layer_runs(c)
     ]
 
@@ -46,11 +49,16 @@ def pool_specs(c: ModelConfig, pages: int, page_size: int, layer: int | None = N
     v interleaved in one pool where the paged-attention `kernel` reads that (`paged.kv_pool_spec`),
     and as wide as the kernel reads a head (`head_dim`)."""
     if c.is_mla:
-        return {k: paged.pool_spec(shape, axes, pages, page_size) for k, (shape, axes) in cache_specs(c, 1, 1, layer).items()}
+        return {
+            k: paged.pool_spec(shape, axes, pages, page_size)
+            for k, (shape, axes) in cache_specs(c, 1, 1, layer).items()
+        }
     if combined(kernel):
         return paged.kv_pool_spec(c, pages, page_size, kernel)
-    return {k: paged.pool_spec(shape, axes, pages, page_size, head_dim(kernel, c.head_dim))
-            for k, (shape, axes) in cache_specs(c, 1, 1, layer).items()}
+    return {
+        k: paged.pool_spec(shape, axes, pages, page_size, head_dim(kernel, c.head_dim))
+        for k, (shape, axes) in cache_specs(c, 1, 1, layer).items()
+    }
 
 
 def group_counts(c: ModelConfig, run) -> tuple[int, int]:
@@ -59,23 +67,34 @@ def group_counts(c: ModelConfig, run) -> tuple[int, int]:
     return run.count - window, window
 
 
-def init_pool(c: ModelConfig, pages: int, page_size: int, dtype, kernel: str = "xla", window_pages: int = 0) -> list[dict]:
+def init_pool(
+    c: ModelConfig, pages: int, page_size: int, dtype, kernel: str = "xla", window_pages: int = 0
+) -> list[dict]:
     """Per run, its full-attention layers' pools [layers, pages, ...] and, for a model with
     sliding-window layers, theirs [layers, window_pages, ...] (entries `paged.WINDOW` + name)."""
     out = []
     for run in layer_runs(c):
         full, window = group_counts(c, run)
-        pools = {k: jnp.zeros((full, *shape), dtype) for k, (shape, _) in
-                 pool_specs(c, pages, page_size, run.first, kernel).items()} if full else {}
+        pools = (
+            {
+                k: jnp.zeros((full, *shape), dtype)
+                for k, (shape, _) in pool_specs(c, pages, page_size, run.first, kernel).items()
+            }
+            if full
+            else {}
+        )
         if window:
-            pools |= {paged.WINDOW + k: jnp.zeros((window, *shape), dtype)
-                      for k, (shape, _) in pool_specs(c, window_pages, page_size, run.first, kernel).items()}
+            pools |= {
+                paged.WINDOW + k: jnp.zeros((window, *shape), dtype)
+                for k, (shape, _) in pool_specs(c, window_pages, page_size, run.first, kernel).items()
+            }
         out.append(pools)
     return out
 
 
-def page_bytes(c: ModelConfig, page_size: int, dtype, kernel: str = "xla", mtp: bool = False,
-               window: bool | None = None) -> int:
+def page_bytes(
+    c: ModelConfig, page_size: int, dtype, kernel: str = "xla", mtp: bool = False, window: bool | None = None
+) -> int:
     """Bytes one page holds over every layer and entry; `mtp`: and the MTP layer's own pool's
     page (MTP drafts, `model/mtp.py`: the XLA layout, an indexer of its own). `window` False:
     a page of the full-attention layers' group only (with `mtp`, and its page); True: of the
@@ -89,17 +108,23 @@ def page_bytes(c: ModelConfig, page_size: int, dtype, kernel: str = "xla", mtp: 
 
 def _seq_axes(c: ModelConfig, cache: list[dict]) -> list[dict]:
     """Per run and entry, the axis of cache positions in its [layers, B, ...] array."""
-    return [{k: 1 + axes.index("cache_seq") for k, (_, axes) in cache_specs(c, 1, 1, run.first).items() if k in entries}
-            for run, entries in zip(layer_runs(c), cache)]
+    return [
+        {k: 1 + axes.index("cache_seq") for k, (_, axes) in cache_specs(c, 1, 1, run.first).items() if k in entries}
+        for run, entries in zip(layer_runs(c), cache)
+    ]
 
 
 def leading(c: ModelConfig, cache: list[dict], length: int) -> list[dict]:
     """The cache's first `length` positions (a copy): what a prefill chunk ending by then sees."""
-    return [{k: lax.slice_in_dim(a, 0, length, axis=axes[k]) for k, a in run.items()}
-            for run, axes in zip(cache, _seq_axes(c, cache))]
+    return [
+        {k: lax.slice_in_dim(a, 0, length, axis=axes[k]) for k, a in run.items()}
+        for run, axes in zip(cache, _seq_axes(c, cache))
+    ]
 
 
 def put_leading(c: ModelConfig, cache: list[dict], part: list[dict]) -> list[dict]:
     """`cache` with its first positions replaced by `part` (from `leading`), in place when donated."""
-    return [{k: lax.dynamic_update_slice_in_dim(a, part_run[k], 0, axis=axes[k]) for k, a in run.items()}
-            for run, part_run, axes in zip(cache, part, _seq_axes(c, cache))]
+    return [
+        {k: lax.dynamic_update_slice_in_dim(a, part_run[k], 0, axis=axes[k]) for k, a in run.items()}
+        for run, part_run, axes in zip(cache, part, _seq_axes(c, cache))
+    ]

@@ -30,6 +30,8 @@ def prompt_logprobs(logits: np.ndarray, prompt: list[int], top: int) -> dict:
     if len(prompt) > 1:
         lp = jax.device_get(logprobs_of(jnp.asarray(logits[:-1]), jnp.asarray(prompt[1:], jnp.int32)))
         out["token_logprobs"] += lp["chosen"].tolist()
-        out["top_logprobs"] += [[[int(t), float(v)] for t, v in zip(ids[:top], values[:top])]
-                                for ids, values in zip(lp["top_ids"], lp["top"])]
+        out["top_logprobs"] += [
+            [[int(t), float(v)] for t, v in zip(ids[:top], values[:top])]
+            for ids, values in zip(lp["top_ids"], lp["top"])
+        ]
     return out

@@ -44,7 +44,7 @@ class Routing:
     trace: object = None  # replay: a moejax.trace.Trace
 
     @classmethod
-    def parse(cls, text: str, load_trace) -> "Routing":
+    def parse(cls, text: str, load_trace) -> Routing:
         """From a checked `engine.routing` string; `load_trace(path)` reads a replayed trace."""
         mode, _, arg = text.partition(":")
         if mode == "replay":
@@ -57,11 +57,13 @@ class Routing:
         if t is None:
             return
         if (t.num_experts, t.k, t.layers.tolist()) != (c.num_experts, c.num_experts_per_tok, list(c.moe_layers)):
-            raise UsageError(f"replay: the trace has top-{t.k} of {t.num_experts} experts on MoE layers "
-                             f"{t.layers.tolist()}, the model top-{c.num_experts_per_tok} of {c.num_experts} on "
-                             f"{list(c.moe_layers)}")
+            raise UsageError(
+                f"replay: the trace has top-{t.k} of {t.num_experts} experts on MoE layers "
+                f"{t.layers.tolist()}, the model top-{c.num_experts_per_tok} of {c.num_experts} on "
+                f"{list(c.moe_layers)}"
+            )
 
-    def start(self, c: ModelConfig) -> "Dealer | None":
+    def start(self, c: ModelConfig) -> Dealer | None:
         """A fresh deal for one run (None: natural, nothing forced)."""
         return None if self.mode == "natural" else Dealer(self, c)
 
@@ -92,11 +94,15 @@ class Dealer:
             return self._round_robin("real", rows)
         trace, s = self.routing.trace, self.step
         if s >= trace.num_steps:
-            raise UsageError(f"replay: the trace has {trace.num_steps} forward passes; this run needs more "
-                             "(fewer --max-new-tokens or --steps)")
+            raise UsageError(
+                f"replay: the trace has {trace.num_steps} forward passes; this run needs more "
+                "(fewer --max-new-tokens or --steps)"
+            )
         if trace.kind[s] != kind or trace.valid[s].sum() != rows:
-            raise UsageError(f"replay: forward pass {s} of the trace is a {trace.kind[s]} of {trace.valid[s].sum()} "
-                             f"rows, this run's a {kind} of {rows}; replay with the prompts it was recorded with")
+            raise UsageError(
+                f"replay: forward pass {s} of the trace is a {trace.kind[s]} of {trace.valid[s].sum()} "
+                f"rows, this run's a {kind} of {rows}; replay with the prompts it was recorded with"
+            )
         self.step += 1
         return trace.step_ids(s)
 

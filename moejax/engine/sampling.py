@@ -63,8 +63,11 @@ def sample_rows(logits, temperature, top_p, top_k, seeds, positions, *, greedy_o
 
 
 def _rows(s: Sampling, b: int) -> dict:
-    return dict(temperature=jnp.full((b,), s.temperature, jnp.float32), top_k=jnp.full((b,), s.top_k, jnp.int32),
-                top_p=jnp.full((b,), s.top_p, jnp.float32))
+    return dict(
+        temperature=jnp.full((b,), s.temperature, jnp.float32),
+        top_k=jnp.full((b,), s.top_k, jnp.int32),
+        top_p=jnp.full((b,), s.top_p, jnp.float32),
+    )
 
 
 def sample(logits: jax.Array, s: Sampling, seeds: jax.Array, positions: jax.Array) -> jax.Array:

@@ -29,7 +29,6 @@ from moejax.errors import UsageError
 from moejax.model.mtp import init_mtp_cache, mtp_forward
 from moejax.model.transformer import forward, lm_head
 
-
 STOP_CHECK = 4  # steps between the host's reads of the emitted-token counts
 # What a row's key at a position is folded with for a draft and for a verification: apart from
 # the key that draws the target's own token there (`sample`).
@@ -102,8 +101,9 @@ def spec_step(params, mtp, cache, mtp_cache, state: SpecState, *, c, placement, 
     h, cache, _ = forward(params, cache, jnp.stack([state.token, state.draft], axis=1), positions, c, placement)
     logits = lm_head(params, h, c)  # [B, 2, V]
     seeds = state.seeds
-    accepted, token = verify(logits[:, 0], state.draft, state.draft_probs, keys_for(seeds, state.pos + 1, VERIFY),
-                             sampling)
+    accepted, token = verify(
+        logits[:, 0], state.draft, state.draft_probs, keys_for(seeds, state.pos + 1, VERIFY), sampling
+    )
     bonus = sample(logits[:, 1], sampling, seeds, state.pos + 2)  # kept after an accepted draft
     emitted = jnp.stack([token, bonus], axis=1)
     # Both MTP rows run: row 0 drafts pos + 2 (after a rejection), row 1 drafts pos + 3 (after an
@@ -131,6 +131,7 @@ class SpecGeneration:
 @dataclasses.dataclass
 class SpecPrefilled:
     """A batch after its speculative prefill: what speculative decoding continues from."""
+
     prompts: list[list[int]]
     state: SpecState
     cache: list[dict]  # the target's, per run of layers, max_len positions
@@ -148,17 +149,30 @@ class SpeculativeEngine:
         self.engine, self.mtp = engine, mtp
         self.placement = engine.placement
         bind = dict(c=engine.c, placement=engine.placement)
-        self._prefill = jit_program(functools.partial(spec_prefill, **bind), engine.dtype, donate_argnums=(2, 3),
-                                    static_argnames="sampling")
-        self._step = jit_program(functools.partial(spec_step, **bind), engine.dtype, decode=True, donate_argnums=(2, 3),
-                                 static_argnames="sampling")
+        self._prefill = jit_program(
+            functools.partial(spec_prefill, **bind), engine.dtype, donate_argnums=(2, 3), static_argnames="sampling"
+        )
+        self._step = jit_program(
+            functools.partial(spec_step, **bind),
+            engine.dtype,
+            decode=True,
+            donate_argnums=(2, 3),
+            static_argnames="sampling",
+        )
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
-                 seed: int = 0) -> SpecGeneration:
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(), seed: int = 0
+    ) -> SpecGeneration:
         return self.decode(self.start(prompts, max_new_tokens, sampling, seed), max_new_tokens, sampling)
 
-    def start(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(), seed: int = 0,
-              batch_multiple: int | None = None) -> SpecPrefilled:
+    def start(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        sampling: Sampling = Sampling(),
+        seed: int = 0,
+        batch_multiple: int | None = None,
+    ) -> SpecPrefilled:
         """Prefill target and MTP, with the first tokens and drafts. `batch_multiple`: as `Engine.start`'s."""
         e = self.engine
         e.check_prompts(prompts)
@@ -166,11 +180,15 @@ class SpeculativeEngine:
             raise UsageError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         longest = max(map(len, prompts))
         if longest + max_new_tokens > e.c.max_position_embeddings:
-            raise UsageError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the model's context "
-                             f"of {e.c.max_position_embeddings}")
+            raise UsageError(
+                f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the model's context "
+                f"of {e.c.max_position_embeddings}"
+            )
         tokens, lens = e._padded(prompts, batch_multiple)
         # One slot beyond the last token for the final step's draft row.
-        max_len = e.config.engine.max_seq_len or bucket(max(tokens.shape[1], longest + max_new_tokens + 1), MIN_POSITIONS)
+        max_len = e.config.engine.max_seq_len or bucket(
+            max(tokens.shape[1], longest + max_new_tokens + 1), MIN_POSITIONS
+        )
         if longest >= max_len:
             raise UsageError(f"prompt of {longest} tokens does not fit the KV cache of {max_len} positions")
         batch = tokens.shape[0]
@@ -178,15 +196,22 @@ class SpeculativeEngine:
         mtp_cache = e.placement.zeros_cache(lambda: [init_mtp_cache(e.c, batch, max_len, e.dtype)])[0]
         t0 = compile_clock.now()
         state, cache, mtp_cache = self._prefill(
-            e.params, self.mtp, cache, mtp_cache, jnp.asarray(tokens), jnp.asarray(lens - 1), seed_rows(seed, len(lens)),
+            e.params,
+            self.mtp,
+            cache,
+            mtp_cache,
+            jnp.asarray(tokens),
+            jnp.asarray(lens - 1),
+            seed_rows(seed, len(lens)),
             sampling=sampling,
         )
         # The counts placed as a step leaves them: the first step runs the later steps' program.
         state = state._replace(count=e._as_decoded(state.count))
         first = to_host(state.token)  # waits for the prefill (its timing)
         t1 = compile_clock.now()
-        return SpecPrefilled(prompts, state, cache, mtp_cache, first, max_len, tokens.shape[1],
-                             compile_clock.run_ms(t0, t1))
+        return SpecPrefilled(
+            prompts, state, cache, mtp_cache, first, max_len, tokens.shape[1], compile_clock.run_ms(t0, t1)
+        )
 
     def decode(self, prefilled: SpecPrefilled, max_new_tokens: int, sampling: Sampling = Sampling()) -> SpecGeneration:
         """Speculative steps from `prefilled` (this engine's prefill, or another's handed over)."""
@@ -195,8 +220,9 @@ class SpeculativeEngine:
         t1 = compile_clock.now()
         emitted, accepted, before = [], [], state.count
         for step in range(max_new_tokens - 1):
-            state, cache, mtp_cache, out, acc = self._step(self.engine.params, self.mtp, cache, mtp_cache, state,
-                                                           sampling=sampling)
+            state, cache, mtp_cache, out, acc = self._step(
+                self.engine.params, self.mtp, cache, mtp_cache, state, sampling=sampling
+            )
             emitted.append(out)
             accepted.append(acc)
             # Stop when every request has its tokens. The counts read are those from before the
@@ -207,8 +233,9 @@ class SpeculativeEngine:
             before = state.count
         jax.block_until_ready(state.token)
         t2 = compile_clock.now()
-        return self._collect(prompts, budget, prefilled.first, emitted, accepted, prefilled.prefill_ms,
-                             compile_clock.run_ms(t1, t2))
+        return self._collect(
+            prompts, budget, prefilled.first, emitted, accepted, prefilled.prefill_ms, compile_clock.run_ms(t1, t2)
+        )
 
     @staticmethod
     def _collect(prompts, budget, first, emitted, accepted, prefill_ms, decode_ms) -> SpecGeneration:
@@ -225,7 +252,10 @@ class SpeculativeEngine:
                 out.extend(emitted[s, i, : 1 + int(accepted[s, i])].tolist())
             tokens.append(out[: budget[i]])
         return SpecGeneration(
-            tokens=tokens, finish_reasons=["length"] * len(prompts),
-            acceptance_rate=drafts_accepted / max(1, active_steps), steps=len(emitted),
-            prefill_ms=prefill_ms, step_ms=decode_ms / max(1, len(emitted)),
+            tokens=tokens,
+            finish_reasons=["length"] * len(prompts),
+            acceptance_rate=drafts_accepted / max(1, active_steps),
+            steps=len(emitted),
+            prefill_ms=prefill_ms,
+            step_ms=decode_ms / max(1, len(emitted)),
         )

@@ -75,8 +75,9 @@ def _slice(x: jax.Array, start, size: int, axis: int) -> jax.Array:
     return x if size == x.shape[axis] else lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
-def _attend(scores, weigh, mask, positions: jax.Array, s: int, out_shape: tuple, t_axis: int, window=0,
-            sinks=None) -> jax.Array:
+def _attend(
+    scores, weigh, mask, positions: jax.Array, s: int, out_shape: tuple, t_axis: int, window=0, sinks=None
+) -> jax.Array:
     """softmax(scores) @ values of the T = out_shape[t_axis] queries at `positions` [B, T] over s
     cached keys, from closures over one attention's layout: scores(q0, tq, k0, tk) -> float
     [..., tq, tk] of queries q0.. against keys k0..; mask(q0, tq, k0, tk) -> bool, broadcast
@@ -125,8 +126,9 @@ def _attend(scores, weigh, mask, positions: jax.Array, s: int, out_shape: tuple,
     return lax.fori_loop(0, t // QUERY_BLOCK, query_block, jnp.zeros(out_shape, jnp.float32))
 
 
-def gqa(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: ModelConfig, placement, window=0,
-        pages=None):
+def gqa(
+    p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: ModelConfig, placement, window=0, pages=None
+):
     q = jnp.einsum("btd,dhk->bthk", x, p["q"])
     k = jnp.einsum("btd,dhk->bthk", x, p["k"])
     v = jnp.einsum("btd,dhk->bthk", x, p["v"])
@@ -139,8 +141,9 @@ def gqa(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: Mo
     kernel = placement.attention_kernel
     if pages is not None and kernel != "xla" and (q.shape[1] == 1 or kernels.prefills(kernel)):
         # The kernel reads the pages itself, per device (the placement's shard_map).
-        out, cache = placement.on_pages(functools.partial(paged.store_and_attend, kernel, c.softmax_scale),
-                                        q, k, v, positions, pages, cache)
+        out, cache = placement.on_pages(
+            functools.partial(paged.store_and_attend, kernel, c.softmax_scale), q, k, v, positions, pages, cache
+        )
     else:
         out, cache = _gqa_xla(p, q, k, v, positions, cache, c, placement, window, pages)
     out = jnp.einsum("bthk,hkd->btd", out, p["o"])
@@ -153,6 +156,7 @@ def _gqa_xla(p: dict, q, k, v, positions, cache: dict, c: ModelConfig, placement
     its own group's pool and tables; in a scan over mixed layers `lax.cond` picks the group, so a
     layer reads one group's pool, not both)."""
     if isinstance(pages, paged.GroupPages):
+
         def in_group(window_group: bool, cache: dict):
             prefix, layer_pages = pages.group(window_group)
             return _gqa_xla_in(p, q, k, v, positions, cache, c, placement, window, layer_pages, prefix)
@@ -189,12 +193,26 @@ def _gqa_attend(q, keys, values, positions, window, sinks, scale: float):
         lambda q0, tq, k0, tk: jnp.einsum("bkgtd,bksd->bkgts", _slice(q, q0, tq, 3), _slice(keys, k0, tk, 2)) * scale,
         lambda w, k0, tk: jnp.einsum("bkgts,bksd->bkgtd", w.astype(values.dtype), _slice(values, k0, tk, 2)),
         lambda q0, tq, k0, tk: _causal_mask(_slice(positions, q0, tq, 1), tk, window, k0)[:, None, None],
-        positions, keys.shape[2], q.shape, 3, window, sinks,
+        positions,
+        keys.shape[2],
+        q.shape,
+        3,
+        window,
+        sinks,
     ).astype(values.dtype)
 
 
-def mla(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: ModelConfig, placement, selected=None,
-        pages=None):
+def mla(
+    p: dict,
+    x: jax.Array,
+    positions: jax.Array,
+    cos_sin,
+    cache: dict,
+    c: ModelConfig,
+    placement,
+    selected=None,
+    pages=None,
+):
     """DeepSeek's MLA with the key/value up-projections absorbed into the query and output.
 
     DSA (GLM-5): a layer with an indexer selects the key positions each query sees; a layer
@@ -217,8 +235,7 @@ def mla(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: Mo
     lat = placement.constrain(lat, ("batch", "cache_seq", None))
     kr = placement.constrain(kr, ("batch", "cache_seq", None))
     if "indexer" in p:
-        cache, keys = _store(cache, "index_k", dsa.index_keys(p["indexer"], x, cos_sin), positions, pages,
-                             placement)
+        cache, keys = _store(cache, "index_k", dsa.index_keys(p["indexer"], x, cos_sin), positions, pages, placement)
         keys = placement.constrain(keys, ("batch", "cache_seq", None))
         selected = dsa.select(p["indexer"], x, q_lat, cos_sin, keys, _causal_mask(positions, lat.shape[1]), c)
 
@@ -232,11 +249,19 @@ def mla(p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: Mo
     q_abs = jnp.einsum("bthk,rhk->bhtr", q_nope, p["w_uk"])  # query in the latent space
     q_rope = q_rope.transpose(0, 2, 1, 3)
     out_lat = _attend(
-        lambda q0, tq, k0, tk: (jnp.einsum("bhtr,bsr->bhts", _slice(q_abs, q0, tq, 2), _slice(lat, k0, tk, 1))
-                                + jnp.einsum("bhtk,bsk->bhts", _slice(q_rope, q0, tq, 2), _slice(kr, k0, tk, 1)))
-        * c.softmax_scale,
+        lambda q0, tq, k0, tk: (
+            (
+                jnp.einsum("bhtr,bsr->bhts", _slice(q_abs, q0, tq, 2), _slice(lat, k0, tk, 1))
+                + jnp.einsum("bhtk,bsk->bhts", _slice(q_rope, q0, tq, 2), _slice(kr, k0, tk, 1))
+            )
+            * c.softmax_scale
+        ),
         lambda w, k0, tk: jnp.einsum("bhts,bsr->bhtr", w.astype(lat.dtype), _slice(lat, k0, tk, 1)),
-        mask, positions, lat.shape[1], q_abs.shape, 2,
+        mask,
+        positions,
+        lat.shape[1],
+        q_abs.shape,
+        2,
     ).astype(lat.dtype)  # [B, H, T, R]
     out = jnp.einsum("bhtr,rhv->bthv", out_lat, p["w_uv"])
     return jnp.einsum("bthv,hvd->btd", out, p["o"]), cache, selected

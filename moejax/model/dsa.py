@@ -31,8 +31,9 @@ def index_keys(p: dict, x: jax.Array, cos_sin) -> jax.Array:
     return apply_rope(k[:, :, None], *cos_sin, interleave=True)[:, :, 0]
 
 
-def select(p: dict, x: jax.Array, q_lat: jax.Array, cos_sin, keys: jax.Array, visible: jax.Array,
-           c: ModelConfig) -> jax.Array:
+def select(
+    p: dict, x: jax.Array, q_lat: jax.Array, cos_sin, keys: jax.Array, visible: jax.Array, c: ModelConfig
+) -> jax.Array:
     """x: [B, T, D], q_lat: [B, T, R] (MLA's normed query latent), keys: [B, S, Dk] (cache, this
     step's keys written), visible: bool [B, T, S] (causal) -> selected: bool [B, T, S].
 

@@ -165,7 +165,7 @@ def cache_layer(run, i):
 def with_cache_layer(run, i, layer):
     """`run` (as `cache_layer` takes it) with layer i replaced: in place where donated."""
     if isinstance(run, tuple):
-        return run[:i] + (layer,) + run[i + 1:]
+        return run[:i] + (layer,) + run[i + 1 :]
     return jax.tree.map(lambda whole, new: jax.lax.dynamic_update_index_in_dim(whole, new, i, 0), run, layer)
 
 
@@ -176,7 +176,15 @@ def _layers_of(run, groups: tuple):
     shape for a start-up to compile or fetch)."""
     layers, loop = split_layers(run), Unrolled(groups)
     if "moe" in run:
-        layers = [_replace(layer, ("moe", "experts"), {
-            name: layered.split(w) if loop.holds(("moe", "experts", name)) == "groups" else w
-            for name, w in layer["moe"]["experts"].items()}) for layer in layers]
+        layers = [
+            _replace(
+                layer,
+                ("moe", "experts"),
+                {
+                    name: layered.split(w) if loop.holds(("moe", "experts", name)) == "groups" else w
+                    for name, w in layer["moe"]["experts"].items()
+                },
+            )
+            for layer in layers
+        ]
     return tuple(layers)

@@ -60,6 +60,7 @@ def rope_inv_freq(c: ModelConfig) -> tuple[np.ndarray, float]:
     pos_freqs = rope.theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
     if rope.kind != "yarn":
         return (1.0 / pos_freqs).astype(np.float32), 1.0
+
     # YaRN, as transformers' _compute_yarn_parameters: blend interpolated and extrapolated
     # frequencies with a linear ramp between the correction dims.
     def correction_dim(rot):

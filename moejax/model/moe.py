@@ -9,8 +9,9 @@ from moejax.model.layers import ClampedSwiGLU, swiglu
 from moejax.model.router import route
 
 
-def moe_block(p: dict, experts: dict, x: jax.Array, c: ModelConfig, placement,
-              forced: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def moe_block(
+    p: dict, experts: dict, x: jax.Array, c: ModelConfig, placement, forced: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """x: [B, T, D] -> (y: [B, T, D], picks: int32 [B*T, k]). `experts` are the weights the
     placement hands this layer (possibly gathered ahead of time); `forced`: int32 [B*T, k]
     picks replacing the router's (a routing override), None for the router's own. The picks

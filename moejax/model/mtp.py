@@ -37,12 +37,23 @@ def init_mtp_cache(c: ModelConfig, batch: int, max_len: int, dtype) -> dict:
 
 def init_mtp_pool(c: ModelConfig, pages: int, page_size: int, dtype) -> dict:
     """The MTP layer's own page pool (`model/paged.py`), indexed by the target's block tables."""
-    return {k: jnp.zeros(paged.pool_spec(shape, axes, pages, page_size)[0], dtype)
-            for k, (shape, axes) in cache_specs(c, 1, 1, c.num_layers).items()}
+    return {
+        k: jnp.zeros(paged.pool_spec(shape, axes, pages, page_size)[0], dtype)
+        for k, (shape, axes) in cache_specs(c, 1, 1, c.num_layers).items()
+    }
 
 
-def mtp_forward(mtp: dict, params: dict, cache: dict, hidden: jax.Array, tokens: jax.Array, positions: jax.Array,
-                c: ModelConfig, placement, pages=None) -> tuple[jax.Array, dict]:
+def mtp_forward(
+    mtp: dict,
+    params: dict,
+    cache: dict,
+    hidden: jax.Array,
+    tokens: jax.Array,
+    positions: jax.Array,
+    c: ModelConfig,
+    placement,
+    pages=None,
+) -> tuple[jax.Array, dict]:
     """hidden: [B, T, D] the target's hidden states at positions - 1; tokens, positions: [B, T]
     -> (h: [B, T, D] after the MTP norm, for `lm_head`, cache); pages: the block tables [B, P]
     of a paged cache, or None."""
@@ -52,8 +63,9 @@ def mtp_forward(mtp: dict, params: dict, cache: dict, hidden: jax.Array, tokens:
     experts = placement.gather_experts(mtp["layer"]["moe"]["experts"])
     if pages is not None:  # as a run of one layer's pools [1, pages, ...] (a bitcast)
         cache, pages = {k: a[None] for k, a in cache.items()}, paged.LayerPages(pages, 0)
-    x, cache, _, _ = decoder_layer(mtp["layer"], experts, x, positions, rope_cos_sin(c, positions), cache, None, c, placement,
-                                   pages=pages)
+    x, cache, _, _ = decoder_layer(
+        mtp["layer"], experts, x, positions, rope_cos_sin(c, positions), cache, None, c, placement, pages=pages
+    )
     if pages is not None:
         cache = {k: a[0] for k, a in cache.items()}
     return rms_norm(x, mtp["norm"], c.rms_norm_eps), cache
@@ -69,7 +81,9 @@ def mirrored_draft(params: dict, c: ModelConfig) -> tuple[dict, dict]:
     tests of the accept path."""
     d = c.hidden_size
     embed = params["embed"]
-    embed = embed * jax.lax.rsqrt(jnp.mean(jnp.square(embed.astype(jnp.float32)), -1, keepdims=True)).astype(embed.dtype)
+    embed = embed * jax.lax.rsqrt(jnp.mean(jnp.square(embed.astype(jnp.float32)), -1, keepdims=True)).astype(
+        embed.dtype
+    )
     mtp = {
         "enorm": jnp.ones((d,), embed.dtype),
         "hnorm": jnp.ones((d,), embed.dtype),

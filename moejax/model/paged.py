@@ -71,8 +71,11 @@ class GroupPages(NamedTuple):
 
     def group(self, window: bool) -> tuple[str, LayerPages]:
         """(the entries' name prefix, the layer's pages) in the window group or the full one."""
-        return (WINDOW, LayerPages(self.tables.window, self.layer)) if window else \
-            ("", LayerPages(self.tables.full, self.layer))
+        return (
+            (WINDOW, LayerPages(self.tables.window, self.layer))
+            if window
+            else ("", LayerPages(self.tables.full, self.layer))
+        )
 
 
 def in_window(name: str) -> bool:
@@ -81,7 +84,7 @@ def in_window(name: str) -> bool:
 
 def base(name: str) -> str:
     """A pool entry's name without its group's prefix (both groups' entries lie alike)."""
-    return name[len(WINDOW):] if in_window(name) else name
+    return name[len(WINDOW) :] if in_window(name) else name
 
 
 def ids_for(ids, name: str):
@@ -179,8 +182,10 @@ def store_and_attend(kernel: str, scale: float, first_page, q, k, v, positions, 
         kv = jnp.stack([k, v], axis=3).reshape(b, t, 2 * h, dh)  # k0 v0 k1 v1 ..
         pool = {"kv": write(pool["kv"], widen(kv, pool["kv"].shape[-1]), positions, table, seq_axis=1)}
     else:
-        pool = {name: write(pool[name], widen(new, pool[name].shape[-1]), positions, table, seq_axis=2)
-                for name, new in (("k", k), ("v", v))}
+        pool = {
+            name: write(pool[name], widen(new, pool[name].shape[-1]), positions, table, seq_axis=2)
+            for name, new in (("k", k), ("v", v))
+        }
     out = kernels.attend(kernel, q, pool, positions[:, -1] + 1, table, scale)
     return out, {name: a.reshape(shapes[name]) for name, a in pool.items()}
 

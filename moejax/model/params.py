@@ -175,8 +175,9 @@ def layer_runs(c: ModelConfig) -> tuple[Run, ...]:
 
 def stacked(specs, count: int):
     """A layer's spec tree with a leading never-sharded "layers" axis of `count`."""
-    return jax.tree.map(lambda s: dataclasses.replace(s, shape=(count, *s.shape), axes=("layers", *s.axes)), specs,
-                        is_leaf=_is_spec)
+    return jax.tree.map(
+        lambda s: dataclasses.replace(s, shape=(count, *s.shape), axes=("layers", *s.axes)), specs, is_leaf=_is_spec
+    )
 
 
 def param_specs(c: ModelConfig) -> dict:
@@ -202,7 +203,9 @@ def param_dtype(spec: ParamSpec, dtype) -> jnp.dtype:
 
 def abstract_params(c: ModelConfig, dtype=jnp.float32) -> dict:
     """`jax.ShapeDtypeStruct`s of every parameter: shapes without memory."""
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, param_dtype(s, dtype)), param_specs(c), is_leaf=_is_spec)
+    return jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, param_dtype(s, dtype)), param_specs(c), is_leaf=_is_spec
+    )
 
 
 def init_param(spec: ParamSpec, key: jax.Array, c: ModelConfig, dtype=jnp.float32, layer: int | None = None):

@@ -15,19 +15,30 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import ModelConfig
-from moejax.model import paged
+from moejax.model import layer_loop, paged
 from moejax.model.attention import attention
+from moejax.model.layer_loop import cache_layer, with_cache_layer
 from moejax.model.layers import rms_norm, rope_cos_sin, swiglu
 from moejax.model.moe import moe_block
-from moejax.model import layer_loop
 from moejax.model.params import Run, layer_runs
-from moejax.model.layer_loop import cache_layer, with_cache_layer
 
 ROWS = ("batch", "seq", "embed")
 
 
-def decoder_layer(lp: dict, experts, x: jax.Array, positions, cos_sin, cache: dict, selected, c: ModelConfig, placement,
-                  window=0, forced=None, pages=None):
+def decoder_layer(
+    lp: dict,
+    experts,
+    x: jax.Array,
+    positions,
+    cos_sin,
+    cache: dict,
+    selected,
+    c: ModelConfig,
+    placement,
+    window=0,
+    forced=None,
+    pages=None,
+):
     """One layer (attention + dense MLP or MoE) on x: [B, T, D] -> (x, cache, selected, picks or None).
     `experts`: the MoE layer's expert weights as the placement computes with them; `selected`:
     the DSA selection of the layer before; `window`: its sliding window (0: full attention);
@@ -47,8 +58,20 @@ def decoder_layer(lp: dict, experts, x: jax.Array, positions, cos_sin, cache: di
     return placement.constrain(x + m, ROWS), cache, selected, ids
 
 
-def run_layers(run: Run, loop, run_params, run_cache: dict, x, selected, positions, cos_sin, c: ModelConfig,
-               placement, forced=None, pages=None):
+def run_layers(
+    run: Run,
+    loop,
+    run_params,
+    run_cache: dict,
+    x,
+    selected,
+    positions,
+    cos_sin,
+    c: ModelConfig,
+    placement,
+    forced=None,
+    pages=None,
+):
     """One run of identical layers: x: [B, T, D] -> (x, run_cache, selected, picks: int32
     [layers, B*T, k] of a MoE run (a list of [B*T, k] where unrolled), else None).
     `run_params`: the run's parameters as its `loop` (`layer_loop.Scan` or `Unrolled`) holds them;
@@ -93,9 +116,20 @@ def run_layers(run: Run, loop, run_params, run_cache: dict, x, selected, positio
             experts = loop.experts(placement, at_rest, i)
         # `moejax trace` tells the MoE layers' ops from the dense layers' by this scope.
         with jax.named_scope("moe_layers" if moe else "dense_layers"):
-            x, layer_cache, selected, ids = decoder_layer(lp, experts, x, positions, cos_sin, layer_cache, selected, c,
-                                                          placement, window, layer_forced,
-                                                          layer_pages(i, window))
+            x, layer_cache, selected, ids = decoder_layer(
+                lp,
+                experts,
+                x,
+                positions,
+                cos_sin,
+                layer_cache,
+                selected,
+                c,
+                placement,
+                window,
+                layer_forced,
+                layer_pages(i, window),
+            )
         run_cache = layer_cache if pages is not None else with_cache_layer(run_cache, i, layer_cache)
         return (x, selected, ahead, run_cache), ids
 
@@ -103,8 +137,16 @@ def run_layers(run: Run, loop, run_params, run_cache: dict, x, selected, positio
     return x, run_cache, selected, picks if moe else None
 
 
-def forward(params: dict, cache: list, tokens: jax.Array, positions: jax.Array, c: ModelConfig, placement,
-            forced=None, pages=None):
+def forward(
+    params: dict,
+    cache: list,
+    tokens: jax.Array,
+    positions: jax.Array,
+    c: ModelConfig,
+    placement,
+    forced=None,
+    pages=None,
+):
     """tokens, positions: [B, T] -> (hidden: [B, T, D] after the final norm, cache, picks).
 
     cache: per run of layers, contiguous arrays [layers, B, ...], or with `pages` (each request's
@@ -122,9 +164,10 @@ def forward(params: dict, cache: list, tokens: jax.Array, positions: jax.Array, 
     for run, loop, run_params, run_cache in zip(layer_runs(c), placement.loops, params["layers"], cache):
         run_forced = None
         if forced is not None and run.is_moe(c):  # this MoE run's slice of the MoE layers
-            run_forced, forced = forced[: run.count], forced[run.count:]
-        x, run_cache, selected, run_picks = run_layers(run, loop, run_params, run_cache, x, selected, positions, cos_sin,
-                                                       c, placement, run_forced, pages)
+            run_forced, forced = forced[: run.count], forced[run.count :]
+        x, run_cache, selected, run_picks = run_layers(
+            run, loop, run_params, run_cache, x, selected, positions, cos_sin, c, placement, run_forced, pages
+        )
         new_cache.append(run_cache)
         if run_picks is not None:
             picks.extend(run_picks)

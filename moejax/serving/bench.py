@@ -39,7 +39,10 @@ class HTTPClient:
         if u.scheme not in ("http", "https") or not u.hostname:
             raise UsageError(f"--url {url!r} is not an http(s) URL")
         self.u, self.timeout = u, timeout
-        self.headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+        self.headers = {
+            "Content-Type": "application/json",
+            **({"Authorization": f"Bearer {api_key}"} if api_key else {}),
+        }
 
     def _conn(self):
         cls = http.client.HTTPSConnection if self.u.scheme == "https" else http.client.HTTPConnection
@@ -60,12 +63,20 @@ class HTTPClient:
         return json.loads(body)["data"][0]
 
     def send(self, prompt: list[int], max_tokens: int, model: str) -> Outcome:
-        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True}
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         out = Outcome(ok=False, start=time.perf_counter())
         conn = self._conn()
         try:
-            conn.request("POST", self.u.path.rstrip("/") + "/v1/completions", body=json.dumps(body), headers=self.headers)
+            conn.request(
+                "POST", self.u.path.rstrip("/") + "/v1/completions", body=json.dumps(body), headers=self.headers
+            )
             r = conn.getresponse()
             if r.status != 200:
                 out.error = f"HTTP {r.status}: {r.read()[:200].decode(errors='replace')}"
@@ -115,8 +126,18 @@ class LocalClient:
         self.thread.join()
 
 
-def run(client, *, num_prompts: int, input_len: int, output_len: int, request_rate: float, max_concurrency: int | None,
-        seed: int = 0, progress: bool = True, shared_prefix_len: int = 0) -> dict:
+def run(
+    client,
+    *,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    request_rate: float,
+    max_concurrency: int | None,
+    seed: int = 0,
+    progress: bool = True,
+    shared_prefix_len: int = 0,
+) -> dict:
     """Sends the load and returns the summary (`summarize`); every prompt starts with the same
     `shared_prefix_len` tokens (a shared system prompt)."""
     from tqdm import tqdm
@@ -129,8 +150,11 @@ def run(client, *, num_prompts: int, input_len: int, output_len: int, request_ra
     prompts = prompts.tolist()
     gaps = rng.exponential(1.0 / request_rate, num_prompts) if np.isfinite(request_rate) else np.zeros(num_prompts)
     workers = max_concurrency or num_prompts
-    with tqdm(total=num_prompts, desc="bench", disable=None if progress else True) as bar, \
-            concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    with (
+        tqdm(total=num_prompts, desc="bench", disable=None if progress else True) as bar,
+        concurrent.futures.ThreadPoolExecutor(workers) as pool,
+    ):
+
         def one(prompt):
             out = client.send(prompt, output_len, info["id"])
             bar.update()
@@ -150,7 +174,10 @@ def _stats(name: str, values_s: list[float]) -> dict:
     ms = np.asarray(values_s, np.float64) * 1e3
     if not ms.size:
         ms = np.zeros(1)
-    return {f"mean_{name}_ms": float(ms.mean()), **{f"p{q}_{name}_ms": float(np.percentile(ms, q)) for q in (50, 90, 99)}}
+    return {
+        f"mean_{name}_ms": float(ms.mean()),
+        **{f"p{q}_{name}_ms": float(np.percentile(ms, q)) for q in (50, 90, 99)},
+    }
 
 
 def summarize(outcomes: list[Outcome], duration: float, input_len: int) -> dict:
@@ -162,28 +189,46 @@ def summarize(outcomes: list[Outcome], duration: float, input_len: int) -> dict:
     e2e = [o.token_times[-1] - o.start for o in ok]
     failed = [o.error for o in outcomes if o not in ok]
     return {
-        "completed": len(ok), "failed": len(failed), "first_error": failed[0] if failed else None,
-        "duration_s": duration, "total_input_tokens": input_len * len(ok), "total_output_tokens": out_tokens,
-        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "completed": len(ok),
+        "failed": len(failed),
+        "first_error": failed[0] if failed else None,
+        "duration_s": duration,
+        "total_input_tokens": input_len * len(ok),
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
         "total_token_throughput": (out_tokens + input_len * len(ok)) / duration,
         "outputs": [o.tokens for o in outcomes],  # each request's generated token ids, in sending order
-        **_stats("ttft", ttft), **_stats("tpot", tpot), **_stats("itl", itl), **_stats("e2e_latency", e2e),
+        **_stats("ttft", ttft),
+        **_stats("tpot", tpot),
+        **_stats("itl", itl),
+        **_stats("e2e_latency", e2e),
     }
 
 
 def table(s: dict) -> str:
-    rows = [("Successful requests", s["completed"], "d"), ("Failed requests", s["failed"], "d"),
-            ("Benchmark duration (s)", s["duration_s"], ".2f"), ("Total input tokens", s["total_input_tokens"], "d"),
-            ("Total generated tokens", s["total_output_tokens"], "d"),
-            ("Request throughput (req/s)", s["request_throughput"], ".2f"),
-            ("Output token throughput (tok/s)", s["output_throughput"], ".2f"),
-            ("Total token throughput (tok/s)", s["total_token_throughput"], ".2f")]
+    rows = [
+        ("Successful requests", s["completed"], "d"),
+        ("Failed requests", s["failed"], "d"),
+        ("Benchmark duration (s)", s["duration_s"], ".2f"),
+        ("Total input tokens", s["total_input_tokens"], "d"),
+        ("Total generated tokens", s["total_output_tokens"], "d"),
+        ("Request throughput (req/s)", s["request_throughput"], ".2f"),
+        ("Output token throughput (tok/s)", s["output_throughput"], ".2f"),
+        ("Total token throughput (tok/s)", s["total_token_throughput"], ".2f"),
+    ]
     lines = [f"{' moejax bench ':=^52}"] + [f"{k:<38}{v:>14{f}}" for k, v, f in rows]
-    for name, title in (("ttft", "Time to first token"), ("tpot", "Time per output token (excl. 1st)"),
-                        ("itl", "Inter-token latency"), ("e2e_latency", "End-to-end latency")):
+    for name, title in (
+        ("ttft", "Time to first token"),
+        ("tpot", "Time per output token (excl. 1st)"),
+        ("itl", "Inter-token latency"),
+        ("e2e_latency", "End-to-end latency"),
+    ):
         lines.append(f"{' ' + title + ' ':-^52}")
-        lines += [f"{label + ' ' + name.upper().replace('_LATENCY', '') + ' (ms)':<38}{s[f'{key}_{name}_ms']:>14.2f}"
-                  for label, key in (("Mean", "mean"), ("P50", "p50"), ("P90", "p90"), ("P99", "p99"))]
+        lines += [
+            f"{label + ' ' + name.upper().replace('_LATENCY', '') + ' (ms)':<38}{s[f'{key}_{name}_ms']:>14.2f}"
+            for label, key in (("Mean", "mean"), ("P50", "p50"), ("P90", "p90"), ("P99", "p99"))
+        ]
     if s["first_error"]:
         lines.append(f"first error: {s['first_error']}")
     return "\n".join(lines + ["=" * 52])

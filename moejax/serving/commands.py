@@ -13,22 +13,45 @@ from moejax.errors import UsageError
 def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", metavar="DIR", help="directory with tokenizer.json (default: the --hf directory)")
     p.add_argument("--slots", type=int, default=16, help="decode slots: requests decoding at once, at most")
-    p.add_argument("--max-seq-len", type=int, default=0, help="the longest request, prompt and new tokens (default: model "
-                   "context, at most 2048; bench without --url: its requests' length)")
-    p.add_argument("--kv-cache-tokens", type=int, default=0, help="positions the KV cache's page pool holds, shared by "
-                   "all requests (default: 32768 on CPU, else 80%% of the device memory free after the weights)")
-    p.add_argument("--kv-cache-gb", type=float, default=0.0, help="the page pool's size in GB instead of --kv-cache-tokens")
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=0,
+        help="the longest request, prompt and new tokens (default: model "
+        "context, at most 2048; bench without --url: its requests' length)",
+    )
+    p.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=0,
+        help="positions the KV cache's page pool holds, shared by "
+        "all requests (default: 32768 on CPU, else 80%% of the device memory free after the weights)",
+    )
+    p.add_argument(
+        "--kv-cache-gb", type=float, default=0.0, help="the page pool's size in GB instead of --kv-cache-tokens"
+    )
     p.add_argument("--page-size", type=int, default=16, help="positions per KV cache page")
-    p.add_argument("--no-prefix-cache", action="store_true",
-                   help="compute every prompt whole (default: reuse the pages of the longest prefix computed before)")
+    p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="compute every prompt whole (default: reuse the pages of the longest prefix computed before)",
+    )
     p.add_argument("--prefill-rows", type=int, default=1, help="requests per prefill call")
-    p.add_argument("--max-batched-tokens", type=int, default=0,
-                   help="tokens per step, decode + prefill (default: slots + one prefill call)")
+    p.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=0,
+        help="tokens per step, decode + prefill (default: slots + one prefill call)",
+    )
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond which new ones get 429")
     p.add_argument("--speculative", choices=("mtp",), help="decode with the model's MTP draft module (greedy requests)")
     p.add_argument("--mtp-init", choices=("random",), help="a random MTP module when the checkpoint carries none")
-    p.add_argument("--eplb-online", action="store_true", default=None,
-                   help="rebalance the experts' placement from live traffic, moving them between decode steps")
+    p.add_argument(
+        "--eplb-online",
+        action="store_true",
+        default=None,
+        help="rebalance the experts' placement from live traffic, moving them between decode steps",
+    )
     p.add_argument("--eplb-window", type=int, help="forward passes of live picks a rebalance looks at (default 64)")
     p.add_argument("--eplb-interval", type=int, help="steps between rebalances (default 32)")
 
@@ -51,12 +74,22 @@ def build_scheduler(args, progress: bool = True, longest: int = 0):
         if args.speculative == "mtp":
             natural_routing_only(config, "--speculative mtp")
             if apart:
-                raise UsageError("serving with --speculative mtp decodes under one placement; drop "
-                                 "--prefill-placement/--decode-placement/--prefill-devices/--decode-devices")
-        kw = dict(slots=args.slots, max_len=args.max_seq_len, prefill_rows=args.prefill_rows,
-                  token_budget=args.max_batched_tokens, max_queue=args.max_queue, longest=longest,
-                  kv_tokens=args.kv_cache_tokens, kv_gb=args.kv_cache_gb, page_size=args.page_size,
-                  prefix_cache=not args.no_prefix_cache)
+                raise UsageError(
+                    "serving with --speculative mtp decodes under one placement; drop "
+                    "--prefill-placement/--decode-placement/--prefill-devices/--decode-devices"
+                )
+        kw = dict(
+            slots=args.slots,
+            max_len=args.max_seq_len,
+            prefill_rows=args.prefill_rows,
+            token_budget=args.max_batched_tokens,
+            max_queue=args.max_queue,
+            longest=longest,
+            kv_tokens=args.kv_cache_tokens,
+            kv_gb=args.kv_cache_gb,
+            page_size=args.page_size,
+            prefix_cache=not args.no_prefix_cache,
+        )
         if apart:
             kw["prefill_engine"], engine = pd_engines(config, args)
         else:
@@ -66,8 +99,14 @@ def build_scheduler(args, progress: bool = True, longest: int = 0):
             from moejax.loading import load_mtp
             from moejax.serving.speculative import SpecScheduler
 
-            mtp = load_mtp(engine.config, engine.placement, hf_dir=args.hf, checkpoint=args.checkpoint,
-                           init=args.mtp_init, seed=args.seed)
+            mtp = load_mtp(
+                engine.config,
+                engine.placement,
+                hf_dir=args.hf,
+                checkpoint=args.checkpoint,
+                init=args.mtp_init,
+                seed=args.seed,
+            )
             scheduler = SpecScheduler(engine, mtp, **kw)
         else:
             scheduler = Scheduler(engine, **kw)
@@ -76,8 +115,10 @@ def build_scheduler(args, progress: bool = True, longest: int = 0):
         layout = engine.config.layout
         if layout.eplb_online:
             if apart or args.speculative:
-                raise UsageError("--eplb-online rebalances one engine's experts; drop --speculative, "
-                                 "--prefill-placement and --decode-placement")
+                raise UsageError(
+                    "--eplb-online rebalances one engine's experts; drop --speculative, "
+                    "--prefill-placement and --decode-placement"
+                )
             from moejax.serving.online_eplb import OnlineEPLB
 
             OnlineEPLB(scheduler, layout.eplb_window, layout.eplb_interval).warm_up()
@@ -103,8 +144,10 @@ def cmd_serve(args) -> int:
     if not 0 < args.port < 65536:
         raise UsageError(f"--port {args.port} is not a TCP port")
     if args.record and args.speculative:
-        raise UsageError("--record records the router's picks, which the MTP programs do not read back; "
-                         "drop --speculative or --record")
+        raise UsageError(
+            "--record records the router's picks, which the MTP programs do not read back; "
+            "drop --speculative or --record"
+        )
     api_key = args.api_key or os.environ.get("MOEJAX_API_KEY") or None
     choice = choose(args)  # --placement auto: the layout advise ranks first, into args
     leader = None
@@ -128,9 +171,16 @@ def cmd_serve(args) -> int:
         leader.on_lost = functools.partial(_lost, scheduler)
         scheduler.link = leader
         metrics.registry.register(leader)
-    app = build_app(scheduler, metrics, tokenizer=tokenizer, eos_ids=eos, model_name=name, api_key=api_key,
-                    on_exit=(lambda: recorder.save(args.record)) if recorder else None,
-                    failure=(lambda: leader.lost) if leader else None)
+    app = build_app(
+        scheduler,
+        metrics,
+        tokenizer=tokenizer,
+        eos_ids=eos,
+        model_name=name,
+        api_key=api_key,
+        on_exit=(lambda: recorder.save(args.record)) if recorder else None,
+        failure=(lambda: leader.lost) if leader else None,
+    )
     serve(app, args.host, args.port)
     if leader is not None:
         leader.stop()
@@ -167,9 +217,16 @@ def cmd_bench(args) -> int:
         rows = DeviceRows(scheduler.engine)
         scheduler.pick_observers.append(rows.observe)
         client = bench.LocalClient(scheduler)
-    summary = bench.run(client, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-                        shared_prefix_len=args.shared_prefix_len, request_rate=args.request_rate,
-                        max_concurrency=args.max_concurrency, seed=args.bench_seed)
+    summary = bench.run(
+        client,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        shared_prefix_len=args.shared_prefix_len,
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        seed=args.bench_seed,
+    )
     if not args.url:
         client.close()
         summary["device_rows"] = rows.total.tolist()  # rows each device's experts computed, all MoE layers
@@ -187,8 +244,9 @@ def register(sub) -> None:
     add_scheduler_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-                                     "(default: $MOEJAX_API_KEY)")
+    s.add_argument(
+        "--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $MOEJAX_API_KEY)"
+    )
     s.add_argument("--served-model-name", help="the model name clients send (default: the model source)")
     s.add_argument("--record", metavar="FILE", help="write the router picks of all traffic as a trace at exit")
     s.add_argument("--expert-window", type=int, default=100, help="forward passes in /metrics' expert load")
@@ -196,15 +254,24 @@ def register(sub) -> None:
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="load generator: throughput and TTFT/TPOT/ITL/latency percentiles")
-    b.add_argument("--url", help="a running server (moejax serve or any OpenAI-compatible one); without it, "
-                                 "the model flags build an in-process engine")
+    b.add_argument(
+        "--url",
+        help="a running server (moejax serve or any OpenAI-compatible one); without it, "
+        "the model flags build an in-process engine",
+    )
     b.add_argument("--api-key", help="bearer key for --url (default: $MOEJAX_API_KEY)")
     b.add_argument("--num-prompts", type=int, default=64)
     b.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
-    b.add_argument("--shared-prefix-len", type=int, default=0,
-                   help="the first N prompt tokens are the same in every request (a shared system prompt)")
+    b.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="the first N prompt tokens are the same in every request (a shared system prompt)",
+    )
     b.add_argument("--output-len", type=int, default=64, help="tokens generated per request")
-    b.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson arrivals (default: all at once)")
+    b.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="requests/s, Poisson arrivals (default: all at once)"
+    )
     b.add_argument("--max-concurrency", type=int, help="requests in flight at most")
     b.add_argument("--bench-seed", type=int, default=0, help="seed of the prompts and arrival times")
     add_model_args(b)

@@ -14,8 +14,12 @@ def follow(scheduler, process_id: int) -> int:
     """Runs process 0's calls until it says stop (-> 0). Losing process 0, or a call failing
     (a collective whose other end is gone), exits non-zero at once: jax.distributed's shutdown
     would wait for the lost process."""
-    print(f"moejax serve: process {process_id} follows process 0's step plans; no HTTP server here "
-          "(--host and --port are ignored)", file=sys.stderr, flush=True)
+    print(
+        f"moejax serve: process {process_id} follows process 0's step plans; no HTTP server here "
+        "(--host and --port are ignored)",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         link = FollowerLink(process_id)
         for call in link.calls():

@@ -38,15 +38,23 @@ def window_pool_pages(c, page_size: int, chunk: int, max_len: int, slots: int) -
     return slots * window_held(c, page_size, chunk, max_len) if c.sliding_layers else 0
 
 
-def pool_pages(engine, page_size: int, kv_tokens: int = 0, kv_gb: float = 0.0, multiple: int = 1,
-               mtp: bool = False, window_pages: int = 0) -> int:
+def pool_pages(
+    engine,
+    page_size: int,
+    kv_tokens: int = 0,
+    kv_gb: float = 0.0,
+    multiple: int = 1,
+    mtp: bool = False,
+    window_pages: int = 0,
+) -> int:
     """Pages of the (full-attention layers') pool: `kv_tokens` positions, or `kv_gb` GB, or the
     platform's default (`platform.kv_cache_bytes`), rounded up to a multiple of `multiple` (with DP
     attention each rank holds an equal share). `mtp`: the MTP layer's pool of as many pages shares
     the bytes; `window_pages`: the sliding-window layers' pool takes its bytes first."""
     if page_size < 1 or kv_tokens < 0 or kv_gb < 0:
-        raise UsageError(f"--page-size {page_size}, --kv-cache-tokens {kv_tokens} and --kv-cache-gb {kv_gb} "
-                         f"must be positive")
+        raise UsageError(
+            f"--page-size {page_size}, --kv-cache-tokens {kv_tokens} and --kv-cache-gb {kv_gb} must be positive"
+        )
     if kv_tokens and kv_gb:
         raise UsageError("give --kv-cache-tokens or --kv-cache-gb, not both")
     # The pool's layout is the attention kernel's (the TPU kernel's pads head_dim to 128 lanes).
@@ -57,8 +65,11 @@ def pool_pages(engine, page_size: int, kv_tokens: int = 0, kv_gb: float = 0.0, m
     else:
         size = kv_gb * 1e9 or platform.kv_cache_bytes(list(jax.tree.leaves(engine.params)[0].devices()))
         window_bytes = window_pages * page_bytes(engine.c, page_size, engine.dtype, kernel, window=True)
-        pages = int(max(0.0, size - window_bytes) // per_page) if size else \
-            pages_for(platform.CPU_KV_CACHE_TOKENS, page_size)
+        pages = (
+            int(max(0.0, size - window_bytes) // per_page)
+            if size
+            else pages_for(platform.CPU_KV_CACHE_TOKENS, page_size)
+        )
         if size and not kv_gb and jax.process_count() > 1:  # each read its own free memory: all take the least
             from jax.experimental import multihost_utils
 
@@ -113,11 +124,16 @@ class KVPages:
 
     def check(self, prompt_len: int) -> None:
         if prompt_len >= self.limit:
-            held = f"a rank's share of the KV cache holds {self.rank_pages}" if self.ranks > 1 else \
-                f"the KV cache holds {self.num_pages}"
-            raise UsageError(f"prompt of {prompt_len} tokens and its first new token need "
-                             f"{pages_for(prompt_len + 1, self.page_size)} pages of {self.page_size} positions; "
-                             f"{held} (--kv-cache-tokens)")
+            held = (
+                f"a rank's share of the KV cache holds {self.rank_pages}"
+                if self.ranks > 1
+                else f"the KV cache holds {self.num_pages}"
+            )
+            raise UsageError(
+                f"prompt of {prompt_len} tokens and its first new token need "
+                f"{pages_for(prompt_len + 1, self.page_size)} pages of {self.page_size} positions; "
+                f"{held} (--kv-cache-tokens)"
+            )
 
     def take(self, n: int, rank: int = 0) -> list[int] | None:
         """n pages of `rank` (free ones first, then the least recently used cached ones), or None

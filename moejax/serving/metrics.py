@@ -40,8 +40,11 @@ class ExpertWindow:
             return sum(self.steps, np.zeros((len(self.layers), self.num_experts), np.int64))
 
     def collect(self):
-        family = GaugeMetricFamily("moejax_expert_tokens", "rows routed to each expert over the recent window of "
-                                   "forward passes", labels=["layer", "expert"])
+        family = GaugeMetricFamily(
+            "moejax_expert_tokens",
+            "rows routed to each expert over the recent window of forward passes",
+            labels=["layer", "expert"],
+        )
         totals = self.totals()
         for i, layer in enumerate(self.layers):
             for e in range(self.num_experts):
@@ -71,59 +74,83 @@ class DeviceRows:
             return sum(self.steps, np.zeros_like(self.total))
 
     def collect(self):
-        rows = GaugeMetricFamily("moejax_device_rows", "rows each device's experts computed over the recent window "
-                                 "of forward passes, summed over MoE layers", labels=["device"])
+        rows = GaugeMetricFamily(
+            "moejax_device_rows",
+            "rows each device's experts computed over the recent window of forward passes, summed over MoE layers",
+            labels=["device"],
+        )
         recent = self.recent()
         for d, n in enumerate(recent):
             rows.add_metric([str(d)], float(n))
         yield rows
-        yield GaugeMetricFamily("moejax_device_balancedness", "mean over max of moejax_device_rows (1: even)",
-                                value=slots.balancedness(recent))
+        yield GaugeMetricFamily(
+            "moejax_device_balancedness",
+            "mean over max of moejax_device_rows (1: even)",
+            value=slots.balancedness(recent),
+        )
 
 
 class Metrics:
     def __init__(self, scheduler, window: int = 100):
         self.registry = r = CollectorRegistry()
         Gauge("moejax_requests_running", "requests holding a decode slot", registry=r).set_function(
-            lambda: scheduler.running)
+            lambda: scheduler.running
+        )
         Gauge("moejax_requests_waiting", "requests queued for a slot", registry=r).set_function(
-            lambda: scheduler.num_waiting)
+            lambda: scheduler.num_waiting
+        )
         Gauge("moejax_kv_slots_used", "KV cache slots in use", registry=r).set_function(lambda: scheduler.running)
         Gauge("moejax_kv_slots_total", "KV cache slots", registry=r).set(scheduler.num_slots)
         kv = scheduler.kv
         Gauge("moejax_kv_cache_usage", "fraction of the KV cache's pages that requests hold", registry=r).set_function(
-            lambda: kv.usage)
+            lambda: kv.usage
+        )
         Gauge("moejax_kv_pages_total", "pages in the KV cache's pool", registry=r).set(kv.num_pages)
         window_kv = scheduler.window_kv
         if window_kv is not None:  # sliding-window layers' own pages
-            Gauge("moejax_kv_window_cache_usage", "fraction of the sliding-window layers' pages that requests hold",
-                  registry=r).set_function(lambda: window_kv.usage)
+            Gauge(
+                "moejax_kv_window_cache_usage",
+                "fraction of the sliding-window layers' pages that requests hold",
+                registry=r,
+            ).set_function(lambda: window_kv.usage)
             Gauge("moejax_kv_window_pages_total", "pages in the sliding-window layers' pool", registry=r).set(
-                window_kv.num_pages)
-        Gauge("moejax_preemptions", "running requests that gave their pages to older ones, to be computed again",
-              registry=r).set_function(lambda: scheduler.preemptions)
+                window_kv.num_pages
+            )
+        Gauge(
+            "moejax_preemptions",
+            "running requests that gave their pages to older ones, to be computed again",
+            registry=r,
+        ).set_function(lambda: scheduler.preemptions)
         if kv.prefix is not None:
-            Gauge("moejax_prefix_cache_queries", "prompt positions looked up in the prefix cache",
-                  registry=r).set_function(lambda: kv.prefix.queries)
+            Gauge(
+                "moejax_prefix_cache_queries", "prompt positions looked up in the prefix cache", registry=r
+            ).set_function(lambda: kv.prefix.queries)
             Gauge("moejax_prefix_cache_hits", "prompt positions found in the prefix cache", registry=r).set_function(
-                lambda: kv.prefix.hits)
-        self.ttft = Histogram("moejax_time_to_first_token_seconds", "arrival to first token", registry=r,
-                              buckets=LATENCY_BUCKETS)
-        self.itl = Histogram("moejax_inter_token_latency_seconds", "time between a request's tokens", registry=r,
-                             buckets=LATENCY_BUCKETS)
-        self.e2e = Histogram("moejax_e2e_request_latency_seconds", "arrival to last token", registry=r,
-                             buckets=LATENCY_BUCKETS)
+                lambda: kv.prefix.hits
+            )
+        self.ttft = Histogram(
+            "moejax_time_to_first_token_seconds", "arrival to first token", registry=r, buckets=LATENCY_BUCKETS
+        )
+        self.itl = Histogram(
+            "moejax_inter_token_latency_seconds", "time between a request's tokens", registry=r, buckets=LATENCY_BUCKETS
+        )
+        self.e2e = Histogram(
+            "moejax_e2e_request_latency_seconds", "arrival to last token", registry=r, buckets=LATENCY_BUCKETS
+        )
         self.prompt_tokens = Counter("moejax_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("moejax_generation_tokens", "tokens generated", registry=r)
         self.finished = Counter("moejax_requests_finished", "finished requests", ["finish_reason"], registry=r)
         if hasattr(scheduler, "drafts"):  # MTP
             Gauge("moejax_mtp_acceptance_rate", "accepted MTP drafts / drafts checked", registry=r).set_function(
-                lambda: scheduler.accepted / max(1, scheduler.drafts))
+                lambda: scheduler.accepted / max(1, scheduler.drafts)
+            )
         if scheduler.apart:  # prefill and decode on their own devices
-            Gauge("moejax_handover_bytes", "KV cache bytes moved from the prefill to the decode devices",
-                  registry=r).set_function(lambda: scheduler.handover_bytes)
-        Gauge("moejax_mixed_steps", "steps that decoded running requests and prefilled others", registry=r).set_function(
-            lambda: scheduler.mixed_steps)
+            Gauge(
+                "moejax_handover_bytes", "KV cache bytes moved from the prefill to the decode devices", registry=r
+            ).set_function(lambda: scheduler.handover_bytes)
+        Gauge(
+            "moejax_mixed_steps", "steps that decoded running requests and prefilled others", registry=r
+        ).set_function(lambda: scheduler.mixed_steps)
         r.register(PrefilledTokens(scheduler))
         c = scheduler.engine.c
         self.experts = ExpertWindow(list(c.moe_layers), c.num_experts, window)
@@ -155,8 +182,11 @@ class PrefilledTokens:
         self.scheduler = scheduler
 
     def collect(self):
-        yield CounterMetricFamily("moejax_prefill_tokens", "positions prefilled (n samples of a prompt: once; prefix-cache hits: none)",
-                                  value=self.scheduler.prefilled_tokens)
+        yield CounterMetricFamily(
+            "moejax_prefill_tokens",
+            "positions prefilled (n samples of a prompt: once; prefix-cache hits: none)",
+            value=self.scheduler.prefilled_tokens,
+        )
 
 
 class TraceRecorder:

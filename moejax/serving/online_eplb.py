@@ -64,8 +64,9 @@ class OnlineEPLB:
 
     def balancedness(self, phy2log: np.ndarray) -> float:
         p = self.engine.placement
-        rows = sum(slots.device_rows(ids, valid, phy2log, p.num_logical, p.ep, p.home_replicas)
-                   for ids, valid in self.passes)
+        rows = sum(
+            slots.device_rows(ids, valid, phy2log, p.num_logical, p.ep, p.home_replicas) for ids, valid in self.passes
+        )
         return slots.balancedness(rows)
 
     def maybe_rebalance(self) -> None:
@@ -81,13 +82,18 @@ class OnlineEPLB:
         moved = self.scheduler._run(Call("move_experts", {"phy2log": new}))  # every process moves its shards
         ms = compile_clock.run_ms(t0, compile_clock.now())
         self.rebalances.append(Rebalance(self.steps, moved, ms, before, after))
-        print(f"eplb: rebalance {len(self.rebalances)} at step {self.steps}: {moved / 1e6:.2f} MB moved in {ms:.1f} ms, "
-              f"balancedness {before:.2f} -> {after:.2f}", file=self.log or sys.stderr, flush=True)
+        print(
+            f"eplb: rebalance {len(self.rebalances)} at step {self.steps}: {moved / 1e6:.2f} MB moved in {ms:.1f} ms, "
+            f"balancedness {before:.2f} -> {after:.2f}",
+            file=self.log or sys.stderr,
+            flush=True,
+        )
 
     def move(self, new: np.ndarray) -> int:
         """The engine's experts into placement `new`; bytes that changed device."""
-        params, moved = moves.arrange(self.engine.placement, self.engine.params, self.engine.phy2log, new,
-                                     self.engine.loops)
+        params, moved = moves.arrange(
+            self.engine.placement, self.engine.params, self.engine.phy2log, new, self.engine.loops
+        )
         jax.block_until_ready(params)
         self.engine.params, self.engine.phy2log = params, new
         return moved
@@ -96,16 +102,21 @@ class OnlineEPLB:
         """/metrics: the rebalances so far and the last one's bytes, time and balancedness."""
         last = self.rebalances[-1] if self.rebalances else Rebalance(0, 0, 0.0, 1.0, 1.0)
         yield GaugeMetricFamily("moejax_eplb_rebalances", "online expert rebalances so far", value=len(self.rebalances))
-        for name, value, doc in (("bytes_moved", last.bytes_moved, "expert bytes that changed device"),
-                                 ("move_ms", last.ms, "milliseconds the experts' move took"),
-                                 ("balancedness_before", last.balancedness_before, "device rows' mean / max, old placement"),
-                                 ("balancedness_after", last.balancedness_after, "the same, new placement")):
+        for name, value, doc in (
+            ("bytes_moved", last.bytes_moved, "expert bytes that changed device"),
+            ("move_ms", last.ms, "milliseconds the experts' move took"),
+            ("balancedness_before", last.balancedness_before, "device rows' mean / max, old placement"),
+            ("balancedness_after", last.balancedness_after, "the same, new placement"),
+        ):
             yield GaugeMetricFamily(f"moejax_eplb_last_{name}", f"last rebalance: {doc}", value=float(value))
 
     def summary(self) -> dict:
         """bench --json's "eplb": rebalances, balancedness before the first and after the last."""
         r = self.rebalances
-        return {"rebalances": len(r), "balancedness_before": r[0].balancedness_before if r else None,
-                "balancedness_after": r[-1].balancedness_after if r else None,
-                "bytes_moved": sum(x.bytes_moved for x in r), "move_ms": [round(x.ms, 2) for x in r]}
-
+        return {
+            "rebalances": len(r),
+            "balancedness_before": r[0].balancedness_before if r else None,
+            "balancedness_after": r[-1].balancedness_after if r else None,
+            "bytes_moved": sum(x.bytes_moved for x in r),
+            "move_ms": [round(x.ms, 2) for x in r],
+        }

@@ -20,21 +20,62 @@ from moejax.serving.stopping import Stopper
 
 DEFAULT_MAX_TOKENS = 16
 MAX_LOGIT_BIAS = 300  # entries, OpenAI's limit
-COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "logit_bias",
-          "top_k", "min_tokens", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
-          "repetition_penalty", "min_p"}
-FIELDS = {False: COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"},
-          True: COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools",
-                          "tool_choice", "functions", "function_call", "parallel_tool_calls"}}
+COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "seed",
+    "logit_bias",
+    "top_k",
+    "min_tokens",
+    "stop_token_ids",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+}
+FIELDS = {
+    False: COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"},
+    True: COMMON
+    | {
+        "messages",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "response_format",
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "parallel_tool_calls",
+    },
+}
 # Accepted and ignored on purpose: they change nothing a model computes.
 IGNORED = {"user", "metadata", "store", "service_tier"}
 # Refused unless given their no-op value: what moejax does not compute.
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0, "suffix": "",
-           "tools": [], "functions": [], "tool_choice": "none", "function_call": "none", "parallel_tool_calls": False}
+NEUTRAL = {
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "repetition_penalty": 1,
+    "min_p": 0,
+    "suffix": "",
+    "tools": [],
+    "functions": [],
+    "tool_choice": "none",
+    "function_call": "none",
+    "parallel_tool_calls": False,
+}
 
 
 def load_body(raw: bytes):
     """The JSON body; NaN, Infinity and numbers too large for a float are refused."""
+
     def finite(text: str) -> float:
         value = float(text)
         if not math.isfinite(value):
@@ -75,22 +116,31 @@ def _refuse_unserved(body: dict, chat: bool) -> None:
             raise UsageError(f"'{name}' is not supported by this server (only {json.dumps(neutral)})")
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
-        raise UsageError("'response_format' is not supported by this server (structured output): only {\"type\": \"text\"}")
+        raise UsageError(
+            '\'response_format\' is not supported by this server (structured output): only {"type": "text"}'
+        )
 
 
 def prompts_of(body: dict, tokenizer, chat: bool) -> list[list[int]]:
     """The prompts' token ids: chat `messages`, or `prompt` as text, token ids, or a list of either."""
     if chat:
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise UsageError("'messages' must be a non-empty list of {\"role\": str, \"content\": str}")
+                for m in messages
+            )
+        ):
+            raise UsageError('\'messages\' must be a non-empty list of {"role": str, "content": str}')
         if tokenizer is None:
             raise UsageError("chat needs a tokenizer with a chat template; this server has no tokenizer")
         return [tokenizer.encode_chat([{"role": m["role"], "content": m["content"]} for m in messages])]
     prompt = body.get("prompt")
-    batch = prompt if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt) else [prompt]
+    batch = (
+        prompt if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt) else [prompt]
+    )
     out = []
     for p in batch:
         if isinstance(p, str):
@@ -108,6 +158,7 @@ def prompts_of(body: dict, tokenizer, chat: bool) -> list[list[int]]:
 class Job:
     """One HTTP request: its choices in index order (prompt i's n samples at i*n .. i*n + n - 1)
     and the requests the scheduler runs (each prompt's first sample, carrying the others)."""
+
     choices: list[Request]
     submit: list[Request]
     chat: bool
@@ -140,7 +191,12 @@ def _logit_bias(body: dict) -> dict[int, float]:
         raise UsageError(f"'logit_bias' holds {len(bias)} entries; at most {MAX_LOGIT_BIAS}")
     out = {}
     for k, v in bias.items():
-        if not k.lstrip("-").isdigit() or isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+        if (
+            not k.lstrip("-").isdigit()
+            or isinstance(v, bool)
+            or not isinstance(v, (int, float))
+            or not -100 <= v <= 100
+        ):
             raise UsageError(f"'logit_bias' maps token ids to numbers in -100..100; got {k!r}: {v!r}")
         out[int(k)] = float(v)
     return out
@@ -165,7 +221,9 @@ def to_job(body, *, tokenizer, eos_ids, chat: bool, max_len: int) -> Job:
     name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     asked = _field(body, name, int, None)
     if asked is not None and asked < (0 if echo else 1):
-        raise UsageError(f"'{name}' must be at least {0 if echo else 1}{'' if echo else ' (0 only with echo)'}, got {asked}")
+        raise UsageError(
+            f"'{name}' must be at least {0 if echo else 1}{'' if echo else ' (0 only with echo)'}, got {asked}"
+        )
     stop = _field(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) for s in stop):
@@ -183,20 +241,30 @@ def to_job(body, *, tokenizer, eos_ids, chat: bool, max_len: int) -> Job:
     choices, submit = [], []
     for ids in prompts:
         if asked is not None and len(ids) + asked > max_len:
-            raise UsageError(f"prompt of {len(ids)} tokens + {name} {asked} = {len(ids) + asked} exceeds the longest "
-                             f"request of {max_len} positions")
+            raise UsageError(
+                f"prompt of {len(ids)} tokens + {name} {asked} = {len(ids) + asked} exceeds the longest "
+                f"request of {max_len} positions"
+            )
         max_tokens = asked if asked is not None else max(1, min(DEFAULT_MAX_TOKENS, max_len - len(ids)))
         if min_tokens > max_tokens:
             raise UsageError(f"'min_tokens' {min_tokens} exceeds {name} {max_tokens}")
         first = seed if seed is not None else random.getrandbits(31)
-        samples = [Request(
-            prompt=ids, max_tokens=max_tokens, stopper=Stopper(tokenizer, stop_ids, stop),
-            temperature=float(_field(body, "temperature", (int, float), 1.0)),
-            top_p=float(_field(body, "top_p", (int, float), 1.0)),
-            top_k=max(0, top_k),  # vLLM: -1 = off
-            seed=(first + j) & 0x7FFFFFFF, logprobs=logprobs, echo_logprobs=echo and logprobs is not None,
-            logit_bias=bias, min_tokens=min_tokens,
-        ) for j in range(n)]
+        samples = [
+            Request(
+                prompt=ids,
+                max_tokens=max_tokens,
+                stopper=Stopper(tokenizer, stop_ids, stop),
+                temperature=float(_field(body, "temperature", (int, float), 1.0)),
+                top_p=float(_field(body, "top_p", (int, float), 1.0)),
+                top_k=max(0, top_k),  # vLLM: -1 = off
+                seed=(first + j) & 0x7FFFFFFF,
+                logprobs=logprobs,
+                echo_logprobs=echo and logprobs is not None,
+                logit_bias=bias,
+                min_tokens=min_tokens,
+            )
+            for j in range(n)
+        ]
         samples[0].samples = samples[1:]
         choices += samples
         submit.append(samples[0])

@@ -21,7 +21,7 @@ import struct
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client.core import CounterMetricFamily
 
@@ -72,7 +72,7 @@ class Leader:
     def __init__(self, coordinator: str, followers: int, timeout_s: float = TIMEOUT_S):
         self.followers, self.timeout_s = followers, timeout_s
         self.server = socket.create_server((coordinator.rsplit(":", 1)[0], 0))
-        _store().key_value_set(KEY, "%s:%d" % self.server.getsockname()[:2])
+        _store().key_value_set(KEY, "{}:{}".format(*self.server.getsockname()[:2]))
         self.conns: dict[int, socket.socket] = {}
         self.heard: dict[int, float] = {}  # follower -> when it last sent anything
         self.acked: dict[int, int] = {}  # follower -> calls it has run
@@ -149,7 +149,7 @@ class Leader:
             time.sleep(BEAT_S / 2)
             now = time.monotonic()
             with self._lock:
-                for pid, sock in self.conns.items():
+                for pid in self.conns:
                     oldest = self.sent_at.get(self.acked[pid])
                     if now - self.heard[pid] > self.timeout_s:
                         self._lose(pid, f"silent for {self.timeout_s:.0f} s")
@@ -169,7 +169,9 @@ class FollowerLink:
 
     def __init__(self, process_id: int, timeout_s: float = TIMEOUT_S):
         self.timeout_s, self.done = timeout_s, 0
-        host, port = _store().blocking_key_value_get(KEY, 600_000).rsplit(":", 1)  # process 0 listens before its warm-up
+        host, port = (
+            _store().blocking_key_value_get(KEY, 600_000).rsplit(":", 1)
+        )  # process 0 listens before its warm-up
         try:
             self.sock = socket.create_connection((host, int(port)), timeout=timeout_s)
         except OSError as e:

@@ -16,7 +16,7 @@ def block_hashes(tokens: list[int], page_size: int) -> list[bytes]:
     keys mean equal tokens from position 0 (a page's entries depend on everything before it)."""
     keys, prev = [], b""
     for i in range(len(tokens) // page_size):
-        page = np.asarray(tokens[i * page_size:(i + 1) * page_size], np.int64).tobytes()
+        page = np.asarray(tokens[i * page_size : (i + 1) * page_size], np.int64).tobytes()
         prev = hashlib.blake2b(prev + page, digest_size=16).digest()
         keys.append(prev)
     return keys

@@ -35,12 +35,19 @@ class ProgramCalls:
 
     def _jit_programs(self) -> None:
         c = self.engine.c
-        self._decode = jit_program(functools.partial(decode_slots, c=c, placement=self.engine.placement),
-                                   self.engine.dtype, decode=True, donate_argnums=1,
-                                   static_argnames=("greedy_only", "extras"))
-        self._prefill = jit_program(functools.partial(prefill_slots, c=c, placement=self.prefill_engine.placement),
-                                    self.prefill_engine.dtype, donate_argnums=1,
-                                    static_argnames=("greedy_only", "extras", "prompt_logprobs"))
+        self._decode = jit_program(
+            functools.partial(decode_slots, c=c, placement=self.engine.placement),
+            self.engine.dtype,
+            decode=True,
+            donate_argnums=1,
+            static_argnames=("greedy_only", "extras"),
+        )
+        self._prefill = jit_program(
+            functools.partial(prefill_slots, c=c, placement=self.prefill_engine.placement),
+            self.prefill_engine.dtype,
+            donate_argnums=1,
+            static_argnames=("greedy_only", "extras", "prompt_logprobs"),
+        )
         self._fork_program = jax.jit(functools.partial(fork_slots, placement=self.engine.placement), donate_argnums=0)
         if self.apart:
             self._take = jax.jit(take_pages)
@@ -73,8 +80,14 @@ class ProgramCalls:
         pages = self.kv.table([self.slots[at[i]].pages if i in at else [] for i in range(width)], width, reach)
         sampling, flags = sampling_rows([self.slots[at[i]].request if i in at else None for i in range(width)], width)
         live = positions < self.max_len
-        arrays = dict(pages=pages, **self._window_table([at.get(i) for i in range(width)], reach), tokens=tokens,
-                      positions=positions, **flat("sampling", sampling), **self._forced("decode", live))
+        arrays = dict(
+            pages=pages,
+            **self._window_table([at.get(i) for i in range(width)], reach),
+            tokens=tokens,
+            positions=positions,
+            **flat("sampling", sampling),
+            **self._forced("decode", live),
+        )
         out, lp, picks = self._run(Call("decode", arrays, dict(flags, observe=bool(self.pick_observers))))
         self._observe("decode", picks, live)
         now = time.perf_counter()
@@ -100,8 +113,9 @@ class ProgramCalls:
             after[i] = slot.seq[slot.done + c] if slot.done + c < len(slot.seq) else 0
             tokens[i, : len(piece)] = piece
             valid[i, : len(piece)] = True
-        pages = self.kv.table([self.slots[s].pages if s is not None else [] for s in rows], p,
-                              int(start.max()) + c + reach)
+        pages = self.kv.table(
+            [self.slots[s].pages if s is not None else [] for s in rows], p, int(start.max()) + c + reach
+        )
         return pages, tokens, start, last, after, valid
 
     def _window_table(self, rows: list[int | None], positions: int) -> dict:
@@ -109,8 +123,11 @@ class ProgramCalls:
         (None: no page), W as the full tables' for `positions`}, or {} for a model without them."""
         if self.window_kv is None:
             return {}
-        return {"window_pages": self.window_kv.table([self.slots[s].window if s is not None else [] for s in rows],
-                                                     len(rows), positions)}
+        return {
+            "window_pages": self.window_kv.table(
+                [self.slots[s].window if s is not None else [] for s in rows], len(rows), positions
+            )
+        }
 
     def _tables(self, a: dict):
         """A call's block tables as the programs take them: the full one, or both groups' (`paged.Tables`)."""
@@ -130,14 +147,24 @@ class ProgramCalls:
         # every position's logits: only when needed
         echo = any(r is not None and r.echo_logprobs and not r.tokens for r in requests)
         forks = any(other is not None and other.leader is not None and other.leader in rows for other in self.slots)
-        arrays = dict(pages=pages, **self._window_table(rows, int(start.max()) + self.chunk), tokens=tokens,
-                      start=start, last=last, after=after, **flat("sampling", sampling),
-                      **self._forced("prefill", valid.reshape(-1)))
-        out, lp, logits, picks = self._run(Call("prefill", arrays, dict(
-            flags, prompt_logprobs=echo, observe=bool(self.pick_observers), logits=forks)))
+        arrays = dict(
+            pages=pages,
+            **self._window_table(rows, int(start.max()) + self.chunk),
+            tokens=tokens,
+            start=start,
+            last=last,
+            after=after,
+            **flat("sampling", sampling),
+            **self._forced("prefill", valid.reshape(-1)),
+        )
+        out, lp, logits, picks = self._run(
+            Call("prefill", arrays, dict(flags, prompt_logprobs=echo, observe=bool(self.pick_observers), logits=forks))
+        )
         self._observe("prefill", picks, valid.reshape(-1))
         for i, r in enumerate(requests):
-            if r is not None and r.echo_logprobs and not r.tokens:  # position t's entry is the logprob of prompt token t + 1
+            if (
+                r is not None and r.echo_logprobs and not r.tokens
+            ):  # position t's entry is the logprob of prompt token t + 1
                 r.record(lp["prompt"], i, prompt=True, at=slice(0, min(self.chunk, last[i] - start[i])))
         now = time.perf_counter()
         for i, s in self._advance_prefill(rows, self.chunk):
@@ -175,8 +202,19 @@ class ProgramCalls:
             windows = dict(window_src=wsrc, window_dst=wdst)
         requests = [self.slots[s].request for s in forks]
         sampling, _ = sampling_rows(requests, n, extras=True)
-        out, lp = self._run(Call("fork", dict(src=src, dst=dst, **windows, logits=logits,
-                                              positions=np.full(n, length, np.int32), **flat("sampling", sampling))))
+        out, lp = self._run(
+            Call(
+                "fork",
+                dict(
+                    src=src,
+                    dst=dst,
+                    **windows,
+                    logits=logits,
+                    positions=np.full(n, length, np.int32),
+                    **flat("sampling", sampling),
+                ),
+            )
+        )
         for i, s in enumerate(forks):
             slot, r = self.slots[s], requests[i]
             self.kv.hold(full)
@@ -207,18 +245,35 @@ class ProgramCalls:
 
     def _do_decode(self, a: dict, greedy_only: bool, extras: bool, observe: bool):
         """-> (tokens [W], logprobs, picks [L, W, k] or None)."""
-        out, lp, self.cache, picks = self._decode(self.engine.params, self.cache, self._tables(a), a["tokens"],
-                                                  a["positions"], nested(a, "sampling"), forced=a.get("forced"),
-                                                  greedy_only=greedy_only, extras=extras)
+        out, lp, self.cache, picks = self._decode(
+            self.engine.params,
+            self.cache,
+            self._tables(a),
+            a["tokens"],
+            a["positions"],
+            nested(a, "sampling"),
+            forced=a.get("forced"),
+            greedy_only=greedy_only,
+            extras=extras,
+        )
         return to_host(out), {k: to_host(v) for k, v in lp.items()}, self._picks(picks, observe)
 
-    def _do_prefill(self, a: dict, greedy_only: bool, extras: bool, prompt_logprobs: bool, observe: bool,
-                    logits: bool):
+    def _do_prefill(self, a: dict, greedy_only: bool, extras: bool, prompt_logprobs: bool, observe: bool, logits: bool):
         """-> (tokens [P], logprobs, the last logits [P, V] if `logits` else None, picks or None)."""
         out, lp, last, self.prefill_into, picks = self._prefill(
-            self.prefill_engine.params, self.prefill_into, self._tables(a), a["tokens"], a["start"], a["last"], a["after"],
-            nested(a, "sampling"), forced=a.get("forced"), greedy_only=greedy_only, extras=extras,
-            prompt_logprobs=prompt_logprobs)
+            self.prefill_engine.params,
+            self.prefill_into,
+            self._tables(a),
+            a["tokens"],
+            a["start"],
+            a["last"],
+            a["after"],
+            nested(a, "sampling"),
+            forced=a.get("forced"),
+            greedy_only=greedy_only,
+            extras=extras,
+            prompt_logprobs=prompt_logprobs,
+        )
         out, lp = to_host(out), jax.tree.map(to_host, lp)
         if self.apart:
             self.handover_bytes += self._hand_over(self._tables(a), a["start"])
@@ -228,8 +283,9 @@ class ProgramCalls:
         src, dst = a["src"], a["dst"]
         if "window_src" in a:
             src, dst = paged.Tables(src, a["window_src"]), paged.Tables(dst, a["window_dst"])
-        out, lp, self.cache = self._fork_program(self.cache, src, dst, a["logits"], nested(a, "sampling"),
-                                                 a["positions"])
+        out, lp, self.cache = self._fork_program(
+            self.cache, src, dst, a["logits"], nested(a, "sampling"), a["positions"]
+        )
         return to_host(out), {k: to_host(v) for k, v in lp.items()}
 
     def _do_move_experts(self, a: dict) -> int:
@@ -254,12 +310,18 @@ class ProgramCalls:
         from moejax.engine.disaggregated import move_cache
 
         if isinstance(pages, paged.Tables):
-            ids = paged.Tables(self.kv.chunk_pages(pages.full, start, self.chunk),
-                               self.window_kv.chunk_pages(pages.window, start, self.chunk))
+            ids = paged.Tables(
+                self.kv.chunk_pages(pages.full, start, self.chunk),
+                self.window_kv.chunk_pages(pages.window, start, self.chunk),
+            )
         else:
             ids = self.kv.chunk_pages(pages, start, self.chunk)
-        pieces, moved = move_cache(self._take(self.prefill_cache, ids), self.engine.placement,
-                                   list(self.prefill_engine.placement.mesh.devices.flat), pool=True)
+        pieces, moved = move_cache(
+            self._take(self.prefill_cache, ids),
+            self.engine.placement,
+            list(self.prefill_engine.placement.mesh.devices.flat),
+            pool=True,
+        )
         self.cache = self._put(self.cache, ids, pieces)
         return moved
 
@@ -284,23 +346,41 @@ class ProgramCalls:
                 for w in self.decode_widths():
                     sampling, _ = sampling_rows([], w, extras=extras)
                     picks = self._forced("decode", np.zeros(w, bool)).get("forced")  # host picks, as a real call's
-                    _, _, self.cache, _ = self._decode(self.engine.params, self.cache, self._idle(w, pw),
-                                                       np.zeros(w, np.int32), np.full(w, self.max_len, np.int32),
-                                                       sampling, forced=picks, greedy_only=greedy, extras=extras)
+                    _, _, self.cache, _ = self._decode(
+                        self.engine.params,
+                        self.cache,
+                        self._idle(w, pw),
+                        np.zeros(w, np.int32),
+                        np.full(w, self.max_len, np.int32),
+                        sampling,
+                        forced=picks,
+                        greedy_only=greedy,
+                        extras=extras,
+                    )
                 for echo in (False, True) if extras else (False,):
                     sampling, _ = sampling_rows([], p, extras=extras)
                     zeros = np.zeros(p, np.int32)
                     out, _, logits, self.prefill_into, _ = self._prefill(
-                        self.prefill_engine.params, self.prefill_into, self._idle(p, pw),
-                        np.zeros((p, self.chunk), np.int32), zeros, zeros, zeros, sampling,
+                        self.prefill_engine.params,
+                        self.prefill_into,
+                        self._idle(p, pw),
+                        np.zeros((p, self.chunk), np.int32),
+                        zeros,
+                        zeros,
+                        zeros,
+                        sampling,
                         forced=self._forced("prefill", np.zeros(p * self.chunk, bool)).get("forced"),
-                        greedy_only=greedy, extras=extras, prompt_logprobs=echo)
+                        greedy_only=greedy,
+                        extras=extras,
+                        prompt_logprobs=echo,
+                    )
                     out.block_until_ready()
         sampling, _ = sampling_rows([], n, extras=True)
         nothing = self._idle(1, n)
         nothing = jax.tree.map(lambda t: t[0], nothing)  # ids [n] that name no page
-        out, _, self.cache = self._fork_program(self.cache, nothing, nothing, to_host(logits)[0], sampling,
-                                                np.zeros(n, np.int32))
+        out, _, self.cache = self._fork_program(
+            self.cache, nothing, nothing, to_host(logits)[0], sampling, np.zeros(n, np.int32)
+        )
         out.block_until_ready()
         if self.apart:  # compiles the pages' move (padding rows only: nothing written)
             self._hand_over(self._idle(p, 1), np.zeros(p, np.int32))

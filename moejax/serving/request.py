@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -111,8 +111,10 @@ def check_request(request: Request, vocab: int, max_len: int, slots: int) -> Non
     if bad:
         raise UsageError(f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
     if len(request.prompt) >= max_len:
-        raise UsageError(f"prompt of {len(request.prompt)} tokens does not fit the longest request of {max_len} "
-                         f"positions (--max-seq-len)")
+        raise UsageError(
+            f"prompt of {len(request.prompt)} tokens does not fit the longest request of {max_len} "
+            f"positions (--max-seq-len)"
+        )
     if request.max_tokens < 0:
         raise UsageError(f"max_tokens must be at least 0, got {request.max_tokens}")
     if request.temperature < 0 or request.top_k < 0 or not 0 < request.top_p <= 1:

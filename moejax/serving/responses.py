@@ -52,8 +52,11 @@ def chat_logprobs(entries: list, tokens: list[int], tokenizer) -> dict:
         text = token_text(tokenizer, token)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-    return {"content": [{**item(t, lp), "top_logprobs": [item(a, v) for a, v in top]}
-                        for t, (lp, top) in zip(tokens, entries)]}
+    return {
+        "content": [
+            {**item(t, lp), "top_logprobs": [item(a, v) for a, v in top]} for t, (lp, top) in zip(tokens, entries)
+        ]
+    }
 
 
 def _choice(job: Job, index: int, r: Request, tokenizer) -> dict:
@@ -75,25 +78,52 @@ def _choice(job: Job, index: int, r: Request, tokenizer) -> dict:
 
 def response(job: Job, rid: str, model: str, tokenizer) -> dict:
     """The whole (non-streamed) answer."""
-    return {"id": rid, "object": "chat.completion" if job.chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [_choice(job, i, r, tokenizer) for i, r in enumerate(job.choices)],
-            "usage": usage(job)}
+    return {
+        "id": rid,
+        "object": "chat.completion" if job.chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [_choice(job, i, r, tokenizer) for i, r in enumerate(job.choices)],
+        "usage": usage(job),
+    }
 
 
-def chunk(job: Job, rid: str, model: str, index: int, token: int | None, delta: str, done: bool, seen: int,
-          offset: int, tokenizer) -> dict:
+def chunk(
+    job: Job,
+    rid: str,
+    model: str,
+    index: int,
+    token: int | None,
+    delta: str,
+    done: bool,
+    seen: int,
+    offset: int,
+    tokenizer,
+) -> dict:
     """One server-sent event of a streamed answer: choice `index`'s token number `seen` (0 first;
     None: none, the end) whose text starts at `offset` of the choice's text."""
     r = job.choices[index]
-    choice = {"index": index, "finish_reason": r.finish_reason if done else None,
-              "token_ids": [] if token is None else [token], "logprobs": None}
+    choice = {
+        "index": index,
+        "finish_reason": r.finish_reason if done else None,
+        "token_ids": [] if token is None else [token],
+        "logprobs": None,
+    }
     if job.logprobs is not None and token is not None:
         entry = [r.token_logprobs[seen]]
-        choice["logprobs"] = (chat_logprobs(entry, [token], tokenizer) if job.chat
-                              else completion_logprobs(entry, [token], tokenizer, offset))
+        choice["logprobs"] = (
+            chat_logprobs(entry, [token], tokenizer)
+            if job.chat
+            else completion_logprobs(entry, [token], tokenizer, offset)
+        )
     if job.chat:
         choice["delta"] = {"role": "assistant", "content": delta} if seen == 0 else {"content": delta}
     else:
         choice["text"] = delta
-    return {"id": rid, "object": "chat.completion.chunk" if job.chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice]}
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk" if job.chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+    }

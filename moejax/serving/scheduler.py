@@ -43,13 +43,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from moejax.engine.engine import MIN_POSITIONS, bucket
-from moejax.errors import UsageError
 from moejax.engine.pages import pages_for
+from moejax.errors import UsageError
 from moejax.serving.kv_pages import PAGE_SIZE, KVPages, pool_pages, window_held, window_pool_pages
 from moejax.serving.program_calls import ProgramCalls
 from moejax.serving.request import Request, check_request
@@ -92,9 +92,22 @@ class Scheduler(ProgramCalls):
     writes_per_step = 1  # positions a decode step writes per request, from its `pos`
     mtp_pool = False  # whether the MTP layer has a page pool of the same pages (`speculative.py`)
 
-    def __init__(self, engine, slots: int = 16, max_len: int = 0, prefill_rows: int = 1, token_budget: int = 0,
-                 max_queue: int = 1024, prefill_engine=None, longest: int = 0, kv_tokens: int = 0, kv_gb: float = 0.0,
-                 page_size: int = PAGE_SIZE, prefix_cache: bool = True, window_pages: int = 0):
+    def __init__(
+        self,
+        engine,
+        slots: int = 16,
+        max_len: int = 0,
+        prefill_rows: int = 1,
+        token_budget: int = 0,
+        max_queue: int = 1024,
+        prefill_engine=None,
+        longest: int = 0,
+        kv_tokens: int = 0,
+        kv_gb: float = 0.0,
+        page_size: int = PAGE_SIZE,
+        prefix_cache: bool = True,
+        window_pages: int = 0,
+    ):
         """`prefill_engine`: prefill chunks run there instead (another placement and mesh, a
         pool of its own with the same page ids), and the pages each call wrote go over to
         `engine`'s pool right after it (prefill and decode apart, `engine/disaggregated.py`).
@@ -117,29 +130,38 @@ class Scheduler(ProgramCalls):
         self.max_len = max_len or min(c.max_position_embeddings, bucket(longest, MIN_POSITIONS) if longest else 2048)
         multiple = engine.placement.batch_multiple()
         if slots < 1 or slots % multiple:
-            raise UsageError(f"--slots {slots} must be a positive multiple of {multiple} (requests are split over the devices)")
+            raise UsageError(
+                f"--slots {slots} must be a positive multiple of {multiple} (requests are split over the devices)"
+            )
         prefill_multiple = self.prefill_engine.placement.batch_multiple()
         if (prefill_rows * self.chunk) % prefill_multiple:
-            raise UsageError(f"a prefill call of {prefill_rows} x {self.chunk} rows must split over {prefill_multiple} "
-                             f"devices; choose --prefill-chunk a multiple of {prefill_multiple}")
+            raise UsageError(
+                f"a prefill call of {prefill_rows} x {self.chunk} rows must split over {prefill_multiple} "
+                f"devices; choose --prefill-chunk a multiple of {prefill_multiple}"
+            )
         if self.max_len > c.max_position_embeddings:
             raise UsageError(f"--max-seq-len {self.max_len} exceeds the model's context of {c.max_position_embeddings}")
         self.num_slots, self.prefill_rows = slots, prefill_rows
         self.dealer = engine.routing.start(c)  # a routing override's picks, call by call (None: the router's)
         self.notes: list[str] = []  # one line each: what the server runs otherwise than asked
         if prefix_cache and self.dealer is not None:
-            self.notes.append("the prefix cache is off under a routing override (its picks follow the computed positions)")
+            self.notes.append(
+                "the prefix cache is off under a routing override (its picks follow the computed positions)"
+            )
         # DP attention: slot s runs on rank s % ranks, each rank from its own pages (`KVPages`).
         self.ranks = multiple
         if self.apart and prefill_multiple > 1 and prefill_multiple != multiple:
-            raise UsageError(f"prefill and decode apart split requests over {prefill_multiple} and {multiple} DP ranks: "
-                             "each rank's pages must be the same on both meshes; use as many DP ranks for both, or "
-                             "TP attention for prefill")
+            raise UsageError(
+                f"prefill and decode apart split requests over {prefill_multiple} and {multiple} DP ranks: "
+                "each rank's pages must be the same on both meshes; use as many DP ranks for both, or "
+                "TP attention for prefill"
+            )
         # A prefill call's rows split over the ranks only when they divide (else every device runs every row).
         self.prefill_ranks = prefill_multiple if self.prefill_rows % prefill_multiple == 0 else 1
         if prefix_cache and c.sliding_layers:
-            self.notes.append("the prefix cache is off for sliding-window layers (their cached prefix's window "
-                              "pages are freed)")
+            self.notes.append(
+                "the prefix cache is off for sliding-window layers (their cached prefix's window pages are freed)"
+            )
             prefix_cache = False
         window_pages = window_pages or window_pool_pages(c, page_size, self.chunk, self.max_len, slots)
         pages = pool_pages(engine, page_size, kv_tokens, kv_gb, multiple, mtp=self.mtp_pool, window_pages=window_pages)
@@ -148,8 +170,10 @@ class Scheduler(ProgramCalls):
         self.window_kv = KVPages(window_pages, page_size, self.max_len, False, self.ranks) if c.sliding_layers else None
         held = window_held(c, page_size, self.chunk, self.max_len)
         if self.window_kv is not None and self.window_kv.rank_pages < held:
-            raise UsageError(f"a rank's {self.window_kv.rank_pages} sliding-window pages hold less than one "
-                             f"request's window and prefill chunk ({held} pages)")
+            raise UsageError(
+                f"a rank's {self.window_kv.rank_pages} sliding-window pages hold less than one "
+                f"request's window and prefill chunk ({held} pages)"
+            )
         # Tokens per step: by default every slot's decode token plus one prefill call.
         self.token_budget = token_budget or slots + prefill_rows * self.chunk
         self.max_queue = max_queue
@@ -175,8 +199,10 @@ class Scheduler(ProgramCalls):
         """Raises UsageError for a request that can never run (the HTTP side answers 400)."""
         check_request(request, self.engine.c.vocab_size, self.max_len, self.num_slots)
         if 1 + len(request.samples) > self.num_slots // self.ranks:
-            raise UsageError(f"n={1 + len(request.samples)} samples share their prompt's pages on one of {self.ranks} "
-                             f"DP ranks, which has {self.num_slots // self.ranks} slots")
+            raise UsageError(
+                f"n={1 + len(request.samples)} samples share their prompt's pages on one of {self.ranks} "
+                f"DP ranks, which has {self.num_slots // self.ranks} slots"
+            )
         self.kv.check(len(request.prompt))
 
     def submit(self, request: Request) -> None:
@@ -239,8 +265,13 @@ class Scheduler(ProgramCalls):
         for hook in self.between_steps:
             hook()
         self._admit()
-        decoding = self._grow([s for s, slot in enumerate(self.slots)
-                               if slot is not None and s not in self.prefilling and slot.leader is None])
+        decoding = self._grow(
+            [
+                s
+                for s, slot in enumerate(self.slots)
+                if slot is not None and s not in self.prefilling and slot.leader is None
+            ]
+        )
         if decoding:
             self._decode_step(decoding)
         chunks = max(1, (self.token_budget - len(decoding)) // self.chunk)
@@ -294,8 +325,10 @@ class Scheduler(ProgramCalls):
                 samples = [] if r.tokens else r.samples  # tokens out: preempted, its samples forked already
                 seq = r.prompt + r.tokens[:-1]
                 # Ranks with a slot for the request and one for each sample (forks share its pages' rank).
-                ranks = sorted((rank for rank in range(self.ranks) if len(free[rank]) > len(samples)),
-                               key=lambda rank: free[rank][0])
+                ranks = sorted(
+                    (rank for rank in range(self.ranks) if len(free[rank]) > len(samples)),
+                    key=lambda rank: free[rank][0],
+                )
                 # Window pages: its first chunk's and one per sample (later chunks take theirs as they go).
                 window_need = pages_for(min(len(seq), self.chunk), self.kv.page_size) + len(samples)
                 if self.window_kv is not None:
@@ -312,8 +345,9 @@ class Scheduler(ProgramCalls):
                 self.slots[s] = _Slot(r, seq, self.admitted, pages, window[:own], keys, done)
                 self.prefilling.append(s)
                 for sample, page, fork_window in zip(samples, fork_pages, fork_windows):
-                    self.slots[free[rank].pop(0)] = _Slot(sample, sample.prompt, self.admitted, [page], fork_window,
-                                                          leader=s)
+                    self.slots[free[rank].pop(0)] = _Slot(
+                        sample, sample.prompt, self.admitted, [page], fork_window, leader=s
+                    )
                 self.admitted += 1
 
     def _free(self, s: int) -> None:
@@ -338,9 +372,14 @@ class Scheduler(ProgramCalls):
 
     def _preempt(self, rank: int) -> None:
         """The newest running request on `rank` gives its pages back and waits to be computed again."""
-        victim = max((v for v, other in enumerate(self.slots)
-                      if other is not None and other.leader is None and self.rank(v) == rank),
-                     key=lambda v: self.slots[v].admitted)
+        victim = max(
+            (
+                v
+                for v, other in enumerate(self.slots)
+                if other is not None and other.leader is None and self.rank(v) == rank
+            ),
+            key=lambda v: self.slots[v].admitted,
+        )
         r = self.slots[victim].request
         if not r.tokens:
             r.prompt_logprobs.clear()  # computed again with the prompt

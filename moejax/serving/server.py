@@ -21,7 +21,8 @@ import threading
 import time
 import traceback
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
@@ -44,8 +45,9 @@ def moejax_version() -> str:
 def error(status: int, message: str) -> JSONResponse:
     """One line of JSON, the shape OpenAI clients parse."""
     kinds = {400: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error"}
-    return JSONResponse({"error": {"message": message, "type": kinds.get(status, "server_error"), "code": status}},
-                        status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": kinds.get(status, "server_error"), "code": status}}, status_code=status
+    )
 
 
 class BearerKey:
@@ -64,8 +66,9 @@ class BearerKey:
         await self.app(scope, receive, send)
 
 
-def build_app(scheduler, metrics, *, tokenizer, eos_ids, model_name: str, api_key: str | None = None,
-              on_exit=None, failure=None) -> FastAPI:
+def build_app(
+    scheduler, metrics, *, tokenizer, eos_ids, model_name: str, api_key: str | None = None, on_exit=None, failure=None
+) -> FastAPI:
     """on_exit(): called after the engine thread has finished every accepted request.
     failure(): over several processes, None or why the server is down (a lost process; whoever
     finds it fails the requests and exits): /health and every request answer 503."""
@@ -107,10 +110,19 @@ def build_app(scheduler, metrics, *, tokenizer, eos_ids, model_name: str, api_ke
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": int(time.time()), "owned_by": "moejax",
-            "max_model_len": scheduler.max_len, "vocab_size": scheduler.engine.c.vocab_size,
-        }]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "moejax",
+                    "max_model_len": scheduler.max_len,
+                    "vocab_size": scheduler.engine.c.vocab_size,
+                }
+            ],
+        }
 
     @app.get("/metrics")
     async def prometheus():
@@ -129,7 +141,8 @@ def build_app(scheduler, metrics, *, tokenizer, eos_ids, model_name: str, api_ke
             loop, events = asyncio.get_running_loop(), asyncio.Queue()
             for k, r in enumerate(job.choices):
                 r.on_event = lambda token, delta, done, k=k: loop.call_soon_threadsafe(
-                    events.put_nowait, (k, token, delta, done))
+                    events.put_nowait, (k, token, delta, done)
+                )
             try:
                 for r in job.submit:
                     scheduler.submit(r)
@@ -160,7 +173,7 @@ def build_app(scheduler, metrics, *, tokenizer, eos_ids, model_name: str, api_ke
                             metrics.request_done(job.choices[k])
                         left -= 1
                     continue
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 if time.monotonic() - checked >= DISCONNECT_CHECK_S:
                     checked = time.monotonic()
@@ -196,7 +209,8 @@ def build_app(scheduler, metrics, *, tokenizer, eos_ids, model_name: str, api_ke
                 if left:  # the client went away: free the slots
                     cancel()
             if job.include_usage:
-                yield f"data: {json.dumps({'id': rid, 'object': 'usage', 'choices': [], 'usage': responses.usage(job)})}\n\n"
+                usage = {"id": rid, "object": "usage", "choices": [], "usage": responses.usage(job)}
+                yield f"data: {json.dumps(usage)}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(sse(), media_type="text/event-stream")

@@ -23,8 +23,10 @@ def take_pages(cache: list[dict], ids: jax.Array) -> list[dict]:
 
 def put_pages(cache: list[dict], ids: jax.Array, pieces: list[dict]) -> list[dict]:
     """Pools with `take_pages`' pieces written back at `ids` (id N: dropped)."""
-    return [{k: v.at[:, paged.ids_for(ids, k)].set(piece[k], mode="drop") for k, v in run.items()}
-            for run, piece in zip(cache, pieces)]
+    return [
+        {k: v.at[:, paged.ids_for(ids, k)].set(piece[k], mode="drop") for k, v in run.items()}
+        for run, piece in zip(cache, pieces)
+    ]
 
 
 def choose(logits, sampling: dict, positions, *, greedy_only: bool, extras: bool):
@@ -34,13 +36,19 @@ def choose(logits, sampling: dict, positions, *, greedy_only: bool, extras: bool
     raw = logits
     if extras:
         logits = biased(logits, sampling["bias_ids"], sampling["bias"])
-    token = sample_rows(logits, sampling["temperature"], sampling["top_p"], sampling["top_k"], sampling["seeds"],
-                        positions, greedy_only=greedy_only)
+    token = sample_rows(
+        logits,
+        sampling["temperature"],
+        sampling["top_p"],
+        sampling["top_k"],
+        sampling["seeds"],
+        positions,
+        greedy_only=greedy_only,
+    )
     return token, logprobs_of(raw, token) if extras else {}
 
 
-def decode_slots(params, cache, pages, tokens, positions, sampling, forced=None, *, c, placement, greedy_only,
-                 extras):
+def decode_slots(params, cache, pages, tokens, positions, sampling, forced=None, *, c, placement, greedy_only, extras):
     """One decode step over W rows of page pools: pages: their block tables [W, P] (an idle row
     names no page: its writes are dropped), tokens, positions: [W]; sampling: `choose`'s per-row
     arrays -> (next tokens [W], their logprobs, cache, picks); forced: a routing override's int32
@@ -50,8 +58,23 @@ def decode_slots(params, cache, pages, tokens, positions, sampling, forced=None,
     return token, lp, cache, picks
 
 
-def prefill_slots(params, cache, pages, tokens, start, last, after, sampling, forced=None, *, c, placement,
-                  greedy_only, extras, prompt_logprobs):
+def prefill_slots(
+    params,
+    cache,
+    pages,
+    tokens,
+    start,
+    last,
+    after,
+    sampling,
+    forced=None,
+    *,
+    c,
+    placement,
+    greedy_only,
+    extras,
+    prompt_logprobs,
+):
     """One prefill chunk of P requests into their pages: pages: block tables [P, K]; start, last:
     [P], tokens: [P, C]; after: [P] the prompt token following the chunk (read for
     prompt_logprobs only). A padding row names no page: it reads zeros and writes nothing.
@@ -73,7 +96,8 @@ def prefill_slots(params, cache, pages, tokens, start, last, after, sampling, fo
 def fork_slots(cache, source, target, logits, sampling, positions, *, placement):
     """n samples of one prompt, prefilled once: the pages `source` [F] copied into `target` [F]
     (each sample's copy of the prompt's partly written last page, on the prompt's rank; id N:
-    none, dropped; `paged.Tables` of ids with page groups), and each one's first token drawn from the prompt's logits at its last
+    none, dropped; `paged.Tables` of ids with page groups), and each one's first token drawn from the prompt's logits
+    at its last
     position [V] with its own seed -> (tokens [F], logprobs, cache)."""
     cache = placement.copy_pages(cache, source, target)
     logits = jnp.broadcast_to(logits, (jax.tree.leaves(target)[0].shape[0], logits.shape[-1]))

@@ -2,8 +2,9 @@
 
 The scheduler of `scheduler.py` with the MTP draft module of `moejax.engine.speculative`: the
 MTP layer has a page pool of its own, read through the target's block tables (a request's pages
-hold both), and each slot holds the MTP's draft of its next-but-one token. A decode step feeds every generating slot's (token, draft) pair at (pos, pos + 1), accepts the draft
-when it equals the target's own greedy token, and emits one or two tokens per slot; the MTP drafts
+hold both), and each slot holds the MTP's draft of its next-but-one token. A decode step feeds every generating slot's
+(token, draft) pair at (pos, pos + 1), accepts the draft when it equals the target's own greedy token, and emits one
+or two tokens per slot; the MTP drafts
 again inside the same step. A rejected draft's cache entries at pos + 1 are invisible to every
 later query until overwritten (causal mask), as in the static speculative engine. A slot holds
 the pages of every position a step writes (the MTP's reach pos + 2). No prefix cache: a cached
@@ -44,9 +45,10 @@ def _zero_first(mtp_cache: dict, pages: jax.Array, start: jax.Array, placement) 
     out = {}
     for name, pool in mtp_cache.items():  # [N, H, ps, Dh] or [N, ps, R]
         seq_axis = pool.ndim - 2
-        rest = pool.shape[1:seq_axis] + pool.shape[seq_axis + 1:]
-        out[name] = placement.store_pages(pool, jnp.zeros((start.shape[0], 1, *rest), pool.dtype), positions, pages,
-                                          seq_axis, view=False)
+        rest = pool.shape[1:seq_axis] + pool.shape[seq_axis + 1 :]
+        out[name] = placement.store_pages(
+            pool, jnp.zeros((start.shape[0], 1, *rest), pool.dtype), positions, pages, seq_axis, view=False
+        )
     return out
 
 
@@ -64,8 +66,9 @@ def spec_prefill_slots(params, mtp, cache, mtp_cache, pages, tokens, start, last
     # The MTP sees (hidden at i, token at i + 1) at position i + 1.
     following = jnp.concatenate([tokens[:, 1:], after[:, None]], axis=1)
     following = jnp.where(positions == last[:, None], first[:, None], following)
-    mh, mtp_cache = mtp_forward(mtp, params, _zero_first(mtp_cache, pages, start, placement), h, following, positions + 1, c,
-                                placement, pages)
+    mh, mtp_cache = mtp_forward(
+        mtp, params, _zero_first(mtp_cache, pages, start, placement), h, following, positions + 1, c, placement, pages
+    )
     draft = _greedy(params, mh[at_last], c)
     return first, draft, cache, mtp_cache
 
@@ -97,21 +100,26 @@ class SpecScheduler(Scheduler):
         self.mtp = mtp
         c = engine.c
         self.mtp_cache = engine.placement.zeros_cache(
-            lambda: [init_mtp_pool(c, self.kv.num_pages, self.kv.page_size, engine.dtype)], pool=True)[0]
+            lambda: [init_mtp_pool(c, self.kv.num_pages, self.kv.page_size, engine.dtype)], pool=True
+        )[0]
         self.drafts = self.accepted = 0  # drafts checked and accepted (acceptance rate)
         bind = dict(c=c, placement=engine.placement)
-        self._spec_prefill = jit_program(functools.partial(spec_prefill_slots, **bind), engine.dtype,
-                                         donate_argnums=(2, 3))
-        self._spec_decode = jit_program(functools.partial(spec_decode_slots, **bind), engine.dtype, decode=True,
-                                        donate_argnums=(2, 3))
+        self._spec_prefill = jit_program(
+            functools.partial(spec_prefill_slots, **bind), engine.dtype, donate_argnums=(2, 3)
+        )
+        self._spec_decode = jit_program(
+            functools.partial(spec_decode_slots, **bind), engine.dtype, decode=True, donate_argnums=(2, 3)
+        )
 
     def check(self, request: Request) -> None:
         super().check(request)
         if request.temperature > 0:
             raise UsageError("this server decodes with MTP drafts, greedy only: send temperature 0")
         if request.extras or request.samples or request.echo_logprobs or request.max_tokens < 1:
-            raise UsageError("this server decodes with MTP drafts: logprobs, logit_bias, min_tokens, n > 1 and "
-                             "max_tokens 0 are served without --speculative only")
+            raise UsageError(
+                "this server decodes with MTP drafts: logprobs, logit_bias, min_tokens, n > 1 and "
+                "max_tokens 0 are served without --speculative only"
+            )
 
     def _decode_step(self, decoding: list[int]) -> None:
         width, row = self._decode_rows(decoding)
@@ -123,8 +131,9 @@ class SpecScheduler(Scheduler):
         reach = max(self.slots[s].pos + self.writes_per_step for s in decoding)
         pages = self.kv.table([self.slots[at[i]].pages if i in at else [] for i in range(width)], width, reach)
         window = self._window_table([at.get(i) for i in range(width)], reach)
-        emitted, accepted, next_draft = self._run(Call("spec_decode", dict(pages=pages, **window, token=token,
-                                                                           draft=draft, pos=pos)))
+        emitted, accepted, next_draft = self._run(
+            Call("spec_decode", dict(pages=pages, **window, token=token, draft=draft, pos=pos))
+        )
         now = time.perf_counter()
         for s in decoding:
             slot, n = self.slots[s], int(accepted[row[s]])
@@ -139,8 +148,9 @@ class SpecScheduler(Scheduler):
     def _prefill_call(self, rows: list[int]) -> None:
         pages, tokens, start, last, after, _ = self._prefill_inputs(rows, reach=1)
         window = self._window_table(rows, int(start.max()) + self.chunk + 1)
-        first, draft = self._run(Call("spec_prefill", dict(pages=pages, **window, tokens=tokens, start=start,
-                                                           last=last, after=after)))
+        first, draft = self._run(
+            Call("spec_prefill", dict(pages=pages, **window, tokens=tokens, start=start, last=last, after=after))
+        )
         now = time.perf_counter()
         for i, s in self._advance_prefill(rows, self.chunk):
             self.slots[s].draft = int(draft[i])
@@ -149,14 +159,23 @@ class SpecScheduler(Scheduler):
     def _do_spec_decode(self, a: dict):
         """-> (emitted [W, 2], accepted [W], next draft [W])."""
         emitted, accepted, next_draft, self.cache, self.mtp_cache = self._spec_decode(
-            self.engine.params, self.mtp, self.cache, self.mtp_cache, self._tables(a), a["token"], a["draft"], a["pos"])
+            self.engine.params, self.mtp, self.cache, self.mtp_cache, self._tables(a), a["token"], a["draft"], a["pos"]
+        )
         return to_host(emitted), to_host(accepted), to_host(next_draft)
 
     def _do_spec_prefill(self, a: dict):
         """-> (first new token [P], its draft [P])."""
         first, draft, self.cache, self.mtp_cache = self._spec_prefill(
-            self.engine.params, self.mtp, self.cache, self.mtp_cache, self._tables(a), a["tokens"], a["start"], a["last"],
-            a["after"])
+            self.engine.params,
+            self.mtp,
+            self.cache,
+            self.mtp_cache,
+            self._tables(a),
+            a["tokens"],
+            a["start"],
+            a["last"],
+            a["after"],
+        )
         return to_host(first), to_host(draft)
 
     def warm_up(self) -> None:
@@ -165,10 +184,25 @@ class SpecScheduler(Scheduler):
             for w in self.decode_widths():
                 zeros = np.zeros(w, np.int32)
                 *_, self.cache, self.mtp_cache = self._spec_decode(
-                    self.engine.params, self.mtp, self.cache, self.mtp_cache, self._idle(w, pw), zeros,
-                    zeros, np.full(w, self.max_len, np.int32))
+                    self.engine.params,
+                    self.mtp,
+                    self.cache,
+                    self.mtp_cache,
+                    self._idle(w, pw),
+                    zeros,
+                    zeros,
+                    np.full(w, self.max_len, np.int32),
+                )
             zeros = np.zeros(p, np.int32)
             first, _, self.cache, self.mtp_cache = self._spec_prefill(
-                self.engine.params, self.mtp, self.cache, self.mtp_cache, self._idle(p, pw),
-                np.zeros((p, self.chunk), np.int32), zeros, zeros, zeros)
+                self.engine.params,
+                self.mtp,
+                self.cache,
+                self.mtp_cache,
+                self._idle(p, pw),
+                np.zeros((p, self.chunk), np.int32),
+                zeros,
+                zeros,
+                zeros,
+            )
             first.block_until_ready()

@@ -37,9 +37,14 @@ class Call:
     def to_bytes(self) -> bytes:
         """JSON header (name, flags, each array's dtype and shape) then the arrays' raw bytes."""
         arrays = {k: np.asarray(v) for k, v in self.arrays.items()}
-        header = json.dumps({"name": self.name, "flags": self.flags,
-                             "arrays": [[k, v.dtype.str, list(v.shape)] for k, v in arrays.items()]},
-                            separators=(",", ":")).encode()
+        header = json.dumps(
+            {
+                "name": self.name,
+                "flags": self.flags,
+                "arrays": [[k, v.dtype.str, list(v.shape)] for k, v in arrays.items()],
+            },
+            separators=(",", ":"),
+        ).encode()
         return b"".join([_HEADER.pack(len(header)), header, *(v.tobytes() for v in arrays.values())])
 
     @classmethod
@@ -65,4 +70,4 @@ def flat(prefix: str, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def nested(arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
     """The inputs `flat` named `prefix.key`, back as a dict by key."""
     start = prefix + "."
-    return {k[len(start):]: v for k, v in arrays.items() if k.startswith(start)}
+    return {k[len(start) :]: v for k, v in arrays.items() if k.startswith(start)}

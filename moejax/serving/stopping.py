@@ -60,7 +60,7 @@ class Stopper:
 
     def _show(self, upto: str) -> str:
         # The decoded text is prefix-stable once held-back tails are decided; guard anyway.
-        delta = upto[len(self.text):] if upto.startswith(self.text) else ""
+        delta = upto[len(self.text) :] if upto.startswith(self.text) else ""
         self.text += delta
         return delta
 

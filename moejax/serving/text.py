@@ -19,8 +19,14 @@ def stop_ids_arg(text: str) -> list[int]:
 def add_text_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", metavar="DIR", help="directory with tokenizer.json (default: the --hf directory)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
-    p.add_argument("--stop-ids", type=stop_ids_arg, action="append", default=[], metavar="IDS",
-                   help="stop token ids 1,2 (besides the model's end-of-sequence ids)")
+    p.add_argument(
+        "--stop-ids",
+        type=stop_ids_arg,
+        action="append",
+        default=[],
+        metavar="IDS",
+        help="stop token ids 1,2 (besides the model's end-of-sequence ids)",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence ids")
 
 

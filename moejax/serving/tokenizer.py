@@ -70,14 +70,14 @@ class Tokenizer:
         self.eos_ids = ids or ()
 
     @classmethod
-    def from_dir(cls, directory: str | Path | None) -> "Tokenizer | None":
+    def from_dir(cls, directory: str | Path | None) -> Tokenizer | None:
         """The directory's tokenizer, or None when it has no tokenizer.json (ids-only use)."""
         if directory is None or not (Path(directory) / "tokenizer.json").is_file():
             return None
         return cls(directory)
 
     @classmethod
-    def for_run(cls, tokenizer_dir: str | None, model_dir: str | None) -> "Tokenizer | None":
+    def for_run(cls, tokenizer_dir: str | None, model_dir: str | None) -> Tokenizer | None:
         """--tokenizer DIR (which must hold tokenizer.json), else the model directory's if it has one."""
         if tokenizer_dir is not None and not (Path(tokenizer_dir) / "tokenizer.json").is_file():
             raise UsageError(f"--tokenizer {tokenizer_dir}: no tokenizer.json there")
@@ -100,13 +100,19 @@ class Tokenizer:
             raise UsageError(f"chat template: {message}")
 
         # As transformers renders templates: trimmed blocks, `raise_exception`, unescaped tojson.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+            x, indent=indent, ensure_ascii=ensure_ascii
+        )
         env.globals["raise_exception"] = raise_exception
         try:
             return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
             )
         except jinja2.TemplateError as e:
             raise UsageError(f"chat template: {e}") from None
