@@ -27,8 +27,10 @@ HOPPER = jax.default_backend() == "gpu" and str(getattr(jax.devices()[0], "compu
 MOSAIC_CASES = {
     **CASES,
     "bf16, model widths": Case("dense", 2048, 768),
-    "nvfp4 gate_up of a layer, model widths": Case("nvfp4", 2048, 1536, "swiglu", layer=True, out_dtype="bfloat16"),
-    "mxfp4 gate_up, model widths": Case("mxfp4", 2880, 1152, "clamped_swiglu", out_dtype="bfloat16"),
+    "nvfp4 gate_up of a layer, model widths": Case(
+        "nvfp4", 2048, 1536, "swiglu", gated=True, layer=True, out_dtype="bfloat16"
+    ),
+    "mxfp4 gate_up, model widths": Case("mxfp4", 2880, 1152, "clamped_swiglu", gated=True, out_dtype="bfloat16"),
 }
 
 

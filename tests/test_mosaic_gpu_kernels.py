@@ -26,28 +26,34 @@ GROUPS, LOCAL, LAYERS, ROWS = 6, 3, 2, 70
 @dataclasses.dataclass(frozen=True)
 class Case:
     """A grouped GEMM of ROWS bf16 rows over LOCAL of GROUPS groups: experts [LOCAL, k, n] in `fmt`
-    (a gate|up stack through `act` with a bias, NVFP4 with a tensor scale per half), one layer of
-    a stack of LAYERS when `layer`."""
+    (a gate|up stack through `act` with a bias; `gated`: quantized as one, NVFP4 with a tensor scale
+    per half), one layer of a stack of LAYERS when `layer`."""
 
     fmt: str
     k: int
     n: int
     act: str | None = None
+    gated: bool = False
     layer: bool = False
     out_dtype: str = "float32"
     tk: int | None = None
+    steps: int = 3
 
 
 # Every case has rows over two row tiles, groups before the local ones, an empty local group and
-# trailing rows of no group. bf16: two K steps and two N tiles; 4-bit: two K steps of two K-halves;
-# widths no tile divides (K 40 and 44 padded to TMA's 16-byte rows, N 40 of a 4-bit expert padded;
-# a 4-bit K/2 of 48 or 32 in a tile of 64: its codes past K/2 read zero); a layer of a stack read
-# where it lies; the epilogue's column scales, bias and (clamped) SwiGLU.
+# trailing rows of no group. Pipelines that refill their stages (bf16: 4 K steps in 3 stages, two
+# N tiles; NVFP4: 3 K steps of two K-halves in 2 stages, its decoded tiles' two buffers reused);
+# widths no tile divides (K 44 padded to TMA's 16-byte rows, N 40 of a 4-bit expert padded; a 4-bit
+# K/2 of 48 or 32 in a tile of 64: its codes past K/2 read zero); a layer of a stack read where it
+# lies; the epilogue's tensor scales (NVFP4's per group, or per column of a gate|up stack), bias
+# and (clamped) SwiGLU.
 CASES = {
-    "bf16": Case("dense", 128, 256, tk=64),
-    "nvfp4 gate_up of a layer": Case("nvfp4", 256, 256, "swiglu", layer=True, out_dtype="bfloat16"),
+    "bf16": Case("dense", 256, 256, tk=64),
+    "nvfp4 gate_up of a layer": Case(
+        "nvfp4", 384, 256, "swiglu", gated=True, layer=True, out_dtype="bfloat16", steps=2
+    ),
     "mxfp4 odd widths": Case("mxfp4", 64, 40),
-    "nvfp4 gate_up odd widths": Case("nvfp4", 96, 40, "clamped_swiglu"),
+    "nvfp4 odd widths, clamped SwiGLU": Case("nvfp4", 96, 40, "clamped_swiglu"),
     "bf16 gate_up of a layer, odd widths": Case("dense", 44, 48, "clamped_swiglu", layer=True, out_dtype="bfloat16"),
 }
 
@@ -65,9 +71,9 @@ def make_operands(case: Case):
         w = np.asarray(stored, np.float64)
         columns = None
     else:
-        q = pk.quantize_experts(jnp.asarray(stack, jnp.float32), case.fmt, gated=case.act is not None)
+        q = pk.quantize_experts(jnp.asarray(stack, jnp.float32), case.fmt, gated=case.gated)
         w = np.asarray(pk.dequantize(q), np.float64)
-        columns = None if case.act is None or q.tensor_scale is None else q.tensor_scale[1].reshape(LOCAL, case.n)
+        columns = None if not case.gated or q.tensor_scale is None else q.tensor_scale[1].reshape(LOCAL, case.n)
         stored = q.replace(tensor_scale=None) if columns is not None else q
     rhs = LayerOf(stored, jnp.int32(1)) if case.layer else jax.tree.map(lambda a: a[1], stored)
     bias = None if case.act is None else jnp.asarray(rng.standard_normal((LOCAL, case.n)), case.out_dtype)
@@ -96,7 +102,15 @@ def run(case: Case, interpret: bool) -> tuple[np.ndarray, np.ndarray]:
     act = None if epilogue is None else epilogue[2]
     f = jax.jit(
         lambda lhs, rhs, sizes, offset, tables: gmm_mosaic_gpu(
-            lhs, rhs, sizes, offset, case.out_dtype, interpret=interpret, tk=case.tk, epilogue=tables and (*tables, act)
+            lhs,
+            rhs,
+            sizes,
+            offset,
+            case.out_dtype,
+            interpret=interpret,
+            tk=case.tk,
+            steps=case.steps,
+            epilogue=tables and (*tables, act),
         )
     )
     out = f(lhs, rhs, sizes, offset, epilogue and epilogue[:2])
