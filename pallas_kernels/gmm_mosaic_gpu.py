@@ -95,7 +95,8 @@ def _transforms(cols: int, bits: int, swizzle: int | None = None) -> tuple:
 
 
 def _decoded_tiles(w_ref, s_refs, *, pairs, fmt, block, cast, load):
-    """A step's weight tiles as bf16 [rows, width]: {(column set, K-half): tile}.
+    """A step's weight tiles, f32 [rows, width] of values exact in bf16 (an e2m1 code times its
+    block scale has at most 6 significant bits): {(column set, K-half): tile}.
 
     w_ref: the words [rows, width] (bf16 pairs as int32; 4-bit bytes, or byte pairs as uint16);
     s_refs: the two K-halves' scale words [rows / block, width] (4-bit only). Column set i of a
