@@ -360,6 +360,7 @@ def gmm_mosaic_gpu(
         act=act,
         interpret=interpret,
     )
+    # TMA reads zeros past an array's end; the interpreter does where its out-of-bounds reads give zeroed memory.
     params = InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero") if interpret else None
     out = plgpu.kernel(
         kernel,
