@@ -27,15 +27,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels import epilogue, metadata
+from pallas_kernels import epilogue, metadata, tiling
 
 PRECISIONS = (None, "highest")
 
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """A call's blocks and launch shape (each a power of two; blocks at least 16). A dim smaller
-    than its block takes the smallest power of two of at least 16 that covers it."""
+    """A call's blocks and launch shape (blocks and warps powers of two, blocks at least 16). A dim
+    smaller than its block takes the smallest power of two of at least 16 that covers it."""
 
     n: int = 64  # output columns a program writes (a gate|up segment reads twice as many)
     k: int = 64  # K rows of a step of the loop over K
@@ -157,7 +157,7 @@ def _segments(x, weights, *, norm, biases, residual, head_dim, head_norms, rope,
             tile = n if tn is None else _block(n, tn // pairs)
             pieces = ((0, tile),)
         pieces = tuple(p for p in pieces if p[1])
-        cdtype = jnp.dtype(jnp.bfloat16 if h_dtype == w.dtype == jnp.bfloat16 else jnp.float32)
+        cdtype = tiling.compute_dtype(h_dtype, w)
         out = jnp.dtype(out_dtype or jnp.result_type(h_dtype, w.dtype))
         segment = _Segment(
             n, pairs, tile, pieces, first, -(-n // tile), hn is not None, rot, b is not None, cdtype, out
@@ -175,10 +175,12 @@ def _segments(x, weights, *, norm, biases, residual, head_dim, head_norms, rope,
 def _check_options(tiles: Tiles, precision):
     if precision not in PRECISIONS:
         raise ValueError(f"fused_linear: precision must be one of {PRECISIONS}, got {precision!r}")
-    for name in ("n", "k", "m", "num_warps", "num_stages"):
+    for name in ("n", "k", "m", "num_warps"):
         v = getattr(tiles, name)
-        if v < 1 or v & (v - 1) or (name in ("n", "k", "m") and v < 16):
+        if v < 1 or v & (v - 1) or (name != "num_warps" and v < 16):
             raise ValueError(f"fused_linear: tiles.{name} must be a power of two (blocks at least 16), got {v}")
+    if tiles.num_stages < 1:
+        raise ValueError(f"fused_linear: tiles.num_stages must be at least 1, got {tiles.num_stages}")
 
 
 def _linear_kernel(*refs, tree, n_in, segments, m, k, tm, tk, eps, precision, act):

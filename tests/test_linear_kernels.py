@@ -384,8 +384,9 @@ def h100_linear(layout: str, m: int = 4):
     args = [on_h100((m, k), bf16), on_h100((k,), bf16), tuple(on_h100((k, n), wdtype) for n in widths)]
     if layout == "attention":
         args += [(on_h100((32,), bf16),) * 2, (on_h100((m, 8), f32),) * 2]
+        tiles = Tiles(num_warps=8, num_stages=3)  # a K pipeline's depth need be no power of two
         call = lambda x, norm, ws, hn, rope: fused_linear(  # noqa: E731
-            x, ws, norm=norm, head_dim=32, head_norms=(*hn, None), rope=rope, rotate=(True, True, False)
+            x, ws, norm=norm, head_dim=32, head_norms=(*hn, None), rope=rope, rotate=(True, True, False), tiles=tiles
         )
     elif layout == "gate_up":
         call = lambda x, norm, ws: fused_linear(x, ws, norm=norm, act=silu_glu)  # noqa: E731
