@@ -53,14 +53,17 @@ EPILOGUE_ROWS = 16  # rows of a tile the epilogue finishes at a time (the least 
 
 
 def fuses_glu(m: int, n: int, rhs) -> bool:
-    """Whether the epilogue can halve a gate|up product of N columns: whole CTAs of TN (gate, up) pairs."""
-    return n % (2 * TN) == 0
+    """Whether the epilogue can halve a gate|up product of N columns (`shape_refusal`, gated)."""
+    return shape_refusal(rhs.shape[1], n, gated=True) is None
 
 
-def shape_refusal(k: int, n: int) -> str | None:
-    """Why [K, N] 4-bit experts cannot be multiplied here, or None: a K step is 2 * TKB of K, a CTA TN columns."""
-    if k % (2 * TKB) or n % TN:
-        return f"the Blackwell bf16 x 4-bit kernel needs K a multiple of {2 * TKB} and N of {TN}, got K={k}, N={n}"
+def shape_refusal(k: int, n: int, gated: bool = False) -> str | None:
+    """Why [K, N] experts cannot be multiplied here, or None. TMA copies rows of whole 16-byte units
+    (the weights' rows of N bytes; the output's of N/2 bf16 with the activation) and reads zeros past
+    an edge (a last K step, a last CTA's columns: any K and N), but an array holds one tile at least."""
+    if n % 16 or n < TN * (2 if gated else 1) or k < 2 * TKB:
+        least = f"K of at least {2 * TKB} and N of at least {TN * (2 if gated else 1)}, a multiple of 16"
+        return f"the Blackwell bf16 x 4-bit kernel needs {least}; got K={k}, N={n}"
     return None
 
 
@@ -105,7 +108,7 @@ def _kernel(
     fmt: str,
     block: int,
     tm: int,
-    k_iters: int,
+    half_k: int,
     pairs: int,
     steps: int,
     tables: tuple[bool, bool],
@@ -120,8 +123,10 @@ def _kernel(
     cols_gmem = tables_gmem.pop(0) if tables[0] else None
     bias_gmem = tables_gmem.pop(0) if tables[1] else None
     t, n_i, wg = lax.axis_index("t"), lax.axis_index("n"), lax.axis_index("wg")
-    half_k = k_iters * TKB  # K / 2
     sb = TKB // block  # scale rows of a K step, per half
+    # K steps: the last one's rows past K/2 are TMA's zeros (its rows' columns, multiplied by them, are
+    # in K-half 1 or zeros too), as are the columns past N of a last CTA, whose stores TMA skips.
+    k_iters = pl.cdiv(half_k, TKB)
 
     @pl.when(t < num_tiles[0])
     def _():
@@ -255,12 +260,10 @@ def gmm_blackwell_bf16(lhs, rhs, group_sizes, group_offset, out_dtype, *, epilog
         raise ValueError(f"the Blackwell bf16 x 4-bit kernel multiplies bf16 rows, got {lhs.dtype}")
     if not isinstance(rhs, formats.QuantizedArray):
         raise ValueError("the Blackwell bf16 x 4-bit kernel multiplies 4-bit experts (a QuantizedArray along K)")
-    if refusal := shape_refusal(k, n):
-        raise ValueError(refusal)
     tables, has, act = tiling.epilogue_tables(epilogue, g_local)
+    if refusal := shape_refusal(k, n, gated=act is not None):
+        raise ValueError(refusal)
     pairs = 1 if act is None else 2
-    if n % (TN * pairs):
-        raise ValueError(f"a gated product's N={n} must be a multiple of {2 * TN} (`fuses_glu`)")
     tm = tm or min(128, max(16, 1 << (m - 1).bit_length()))
     block = rhs.spec.block
     lhs_p, offset, (offsets, group_ids, m_tile_ids), num_tiles = tiling.group_tiles(
@@ -269,6 +272,7 @@ def gmm_blackwell_bf16(lhs, rhs, group_sizes, group_offset, out_dtype, *, epilog
     swizzle = plgpu.find_swizzle(TKB * 16)  # a K step's bf16 columns of one half
     x_transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
     out_width = n // pairs
+    width_pad = tiling.round_up(out_width, TN)  # whole CTAs' columns of the column tables, read by plain loads
     # TMEM: a slot's A tiles (two halves, `pairs` column sets; bf16 two to a 32-bit column), the accumulators.
     scratch = dict(
         x_smem=plgpu.SMEM((steps, 2, tm, TKB), jnp.bfloat16, transforms=x_transforms),
@@ -287,7 +291,7 @@ def gmm_blackwell_bf16(lhs, rhs, group_sizes, group_offset, out_dtype, *, epilog
         fmt=rhs.fmt,
         block=block,
         tm=tm,
-        k_iters=k // 2 // TKB,
+        half_k=k // 2,
         pairs=pairs,
         steps=steps,
         tables=has,
@@ -296,7 +300,7 @@ def gmm_blackwell_bf16(lhs, rhs, group_sizes, group_offset, out_dtype, *, epilog
     call = plgpu.kernel(
         kernel,
         out_type=metadata.varying_struct((lhs_p.shape[0], out_width), out_dtype, lhs, rhs, group_sizes, group_offset),
-        grid=(group_ids.shape[0], out_width // TN),
+        grid=(group_ids.shape[0], pl.cdiv(out_width, TN)),
         grid_names=("t", "n"),
         num_threads=2,
         thread_name="wg",
@@ -313,6 +317,6 @@ def gmm_blackwell_bf16(lhs, rhs, group_sizes, group_offset, out_dtype, *, epilog
         lhs_p,
         rhs.values,
         tiling.scale_bits(rhs),
-        *(t.reshape(g_local, n // pairs, pairs) for t in tables),
+        *(jnp.pad(t.reshape(g_local, out_width, pairs), ((0, 0), (0, width_pad - out_width), (0, 0))) for t in tables),
     )
     return tiling.zero_foreign_rows(out, offsets, offset[0], g_local, m)

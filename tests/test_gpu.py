@@ -71,14 +71,19 @@ def _float64_product(rows: np.ndarray, w: np.ndarray) -> np.ndarray:
     return out
 
 
+# [K, N] of the experts: the fp4 kernel's tiles divide them (it takes no other); the bf16 kernel's
+# do not (its last K step and last CTA's columns reach past the edge).
+WIDTHS = {"blackwell": (512, 256), "blackwell_bf16": (576, 320)}
+
+
 def _blackwell_case(kernel: str, fmt: str, act):
-    """The kernel's product of 200 bf16 rows [200, 512] and 4-bit experts [4, 512, 256] (without
-    act: layer 1 of a stack of two, read where it lies), and its float64 reference: the rows as
-    the kernel multiplies them (4-bit x 4-bit: quantized to fmt), the experts dequantized."""
-    key = jax.random.key(0)
-    rows = jax.random.normal(key, (200, 512), jnp.float32).astype(jnp.bfloat16)
-    w = jax.random.normal(jax.random.fold_in(key, 1), (2, LOCAL, 512, 256), jnp.float32) / 512**0.5
-    stack = pk.quantize_experts(w, fmt, gated=act is not None)  # [2, LOCAL, 512, 256]
+    """The kernel's product of 200 bf16 rows [200, K] and 4-bit experts [4, K, N] (without act:
+    layer 1 of a stack of two, read where it lies), and its float64 reference: the rows as the
+    kernel multiplies them (4-bit x 4-bit: quantized to fmt), the experts dequantized."""
+    key, (k, n) = jax.random.key(0), WIDTHS[kernel]
+    rows = jax.random.normal(key, (200, k), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(jax.random.fold_in(key, 1), (2, LOCAL, k, n), jnp.float32) / k**0.5
+    stack = pk.quantize_experts(w, fmt, gated=act is not None)  # [2, LOCAL, K, N]
     layer = jax.tree.map(lambda a: a[1], stack)
     exact = np.asarray(pk.dequantize(layer), np.float64)
     sizes = jnp.asarray(SIZES)
