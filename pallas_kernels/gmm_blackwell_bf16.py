@@ -265,6 +265,8 @@ def gmm_blackwell_bf16(lhs, rhs, group_sizes, group_offset, out_dtype, *, epilog
         raise ValueError(refusal)
     pairs = 1 if act is None else 2
     tm = tm or min(128, max(16, 1 << (m - 1).bit_length()))
+    if tm % 16 or not 16 <= tm <= 128:
+        raise ValueError(f"a row tile is the MMA's N: 16 to 128 rows, a multiple of 16; got tm={tm}")
     block = rhs.spec.block
     lhs_p, offset, (offsets, group_ids, m_tile_ids), num_tiles = tiling.group_tiles(
         lhs, group_sizes, group_offset, g_local, tm

@@ -155,11 +155,12 @@ def test_bf16_kernel_decodes_its_tiles_as_the_format(fmt):
             np.testing.assert_array_equal(np.asarray(hi, np.float32), expected[k // 2 :][rows].T)
 
 
-def _bf16_call(m=32, k=256, n=256, dtype=jnp.bfloat16, fmt="nvfp4", act=None):
+def _bf16_call(m=32, k=256, n=256, dtype=jnp.bfloat16, fmt="nvfp4", act=None, tm=None):
     rhs = pk.quantize_experts(jnp.ones((2, k, n)), fmt) if fmt else jnp.ones((2, k, n), jnp.bfloat16)
     fused = None if act is None else (None, None, act)
     sizes = jnp.array([m // 2, m // 2], jnp.int32)
-    return lambda: gmm_blackwell_bf16.gmm_blackwell_bf16(jnp.ones((m, k), dtype), rhs, sizes, 0, dtype, epilogue=fused)
+    x = jnp.ones((m, k), dtype)
+    return lambda: gmm_blackwell_bf16.gmm_blackwell_bf16(x, rhs, sizes, 0, dtype, epilogue=fused, tm=tm)
 
 
 BAD_BF16_CALLS = {
@@ -168,6 +169,7 @@ BAD_BF16_CALLS = {
     "N of 200": (_bf16_call(n=200), "a multiple of 16; got K=256, N=200"),
     "K of 64": (_bf16_call(k=64), "K of at least 128"),
     "gated N of 192": (_bf16_call(n=192, act=silu_glu), "N of at least 256"),
+    "row tile of 24": (_bf16_call(tm=24), "16 to 128 rows, a multiple of 16"),
 }
 
 
