@@ -71,11 +71,11 @@ def b200_ffn(kernel: str, fmt: str) -> str:
     GPU: its abstract device has no compute capability); MXFP4 as a plain jit lowers it on a B200
     (the B200 the default device: lowered as for sm_100)."""
     weights_kernel = "blackwell" if kernel == "blackwell" else "pallas_gpu"  # the bf16 kernel reads QuantizedArrays
-    d = f = WIDTHS[kernel]
+    width = WIDTHS[kernel]  # D = F
     args = (
-        jax.ShapeDtypeStruct((TOKENS, d), jnp.bfloat16),
-        _stack((EXPERTS, d, 2 * f), fmt, weights_kernel, gated=True),
-        _stack((EXPERTS, f, d), fmt, weights_kernel, gated=False),
+        jax.ShapeDtypeStruct((TOKENS, width), jnp.bfloat16),
+        _stack((EXPERTS, width, 2 * width), fmt, weights_kernel, gated=True),
+        _stack((EXPERTS, width, width), fmt, weights_kernel, gated=False),
         jax.ShapeDtypeStruct((EXPERTS,), jnp.int32),
         jax.ShapeDtypeStruct((TOKENS * TOP_K,), jnp.int32),
         jax.ShapeDtypeStruct((TOKENS, TOP_K), jnp.float32),
