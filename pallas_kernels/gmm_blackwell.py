@@ -8,12 +8,14 @@ K; the epilogue multiplies in the two tensor scales and stores only the rows of 
 The tile schedule is megablox's, as in the other kernels; CTAs past the traced number of
 active tiles exit at once, so untouched groups' weights are never loaded.
 
-Operands must be K-major for 4-bit MMA and the scales in the MMA's `.scale_vec::1X` tiling,
-so the weights are converted once by `prepare_weights` (at load time), never per call.
-Warp 0 issues the TMA loads, warp 1 the MMAs (a `steps`-deep ring), warpgroup 1 stores.
+Operands must be K-major for 4-bit MMA and the scales in the tiling tcgen05 block scaling reads
+from TMEM, so the weights are converted once by `prepare_weights` (at load time), never per call;
+one layer of a run's stack of them is read where it lies (`layered.flat`). Warp 0 issues the TMA
+loads, warp 1 the MMAs (a `steps`-deep ring), warpgroup 1 stores.
 
-Status: lowers (tests export it for cuda); not run: no Blackwell GPU was available, and
-JAX 0.10.2's Mosaic GPU interpreter has no tcgen05/TMEM rules, so it cannot run on CPU.
+Status: compiled for a compile-only B200 (tests/test_blackwell.py: XLA:GPU's compile runs Mosaic
+GPU's, to PTX for sm_100a and through ptxas); never run: no Blackwell GPU was available, and JAX
+0.10.2's Mosaic GPU interpreter has no tcgen05 / TMEM rules.
 """
 
 from __future__ import annotations
@@ -26,28 +28,33 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.experimental.pallas.ops.tpu.megablox.gmm import make_group_metadata
 
-from pallas_kernels import formats, metadata, tiling
+from pallas_kernels import formats, layered, metadata, tiling
 
 TM = TN = TK = 128  # one 128-lane TMEM tile of rows; TK holds 4 * block-scale groups
 
 
 @flax.struct.dataclass
 class BlackwellWeights:
-    """values: float4_e2m1fn [G, N, K] (K-major); scales: [G, N/128, K/B/4, 32, 16] in the
-    MMA scale tiling; tensor_scale: f32 [G], or [G, N] column-wise (gate and up halves of a
-    gate_up stack; applied after the kernel, `registry.grouped_gemm`)."""
+    """Experts [.., G, K, N] as the kernel reads them (a run's stack: leading layer axes).
+
+    values: float4_e2m1fn [.., G, N, K] (K-major); scales: [.., G, N/128, K/B/4, 32, 16] in the
+    MMA scale tiling; group_scale: f32 [.., G], each expert's NVFP4 tensor scale (1: MXFP4, or
+    gate and up scaled apart), which the kernel applies; tensor_scale: None, or f32 [.., G, N]
+    column-wise (gate and up halves of a gate_up stack), which `registry.grouped_gemm` finds
+    there and applies after the kernel (or hands it in as unit scales: the kernel never reads
+    it). Kept apart so that a stack's per-expert scales [L, G] are never taken for columns."""
 
     values: jax.Array
     scales: jax.Array
-    tensor_scale: jax.Array
+    group_scale: jax.Array
+    tensor_scale: jax.Array | None
     fmt: str = flax.struct.field(pytree_node=False)
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        g, n, k = self.values.shape
-        return g, k, n
+    def shape(self) -> tuple[int, ...]:
+        *lead, n, k = self.values.shape
+        return (*lead, k, n)
 
 
 def _to_f4(codes: jax.Array) -> jax.Array:
@@ -75,9 +82,12 @@ def prepare_weights(q: formats.QuantizedArray) -> BlackwellWeights:
     if q.axis != -2 or q.ndim != 3:
         raise ValueError("expected stacked experts [G, K, N] quantized along K")
     values, scales = _k_major(q)
-    columns = q.tensor_scale is not None and q.tensor_scale.shape[-1] != 1
-    scale = q.tensor_scale.reshape(q.tensor_scale.shape[0], -1) if columns else tiling.tensor_scales(q)
-    return BlackwellWeights(values, _mma_scale_tiling(scales), scale, q.fmt)
+    g = q.shape[0]
+    if q.tensor_scale is not None and q.tensor_scale.shape[-1] != 1:  # column-wise
+        return BlackwellWeights(
+            values, _mma_scale_tiling(scales), jnp.ones((g,), jnp.float32), q.tensor_scale.reshape(g, -1), q.fmt
+        )
+    return BlackwellWeights(values, _mma_scale_tiling(scales), tiling.tensor_scales(q), None, q.fmt)
 
 
 def _prepare_rows(lhs: jax.Array, fmt: str, m_pad: int):
@@ -95,6 +105,7 @@ def _kernel(
     m_tile_ids,
     offsets,
     offset,
+    first,
     w_scale,
     x_scale,
     a_gmem,
@@ -124,6 +135,7 @@ def _kernel(
     def _():
         g = group_ids[t]
         local, m_tile = g - offset[0], m_tile_ids[t]
+        at = first[0] + local  # the group's weights
         rows, cols = pl.ds(m_tile * TM, TM), pl.ds(n_i * TN, TN)
         sc_k = TK // block // 4  # scale tiles per K step
 
@@ -142,12 +154,12 @@ def _kernel(
 
                         ks, kss = pl.ds(ki * TK, TK), pl.ds(ki * sc_k, sc_k)
                         plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_smem.at[slot], tma_barrier.at[slot])
-                        plgpu.copy_gmem_to_smem(b_gmem.at[local, cols, ks], b_smem.at[slot], tma_barrier.at[slot])
+                        plgpu.copy_gmem_to_smem(b_gmem.at[at, cols, ks], b_smem.at[slot], tma_barrier.at[slot])
                         plgpu.copy_gmem_to_smem(
                             a_sc_gmem.at[pl.ds(m_tile, 1), kss], a_sc_smem.at[slot], tma_barrier.at[slot]
                         )
                         plgpu.copy_gmem_to_smem(
-                            b_sc_gmem.at[local, pl.ds(n_i, 1), kss], b_sc_smem.at[slot], tma_barrier.at[slot]
+                            b_sc_gmem.at[at, pl.ds(n_i, 1), kss], b_sc_smem.at[slot], tma_barrier.at[slot]
                         )
 
                     lax.fori_loop(0, k_iters, load, None)
@@ -178,29 +190,34 @@ def _kernel(
         @pl.when(wg == 1)
         def _store():
             plgpu.barrier_wait(mma_done_barrier)
-            acc = plgpu.async_load_tmem(acc_tmem) * (w_scale[local] * x_scale[0])
+            acc = plgpu.async_load_tmem(acc_tmem) * (w_scale[at] * x_scale[0])
             out_smem[...] = acc.astype(out_smem.dtype)
             plgpu.wait_load_tmem()
             plgpu.commit_smem()
-            # Only this group's rows of the tile: [first, first + size) as power-of-two pieces.
-            first = jnp.maximum(offsets[g], m_tile * TM) - m_tile * TM
-            size = jnp.minimum(offsets[g + 1], (m_tile + 1) * TM) - m_tile * TM - first
-            piece, pos = TM, first
-            while piece >= 1:
+            store_group_rows(out_smem, out_gmem.at[:, cols], offsets, g, m_tile, TM)
 
-                @pl.when((size & piece) != 0)
-                def _(piece=piece, pos=pos):
-                    plgpu.copy_smem_to_gmem(
-                        out_smem.at[pl.ds(pos, piece)], out_gmem.at[pl.ds(m_tile * TM + pos, piece), cols]
-                    )
 
-                pos = pos + (size & piece)
-                piece //= 2
-            plgpu.wait_smem_to_gmem(0)
+def store_group_rows(tile_smem, out_gmem, offsets, g, m_tile, tm: int):
+    """Stores group g's rows of row tile m_tile, tile_smem [tm, N'] (committed), into out_gmem
+    [M_pad, N']: rows [offsets[g], offsets[g + 1]) of the tile's, as power-of-two pieces (a TMA
+    store is a static shape), so rows of the tile's other groups are never written."""
+    first = jnp.maximum(offsets[g], m_tile * tm) - m_tile * tm
+    size = jnp.minimum(offsets[g + 1], (m_tile + 1) * tm) - m_tile * tm - first
+    piece, pos = tm, first
+    while piece >= 1:
+
+        @pl.when((size & piece) != 0)
+        def _(piece=piece, pos=pos):
+            plgpu.copy_smem_to_gmem(tile_smem.at[pl.ds(pos, piece)], out_gmem.at[pl.ds(m_tile * tm + pos, piece)])
+
+        pos = pos + (size & piece)
+        piece //= 2
+    plgpu.wait_smem_to_gmem(0)
 
 
 def gmm_blackwell(lhs, rhs, group_sizes, group_offset, out_dtype, *, steps: int = 2):
-    """lhs [M, K] (quantized here to rhs.fmt), rhs from `prepare_weights` -> [M, N].
+    """lhs [M, K] (quantized here to rhs.fmt), rhs from `prepare_weights`, or one layer of a
+    stack of them (`layered.LayerOf`, read where it lies: `layered.flat`) -> [M, N].
 
     A QuantizedArray rhs is converted on every call (a full pass over the weights): prepare
     it once instead.
@@ -209,20 +226,17 @@ def gmm_blackwell(lhs, rhs, group_sizes, group_offset, out_dtype, *, steps: int 
         rhs = prepare_weights(rhs)
     m, k = lhs.shape
     g_local, _, n = rhs.shape
+    rhs, first = layered.flat(rhs)
+    if not isinstance(rhs, BlackwellWeights):
+        raise ValueError("a layer of a stack reaches the blackwell kernel prepared (`prepare_weights`, at load)")
+    if rhs.tensor_scale is not None and rhs.tensor_scale.ndim > 1:
+        raise ValueError("column-wise tensor scales [G, N] are applied by grouped_gemm, after the blackwell kernel")
     block = formats.FORMATS[rhs.fmt].block
     if k % TK or n % TN:
         raise ValueError(f"blackwell: K={k} and N={n} must be multiples of {TK} and {TN}")
     m_pad = tiling.round_up(m, TM)
     a, a_sc, x_scale = _prepare_rows(lhs, rhs.fmt, m_pad)
-    offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
-    (offsets, group_ids, m_tile_ids), num_tiles = make_group_metadata(
-        group_sizes=group_sizes,
-        m=m_pad,
-        tm=TM,
-        start_group=offset[0],
-        num_nonzero_groups=g_local,
-        visit_empty_groups=False,
-    )
+    offset, (offsets, group_ids, m_tile_ids), num_tiles = tiling.schedule(group_sizes, group_offset, g_local, m_pad, TM)
     f4, scale_dtype = jnp.float4_e2m1fn, formats.FORMATS[rhs.fmt].scale_dtype
     swizzle = plgpu.find_swizzle(TK * 4)  # 4-bit elements
     transforms = (plgpu.TilingTransform((8, 8 * swizzle // 4)), plgpu.SwizzleTransform(swizzle))
@@ -254,7 +268,8 @@ def gmm_blackwell(lhs, rhs, group_sizes, group_offset, out_dtype, *, steps: int 
         m_tile_ids,
         offsets,
         offset,
-        rhs.tensor_scale,
+        first,
+        rhs.group_scale,
         x_scale.reshape(1),
         a,
         rhs.values,

@@ -1,6 +1,7 @@
 """The goldens on a real GPU: every family's stored transformers outputs (tests/golden, made by
 make_goldens.py) against the engine with the kernels `auto` picks there (the Triton grouped GEMM;
-with pages, the Triton paged attention).
+with pages, the Triton paged attention); on a Blackwell (sm_100) GPU also the two Blackwell grouped
+GEMMs (4-bit x 4-bit, bf16 x 4-bit) against float64 products.
 
 Runs with `python -m pytest -m gpu` on a host with an NVIDIA GPU (conftest.py then hands jax the
 GPU); skipped everywhere else. float32 holds transformers' logits to 1e-4, as on the CPU, which
@@ -12,11 +13,18 @@ against float64, its PTX built and run where no CPU test reaches (tests/test_mos
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hf_reference import FAMILIES
 from test_model import GOLDEN, assert_close_relative, make_engine
 from test_mosaic_gpu_kernels import CASES, Case, assert_matches, run
+
+import pallas_kernels as pk
+from moejax.model.layers import silu_glu
+from pallas_kernels.gmm_blackwell_bf16 import gmm_blackwell_bf16
+from pallas_kernels.layered import LayerOf
+from pallas_kernels.registry import is_blackwell
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")]
 
@@ -66,3 +74,68 @@ def test_bfloat16_keeps_transformers_argmax_on_the_gpu(family, cache):
 @pytest.mark.parametrize("name", list(MOSAIC_CASES))
 def test_mosaic_gpu_kernel_matches_float64_on_hopper(name):
     assert_matches(*run(MOSAIC_CASES[name], interpret=False), MOSAIC_CASES[name].out_dtype)
+
+
+# Ragged groups (two empty), rows past the groups, and the local experts 1..4 of 6.
+SIZES, OFFSET, LOCAL = np.array([40, 0, 70, 25, 0, 45], np.int32), 1, 4
+
+
+def _float64_product(rows: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """rows [M, K] times each local group's expert w [LOCAL, K, N] in float64; other rows 0."""
+    out = np.zeros((rows.shape[0], w.shape[2]))
+    ends = np.cumsum(SIZES)
+    for j in range(LOCAL):
+        lo, hi = ends[OFFSET + j] - SIZES[OFFSET + j], ends[OFFSET + j]
+        out[lo:hi] = rows[lo:hi] @ w[j]
+    return out
+
+
+# [K, N] of the experts: the fp4 kernel's tiles divide them (it takes no other); the bf16 kernel's
+# do not (its last K step and last CTA's columns reach past the edge).
+WIDTHS = {"blackwell": (512, 256), "blackwell_bf16": (576, 320)}
+
+
+def _blackwell_case(kernel: str, fmt: str, act):
+    """The kernel's product of 200 bf16 rows [200, K] and 4-bit experts [4, K, N] (without act:
+    layer 1 of a stack of two, read where it lies), and its float64 reference: the rows as the
+    kernel multiplies them (4-bit x 4-bit: quantized to fmt), the experts dequantized."""
+    key, (k, n) = jax.random.key(0), WIDTHS[kernel]
+    rows = jax.random.normal(key, (200, k), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(jax.random.fold_in(key, 1), (2, LOCAL, k, n), jnp.float32) / k**0.5
+    stack = pk.quantize_experts(w, fmt, gated=act is not None)  # [2, LOCAL, K, N]
+    layer = jax.tree.map(lambda a: a[1], stack)
+    exact = np.asarray(pk.dequantize(layer), np.float64)
+    sizes = jnp.asarray(SIZES)
+    if kernel == "blackwell":
+        ref_rows = np.asarray(pk.dequantize(pk.quantize(rows.astype(jnp.float32), fmt, axis=-1)), np.float64)
+        prepared = pk.for_kernel(stack, "blackwell")
+        rhs = LayerOf(prepared, 1) if act is None else jax.tree.map(lambda a: a[1], prepared)
+        out = pk.grouped_gemm(rows, rhs, sizes, group_offset=OFFSET, backend="blackwell", act=act)
+    else:
+        ref_rows = np.asarray(rows, np.float64)
+        if act is None:
+            out = gmm_blackwell_bf16(rows, LayerOf(stack, 1), sizes, OFFSET, jnp.bfloat16)
+        else:  # as grouped_gemm hands a kernel that fuses the activation: column scales in the epilogue
+            columns = None if layer.tensor_scale is None else layer.tensor_scale.reshape(LOCAL, -1)
+            unit = layer.replace(tensor_scale=None)
+            out = gmm_blackwell_bf16(rows, unit, sizes, OFFSET, jnp.bfloat16, epilogue=(columns, None, act))
+    ref = _float64_product(ref_rows, exact)
+    if act is not None:
+        gate, up = ref[:, 0::2], ref[:, 1::2]
+        ref = gate / (1 + np.exp(-gate)) * up
+    return np.asarray(out, np.float64), ref
+
+
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu" or not is_blackwell(), reason="needs an NVIDIA Blackwell (sm_100) GPU"
+)
+@pytest.mark.parametrize("act", [None, silu_glu], ids=["plain", "swiglu"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("kernel", ["blackwell", "blackwell_bf16"])
+def test_blackwell_kernels_match_float64_products(kernel, fmt, act):
+    """Each Blackwell kernel's product equals the float64 product of what it multiplies, within its
+    bf16 output's rounding; rows of groups it does not hold, and rows past the groups, are 0."""
+    out, ref = _blackwell_case(kernel, fmt, act)
+    np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+    np.testing.assert_array_equal(out[: SIZES[0]], 0)  # group 0: not local
+    np.testing.assert_array_equal(out[SIZES.sum() :], 0)  # past the groups

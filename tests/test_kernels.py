@@ -12,14 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from compile_only import on, on_h100
-from jax import export
 
 import pallas_kernels as pk
 from moejax import targets
 from moejax.config import Config, EngineConfig, LayoutConfig, preset
 from moejax.model.layers import ClampedSwiGLU, silu_glu
 from moejax.plan import decode_program
-from pallas_kernels import epilogue, gmm_blackwell
+from pallas_kernels import epilogue
 from pallas_kernels.gmm_pallas_gpu import gmm_pallas_gpu
 from pallas_kernels.gmm_pallas_tpu import gmm_pallas_tpu
 from pallas_kernels.layered import LayerOf, split
@@ -585,39 +584,3 @@ def test_auto_backend_and_bad_names():
         pk.grouped_gemm(lhs, rhs, sizes, backend="cuda")
     with pytest.raises(ValueError, match="axis=-2"):
         pk.grouped_gemm(lhs, pk.quantize(jnp.swapaxes(rhs, 1, 2), "nvfp4", axis=-1), sizes)
-
-
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_blackwell_operands_and_export(fmt):
-    """The fp4 x fp4 tcgen05 path: its operand layouts are right and it lowers for CUDA.
-
-    It cannot run here: JAX 0.10.2's Mosaic GPU interpreter has no tcgen05 / TMEM rules.
-    """
-    q = pk.quantize(jax.random.normal(jax.random.key(6), (2, 256, 128)), fmt)
-    prepared = gmm_blackwell.prepare_weights(q)
-    codes = jax.lax.bitcast_convert_type(
-        pk.formats.unpack_codes(q.values, -2).astype(jnp.uint4), jnp.float4_e2m1fn
-    )  # [G, K, N]
-    np.testing.assert_array_equal(  # K-major float4 values, the same codes
-        prepared.values.astype(jnp.float32), jnp.swapaxes(codes.astype(jnp.float32), 1, 2)
-    )
-    scales = np.arange(256 * 16).reshape(256, 16)  # PTX `.scale_vec::1X` tiling of [MN, K/B]
-    np.testing.assert_array_equal(
-        gmm_blackwell._mma_scale_tiling(jnp.asarray(scales)),
-        scales.reshape(2, 4, 32, 4, 4).transpose(0, 3, 2, 1, 4).reshape(2, 4, 32, 16),
-    )
-    for gated in (False, True):  # gate_up: NVFP4 tensor scales per half, applied after the kernel
-        w = jax.eval_shape(
-            lambda a, gated=gated: gmm_blackwell.prepare_weights(pk.quantize_experts(a, fmt, gated=gated)),
-            jax.ShapeDtypeStruct((8, 1024, 512), jnp.bfloat16),
-        )
-        f = jax.jit(lambda l, w, s, o: pk.grouped_gemm(l, w, s, group_offset=o, backend="blackwell"))
-        exported = export.export(
-            f, platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")]
-        )(
-            jax.ShapeDtypeStruct((200, 1024), jnp.bfloat16),
-            w,
-            jax.ShapeDtypeStruct((16,), jnp.int32),
-            jax.ShapeDtypeStruct((), jnp.int32),
-        )
-        assert "mosaic_gpu_v2" in exported.mlir_module()

@@ -1,0 +1,324 @@
+"""Grouped GEMM with bf16 rows and 4-bit (NVFP4 / MXFP4) weights on Blackwell (sm_100): Mosaic GPU tcgen05.
+
+The rows are not quantized: each weight tile is decoded to bf16 on its way to the tensor core.
+A CTA computes one (active row tile, N tile) of the product transposed, acc[n, m] = sum_k
+w[k, n] x[m, k] in TMEM ("swap AB"): the decoded weights are the MMA's A operand, [TN, TKB]
+in tensor memory, where tcgen05 reads A and where thread n of a warpgroup writes row n (its
+TMEM lane); the rows are its B operand [TKB, tm], K-major in shared memory as TMA loads them.
+The MMA's M is the weights' 128 columns, so a tile of rows (the MMA's N) is 16 to 128 rows,
+which a decode step's few rows per expert fill.
+
+Weights are read as they are stored (`formats.QuantizedArray`: bytes [G, K/2, N], half-split
+packing along K, block scales [G, K/B, N]), or one layer of a stack where it lies
+(`layered.flat`). A K step loads TKB byte rows: their low nibbles are K-half 0's rows
+k0 + [0, TKB), their high nibbles K-half 1's rows K/2 + k0 + [0, TKB); thread n decodes its
+weight column (`decode.py`, integer ops: no conversion that Mosaic lowers for sm_100 only)
+into both halves, and the step is two MMAs, against the rows' columns of each half.
+
+With a gated activation (`epilogue`), a CTA decodes TN gate and TN up columns (the stack's
+[.., N/2, 2] column pairs, a reshape) into two accumulators, so thread n holds gate and up of
+output column n; the epilogue applies the tensor scale, the column scales and the bias, then
+act(gate, up), and writes [tm, TN] of [M, N/2]. The transposed tile goes through shared memory
+(thread n writes column n) and only its group's rows are stored.
+
+Warp 0 issues the TMA loads, warp 1 the MMAs, warpgroup 1 decodes (a `steps`-deep ring) and runs
+the epilogue. The tile schedule is megablox's, as in the other kernels; CTAs past the traced
+number of active tiles exit at once, so untouched groups' weights are never loaded.
+
+Status: compiled for a compile-only B200 (tests/test_blackwell.py), its decode checked on the CPU
+against `formats.dequantize`; never run: no Blackwell GPU was available (tests/test_gpu.py runs it
+on one), and JAX 0.10.2's Mosaic GPU interpreter has no tcgen05 / TMEM rules.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import decode, epilogue, formats, layered, metadata, tiling
+from pallas_kernels.gmm_blackwell import store_group_rows
+
+TN = 128  # weight columns a CTA decodes per column set: the MMA's M with A in TMEM
+TKB = 64  # byte rows a K step loads: 2 * TKB of K, and the rows' 64 bf16 columns of each half (128 B, one swizzle)
+# Thread n holds row n. Loads from shared memory (the weights' column n, the transposed out
+# tile's column n) move one element a thread; arithmetic and TMEM stores take pairs.
+ROWS1 = plgpu.Layout.TCGEN05_TMEM_NATIVE(1)
+ROWS = plgpu.Layout.TCGEN05_TMEM_NATIVE(2)
+EPILOGUE_ROWS = 16  # rows of a tile the epilogue finishes at a time (the least tile)
+
+
+def fuses_glu(m: int, n: int, rhs) -> bool:
+    """Whether the epilogue can halve a gate|up product of N columns (`shape_refusal`, gated)."""
+    return shape_refusal(rhs.shape[1], n, gated=True) is None
+
+
+def shape_refusal(k: int, n: int, gated: bool = False) -> str | None:
+    """Why [K, N] experts cannot be multiplied here, or None. TMA copies rows of whole 16-byte units
+    (the weights' rows of N bytes; the output's of N/2 bf16 with the activation) and reads zeros past
+    an edge (a last K step, a last CTA's columns: any K and N), but an array holds one tile at least."""
+    if n % 16 or n < TN * (2 if gated else 1) or k < 2 * TKB:
+        least = f"K of at least {2 * TKB} and N of at least {TN * (2 if gated else 1)}, a multiple of 16"
+        return f"the Blackwell bf16 x 4-bit kernel needs {least}; got K={k}, N={n}"
+    return None
+
+
+def dequantize_block(byte_cols: jax.Array, scale_lo: jax.Array, scale_hi: jax.Array, fmt: str):
+    """byte_cols: uint8 [TN, B], one scale block's bytes of each of TN weight columns (a row a
+    column: the half-split packing's low nibbles K-half 0's values, high nibbles K-half 1's);
+    scale_lo / scale_hi: uint8 [TN], the block's scale bits in each K-half -> the two halves'
+    values [TN, B] bf16, without the tensor scale (exact: e2m1 times a scale has at most 6
+    significant bits)."""
+    codes = byte_cols.astype(jnp.int32)
+    halves = []
+    for nibbles, bits in ((codes & 15, scale_lo), (codes >> 4, scale_hi)):
+        scale = decode.scale_to_f32(bits.astype(jnp.int32), fmt)  # [TN]
+        halves.append(
+            (decode.e2m1_to_f32(nibbles) * lax.broadcast_in_dim(scale, codes.shape, (0,))).astype(jnp.bfloat16)
+        )
+    return halves
+
+
+def _kernel(
+    num_tiles,
+    group_ids,
+    m_tile_ids,
+    offsets,
+    offset,
+    first,
+    tscale,
+    x_gmem,
+    w_gmem,
+    s_gmem,
+    *refs,
+    x_smem,
+    w_smem,
+    s_smem,
+    out_smem,
+    a_tmem,
+    acc_tmem,
+    tma_bar,
+    dec_bar,
+    consumed_bar,
+    done_bar,
+    fmt: str,
+    block: int,
+    tm: int,
+    half_k: int,
+    pairs: int,
+    steps: int,
+    tables: tuple[bool, bool],
+    act,
+):
+    """One (active row tile t, N tile) CTA. x_gmem [M_pad, K] bf16; w_gmem bytes [G', K/2, N],
+    s_gmem scale bits [G', K/B, N] (G': a stack's every layer's groups, the local ones first[0] +
+    [0, G_local)); a CTA reads TN * p columns (p = `pairs`: 2 with act, TN (gate, up) pairs) and
+    decodes column set i of them (the gate ones, the up ones) into A tiles and accumulator i; the
+    epilogue's column scales and bias [G_local, N/p, p] where `tables` says so; out_gmem [M_pad, N/p]."""
+    *tables_gmem, out_gmem = refs
+    cols_gmem = tables_gmem.pop(0) if tables[0] else None
+    bias_gmem = tables_gmem.pop(0) if tables[1] else None
+    t, n_i, wg = lax.axis_index("t"), lax.axis_index("n"), lax.axis_index("wg")
+    sb = TKB // block  # scale rows of a K step, per half
+    # K steps: the last one's rows past K/2 are TMA's zeros (its rows' columns, multiplied by them, are
+    # in K-half 1 or zeros too), as are the columns past N of a last CTA, whose stores TMA skips.
+    k_iters = pl.cdiv(half_k, TKB)
+
+    @pl.when(t < num_tiles[0])
+    def _():
+        g = group_ids[t]
+        local, m_tile = g - offset[0], m_tile_ids[t]
+        at = first[0] + local  # the group's weights
+        rows, cols = pl.ds(m_tile * tm, tm), pl.ds(n_i * TN * pairs, TN * pairs)  # the weights' columns
+        out_cols = pl.ds(n_i * TN, TN)
+
+        @pl.when(wg == 0)
+        def _():
+            @plgpu.warp_map
+            def _(warp):
+                @pl.when(warp == 0)
+                def _tma():
+                    def load(ki, _):
+                        slot = lax.rem(ki, steps)
+
+                        @pl.when(ki >= steps)
+                        def _():
+                            plgpu.barrier_wait(consumed_bar.at[slot])
+
+                        for h in range(2):
+                            k0 = h * half_k + ki * TKB
+                            plgpu.copy_gmem_to_smem(
+                                x_gmem.at[rows, pl.ds(k0, TKB)], x_smem.at[slot, h], tma_bar.at[slot]
+                            )
+                            plgpu.copy_gmem_to_smem(
+                                s_gmem.at[at, pl.ds(h * (half_k // block) + ki * sb, sb), cols],
+                                s_smem.at[slot, h],
+                                tma_bar.at[slot],
+                            )
+                        plgpu.copy_gmem_to_smem(
+                            w_gmem.at[at, pl.ds(ki * TKB, TKB), cols], w_smem.at[slot], tma_bar.at[slot]
+                        )
+
+                    lax.fori_loop(0, k_iters, load, None)
+
+                @pl.when(warp == 1)
+                def _mma():
+                    def step(ki, _):
+                        slot = lax.rem(ki, steps)
+                        plgpu.barrier_wait(tma_bar.at[slot])  # the rows' tiles
+                        plgpu.barrier_wait(dec_bar.at[slot])  # the weights' tiles, decoded into TMEM
+                        for h in range(2):
+                            for i in range(pairs):
+                                last = h == 1 and i == pairs - 1  # its commit tracks the step's every MMA
+                                plgpu.tcgen05_mma(
+                                    acc_tmem.at[i],
+                                    a_tmem.at[(slot * 2 + h) * pairs + i],
+                                    plgpu.transpose_ref(x_smem.at[slot, h], (1, 0)),
+                                    consumed_bar.at[slot] if last else None,
+                                    accumulate=(ki > 0) if h == 0 else True,
+                                )
+
+                        @pl.when(ki == k_iters - 1)
+                        def _():
+                            plgpu.tcgen05_commit_arrive(done_bar)
+
+                    lax.fori_loop(0, k_iters, step, None)
+
+        @pl.when(wg == 1)
+        def _():
+            def dequantize(ki, _):
+                slot = lax.rem(ki, steps)
+                plgpu.barrier_wait(tma_bar.at[slot])
+
+                @pl.when(ki >= steps)  # the MMAs of step ki - steps have read this slot's A tiles
+                def _():
+                    plgpu.barrier_wait(consumed_bar.at[slot])
+
+                for i in range(pairs):
+                    # Thread n reads weight column n: bytes [TKB, TN] (column set i) read transposed.
+                    w = plgpu.transpose_ref(w_smem.at[slot].reshape(TKB, TN, pairs).at[:, :, i], (1, 0))
+                    for b in range(sb):
+                        byte_cols = plgpu.load(w.at[:, pl.ds(b * block, block)], (), layout=ROWS1, optimized=False)
+                        scales = [
+                            plgpu.load(
+                                s_smem.at[slot, h, b].reshape(TN, pairs),
+                                (slice(None), i),
+                                layout=ROWS.reduce(1),
+                                optimized=False,
+                            )
+                            for h in range(2)
+                        ]
+                        halves = dequantize_block(plgpu.layout_cast(byte_cols, ROWS), *scales, fmt)
+                        for h, values in enumerate(halves):
+                            a = a_tmem.at[(slot * 2 + h) * pairs + i]
+                            plgpu.async_store_tmem(a.at[:, pl.ds(b * block, block)], values)
+                plgpu.commit_tmem()
+                plgpu.barrier_arrive(dec_bar.at[slot])
+
+            lax.fori_loop(0, k_iters, dequantize, None)
+            plgpu.barrier_wait(done_bar)
+            # The column tables' [TN] of this CTA, a thread's own column's entry each.
+            tables_rows = [
+                [
+                    None
+                    if table is None
+                    else plgpu.load(table.at[local, out_cols, i], (), layout=ROWS.reduce(1), optimized=False)
+                    for table in (cols_gmem, bias_gmem)
+                ]
+                for i in range(pairs)
+            ]
+            for c in range(tm // EPILOGUE_ROWS):  # a few rows at a time: two [TN, tm] f32 would fill the registers
+                ys = []
+                for i, (col_scale, bias) in enumerate(tables_rows):
+                    acc = plgpu.async_load_tmem(
+                        acc_tmem.at[i].at[:, pl.ds(c * EPILOGUE_ROWS, EPILOGUE_ROWS)], layout=ROWS
+                    )
+                    spread = lambda v, shape=acc.shape: lax.broadcast_in_dim(v, shape, (0,))  # [TN] -> [TN, rows]
+                    scale = tscale[at] if col_scale is None else tscale[at] * spread(col_scale)
+                    ys.append(epilogue.finish(acc, out_smem.dtype, scale, None if bias is None else spread(bias)))
+                # The activation's math is f32, as the Triton kernel's.
+                y = ys[0] if act is None else epilogue.glu(*(y.astype(jnp.float32) for y in ys), act)
+                out_rows = plgpu.transpose_ref(out_smem.at[pl.ds(c * EPILOGUE_ROWS, EPILOGUE_ROWS)], (1, 0))
+                out_rows[...] = plgpu.layout_cast(y.astype(out_smem.dtype), ROWS1)
+            plgpu.commit_smem()
+            store_group_rows(out_smem, out_gmem.at[:, out_cols], offsets, g, m_tile, tm)
+
+
+def gmm_blackwell_bf16(lhs, rhs, group_sizes, group_offset, out_dtype, *, epilogue=None, tm=None, steps: int = 2):
+    """lhs [M, K] (bf16: the tensor core's type here), rhs a 4-bit QuantizedArray [G, K, N]
+    along K, or one layer of a stack of them (`layered.LayerOf`) -> [M, N], or with `epilogue`
+    (column scales, bias: [G_local, N] or None, act) [M, N/2] (`registry.grouped_gemm`).
+    tm: rows a tile (16 to 128; default: the rows' power of two)."""
+    m, k = lhs.shape
+    g_local, _, n = rhs.shape
+    rhs, first = layered.flat(rhs)
+    if lhs.dtype != jnp.bfloat16:
+        raise ValueError(f"the Blackwell bf16 x 4-bit kernel multiplies bf16 rows, got {lhs.dtype}")
+    if not isinstance(rhs, formats.QuantizedArray):
+        raise ValueError("the Blackwell bf16 x 4-bit kernel multiplies 4-bit experts (a QuantizedArray along K)")
+    tables, has, act = tiling.epilogue_tables(epilogue, g_local)
+    if refusal := shape_refusal(k, n, gated=act is not None):
+        raise ValueError(refusal)
+    pairs = 1 if act is None else 2
+    tm = tm or min(128, max(16, 1 << (m - 1).bit_length()))
+    if tm % 16 or not 16 <= tm <= 128:
+        raise ValueError(f"a row tile is the MMA's N: 16 to 128 rows, a multiple of 16; got tm={tm}")
+    block = rhs.spec.block
+    lhs_p, offset, (offsets, group_ids, m_tile_ids), num_tiles = tiling.group_tiles(
+        lhs, group_sizes, group_offset, g_local, tm
+    )
+    swizzle = plgpu.find_swizzle(TKB * 16)  # a K step's bf16 columns of one half
+    x_transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+    out_width = n // pairs
+    width_pad = tiling.round_up(out_width, TN)  # whole CTAs' columns of the column tables, read by plain loads
+    # TMEM: a slot's A tiles (two halves, `pairs` column sets; bf16 two to a 32-bit column), the accumulators.
+    scratch = dict(
+        x_smem=plgpu.SMEM((steps, 2, tm, TKB), jnp.bfloat16, transforms=x_transforms),
+        w_smem=plgpu.SMEM((steps, TKB, TN * pairs), jnp.uint8),
+        s_smem=plgpu.SMEM((steps, 2, TKB // block, TN * pairs), jnp.uint8),
+        out_smem=plgpu.SMEM((tm, TN), out_dtype),
+        a_tmem=plgpu.TMEM((steps * 2 * pairs, TN, TKB), jnp.bfloat16, packed=True),
+        acc_tmem=plgpu.TMEM((pairs, TN, tm), jnp.float32),
+        tma_bar=plgpu.Barrier(num_arrivals=5, num_barriers=steps),  # a step's copies: 2 x, 2 scales, 1 weights
+        dec_bar=plgpu.Barrier(num_barriers=steps, orders_tensor_core=True),
+        consumed_bar=plgpu.Barrier(num_barriers=steps, orders_tensor_core=True),
+        done_bar=plgpu.Barrier(orders_tensor_core=True),
+    )
+    kernel = functools.partial(
+        _kernel,
+        fmt=rhs.fmt,
+        block=block,
+        tm=tm,
+        half_k=k // 2,
+        pairs=pairs,
+        steps=steps,
+        tables=has,
+        act=act,
+    )
+    call = plgpu.kernel(
+        kernel,
+        out_type=metadata.varying_struct((lhs_p.shape[0], out_width), out_dtype, lhs, rhs, group_sizes, group_offset),
+        grid=(group_ids.shape[0], pl.cdiv(out_width, TN)),
+        grid_names=("t", "n"),
+        num_threads=2,
+        thread_name="wg",
+        scratch_types=scratch,
+    )
+    out = call(
+        num_tiles.reshape(1),
+        group_ids,
+        m_tile_ids,
+        offsets,
+        offset,
+        first,
+        tiling.tensor_scales(rhs),
+        lhs_p,
+        rhs.values,
+        tiling.scale_bits(rhs),
+        *(jnp.pad(t.reshape(g_local, out_width, pairs), ((0, 0), (0, width_pad - out_width), (0, 0))) for t in tables),
+    )
+    return tiling.zero_foreign_rows(out, offsets, offset[0], g_local, m)
