@@ -11,9 +11,9 @@ attention sinks (a per-head logit in the softmax's denominator that attends to n
 One CTA (one warpgroup) per (split, request, kv head). A split's pages come a compute block of
 `pages_per_block` pages at a time, double-buffered: TMA copies each page's [page_size, W] rows
 (viewed as rows of the pool [pages * H_kv * page_size, W]) into a slot of rows in swizzled SMEM,
-the next block's copies in flight while this one computes. The G = H / H_kv query heads of the
-kv head are read from SMEM in registers and each computes its scores against the block's keys
-on the CUDA cores (elementwise products summed over W, in f32: f32 pools keep full precision,
+the next block's copies in flight while this one computes. Each of the G = H / H_kv query heads
+of the kv head (read from SMEM for each block) computes its scores against the block's keys on
+the CUDA cores (elementwise products summed over W, in f32: f32 pools keep full precision,
 where a tensor core's TF32 would not), then the online softmax and its values' weighted sum
 (in SMEM, one row per head). Decode reads every key once, so it is bound by memory, not flops.
 
@@ -21,16 +21,17 @@ The split combine is in the same launch: every split but the last writes its nor
 and log-sum-exp per head to a GMEM scratch and signals the request's semaphore; the CTA of the
 last split waits for the others' signals, reads their partials and writes the combined output
 (sinks join there). CTAs are dispatched in grid order, each (request, kv head)'s last split after
-its others, so the waiting CTA never waits on one that cannot start. XLA zero-fills the
-semaphores (a memset) when splits > 1.
+its others, so the waiting CTA never waits on one that cannot start. With splits, XLA zero-fills
+the semaphores first (a fusion of B * H_kv int32): two launches; one without.
 
 Mosaic GPU's shapes, and what is padded or masked:
 - a TMA copy moves a multiple of 128 bytes (one per thread of the warpgroup) and lands on SMEM
   tiles of 8 rows: a page's copy is its page_size rows rounded up to 8 (`page_rows`); the rows
   after the page (the next kv head's or page's) are masked, and the last page of the pool,
   which has no rows after it, is read from as many rows earlier and masked before;
-- W (the pool's width) is whole 32-byte swizzle granules: `pool_width` pads Dh (80 in bf16,
-  64, 128 need none); its zero columns add nothing to q.k, and only Dh columns are returned;
+- W (the pool's width) is whole 32-byte swizzle granules: `pool_width` pads Dh (64, 80 or 128
+  in bf16 need none, 24 is read as 32); its zero columns add nothing to q.k, and only Dh
+  columns are returned;
 - a compute block's rows (`pages_per_block * page_rows`) are padded to the register tile's 64
   (rows never written, masked);
 - the query heads per kv head are padded to whole 128-byte copies (`query_rows`); the padded
@@ -40,6 +41,11 @@ Block sizes are arguments (`pages_per_block`, `splits`). `interpret=True` runs t
 JAX's Mosaic GPU interpreter on any platform: there the register layouts are no-ops, and the
 semaphores are left out (it has none: it runs the CTAs one at a time in grid order, which gives
 the last split its partials already written).
+
+Status: runs in the interpreter and lowers and compiles for an H100 (tests); not run on a GPU
+here (`tests/test_gpu.py` runs it there): Mosaic GPU compiles its PTX when a GPU loads the
+kernel, and the semaphores' ordering of the partials (TMA stores, then a release signal; an
+acquire wait, then TMA loads) is only exercised on one.
 """
 
 from __future__ import annotations
@@ -62,6 +68,36 @@ GRANULE = 32  # bytes: the least swizzle, so a pool row is whole granules of it
 SWIZZLES = (128, 64, 32)
 SMEM_BYTES = 227 * 1024  # an H100 CTA's most shared memory
 TINY = 1e-30  # a divisor's floor where a sum of weights may be 0 (no key)
+
+
+# The Mosaic GPU and Pallas names the kernel builds on (all in jax 0.10.2 to 0.11).
+APIS = {
+    plgpu: (
+        "kernel",
+        "SMEM",
+        "TilingTransform",
+        "SwizzleTransform",
+        "Barrier",
+        "SemaphoreType",
+        "Layout",
+        "layout_cast",
+        "broadcasted_iota",
+        "copy_gmem_to_smem",
+        "copy_smem_to_gmem",
+        "wait_smem_to_gmem",
+        "commit_smem",
+        "barrier_wait",
+    ),
+    pl: ("get_global", "semaphore_signal", "semaphore_wait", "when", "ds", "cdiv"),
+}
+
+
+def unavailable() -> str | None:
+    """Why this jax cannot build the kernel (None: it can): the names it lacks."""
+    missing = [
+        f"{module.__name__}.{name}" for module, names in APIS.items() for name in names if not hasattr(module, name)
+    ]
+    return f"jax {jax.__version__} lacks {', '.join(missing)}" if missing else None
 
 
 def pool_width(dh: int, dtype) -> int:
@@ -293,7 +329,6 @@ def _kernel(*refs, config):
         fetch(start, 0)
 
     plgpu.barrier_wait(barrier.at[0])
-    qs = [c.cast(qo_smem[i], COL).astype(jnp.float32) for i in range(c.groups)]
     for i in range(c.groups):
         acc_smem[i] = c.cast(jnp.zeros((width,), jnp.float32), COL)
 
@@ -320,14 +355,17 @@ def _kernel(*refs, config):
         values = jnp.where(lax.broadcast_in_dim(visible, values.shape, [0]), values, 0.0)
         out = []
         for i, (top, total) in enumerate(carry):
-            s = (keys * lax.broadcast_in_dim(qs[i], keys.shape, [1])).sum(axis=1) * c.scale
+            # A head's query is read from SMEM at each use: G of them held in registers would spill.
+            q_row = c.cast(qo_smem[i], COL).astype(jnp.float32)
+            s = (keys * lax.broadcast_in_dim(q_row, keys.shape, [1])).sum(axis=1) * c.scale
             s = jnp.where(visible, s, -jnp.inf)
             new_top = jnp.maximum(top, s.max())
             base = jnp.where(new_top == -jnp.inf, 0.0, new_top)  # no key seen yet
             p, kept = jnp.exp(s - base), jnp.exp(top - base)
-            acc_smem[i] = c.cast(acc_smem[i], COL) * kept + (values * lax.broadcast_in_dim(p, values.shape, [0])).sum(
-                axis=0
-            )
+            # The head's row is read before the sum over the block's rows, whose exchange between
+            # the warps orders every warp's read before any warp's write of it.
+            acc = c.cast(acc_smem[i], COL) * kept
+            acc_smem[i] = acc + (values * lax.broadcast_in_dim(p, values.shape, [0])).sum(axis=0)
             out.append((new_top, total * kept + p.sum()))
         return tuple(out)
 

@@ -218,3 +218,9 @@ def test_bad_input_is_refused_with_the_reason(change, message):
     kw.update({n: x for n, x in change.items() if n in kw})
     with pytest.raises(ValueError, match=message):
         mgpu.paged_attention(**args, **kw)
+
+
+def test_this_jax_has_every_api_the_kernel_uses(monkeypatch):
+    assert mgpu.unavailable() is None
+    monkeypatch.delattr(mgpu.plgpu, "broadcasted_iota")
+    assert "jax.experimental.pallas.mosaic_gpu.broadcasted_iota" in mgpu.unavailable()
