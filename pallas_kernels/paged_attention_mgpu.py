@@ -100,15 +100,18 @@ def unavailable() -> str | None:
     return f"jax {jax.__version__} lacks {', '.join(missing)}" if missing else None
 
 
+def _round(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
 def pool_width(dh: int, dtype) -> int:
     """The pools' head width W for heads of dh: whole 32-byte swizzle granules (zeros after dh)."""
-    per = GRANULE // jnp.dtype(dtype).itemsize
-    return -(-dh // per) * per
+    return _round(dh, GRANULE // jnp.dtype(dtype).itemsize)
 
 
 def page_rows(page_size: int) -> int:
     """The rows a page's copy moves: page_size rounded up to whole SMEM tiles."""
-    return -(-page_size // TILE_ROWS) * TILE_ROWS
+    return _round(page_size, TILE_ROWS)
 
 
 def _whole_copies(n: int, row_bytes: int) -> int:
@@ -117,10 +120,8 @@ def _whole_copies(n: int, row_bytes: int) -> int:
 
 
 def query_rows(groups: int, w: int, dtype) -> int:
-    """Query heads per kv head as the kernel holds them: G padded to whole copies of q (dtype)
-    and of an f32 partial."""
-    itemsize = jnp.dtype(dtype).itemsize
-    return max(_whole_copies(groups, w * itemsize), _whole_copies(groups, w * 4))
+    """Query heads per kv head as the kernel holds them: G padded to whole copies of q (dtype)."""
+    return _whole_copies(groups, w * jnp.dtype(dtype).itemsize)
 
 
 def smem_bytes(groups: int, w: int, page_size: int, pages_per_block: int, splits: int, dtype) -> int:
@@ -133,10 +134,6 @@ def smem_bytes(groups: int, w: int, page_size: int, pages_per_block: int, splits
     return kv + gq * w * (itemsize + 4) + partials
 
 
-def _round(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
 def _partial_rows(groups: int, w: int) -> int:
     """A split's partial [rows, W] f32: a normalized output row per head, then the heads'
     log-sum-exps, head h at (groups + h // W, h % W); whole copies."""
@@ -144,7 +141,7 @@ def _partial_rows(groups: int, w: int) -> int:
 
 
 def _interpret_params():
-    try:  # jax 0.10 to 0.12 keep the Mosaic GPU interpreter's parameters private
+    try:  # jax 0.10.2 to 0.11 (the newest checked) keep the Mosaic GPU interpreter's parameters private
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     except ImportError as e:
         raise NotImplementedError(f"this jax ({jax.__version__}) has no Mosaic GPU interpreter") from e
