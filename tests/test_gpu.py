@@ -16,12 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_paged_attention_mgpu as mgpu_cases
 from hf_reference import FAMILIES
 from test_model import GOLDEN, assert_close_relative, make_engine
 from test_mosaic_gpu_kernels import CASES, Case, assert_matches, run
 
 import pallas_kernels as pk
 from moejax.model.layers import silu_glu
+from pallas_kernels import paged_attention_mgpu
 from pallas_kernels.gmm_blackwell_bf16 import gmm_blackwell_bf16
 from pallas_kernels.layered import LayerOf
 from pallas_kernels.registry import is_blackwell
@@ -139,3 +141,53 @@ def test_blackwell_kernels_match_float64_products(kernel, fmt, act):
     np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
     np.testing.assert_array_equal(out[: SIZES[0]], 0)  # group 0: not local
     np.testing.assert_array_equal(out[SIZES.sum() :], 0)  # past the groups
+
+
+# Our Mosaic GPU paged attention (not yet the engine's `pallas_gpu`), compiled for this GPU: its
+# PTX, and the semaphores that order its splits' combine, which the CPU tests' interpreter lacks.
+@pytest.mark.parametrize("name", mgpu_cases.CASES)
+def test_mosaic_gpu_paged_attention_equals_the_xla_path_on_the_gpu(name):
+    for window in (0, 9):
+        got = mgpu_cases.run(name, window=window, interpret=False)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32),
+            np.asarray(mgpu_cases.xla(name, window), np.float32),
+            **mgpu_cases.tolerance(name),
+        )
+
+
+def test_mosaic_gpu_paged_attention_reads_a_pages_the_table_names_none_as_nothing_on_the_gpu():
+    case = mgpu_cases.CASES["sinks_odd_pages"]
+    table = mgpu_cases.TABLE.copy()
+    table[0, 1], table[1, 0] = mgpu_cases.PAGES, -1
+    lens = np.array([23, 16, 0], np.int32)
+    q, k, v, sinks = mgpu_cases.inputs(case)
+    got = mgpu_cases.run("sinks_odd_pages", table=table, lens=lens, interpret=False)
+    want = mgpu_cases.reference(q, k, v, table, lens, sinks=np.asarray(sinks))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [1, 16])
+def test_mosaic_gpu_paged_attention_at_gpt_oss_size_equals_the_xla_path_on_the_gpu(splits):
+    """One request of 4,000 positions and one of 130 (pages of 16, scattered), gpt-oss's heads
+    (64 over 8 kv heads of 64, sinks) in bf16, with and without a window of 128, against float64
+    (the XLA path rounds its scores to bf16: 3x the kernel's error at 500 positions): batch 1's
+    parallelism comes from the splits."""
+    keys = jax.random.split(jax.random.PRNGKey(1), 4)
+    pages, h, hkv, dh, ps = 300, 64, 8, 64, 16
+    k, v = (jax.random.normal(key, (pages, hkv, ps, dh), jnp.bfloat16) for key in keys[:2])
+    q = jax.random.normal(keys[2], (2, h, dh), jnp.bfloat16)
+    sinks = jax.random.normal(keys[3], (h,))
+    table = np.full((2, 256), pages, np.int32)
+    table[0, :250] = np.random.default_rng(0).permutation(pages)[:250]
+    table[1, :9] = np.arange(9) * 3
+    lens = np.array([4000, 130], np.int32)
+    step = jax.jit(
+        lambda q, k, v, table, lens, window, sinks: paged_attention_mgpu.paged_attention(
+            q, k, v, table, lens, scale=mgpu_cases.SCALE, window=window, sinks=sinks, pages_per_block=4, splits=splits
+        )
+    )
+    for window in (0, 128):
+        got = step(q, k, v, jnp.asarray(table), jnp.asarray(lens), jnp.int32(window), sinks)
+        want = mgpu_cases.reference(q, k, v, table, lens, window, np.asarray(sinks))
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=1e-2)  # bf16's rounding of ~2

@@ -1,0 +1,226 @@
+"""Our Mosaic GPU paged decode attention (`pallas_kernels/paged_attention_mgpu.py`): in JAX's Mosaic
+GPU interpreter it gives the XLA path's outputs (`_gqa_attend` over `paged.read` of the pages) at
+odd page sizes and head widths, with sliding windows, sinks, partial last pages, empty table slots
+and its splits combined; and it compiles for an H100 into one Mosaic GPU kernel.
+
+What is not checked here: the kernel's PTX (Mosaic GPU compiles its module when a GPU loads it),
+and the semaphores that order the splits' combine on a GPU (the interpreter has none: it runs
+the CTAs one at a time, in grid order). `tests/test_gpu.py` runs the kernel on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from compile_only import on_h100
+from test_target_structure import PASSING, run_ops
+
+from moejax.model import attention, paged
+from pallas_kernels import paged_attention_mgpu as mgpu
+
+SCALE = 0.3
+PAGES = 10
+# Page 10 names none. Request 0 reads the pool's last page (9; its last kv head is the pool's last
+# rows), request 1's last slot and request 2's last three are empty (past their lengths).
+TABLE = np.array([[5, 2, 7, 9], [1, 9, 0, 10], [3, 10, 10, 10]], np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    dtype: str
+    page_size: int
+    head_dim: int
+    heads: int
+    kv_heads: int
+    pages_per_block: int
+    splits: int
+    sinks: bool
+
+    @property
+    def lens(self) -> np.ndarray:
+        """Positions each request holds: partial last pages, and one of under a page."""
+        ps = self.page_size
+        return np.array([4 * ps - 1, 3 * ps - 2, ps - 3], np.int32)
+
+
+CASES = {
+    # gpt-oss's attention at odd sizes: sinks, 3 query heads per kv head, pages of 6 (copies of 8
+    # rows: the pool's last page is read from 2 rows before it), heads of 24 f32, 3 splits.
+    "sinks_odd_pages": Case("float32", 6, 24, 6, 2, 2, 3, True),
+    # Heads of 80 in bf16 (no padding: 160-byte rows), one page of 16 per block, 2 splits.
+    "bf16_heads_of_80": Case("bfloat16", 16, 80, 4, 2, 1, 2, False),
+    # One split (no partials); heads of 12 in a pool padded to 16; 3 pages of 8 per block of 64 rows.
+    "one_split": Case("float32", 8, 12, 2, 1, 3, 1, False),
+}
+
+
+def inputs(case: Case, seed: int = 0):
+    """q [B, H, Dh], pools k, v [PAGES, H_kv, ps, W] (zeros after Dh) and sinks [H] (or None)."""
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    dtype, dh = jnp.dtype(case.dtype), case.head_dim
+    w = mgpu.pool_width(dh, dtype)
+    pool = lambda key: paged.widen(jax.random.normal(key, (PAGES, case.kv_heads, case.page_size, dh)), w).astype(dtype)
+    q = jax.random.normal(keys[0], (len(TABLE), case.heads, dh)).astype(dtype)
+    sinks = jax.random.normal(keys[3], (case.heads,)) if case.sinks else None
+    return q, pool(keys[1]), pool(keys[2]), sinks
+
+
+@functools.cache
+def kernel(case: Case, interpret: bool = True):
+    """The kernel of `case`, jitted: one compile for any window, table or lens."""
+    return jax.jit(
+        lambda q, k, v, table, lens, window, sinks: mgpu.paged_attention(
+            q,
+            k,
+            v,
+            table,
+            lens,
+            scale=SCALE,
+            window=window,
+            sinks=sinks,
+            pages_per_block=case.pages_per_block,
+            splits=case.splits,
+            interpret=interpret,
+        )
+    )
+
+
+def run(name: str, window: int = 0, table=TABLE, lens=None, interpret: bool = True):
+    """The kernel's output, waited for: the interpreter's callbacks dispatch computations of
+    their own, and one dispatched beside them can deadlock XLA:CPU's queue (seen once in pytest)."""
+    case = CASES[name]
+    q, k, v, sinks = jax.block_until_ready(inputs(case))
+    lens = case.lens if lens is None else lens
+    out = kernel(case, interpret)(q, k, v, jnp.asarray(table), jnp.asarray(lens), jnp.int32(window), sinks)
+    return out.block_until_ready()
+
+
+def xla_path(q, k, v, table, lens, window, sinks):
+    """The XLA path: `_gqa_attend` over the pages `paged.read` gives, heads cut to Dh."""
+    b, h, dh = q.shape
+    hkv = k.shape[1]
+    keys, values = (paged.read(pool, jnp.asarray(table), seq_axis=2)[..., :dh] for pool in (k, v))
+    positions = jnp.asarray(lens - 1)[:, None]
+    sinks = None if sinks is None else sinks.reshape(hkv, h // hkv, 1, 1)
+    q = q.reshape(b, hkv, h // hkv, 1, dh)
+    return attention._gqa_attend(q, keys, values, positions, window, sinks, scale=SCALE).reshape(b, h, dh)
+
+
+def xla(name: str, window: int = 0):
+    q, k, v, sinks = inputs(CASES[name])
+    return xla_path(q, k, v, TABLE, CASES[name].lens, window, sinks)
+
+
+def tolerance(name: str) -> dict:
+    """f32 to the XLA path's rounding; bf16 within bf16's (the XLA path rounds its scores and
+    weights to bf16, the kernel keeps them in f32)."""
+    return dict(rtol=2e-2, atol=2e-2) if CASES[name].dtype == "bfloat16" else dict(rtol=1e-5, atol=1e-5)
+
+
+def assert_close(got, want, **tol):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_interpreted_kernel_equals_the_xla_path(name):
+    got = run(name)
+    assert got.shape == (len(TABLE), CASES[name].heads, CASES[name].head_dim) and got.dtype == CASES[name].dtype
+    assert_close(got, xla(name), **tolerance(name))
+
+
+def test_a_sliding_window_masks_the_keys_before_it():
+    """A window of 9 positions, traced (the same program as no window): the XLA path's window."""
+    got = run("sinks_odd_pages", window=9)
+    assert_close(got, xla("sinks_odd_pages", window=9), rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(got - run("sinks_odd_pages"))).max() > 0.1  # it masks some keys
+
+
+def reference(q, k, v, table, lens, window=0, sinks=None) -> np.ndarray:
+    """float64 numpy: each query head's softmax over the positions in its window that its table
+    names a page of the pool for, and its sink."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    pages, hkv, ps, _ = k.shape
+    b, h, dh = q.shape
+    out = np.zeros(q.shape)
+    for i, n in enumerate(lens):
+        p = np.arange(max(n - window, 0) if window else 0, n)
+        p = p[(table[i, p // ps] >= 0) & (table[i, p // ps] < pages)]
+        for j in range(h):
+            keys, values = (x[table[i, p // ps], j // (h // hkv), p % ps, :dh] for x in (k, v))  # [n, Dh]
+            logits = np.concatenate([keys @ q[i, j] * SCALE, [] if sinks is None else [sinks[j]]])
+            if logits.size:
+                w = np.exp(logits - logits.max())
+                out[i, j] = w[: len(p)] @ values / w.sum()
+    return out
+
+
+def test_pages_the_table_names_none_are_read_as_nothing():
+    """Slots inside a request's length that name no page (`pages`, or any id off the pool) mask
+    their positions; a request with no position attends to its sink alone (zeros)."""
+    table = TABLE.copy()
+    table[0, 1], table[1, 0] = PAGES, -1
+    lens = np.array([23, 16, 0], np.int32)
+    case = CASES["sinks_odd_pages"]
+    q, k, v, sinks = inputs(case)
+    got = run("sinks_odd_pages", table=table, lens=lens)
+    assert_close(got, reference(q, k, v, table, lens, sinks=np.asarray(sinks)), rtol=1e-5, atol=1e-5)
+    assert not np.asarray(got[2]).any()
+
+
+@functools.cache
+def h100_program(splits: int) -> str:
+    """Compiled text of a bf16 decode step's attention for an H100: 4 requests of 8 query heads
+    over 2 kv heads of 128, pages of 16, tables of 32 pages, a traced window and sinks."""
+    b, h, hkv, dh, ps, p = 4, 8, 2, 128, 16, 32
+    step = jax.jit(
+        lambda q, k, v, table, lens, window, sinks: mgpu.paged_attention(
+            q, k, v, table, lens, scale=SCALE, window=window, sinks=sinks, pages_per_block=4, splits=splits
+        )
+    )
+    pool = on_h100((64, hkv, ps, dh), jnp.bfloat16)
+    args = (on_h100((b, h, dh), jnp.bfloat16), pool, pool, on_h100((b, p), jnp.int32), on_h100((b,), jnp.int32))
+    return step.lower(*args, on_h100((), jnp.int32), on_h100((h,), jnp.float32)).compile().as_text()
+
+
+@pytest.mark.parametrize("splits,launches", [(1, ["custom-call"]), (8, ["fusion", "custom-call"])])
+def test_compiles_for_h100_into_one_mosaic_gpu_kernel(splits, launches):
+    """Whole heads and query groups need no padding, so the program is the kernel alone; with
+    splits, XLA zero-fills the semaphores first (the only other op), and the splits' combine is
+    in the kernel."""
+    hlo = h100_program(splits)
+    ops = [op for op, _ in run_ops(hlo) if op not in PASSING]
+    assert sorted(ops) == sorted(launches)
+    assert hlo.count('custom_call_target="mosaic_gpu') == 1
+    if splits > 1:
+        assert ("fusion", "s32[8]{0}") in run_ops(hlo)  # a semaphore per (request, kv head)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(k=jnp.zeros((PAGES, 2, 8, 16), jnp.bfloat16)), "must match"),
+        (dict(k=jnp.zeros((PAGES, 2, 8, 12)), v=jnp.zeros((PAGES, 2, 8, 12))), "whole 32-byte granules"),
+        (dict(sinks=jnp.zeros(3)), "one logit per query head"),
+        (dict(pages_per_block=256), "bytes of SMEM"),
+    ],
+    ids=["pools_unlike", "width_not_granules", "sinks_not_per_head", "smem"],
+)
+def test_bad_input_is_refused_with_the_reason(change, message):
+    pool = jnp.zeros((PAGES, 2, 8, 16))
+    args = dict(q=jnp.zeros((3, 4, 16)), k=pool, v=pool, table=jnp.asarray(TABLE), lens=jnp.zeros(3, jnp.int32))
+    kw = dict(scale=SCALE, sinks=None, pages_per_block=1, splits=1)
+    args.update({n: x for n, x in change.items() if n in args})
+    kw.update({n: x for n, x in change.items() if n in kw})
+    with pytest.raises(ValueError, match=message):
+        mgpu.paged_attention(**args, **kw)
+
+
+def test_this_jax_has_every_api_the_kernel_uses(monkeypatch):
+    assert mgpu.unavailable() is None
+    monkeypatch.delattr(mgpu.plgpu, "broadcasted_iota")
+    assert "jax.experimental.pallas.mosaic_gpu.broadcasted_iota" in mgpu.unavailable()
