@@ -17,7 +17,8 @@ VERB_MODULES = (
     "moejax.commands",
     "moejax.compare",
     "moejax.plan_command",
-    "moejax.analysis.commands",
+    "moejax.analysis.measure_verbs",
+    "moejax.analysis.advise_verb",
     "checkpoints.commands",
     "moejax.serving.commands",
 )
