@@ -10,14 +10,21 @@ import argparse
 import sys
 
 from moejax.config import ConfigError
-from moejax.startup import configure_compile_cache, host_pages, jax_platforms
+from moejax.startup import (
+    configure_compile_cache,
+    host_pages,
+    jax_platforms,
+    quiet_native_logs,
+    start_tpu_compiler_quietly,
+)
 
 # Modules that define `register(subparsers)`; each subparser sets `func(args) -> int`.
 VERB_MODULES = (
     "moejax.commands",
     "moejax.compare",
     "moejax.plan_command",
-    "moejax.analysis.commands",
+    "moejax.analysis.measure_verbs",
+    "moejax.analysis.advise_verb",
     "checkpoints.commands",
     "moejax.serving.commands",
 )
@@ -45,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Compiled programs persist between runs: XLA:CPU compiles are most of a short run's time.
-    # Before build_parser, whose verb modules import jax.
+    # Before build_parser, whose verb modules import jax: XLA's C++ logs quiet, and compiled
+    # programs persisting between runs (XLA:CPU compiles are most of a short run's time).
+    quiet_native_logs()
     configure_compile_cache()
     jax_platforms()
     host_pages()
@@ -55,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         from moejax.factory import init_processes
 
         init_processes(args)
+        start_tpu_compiler_quietly(getattr(args, "target", None))
         return int(args.func(args) or 0)
     except ConfigError as e:
         print(f"moejax: error: {e}", file=sys.stderr)

@@ -8,6 +8,7 @@ parser does). A user's own JAX_* settings win: tests point the cache at a tempor
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -53,18 +54,50 @@ def _load_plugins_quietly() -> None:
     """Import jax and load its PJRT plugins with the process's stderr shut. On a host without a
     GPU, the CUDA plugin of the `targets` extra (which only compiles here) logs its missing driver
     from C++ as jax imports and loads it, six lines on every command."""
+    with _native_stderr_shut():
+        try:
+            from jax._src import xla_bridge
+
+            xla_bridge._discover_and_register_pjrt_plugins()
+        except (ImportError, AttributeError):  # another jax: it loads them at its backends' start
+            pass
+
+
+@contextlib.contextmanager
+def _native_stderr_shut():
+    """The process's stderr (file descriptor 2, where C++ logs go) to /dev/null for the block; an
+    exception still comes out of it, and the CLI prints it after."""
     saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)
     try:
-        from jax._src import xla_bridge
-
-        xla_bridge._discover_and_register_pjrt_plugins()
-    except (ImportError, AttributeError):  # another jax: it loads them at its backends' start
-        pass
+        yield
     finally:
         os.dup2(saved, 2)
         os.close(saved)
         os.close(devnull)
+
+
+def quiet_native_logs() -> None:
+    """Before jax's import: XLA's C++ logs (jaxlib's and its compiler plugins') at FATAL only,
+    unless the environment sets TF_CPP_MIN_LOG_LEVEL. What they say is the CLI's to report: for a
+    program larger than the GPU, XLA:GPU logs "The byte size of input/output arguments ...
+    exceeds the base limit" and a rematerialization warning, lines before `plan`'s table, which
+    reports the same."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+def start_tpu_compiler_quietly(target: str | None) -> None:
+    """libtpu started with the process's stderr shut, when `target` names a compile-only TPU on a
+    host where jax runs on the CPU: there libtpu logs from C++ that it finds no TPU (its
+    accelerator type, its hosts) as it starts, before any log setting applies, five lines ahead
+    of the verb's own output or its one-line refusal."""
+    from moejax import targets
+
+    t = targets.TARGETS.get(target)
+    if t is None or t.platform != "tpu" or os.environ.get("JAX_PLATFORMS") != "cpu":
+        return
+    with _native_stderr_shut():
+        targets.devices(t.name, 1)
 
 
 def host_pages() -> bool:

@@ -10,7 +10,7 @@ are the target's own. Nothing can run on these devices.
 
 The figures are datasheet values (HBM bytes and bandwidth, dense peaks, per-direction link
 bandwidth); a GPU's core count, clock and caches are what its driver reports. The costs a step
-pays per kernel and per collective beyond its bytes (`moejax.analysis.target_costs`) are
+pays per kernel and per collective beyond its bytes (`moejax.analysis.target_pricing`) are
 published or estimated figures, marked as such where they are set.
 """
 

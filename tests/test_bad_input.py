@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from moejax.cli import main
@@ -164,6 +165,14 @@ def test_bad_input_ends_in_one_line_and_exit_2_writing_nothing(case, configs, tm
     assert list(tmp_path.iterdir()) == []
 
 
+def run_process(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # main() in this process set it: the CLI sets its own
+    return subprocess.run(
+        [sys.executable, "-m", "moejax", *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "argv",
@@ -175,9 +184,66 @@ def test_bad_input_ends_in_one_line_and_exit_2_writing_nothing(case, configs, tm
     ids=["config error", "argparse error", "input data error"],
 )
 def test_bad_input_exits_2_without_traceback_from_a_real_process(argv, tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, "-m", "moejax", *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = run_process(argv, tmp_path)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+
+
+# ----------------------------------------------------------------------------- refusals of the target compilers
+
+
+def tiny_trace(path: Path) -> str:
+    """Two decode steps of 8 rows of the tiny preset, every row picking the first k experts."""
+    from moejax.config import preset
+    from moejax.trace import save_trace
+
+    model = preset("tiny")
+    k, layers = model.num_experts_per_tok, len(model.moe_layers)
+    ids = np.broadcast_to(np.arange(k, dtype=np.int32), (2, layers, 8, k))
+    save_trace(path, ids, np.ones((2, 8), bool), ["decode"] * 2, model.moe_layers, model.num_experts, "tiny")
+    return str(path)
+
+
+def test_advise_refuses_with_the_first_line_of_the_compilers_reason(tmp_path, monkeypatch, capsys):
+    """A compiler's reason may run to many lines; the refusal is its first."""
+    import jax
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm.\n\nTotal hbm usage:\n  a")
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", refuse)
+    trace = tiny_trace(tmp_path / "t.npz")
+    argv = ["advise", trace, "--preset", "tiny", "--target", "h100", "--devices", "8", "--placements", "expert_sharded"]
+    assert run_cli(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert err.startswith("moejax: error: no layout compiles for 8 h100: expert_sharded its decode does not compile")
+    assert err.endswith("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm.\n")
+
+
+TPU_REFUSALS = {
+    # the TPU compiler's own reason: a KV cache larger than a v6e's memory
+    "advise of a model the target cannot hold": (
+        ["advise", "{trace}", "--preset", "tiny", "--target", "v6e", "--devices", "8"]
+        + ["--placements", "expert_sharded", "--context", "400000000"],
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM",
+    ),
+    "plan of a batch the target's devices do not divide": (
+        ["plan", "--preset", "tiny", "--target", "v5e", "--devices", "8", "--placement", "expert_sharded"]
+        + ["--batch", "3"],
+        "--batch 3 must be a multiple of 8",
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", TPU_REFUSALS)
+def test_a_refusal_on_a_tpu_target_is_one_line_from_a_real_process(case, tmp_path):
+    """The refusal is the one line on stderr: none of libtpu's start-up logs (it finds no TPU on
+    this host) before it."""
+    argv, says = TPU_REFUSALS[case]
+    trace = tiny_trace(tmp_path / "t.npz")
+    proc = run_process([a.format(trace=trace) for a in argv], tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("moejax: error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert says in proc.stderr

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from moejax import targets
-from moejax.analysis import calc, costs, hlo, layout_choice, target_costs
+from moejax.analysis import advise_tables, calc, costs, hlo, layout_choice, target_programs, target_ranking
 from moejax.analysis.simulate import Layout, device_work, layouts
+from moejax.analysis.target_pricing import CATEGORIES, CallTime, category, expert_us, phase_us
 from moejax.cli import build_parser, main
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.trace import Trace, save_trace
@@ -98,7 +99,7 @@ def test_hlo_ops_price_slices_updates_in_place_loops_and_collectives(loop):
     assert (other.scope, other.bytes, other.fixed) == ("jit(f)/attention/all_gather", 7 * 512, 0)
     assert kernel.bytes == 512 + 4 + 512  # a kernel handed the whole stack reads one layer per trip
     assert update.bytes == 2 * (1024 + 4)  # the update and its index, not the cache it lands in
-    assert [target_costs.category(op) for op in ops] == [
+    assert [category(op) for op in ops] == [
         "attention",
         "experts",
         "exchange",
@@ -130,7 +131,7 @@ def test_b300_expert_time_per_touched_gb_is_the_placement_studys():
     trace = Trace(**synthetic.generate(synthetic.GLM_LIKE, 4, 64, 0))
     work = device_work(trace, Layout("expert_sharded", 8, 1), eplb.contiguous(75, 256), model.moe_intermediate_size)
     touched = work.experts * calc.expert_bytes(model)["nvfp4"]  # [S, L, N] bytes
-    us = target_costs.expert_us(t, 0.0, touched, 2 * calc.expert_params(model) * work.routes, 10, t.bf16_tflops)
+    us = expert_us(t, 0.0, touched, 2 * calc.expert_params(model) * work.routes, 10, t.bf16_tflops)
     slope = np.polyfit(touched.ravel() / 1e9, us.ravel(), 1)[0]
     assert abs(slope - 150) <= 0.25 * 150, slope
 
@@ -153,40 +154,78 @@ def even(rows: int, steps: int, seed: int = 0):
 def h100():
     """The tiny model's expert_sharded and ragged_a2a layouts compiled for 8 H100s, ranked on an even router."""
     t = targets.target("h100")
-    return target_costs.advise(
+    return target_ranking.rank_on_target(
         TINY, even(64, 8), t, list(targets.devices("h100", 8)), 256, 512, ["expert_sharded", "ragged_a2a"]
     )
 
 
 def test_advise_ranks_each_phase_with_its_time_table(h100):
-    report, _ = h100
+    ranking, _ = h100
     for phase in ("decode", "prefill"):
-        rows = report["phases"][phase]["layouts"]
-        assert sorted(r["layout"] for r in rows) == ["expert_sharded", "ragged_a2a"]
-        assert [r["us"]["step"] for r in rows] == sorted(r["us"]["step"] for r in rows)
+        rows = ranking.phases[phase].layouts
+        assert sorted(r.layout for r in rows) == ["expert_sharded", "ragged_a2a"]
+        assert [r.us.step for r in rows] == sorted(r.us.step for r in rows)
         for r in rows:
-            assert r["us"]["step"] == pytest.approx(sum(r["us"][c] for c in target_costs.CATEGORIES))
-            assert min(r["us"][c] for c in target_costs.CATEGORIES) > 0 and r["fits"]
-        d = report["phases"][phase]["decides"]
-        assert (d["first"], d["second"]) == (rows[0]["layout"], rows[1]["layout"]) and d["lead_us"] >= 0
-    assert report["not_compiled"] == []
-    r = report["recommend"]
-    assert r["decode"] == report["phases"]["decode"]["layouts"][0]["layout"]
-    assert r["apart"] == (r["decode"] != r["prefill"]) and r["decode"] in r["flags"]
-    text = target_costs.table({"model": "tiny", **report})
+            assert r.us.step == pytest.approx(sum(getattr(r.us, c) for c in CATEGORIES))
+            assert min(getattr(r.us, c) for c in CATEGORIES) > 0 and r.fits
+        d = ranking.phases[phase].decides
+        assert (d.first, d.second) == (rows[0].layout, rows[1].layout) and d.lead_us >= 0
+    assert ranking.not_compiled == ()
+    r = ranking.recommend
+    assert r.decode == ranking.phases["decode"].layouts[0].layout
+    assert r.apart == (r.decode != r.prefill) and r.decode in r.flags
+    text = advise_tables.target_table("tiny", ranking)
     assert "decode (8 steps of 64 rows)" in text and "recommend: serve --" in text
 
 
+def test_advise_json_keeps_its_keys(h100):
+    ranking, _ = h100
+    doc = json.loads(json.dumps(advise_tables.target_json("tiny", ranking)))
+    assert list(doc) == [
+        "model",
+        "devices",
+        "batch",
+        "context",
+        "prefill_chunk",
+        "target",
+        "phases",
+        "recommend",
+        "not_compiled",
+    ]
+    assert list(doc["target"]) == list(advise_tables.TARGET_FIGURES) and doc["target"]["name"] == "h100"
+    decode = doc["phases"]["decode"]
+    assert list(decode) == ["steps", "rows", "layouts", "decides"]
+    assert list(decode["layouts"][0]) == ["layout", "placement", "ep", "tp", "memory_gb", "fits", "us"]
+    assert list(decode["layouts"][0]["us"]) == ["step", *CATEGORIES]
+    assert set(decode["decides"]) == {"first", "second", "lead_us", "part", "part_us"}
+    assert doc["recommend"]["flags"] == ranking.recommend.flags
+
+
+def row(name: str, us: float, gb: float) -> target_ranking.RankedLayout:
+    return target_ranking.RankedLayout(name, name, 8, 1, gb, gb <= 32, CallTime.of(dict.fromkeys(CATEGORIES, us / 4)))
+
+
 def test_a_layout_that_alone_fits_leads_by_its_memory():
-    row = lambda name, us, gb: {
-        "layout": name,
-        "us": {"step": us, **dict.fromkeys(target_costs.CATEGORIES, us / 4)},
-        "memory_gb": gb,
-        "fits": gb <= 32,
-    }
-    d = target_costs.decides([row("tensor_sliced", 900.0, 31.7), row("expert_sharded", 100.0, 33.2)])
-    assert d["part"] == "memory" and d["part_gb"] == pytest.approx(1.5) and d["lead_us"] == pytest.approx(-800)
-    assert target_costs.decides([row("a", 100.0, 20), row("b", 140.0, 20)])["part_us"] == pytest.approx(10)
+    d = target_ranking.decides((row("tensor_sliced", 900.0, 31.7), row("expert_sharded", 100.0, 33.2)))
+    assert d.part == "memory" and d.part_gb == pytest.approx(1.5) and d.lead_us == pytest.approx(-800)
+    assert d.part_us is None
+    assert target_ranking.decides((row("a", 100.0, 20), row("b", 140.0, 20))).part_us == pytest.approx(10)
+
+
+def test_a_lead_by_memory_and_a_layout_not_compiled_are_printed():
+    rows = (row("tensor_sliced", 900.0, 31.7), row("expert_sharded", 100.0, 33.2))
+    phase = target_ranking.PhaseRanking(2, 8, rows, target_ranking.decides(rows))
+    phases = {"decode": phase, "prefill": phase}
+    refused = target_programs.NotCompiled("weight_prefetch", "its decode does not compile: RESOURCE_EXHAUSTED")
+    ranking = target_ranking.TargetRanking(
+        8, 8, 256, 512, targets.target("v6e"), phases, target_ranking.recommend(phases), (refused,)
+    )
+    text = advise_tables.target_table("tiny", ranking)
+    assert "tensor_sliced leads expert_sharded, 800.0 us slower, by fitting 32 GB: 1.5 GB a device less" in text
+    assert "weight_prefetch: its decode does not compile: RESOURCE_EXHAUSTED" in text
+    doc = advise_tables.target_json("tiny", ranking)
+    assert set(doc["phases"]["decode"]["decides"]) == {"first", "second", "lead_us", "part", "part_gb"}
+    assert doc["not_compiled"] == [{"layout": "weight_prefetch", "error": refused.error}]
 
 
 def picks(rule) -> Trace:
@@ -203,36 +242,36 @@ def test_the_trace_sets_the_busiest_devices_experts_and_travelling_rows():
         hlo.Op("kernel", "moe/shard_map/experts/gemm", 2 * per_expert + 1e3, 0.0, 2.0),
         hlo.Op("ragged-all-to-all", "", ragged, 0.0, 2.0),
     ]
-    c = target_costs.Candidate(
-        Layout("ragged_a2a", 8, 1), "pallas_gpu", per_expert, 0.0, {"decode": target_costs.Program(ops, 8)}
+    c = target_programs.Candidate(
+        Layout("ragged_a2a", 8, 1), "pallas_gpu", per_expert, 0.0, {"decode": target_programs.Program(tuple(ops), 8)}
     )
-    price = lambda trace: target_costs.phase_us(c, "decode", trace, t, TINY.model)
+    price = lambda trace: phase_us(c, "decode", trace, t, TINY.model)
     hot = price(picks(lambda d: [0, 1, 2, 3]))  # every row to devices 0 and 1, which read both their experts
     thin = price(picks(lambda d: [0, 2, 4, 6]))  # every row to devices 0-3, which read one expert each
     near = price(picks(lambda d: [2 * d, 2 * d + 1, (2 * d + 2) % 16, (2 * d + 3) % 16]))  # own device and the next
     layer_us = lambda touched: max((1e3 + touched * per_expert) / (t.hbm_tb_s * 1e6), 0.0) + t.launch_us
-    assert hot["experts"] == pytest.approx(2 * layer_us(2)) and thin["experts"] == pytest.approx(2 * layer_us(1))
+    assert hot.experts == pytest.approx(2 * layer_us(2)) and thin.experts == pytest.approx(2 * layer_us(1))
     # device 0 receives the 56 rows of the others: the compiled worst case; the next device's 8: 1/7 of it
     full = 2 * ragged / (t.link_gb_s * 1e3)
-    assert hot["exchange"] == pytest.approx(full + 2 * t.collective_us)
-    assert near["exchange"] == pytest.approx(full / 7 + 2 * t.collective_us)
+    assert hot.exchange == pytest.approx(full + 2 * t.collective_us)
+    assert near.exchange == pytest.approx(full / 7 + 2 * t.collective_us)
 
 
 def test_one_device_prices_the_one_program_every_placement_is():
     """One GPU: a single layout, no exchange, what a serve on it runs (no placement to pick)."""
     t = targets.target("h200")
     config = dataclasses.replace(TINY, layout=LayoutConfig(devices=1))
-    report, _ = target_costs.advise(
+    ranking, _ = target_ranking.rank_on_target(
         config, even(4, 4), t, list(targets.devices("h200", 1)), 256, 512, ["expert_sharded", "ragged_a2a"]
     )
     for phase in ("decode", "prefill"):
-        [row] = report["phases"][phase]["layouts"]
-        assert row["layout"] == target_costs.ONE_DEVICE and row["us"]["exchange"] == 0 < row["us"]["step"]
-    assert report["recommend"]["flags"] == "--devices 1"
+        [only] = ranking.phases[phase].layouts
+        assert only.layout == target_programs.ONE_DEVICE and only.us.exchange == 0 < only.us.step
+    assert ranking.recommend.flags == "--devices 1"
 
 
 def test_hybrid_is_tried_at_every_mesh():
-    assert [(l.ep, l.tp) for l in target_costs.layouts(TINY, 8, ["hybrid"])] == [(2, 4), (4, 2)]
+    assert [(l.ep, l.tp) for l in target_programs.layouts(TINY, 8, ["hybrid"])] == [(2, 4), (4, 2)]
 
 
 @pytest.mark.parametrize(

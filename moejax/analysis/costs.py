@@ -70,7 +70,7 @@ def default_path(config: Config) -> Path:
     return COSTS_DIR / f"{hashlib.sha1(geometry_key(config).encode()).hexdigest()[:12]}.json"
 
 
-def advise(
+def measure_and_rank(
     config: Config,
     trace: Trace,
     n: int,
@@ -78,7 +78,7 @@ def advise(
     placed: np.ndarray | None = None,
     spare_slots: int = 0,
 ) -> dict:
-    """`simulate.advise`'s report on this machine's table at `path` (default: `default_path`),
+    """`simulate.rank_placements`'s report on this machine's table at `path` (default: `default_path`),
     measuring first what the trace needs and the table lacks."""
     from moejax.factory import ensure_devices
 
@@ -90,7 +90,7 @@ def advise(
         ensure_slots(table, config, trace, n, spare_slots)
     save(table, path)
     try:
-        return {**simulation.advise(trace, n, table, placed, spare_slots), "costs": str(path)}
+        return {**simulation.rank_placements(trace, n, table, placed, spare_slots), "costs": str(path)}
     except ValueError as e:
         raise UsageError(str(e)) from None
 

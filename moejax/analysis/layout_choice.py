@@ -187,7 +187,7 @@ def _on_cpu(args, config, trace) -> tuple:
             for r in report["placements"]
         ]
 
-    report = costs.advise(config, trace, n)
+    report = costs.measure_and_rank(config, trace, n)
     first, table = ranking(report), costs.load(costs.default_path(config), config)
     per = (
         "per decode step"
@@ -197,7 +197,7 @@ def _on_cpu(args, config, trace) -> tuple:
 
     def rerank(window: Trace):
         try:
-            return [(r.layout, r.us) for r in ranking(simulate.advise(window, n, table))]
+            return [(r.layout, r.us) for r in ranking(simulate.rank_placements(window, n, table))]
         except (KeyError, ValueError):  # row counts the table was not measured at
             return None
 
@@ -209,7 +209,7 @@ def _on_target(args, config, trace) -> tuple:
     import jax
 
     from moejax import targets
-    from moejax.analysis import target_costs
+    from moejax.analysis import target_ranking
     from moejax.serving.scheduler import SERVE_PREFILL_CHUNK
     from sharding import registry
 
@@ -221,16 +221,16 @@ def _on_target(args, config, trace) -> tuple:
     args.devices = len(devices)
     context = args.max_seq_len or min(config.model.max_position_embeddings, 2048)
     chunk = (config.engine.prefill_chunk or SERVE_PREFILL_CHUNK) * args.prefill_rows
-    report, candidates = target_costs.advise(config, trace, t, devices, context, chunk, registry.names())
+    report, candidates = target_ranking.rank_on_target(config, trace, t, devices, context, chunk, registry.names())
     ranked = {
-        phase: [Ranked(r["layout"], r["placement"], r["ep"], r["tp"], r["us"]["step"]) for r in p["layouts"]]
-        for phase, p in report["phases"].items()
+        phase: [Ranked(r.layout, r.placement, r.ep, r.tp, r.us.step) for r in p.layouts]
+        for phase, p in report.phases.items()
     }
-    recommended = {phase: next(r for r in ranked[phase] if r.layout == report["recommend"][phase]) for phase in ranked}
+    recommended = {
+        phase: next(r for r in ranked[phase] if r.layout == getattr(report.recommend, phase)) for phase in ranked
+    }
 
     def rerank(window: Trace):
-        return [
-            (r["layout"], r["us"]["step"]) for r in target_costs.ranked(candidates, "decode", window, t, config.model)
-        ]
+        return [(r.layout, r.us.step) for r in target_ranking.ranked(candidates, "decode", window, t, config.model)]
 
     return t.name, ranked, recommended, rerank, "per call"

@@ -136,7 +136,7 @@ def simulate(trace: Trace, layout: Layout, phy2log: np.ndarray, costs) -> dict:
     }
 
 
-def advise(trace: Trace, n: int, costs, placed: np.ndarray | None = None, spare_slots: int = 0) -> dict:
+def rank_placements(trace: Trace, n: int, costs, placed: np.ndarray | None = None, spare_slots: int = 0) -> dict:
     """Every placement on n devices ranked by simulated MoE time per decode step, with contiguous
     expert order on all decode steps, and contiguous against EPLB (fitted on the first 60% of the
     steps, no spare slots: each device keeps E/ep experts) on the rest. `placed`: picks per
@@ -180,7 +180,7 @@ def advise(trace: Trace, n: int, costs, placed: np.ndarray | None = None, spare_
 
 
 def with_measured(report: dict, step_traces: list[dict]) -> dict:
-    """`advise`'s report with, per placement that a `moejax trace --json` report measured on the same
+    """`rank_placements`'s report with, per placement that a `moejax trace --json` report measured on the same
     devices and mesh, its measured step, MoE time (dispatch + experts + combine of the slowest device
     per layer), expert phase (slowest device per layer) and imbalance term ("measured"), beside the
     simulated ones."""

@@ -13,9 +13,10 @@ another's pages. A request that stops (end-of-sequence, stop id or string, lengt
 and pages at once. n samples of a prompt share its full pages; each copies its last, partly
 written one.
 
-The host-side policy (`_admit`, `_grow`, `_advance_prefill`, `_emit`: what runs this step and
-what follows from its tokens) is apart from the calls of the jitted programs (`_decode_step`,
-`_prefill_call`, `_fork_samples`, `_hand_over`), which only turn it into arrays.
+The host-side policy (`_admit`, `_advance_prefill`, `_emit`: what runs this step and what follows
+from its tokens; the pages each slot holds, `slot_pages.py`) is apart from the calls of the jitted
+programs (`_decode_step`, `_prefill_call`, `_fork_samples`, `_hand_over`, `program_calls.py`),
+which only turn it into arrays.
 
 Every jitted program has a few fixed shapes: decode is [W, 1] over the first W slots (W a power
 of two, or all slots), a prefill call [prefill_rows, chunk]; block tables are inputs [rows, P]
@@ -28,11 +29,8 @@ its rank's block of every batch's rows (`row`), and holds only that rank's pages
 preemption and n samples stay within a rank.
 
 A model with sliding-window layers keeps their pages apart (`window_kv`, vLLM's hybrid KV-cache
-manager): a request holds a window page only while some position of it may still be read, those
-before (next position - window) go back to the pool as prefill chunks and decoding advance, and
-its window table names no page there. Window pages are taken per chunk and per step as full ones
-are, and a rank short of either preempts its newest request. The prefix cache is off for such a
-model: a cached prefix would need the window pages of its last positions kept too.
+manager; `slot_pages.py`). The prefix cache is off for such a model: a cached prefix would need
+the window pages of its last positions kept too.
 
 Greedy tokens of a request do not depend on its neighbours: every row's attention sees only its
 own pages, and the MoE placements compute each row's experts independently.
@@ -53,6 +51,7 @@ from moejax.errors import UsageError
 from moejax.serving.kv_pages import PAGE_SIZE, KVPages, pool_pages, window_held, window_pool_pages
 from moejax.serving.program_calls import ProgramCalls
 from moejax.serving.request import Request, check_request
+from moejax.serving.slot_pages import SlotPages
 
 
 class QueueFull(Exception):
@@ -85,7 +84,7 @@ class _Slot:
 SERVE_PREFILL_CHUNK = 64
 
 
-class Scheduler(ProgramCalls):
+class Scheduler(SlotPages, ProgramCalls):
     """Owns the KV cache's page pool and the slots; `step` is called from one engine thread,
     `submit` from any."""
 
@@ -349,85 +348,6 @@ class Scheduler(ProgramCalls):
                         sample, sample.prompt, self.admitted, [page], fork_window, leader=s
                     )
                 self.admitted += 1
-
-    def _free(self, s: int) -> None:
-        """Slot s's request out, and the samples waiting to fork from it: their pages back to the pool."""
-        for f in [s] + [f for f, other in enumerate(self.slots) if other is not None and other.leader == s]:
-            self.kv.release(self.slots[f].pages)
-            if self.window_kv is not None:
-                self.window_kv.release([p for p in self.slots[f].window if p != self.window_kv.num_pages])
-            self.slots[f] = None
-        if s in self.prefilling:
-            self.prefilling.remove(s)
-
-    def _grow(self, decoding: list[int]) -> list[int]:
-        """Pages for the positions each decoding slot writes next, oldest request first; when the
-        pool runs out, the newest running request gives its pages back and waits to be computed
-        again (vLLM's preemption by recompute; the newest on the slot's rank: only its pages
-        serve there) -> the slots that still decode."""
-        for s in sorted(decoding, key=lambda s: self.slots[s].admitted):
-            if self.slots[s] is not None:  # not preempted for an older one
-                self._hold(s, self.slots[s].pos, self.slots[s].pos + self.writes_per_step)
-        return [s for s in decoding if self.slots[s] is not None]
-
-    def _preempt(self, rank: int) -> None:
-        """The newest running request on `rank` gives its pages back and waits to be computed again."""
-        victim = max(
-            (
-                v
-                for v, other in enumerate(self.slots)
-                if other is not None and other.leader is None and self.rank(v) == rank
-            ),
-            key=lambda v: self.slots[v].admitted,
-        )
-        r = self.slots[victim].request
-        if not r.tokens:
-            r.prompt_logprobs.clear()  # computed again with the prompt
-        with self._cv:
-            self.waiting.appendleft(r)
-            self._free(victim)
-        self.preemptions += 1
-
-    def _take_pages(self, s: int, start: int, end: int) -> bool:
-        """Slot s's pages for the positions start .. end - 1 it writes next (its window pages from
-        start - window + 1 on, the earlier ones back to the pool): False when its rank has too few
-        (what it could take, it keeps)."""
-        slot, rank = self.slots[s], self.rank(s)
-        if not self._extend(self.kv, slot.pages, end, rank):
-            return False
-        if self.window_kv is None:
-            return True
-        none, first = self.window_kv.num_pages, start - self.engine.c.sliding_window + 1
-        gone = max(0, first) // self.kv.page_size  # pages whose every position precedes `first`
-        self.window_kv.release([p for p in slot.window[:gone] if p != none])
-        slot.window[:gone] = [none] * min(gone, len(slot.window))
-        return self._extend(self.window_kv, slot.window, end, rank)
-
-    def _extend(self, kv, held: list[int], end: int, rank: int) -> bool:
-        """`held` (a slot's pages of `kv`'s group, in place) grown to hold positions up to `end`:
-        False when the rank has too few."""
-        need = self.kv.needed(end) - len(held)
-        if need > 0:
-            pages = kv.take(need, rank)
-            if pages is None:
-                return False
-            held += pages
-        return True
-
-    def _hold(self, s: int, start: int, end: int) -> None:
-        """Slot s's pages for positions start .. end - 1, preempting the newest request on its rank
-        until they are there (slot s itself, when it is the newest: then it is gone)."""
-        while self.slots[s] is not None and not self._take_pages(s, start, end):
-            self._preempt(self.rank(s))
-
-    def _window_for_prefill(self, rows: list[int | None]) -> list[int | None]:
-        """A prefill call's rows with the window pages of their chunks (a rank short of them
-        preempts its newest request; a row preempted so is a padding row)."""
-        if self.window_kv is None:
-            return rows
-        for s in (s for s in rows if s is not None and self.slots[s] is not None):
-            self._hold(s, self.slots[s].done, min(self.slots[s].done + self.chunk, len(self.slots[s].seq)))
-        return [s if s is not None and self.slots[s] is not None else None for s in rows]
 
     def _advance_prefill(self, rows: list[int | None], c: int) -> list[tuple[int, int]]:
         """After a prefill call of `c` positions for the slots `rows` (None: padding): (row, slot)

@@ -1,57 +1,19 @@
-"""CLI verbs of the routing analysis: `calc`, `record`, `analyze` (registered by moejax.cli)."""
+"""The routing measurement verbs: `calc` (closed forms), `record` (a trace of router picks),
+`analyze` (a trace's balance, copies and bytes) and `trace` (per-device step times from the
+profiler)."""
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
-from checkpoints.hf_config import from_hf_config
-from moejax import targets
 from moejax.analysis import analyze as analysis
 from moejax.analysis import calc, synthetic
-from moejax.config import ConfigError, ModelConfig, preset
+from moejax.analysis.verb_args import add_geometry_args, device_counts, emit_json, model_geometry, positive
+from moejax.config import ModelConfig
 from moejax.errors import UsageError
 from moejax.flags import add_model_args, prompt_ids
-from moejax.plan import OUTPUT_LEN, PROMPT_LEN
 from moejax.trace import load_trace, save_trace
 from moejax.vocab import STORAGE_FORMATS
 
 GB, MB = 1e9, 1e6
-
-
-def device_counts(text: str) -> list[int]:
-    try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        counts = []
-    if not counts or min(counts) < 1:
-        raise UsageError(f"--devices takes positive integers separated by commas, got {text!r}")
-    return counts
-
-
-def positive(name: str, value: int) -> int:
-    if value < 1:
-        raise UsageError(f"{name} must be at least 1, got {value}")
-    return value
-
-
-def model_geometry(args) -> tuple[ModelConfig, str]:
-    """The model of --preset or --hf DIR, and a name for it."""
-    if getattr(args, "hf", None):
-        path = Path(args.hf) / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"{path} does not exist")
-        try:
-            hf = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
-        return from_hf_config(hf), str(args.hf)
-    return preset(args.preset), args.preset
-
-
-def emit_json(doc: dict) -> None:
-    print(json.dumps(doc, indent=2))
 
 
 # ----------------------------------------------------------------------------- calc
@@ -230,138 +192,12 @@ def run_trace(args) -> int:
     return 0
 
 
-# ----------------------------------------------------------------------------- advise
-
-
-def advise_text(report: dict) -> str:
-    lines = [
-        f"{report['steps']} decode steps of {report['rows_per_step']:.0f} rows, {report['layers']} MoE layers, "
-        f"{report['devices']} devices; costs of {report['costs']}",
-        "placement        ep x tp  step ms   MoE ms  experts ms  imbalance ms  exchange ms  busiest/mean routes  "
-        "EPLB test (contiguous test) MoE ms",
-    ]
-    for r in report["placements"]:
-        s = r["contiguous"]
-        step = f"{s['step_ms']:7.2f}" if s["step_ms"] is not None else "      -"
-        eplb_ms = f"{r['eplb_test']['moe_ms']:.2f} ({r['contiguous_test']['moe_ms']:.2f})" if "eplb_test" in r else "-"
-        lines.append(
-            f"{r['placement']:<16} {r['ep']:>3} x {r['tp']:<2} {step}  {s['moe_ms']:7.2f}"
-            f"  {s['expert_ms']:10.2f}  {s['imbalance_ms']:12.2f}"
-            f"  {s['exchange_ms']:11.2f}  {s['busiest_device_routes']:8.1f} / {s['mean_device_routes']:<8.1f}"
-            f"  {eplb_ms}"
-        )
-    for r in report["placements"]:
-        if "eplb_placed" in r:
-            lines.append(
-                f"{r['placement']}: experts placed by --eplb, MoE {r['eplb_placed']['moe_ms']:.2f} ms per decode "
-                f"step (contiguous {r['contiguous']['moe_ms']:.2f})"
-            )
-    lines.append(f"fastest: {report['ranking'][0]}")
-    measured = [r for r in report["placements"] if "measured" in r]
-    if measured:
-        lines.append("simulated / traced (moejax trace), ms per decode step")
-        lines.append(
-            f"{'placement':<16} {'step':^15}"
-            + "".join(f"  {h:^13}" for h in ("MoE", "experts", "imbalance"))
-            + "  traced routing"
-        )
-        for r in measured:
-            s, m = r["contiguous"], r["measured"]
-            step = f"{s['step_ms']:.2f}" if s["step_ms"] is not None else "-"
-            lines.append(
-                f"{r['placement']:<16} {step:>6} / {m['step_ms']:<6.2f}"
-                + "".join(f"  {s[k]:>5.2f} / {m[k]:<5.2f}" for k in ("moe_ms", "expert_ms", "imbalance_ms"))
-                + f"  {m['routing']}"
-            )
-    return "\n".join(lines)
-
-
-def run_advise(args) -> int:
-    from moejax.analysis import costs, metrics, simulate, step_trace
-    from moejax.flags import config_from_args, natural_routing_only
-    from moejax.loading import with_hf_model
-
-    n = positive("--devices", args.devices or 8)
-    config = with_hf_model(config_from_args(args), args.hf)
-    natural_routing_only(config, "advise (it simulates the trace's own picks)")
-    trace = load_trace(args.trace)
-    placed, spare = None, config.layout.redundant_experts
-    if args.target != "cpu" and (config.layout.eplb or args.step_trace or args.costs):
-        raise UsageError(
-            "advise --target prices contiguous experts from the target's compiled programs; "
-            "--eplb, --step-trace and --costs go with --target cpu"
-        )
-    if config.layout.eplb:
-        placed = metrics.expert_counts(load_trace(config.layout.eplb)).sum(axis=0).astype(float)
-        if placed.shape != (trace.ids.shape[1], trace.num_experts):
-            raise UsageError(
-                f"--eplb: its trace has {placed.shape[0]} MoE layers of {placed.shape[1]} experts, "
-                f"{args.trace} {trace.ids.shape[1]} of {trace.num_experts}"
-            )
-    elif spare:
-        raise UsageError("advise: --redundant-experts goes with --eplb TRACE (the placement to simulate)")
-    if trace.num_experts != config.model.num_experts:
-        raise UsageError(
-            f"the trace has {trace.num_experts} experts but the model has {config.model.num_experts}; "
-            "pass the trace's model with --preset or --hf"
-        )
-    if trace.num_experts % n:
-        raise UsageError(f"{n} devices do not divide {trace.num_experts} experts")
-    if args.target != "cpu":
-        return target_advise(args, config, trace, n)
-    report = costs.advise(config, trace, n, Path(args.costs) if args.costs else None, placed, spare)
-    try:
-        report = simulate.with_measured(report, [step_trace.load(p) for p in args.step_trace])
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if args.json:
-        emit_json(report)
-    else:
-        print(advise_text(report))
-    return 0
-
-
-def target_advise(args, config, trace, n: int) -> int:
-    """`advise --target NAME`: the layouts ranked by the target's own compiled programs (`target_costs`)."""
-    from moejax import platform
-    from moejax.analysis import target_costs
-    from sharding import registry
-
-    t = targets.target(args.target)
-    names = (
-        [registry.placement_class(name).name for name in args.placements.split(",")]
-        if args.placements
-        else registry.names()
-    )
-    report, _ = target_costs.advise(
-        config,
-        trace,
-        t,
-        list(targets.devices(t.name, n)),
-        positive("--context", args.context),
-        platform.prefill_chunk(config.engine.prefill_chunk, t.platform),
-        names,
-    )
-    report = {"model": args.hf or args.preset or "tiny", **report}
-    if args.json:
-        emit_json(report)
-    else:
-        print(target_costs.table(report))
-    return 0
-
-
 # ----------------------------------------------------------------------------- registration
-
-
-def _add_model(parser: argparse.ArgumentParser, default: str | None) -> None:
-    group = parser.add_mutually_exclusive_group(required=default is None)
-    group.add_argument("--preset", default=default, help="model preset" + (f" (default {default})" if default else ""))
-    group.add_argument("--hf", metavar="DIR", help="Hugging Face model directory (its config.json)")
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("calc", help="closed-form bytes, copies and even-router balance on N devices")
-    _add_model(p, None)
+    add_geometry_args(p, None)
     p.add_argument("--devices", default="8,16,32", help="device counts, comma-separated (default 8,16,32)")
     p.add_argument("--tokens", type=int, default=64, help="rows per step (default 64: a 64-request decode step)")
     p.add_argument("--touched", type=float, help="experts a step touches, for bytes read (default: even router's)")
@@ -390,7 +226,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("analyze", help="skew, balancedness, copies and bytes of a trace; EPLB fitted on it")
     p.add_argument("trace", help="trace .npz written by `moejax record`")
     p.add_argument("--devices", default="8,16,32", help="device counts, comma-separated (default 8,16,32)")
-    _add_model(p, "glm-5.3")
+    add_geometry_args(p, "glm-5.3")
     p.add_argument(
         "--expert-format",
         choices=STORAGE_FORMATS,
@@ -418,43 +254,3 @@ def register(subparsers) -> None:
     p.add_argument("--prefill", action="store_true", help="also report the prefill call(s) before them")
     p.add_argument("--plot", metavar="PNG", help="write the devices x layers heat map of expert time")
     p.set_defaults(func=run_trace)
-
-    p = subparsers.add_parser(
-        "advise",
-        help="rank placements for a trace's workload by simulated step time, on this "
-        "machine's measured costs or a target's compiled programs",
-    )
-    p.add_argument("trace", help="trace .npz written by `moejax record`")
-    add_model_args(p)  # the model (its geometry, dtype, expert format, kernel) and --devices, --json
-    p.add_argument(
-        "--target",
-        choices=("cpu", *targets.TARGETS),
-        default="cpu",
-        help="cpu: costs measured on this machine's virtual devices (decode); an accelerator: each layout's "
-        "decode step and prefill chunk compiled by its own compiler and priced from the HLO",
-    )
-    p.add_argument(
-        "--placements",
-        metavar="NAMES",
-        help="--target: only these placements, comma-separated (default all; hybrid at every ep x tp)",
-    )
-    p.add_argument(
-        "--context",
-        type=int,
-        default=PROMPT_LEN + OUTPUT_LEN,
-        help="--target: KV positions each decode row reads (default %(default)s)",
-    )
-    p.add_argument(
-        "--step-trace",
-        metavar="JSON",
-        action="append",
-        default=[],
-        help="a `moejax trace --json` report of the same workload (repeatable): its measured step and "
-        "imbalance beside the simulated ones",
-    )
-    p.add_argument(
-        "--costs",
-        metavar="FILE",
-        help="cost table JSON (default: measured on this machine, cached under ~/.cache/moejax/costs)",
-    )
-    p.set_defaults(func=run_advise)
