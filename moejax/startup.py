@@ -39,12 +39,10 @@ def configure_compile_cache() -> str:
 
 def jax_platforms() -> str:
     """JAX_PLATFORMS for this process: the user's, else "cpu" on a host with no accelerator
-    attached (`platform.attached_accelerator`), else jax's own choice (""). Before jax's import."""
+    attached (`platform.host_alone`), else jax's own choice (""). Before jax's import."""
     from moejax import platform
 
-    if "JAX_PLATFORMS" not in os.environ and not platform.attached_accelerator():
-        os.environ["JAX_PLATFORMS"] = "cpu"
-    if os.environ.get("JAX_PLATFORMS") == "cpu":
+    if platform.host_alone():
         _load_plugins_quietly()
     return os.environ.get("JAX_PLATFORMS", "")
 

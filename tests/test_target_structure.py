@@ -15,7 +15,7 @@ import pytest
 from compile_only import on
 
 import pallas_kernels as pk
-from moejax import plan, targets
+from moejax import plan, platform, targets
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 
 # Four scanned MoE layers of distinctive widths, a layer's experts larger than a TPU's on-chip memory
@@ -189,7 +189,7 @@ def test_the_xla_grouped_gemm_loops_a_known_number_of_times_on_a_gpu(fmt, rows):
     w = jax.ShapeDtypeStruct((16, 256, 192), jnp.bfloat16)
     if fmt != "unquantized":
         w = jax.eval_shape(lambda a: pk.quantize_experts(a, fmt), w)
-    f = jax.jit(lambda l, w, s: pk.grouped_gemm(l, w, s, backend="xla", platform="cuda"))
+    f = jax.jit(lambda l, w, s: pk.grouped_gemm(l, w, s, backend="xla", gemm_rows=platform.resolve("cuda").gemm_rows))
     hlo = (
         f.lower(
             on("h100", (rows, 256), jnp.bfloat16),
