@@ -161,7 +161,7 @@ class RaggedA2A(MeshPlacement):
     name = "ragged_a2a"
     home_replicas = True  # a replica on the row's own device saves the row its trip
 
-    def __init__(self, config, mesh=None, platform=None, use_ragged: bool | None = None):
+    def __init__(self, config, mesh=None, platform: Platform | None = None, use_ragged: bool | None = None):
         super().__init__(config, mesh, platform)
         # Only the used slots travel where the platform has a ragged all-to-all (`moejax.platform`).
         self.use_ragged = self.platform.ragged_all_to_all if use_ragged is None else use_ragged
