@@ -21,6 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
+from moejax import platform
+
+# The rows as XLA:CPU's engine meets them (a decode step's few gathered, more in its group loop).
+ROWS = platform.resolve("cpu").gemm_rows
 
 
 def timeit(fn, *args, min_time=0.3, max_reps=50) -> float:
@@ -64,9 +68,13 @@ def experts_forward(rows, weights, group_sizes, group_offset=0):
     """rows [P, H] sorted by expert -> [P, H]: down(silu(gate) * up) per row's expert, for the
     experts [group_offset, group_offset + E_local) that `weights` hold (other rows: 0)."""
     gate_up, down = weights
-    h = pk.grouped_gemm(rows, gate_up, group_sizes, group_offset=group_offset, preferred_element_type=jnp.float32)
+    h = pk.grouped_gemm(
+        rows, gate_up, group_sizes, group_offset=group_offset, preferred_element_type=jnp.float32, gemm_rows=ROWS
+    )
     gate, up = jnp.split(h, 2, axis=-1)
-    return pk.grouped_gemm((jax.nn.silu(gate) * up).astype(rows.dtype), down, group_sizes, group_offset=group_offset)
+    return pk.grouped_gemm(
+        (jax.nn.silu(gate) * up).astype(rows.dtype), down, group_sizes, group_offset=group_offset, gemm_rows=ROWS
+    )
 
 
 @jax.jit

@@ -35,6 +35,7 @@ from checkpoints import packing
 from checkpoints.quantization import PackedExperts
 from moejax.errors import UsageError
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, param_dtype
+from moejax.platform import host_device
 from moejax.vocab import QUANTIZED_FORMATS
 
 # Float32 bytes of the experts quantized in one go on the host: bounds the CPU device's
@@ -80,7 +81,7 @@ def host_form(spec: ParamSpec, array, dtype, expert_format: str, k_slices: int =
     per_chunk = max(1, HOST_CHUNK_BYTES // (4 * k * n * int(np.prod(array.shape[:ax], dtype=np.int64))))
     take = lambda a, s: None if a is None else a[(slice(None),) * ax + (slice(s, s + per_chunk),)]
     parts = []
-    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+    with jax.default_device(host_device()):
         for s in range(0, e, per_chunk):
             part = (
                 PackedExperts(take(array.values, s), take(array.scales, s), take(array.tensor_scale, s), array.fmt)

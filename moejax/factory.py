@@ -56,7 +56,7 @@ def ensure_devices(n: int) -> None:
 
     have = len(jax.devices())
     if have < n:
-        raise UsageError(f"--devices {n} asked for, but this machine has {have} {platform.backend()} devices")
+        raise UsageError(f"--devices {n} asked for, but this machine has {have} {platform.resolve().name} devices")
 
 
 def host_layout(config: Config) -> Config:
@@ -74,7 +74,7 @@ def host_layout(config: Config) -> Config:
     import jax
 
     single = dataclasses.replace(config.layout, devices=1)
-    if not platform.slices_over_cores():
+    if not platform.resolve().slices_over_cores:
         return dataclasses.replace(config, layout=single)
     # The most devices, up to one per core, that slice every expert evenly.
     for n in range(min(cores, len(jax.devices())), 1, -1):

@@ -21,7 +21,7 @@ from moejax.vocab import (
 )
 from sharding import registry
 
-AUTO = "auto"  # serve's placement flags: the layout advise ranks first (`analysis/layout_choice.py`)
+AUTO = "auto"  # serve's placement flags: the layout advise ranks first (`serving/layout_choice.py`)
 # Eight requests of different lengths: one per device under DP attention.
 DEFAULT_PROMPTS = [[(7 * r + 3 * i) % 97 + 1 for i in range(5 + 3 * r)] for r in range(8)]
 

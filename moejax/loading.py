@@ -18,7 +18,7 @@ from moejax.errors import UsageError
 from moejax.model import layer_loop
 from moejax.model.mtp import mtp_specs
 from moejax.model.params import ParamSpec, init_param, param_keys, param_specs
-from moejax.platform import forms_on_device, run_dtype
+from moejax.platform import host_device, run_dtype
 
 
 def with_hf_model(config: Config, hf_dir: str | None, checkpoint: str | None = None) -> Config:
@@ -48,12 +48,12 @@ def random_params(
     """Random parameters (`init_param`) placed as a checkpoint's would be, one layer at a time, so
     no device holds more than its own share plus a layer; each run of layers held by its loop of
     `loops` (default: stacked). Drawn (and 4-bit experts quantized) on the first device where
-    `on_device` (default: on an accelerator, one process: `platform.forms_on_device`), else on the
+    `on_device` (default: on an accelerator, one process: `Platform.forms_on_device`), else on the
     host's CPU device; the same values either way (threefry's bits do not depend on the device)."""
     c, dtype = config.model, jnp.dtype(run_dtype(config.engine.dtype))
     if on_device is None:
-        on_device = forms_on_device(placement.platform) and jax.process_count() == 1
-    key = jax.device_put(jax.random.key(seed), jax.devices()[0] if on_device else jax.local_devices(backend="cpu")[0])
+        on_device = placement.platform.forms_on_device and jax.process_count() == 1
+    key = jax.device_put(jax.random.key(seed), jax.devices()[0] if on_device else host_device())
     runs = loops or layer_loop.stacked(c)
 
     def place(path, spec: ParamSpec, k):

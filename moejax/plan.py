@@ -33,17 +33,18 @@ from jax.sharding import NamedSharding, PartitionSpec
 import pallas_kernels
 from moejax import targets
 from moejax.config import Config
-from moejax.engine.engine import decode_step, decode_steps, jit_program, prefill
 from moejax.engine.expert_placement import wants_slots
 from moejax.engine.kv_cache import init_cache, init_pool
 from moejax.engine.pages import pages_for
+from moejax.engine.programs import jit_program
 from moejax.engine.sampling import Sampling
+from moejax.engine.steps import decode_step, decode_steps, prefill
 from moejax.errors import UsageError
 from moejax.model import paged
 from moejax.model.attention import cache_specs
 from moejax.model.mtp import init_mtp_pool
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_dtype, param_specs
-from moejax.platform import backend, run_dtype
+from moejax.platform import Platform, resolve, run_dtype
 from sharding import make_placement, rules
 
 GB = 1e9
@@ -213,11 +214,11 @@ def _rows(placement, b: int):
     return jax.ShapeDtypeStruct((b,), jnp.int32, sharding=placement.sharding(("batch",), (b,)))
 
 
-def _planned_loops(config: Config, platform: str | None) -> Config:
+def _planned_loops(config: Config, platform: Platform) -> Config:
     """The layer loops a program runs at full size: on an accelerator the engine's (a GPU unrolls
-    every run, a TPU scans: `platform.unrolls`); on XLA:CPU each run one scan over its stacked
-    weights, its unrolled short runs being a CPU speed choice, not the plan's."""
-    if backend(platform) != "cpu":
+    every run, a TPU scans: `Platform.unrolls`); where `Platform.plan_scans` (XLA:CPU) each run one
+    scan over its stacked weights."""
+    if not platform.plan_scans:
         return config
     if config.engine.layer_loop == "unroll":
         raise UsageError(
@@ -264,12 +265,14 @@ def decode_program(
     page_size: int = 0,
     devices: list | None = None,
 ):
-    """(placement, the decode step bound to it, its abstract arguments) for `platform`: over a
-    contiguous cache, or (`page_size`) a page pool of the same positions and its block tables;
-    on `devices` (default: this machine's; a target's compile-only devices, `moejax.targets`).
-    The engine's jit of the step is `jit_program(step, dtype, decode=True, platform_name=platform,
-    donate_argnums=1)`: its precision and compiler options."""
-    placement = make_placement(_planned_loops(config, platform), platform, devices)
+    """(placement, the decode step bound to it, its abstract arguments) for `platform` (jax's name:
+    a target's "cuda" or "tpu"; default this machine's): over a contiguous cache, or (`page_size`) a
+    page pool of the same positions and its block tables; on `devices` (default: this machine's; a
+    target's compile-only devices, `moejax.targets`). The engine's jit of the step is
+    `jit_program(step, dtype, placement.platform, decode=True, donate_argnums=1)`: its precision
+    and compiler options."""
+    record = resolve(platform)
+    placement = make_placement(_planned_loops(config, record), record, devices)
     multiple = placement.batch_multiple()
     if batch % multiple:
         raise UsageError(f"--batch {batch} must be a multiple of {multiple} (requests split over the devices)")
@@ -323,8 +326,8 @@ def programs(
     block = functools.partial(decode_steps, block=config.engine.decode_block, sampling=Sampling(), **bind)
     jit = functools.partial(
         jit_program,
-        dtype=run_dtype(config.engine.dtype, placement.platform),
-        platform_name=placement.platform,
+        dtype=placement.platform.run_dtype(config.engine.dtype),
+        platform=placement.platform,
         donate_argnums=1,
     )
     pages = paged_rest[1:]  # the block table, after decode_step's `forced` (None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from moejax import targets
+from moejax import platform, targets
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.errors import UsageError
 from moejax.factory import ensure_devices
@@ -105,7 +105,7 @@ def cmd_plan(args) -> int:
             f"{gb('total_bytes_per_device'):>8}{'yes' if r['fits'] else 'no':>6}{done:>10}{r['compile_s']:>11.1f}"
         )
     compiler = (
-        ("XLA:GPU's" if target.platform == "cuda" else "the TPU compiler's")
+        f"{platform.resolve(target.platform).compiler}'s"
         if target
         else "XLA:CPU's (another compiler's buffers than a GPU's or TPU's: --target names one)"
     )

@@ -2,26 +2,32 @@
 
 XLA:CPU is a platform of its own for a decode step: it computes bf16 dots in f32 several times
 slower than f32 ones, copies every weight a layer scan slices, and gives one device's program
-one core. The engine, the engine factory and the grouped GEMM ask this module; config objects
-and model code hold no platform choice. `platform` arguments default to this machine's backend;
-a program compiled for another (`moejax plan --target`) names its platform.
+one core. A run's decisions are one record (`Platform`), resolved once (`resolve`) for this
+machine's backend or for a compile target's platform (`moejax plan --target`); the placement
+keeps it, the engine and the engine factory ask it, and the kernels receive its decisions as
+arguments. Config objects and model code hold no platform choice.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import glob
 import os
+import sys
 
-# engine.layer_loop "auto" unrolls runs of at most this many layers on XLA:CPU, where a scan
-# step's slice of each weight is a copy read and written once more per layer; unrolled, compile
-# time grows with depth, so a deep run keeps its scan.
-UNROLLED_LAYERS = 16
-# ... and every run on a GPU: XLA:GPU copies a scanned layer's weights out of their stack before
-# each GEMM reads them (a `dynamic_slice_fusion` memcpy of the attention, router and shared
-# expert's weights, every layer of every step), where a layer's own buffers are read in place.
-# A TPU reads a layer's slice in place (its prefetch into on-chip memory): it keeps the scan.
-UNROLLS_EVERY_RUN = ("gpu", "cuda")
+# One name per platform: jax calls a GPU "gpu" (its backend) or "cuda" (export, topologies).
+PLATFORMS = ("cpu", "gpu", "tpu")
+JAX_NAMES = {"cuda": "gpu"}
+
+# engine.layer_loop "auto" unrolls runs of at most this many layers, by platform (else none). On
+# XLA:CPU a scan step's slice of each weight is a copy read and written once more per layer;
+# unrolled, compile time grows with depth, so a deep run keeps its scan. On a GPU every run:
+# XLA:GPU copies a scanned layer's weights out of their stack before each GEMM reads them (a
+# `dynamic_slice_fusion` memcpy of the attention, router and shared expert's weights, every layer
+# of every step), where a layer's own buffers are read in place. A TPU reads a layer's slice in
+# place (its prefetch into on-chip memory): it keeps the scan.
+UNROLLED_LAYERS = {"cpu": 16, "gpu": sys.maxsize}
 
 # Prompt positions per prefill call (engine.prefill_chunk 0). On XLA:CPU a prompt runs fastest in
 # as few calls as possible (each expert GEMM gets more rows per expert); the cap bounds the
@@ -30,7 +36,23 @@ PREFILL_CHUNK = {"cpu": 1024}
 PREFILL_CHUNK_OTHER = 512
 
 # The grouped-GEMM backend kernel "auto" stands for, by platform (else the plain XLA loop).
-AUTO_KERNEL = {"cpu": "xla", "tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
+AUTO_KERNEL = {"cpu": "xla", "tpu": "pallas_tpu", "gpu": "pallas_gpu"}
+
+# The paged-attention kernel "auto" stands for, by platform (else the XLA gather).
+AUTO_ATTENTION_KERNEL = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
+
+# The platform each Pallas kernel is compiled for (the others run anywhere), as a refusal names
+# it, and where another way runs it: the grouped GEMMs (`--kernel`) and the paged attentions
+# (`--attention-kernel`).
+GEMM_KERNEL_NEEDS = {
+    "pallas_tpu": ("tpu", "a TPU", "kernel interpret runs it interpreted"),
+    "pallas_gpu": ("gpu", "an NVIDIA GPU", ""),
+    "blackwell": ("gpu", "an NVIDIA Blackwell (sm_100) GPU", ""),
+}
+ATTENTION_KERNEL_NEEDS = {
+    "pallas_tpu": ("tpu", "a TPU", "plan --target v5e compiles for one"),
+    "pallas_gpu": ("gpu", "an NVIDIA GPU", "interpret_gpu runs it interpreted"),
+}
 
 # XLA compiler options of decode programs, by platform. A decode step's dots are small (a few
 # rows per expert, a batch of rows through the LM head): on XLA:CPU its own dot emitter runs them
@@ -43,17 +65,13 @@ DECODE_COMPILER_OPTIONS = {"cpu": {"xla_cpu_experimental_ynn_fusion_type": ""}}
 # Triton GEMM fusion of the down product then tiles the gate and the up columns, stride-2 slices of
 # that slice, wrongly: a CHECK fails and the process aborts (jaxlib 0.10.2,
 # triton_tiling_propagation.cc "subdim_size_accumulator == dim_size"). A float32 run merges none.
-_NO_DOT_MERGER = {"xla_gpu_dot_merger_threshold_mb": 0}
-DTYPE_COMPILER_OPTIONS = {"float32": {"gpu": _NO_DOT_MERGER, "cuda": _NO_DOT_MERGER}}
+DTYPE_COMPILER_OPTIONS = {"float32": {"gpu": {"xla_gpu_dot_merger_threshold_mb": 0}}}
 
 # The matmul precision of a run's products, by run dtype (else each platform's default). float32
 # means float32 products on every platform: XLA:GPU and Triton would multiply float32 as TF32 (an
 # H200's float32 logits were 1.1e-3 off transformers', 1.2e-6 at full precision) and the TPU in one
 # bf16 pass; XLA:CPU's float32 products are full precision either way.
 MATMUL_PRECISION = {"float32": "highest"}
-
-# The paged-attention kernel "auto" stands for, by platform (else the XLA gather).
-AUTO_ATTENTION_KERNEL = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
 
 # How the XLA grouped GEMM (`pallas_kernels/gmm_xla.py`) meets its rows, by platform. XLA:CPU
 # loops over the touched groups only, a trip count computed on the device; up to GATHER_ROWS rows
@@ -74,28 +92,208 @@ ACCELERATOR_GATHER_ROWS = 128
 # reads only its requests' pages: an idle page costs memory, not time); on an accelerator this
 # share of the memory the devices have free once the weights are in (the rest holds activations
 # and programs).
-CPU_KV_CACHE_TOKENS = 32768
+KV_CACHE_TOKENS = {"cpu": 32768}
 KV_MEMORY_SHARE = 0.8
 
+# Whose buffers and temporaries a compiled program's figures are (`moejax plan`).
+COMPILERS = {"cpu": "XLA:CPU", "gpu": "XLA:GPU", "tpu": "the TPU compiler"}
 
 # Device files of the accelerators jax's plugins drive: NVIDIA GPUs, TPUs (and their VFIO form).
 ACCELERATOR_DEVICES = ("/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*")
 
 
+def canonical(name: str) -> str:
+    """jax's name of a platform ("cpu", "gpu", "cuda", "tpu") as one of PLATFORMS ("cuda": "gpu")."""
+    name = JAX_NAMES.get(name, name)
+    if name not in PLATFORMS:
+        raise ValueError(f"unknown platform {name!r}; moejax runs on {', '.join(PLATFORMS)}")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """The decisions of a run on one platform (see the tables above for why each is what it is)."""
+
+    name: str  # one of PLATFORMS
+    auto_kernel: str  # the grouped GEMM "auto" stands for
+    auto_attention_kernel: str  # the paged attention "auto" stands for
+    # layer_loop "auto" unrolls runs of at most this many layers
+    unrolled_layers: int
+    # Whether an unrolled run holds its slices as buffers of their own: a decode block's contiguous
+    # cache a buffer set per layer (`kv_cache.per_layer`), and, for a kernel that multiplies a group
+    # where it lies through a `lax.switch`, each expert of a layer (`pallas_kernels/layered.py`). On
+    # XLA:CPU only, where a slice read out of a stack is a copy. On a GPU the split cache is a second
+    # whole cache (a block over Qwen3-30B-A3B's 206 GB of cache took 206 GB more), and a conditional
+    # would read its branch index back to the host.
+    buffers_apart: bool
+    # Whether `jax.lax.ragged_all_to_all` runs (XLA:CPU lacks it: an exchange sends its whole blocks
+    # through a dense all-to-all there).
+    ragged_all_to_all: bool
+    # Whether random weights are drawn, and 4-bit experts quantized, on the run's first device: on an
+    # accelerator (seconds; the host's CPU device took 176 s for the 48-layer Qwen3-30B-A3B shape,
+    # then a copy to the device), not on XLA:CPU, where the host's device works a few experts at a
+    # time to bound its temporaries (`checkpoints/placing.py`).
+    forms_on_device: bool
+    # Whether layout.devices "auto" means one virtual device per core with every weight sliced over
+    # them (XLA:CPU runs one device's program on one core), rather than one device.
+    slices_over_cores: bool
+    # Whether `moejax plan` compiles every run of layers as a scan over its stacked weights: on
+    # XLA:CPU, whose unrolled short runs are a speed choice of its own, not the plan's.
+    plan_scans: bool
+    prefill_chunk: int  # engine.prefill_chunk 0
+    kv_cache_tokens: int | None  # the page pool's default positions (None: KV_MEMORY_SHARE of free memory)
+    compiler: str  # whose programs they are
+    # Whether its compiler logs from C++, as it starts on a host without the device, that it finds
+    # none (libtpu: its accelerator type, its hosts), before any log setting applies.
+    starts_loudly: bool
+
+    def kernel(self, name: str) -> str:
+        """The grouped-GEMM backend kernel `name` stands for ("auto": the platform's)."""
+        return self.auto_kernel if name == "auto" else name
+
+    def attention_kernel(self, name: str) -> str:
+        """The paged-attention kernel `name` stands for ("auto": the platform's)."""
+        return self.auto_attention_kernel if name == "auto" else name
+
+    def refusal(self, kernel: str, needs: dict) -> str | None:
+        """Why `kernel` (of GEMM_KERNEL_NEEDS or ATTENTION_KERNEL_NEEDS: `needs`) cannot run here, or None."""
+        where, what, instead = needs.get(kernel, (self.name, "", ""))
+        if where == self.name:
+            return None
+        return f"needs {what}; this machine's backend is {self.name}" + (f" ({instead})" if instead else "")
+
+    def run_dtype(self, dtype: str) -> str:
+        """engine.dtype with "auto" resolved: float32 on XLA:CPU (its bf16 dots are slower), else bfloat16."""
+        if dtype != "auto":
+            return dtype
+        return "float32" if self.name == "cpu" else "bfloat16"
+
+    def unrolls(self, layer_loop: str, layers: int) -> bool:
+        """Whether a run of `layers` identical layers executes unrolled over per-layer arrays (else as
+        a scan over their stack), for engine.layer_loop ("auto": on XLA:CPU short runs, on a GPU
+        every run, on a TPU none)."""
+        if layer_loop != "auto":
+            return layer_loop == "unroll"
+        return layers <= self.unrolled_layers
+
+    def gemm_rows(self, rows: int, quantized: bool) -> str:
+        """How the XLA grouped GEMM multiplies `rows` rows by a stack of experts (`quantized`: 4-bit):
+        "groups" (a loop over the touched groups), "gather" (each row's expert gathered, one batched
+        product), "rows" (each row's expert sliced and multiplied apart) or "tiles" (a loop of a static
+        number of row tiles)."""
+        if self.name == "cpu":
+            return "gather" if rows <= GATHER_ROWS and not quantized else "groups"
+        if rows > ACCELERATOR_GATHER_ROWS:
+            return "tiles"
+        return "rows" if self.name == "tpu" else "gather"
+
+    def compiler_options(self, dtype, decode: bool = False) -> dict | None:
+        """XLA compiler options of a jitted engine program of a run in `dtype` (a dtype or its name);
+        `decode`: a decode program (None: XLA's defaults)."""
+        options = {
+            **(DECODE_COMPILER_OPTIONS.get(self.name, {}) if decode else {}),
+            **DTYPE_COMPILER_OPTIONS.get(str(dtype), {}).get(self.name, {}),
+        }
+        return options or None
+
+    @staticmethod
+    def matmul_precision(dtype) -> str | None:
+        """jax's matmul precision for the products of a run in `dtype` (a dtype or its name): "highest"
+        for float32, None (the platform's default) otherwise."""
+        return MATMUL_PRECISION.get(str(dtype))
+
+    def at_matmul_precision(self, fn, dtype):
+        """`fn` traced at the matmul precision of a run in `dtype`: every product an engine program
+        (or a kernel it calls) traces without a precision of its own takes it."""
+        precision = self.matmul_precision(dtype)
+        if precision is None:
+            return fn
+        import jax
+
+        @functools.wraps(fn)  # the signature a jit reads static arguments from
+        def traced(*args, **kwargs):
+            with jax.default_matmul_precision(precision):
+                return fn(*args, **kwargs)
+
+        # the program's name (jit_decode_step, ...), which `moejax trace` matches
+        traced.__name__ = traced.__qualname__ = getattr(fn, "func", fn).__name__
+        return traced
+
+    def kv_cache_bytes(self, devices: list) -> int:
+        """The page pool's default bytes over `devices` where the platform sizes it by memory
+        (`kv_cache_tokens` None): KV_MEMORY_SHARE of the least free device's memory times their count."""
+        import jax
+
+        # Over several processes each reads its own devices (`pool_pages` takes the smallest pool).
+        stats = [d.memory_stats() or {} for d in devices if d.process_index == jax.process_index()]
+        free = min(s.get("bytes_limit", 0) - s.get("bytes_in_use", 0) for s in stats)
+        return int(KV_MEMORY_SHARE * max(0, free) * len(devices))
+
+    def concurrent_devices(self) -> int:
+        """How many devices' programs run at once (XLA:CPU's virtual devices share the host's cores)."""
+        return host_cores() if self.name == "cpu" else 1 << 20
+
+
+@functools.cache
+def _record(name: str) -> Platform:
+    return Platform(
+        name=name,
+        auto_kernel=AUTO_KERNEL.get(name, "xla"),
+        auto_attention_kernel=AUTO_ATTENTION_KERNEL.get(name, "xla"),
+        unrolled_layers=UNROLLED_LAYERS.get(name, 0),
+        buffers_apart=name == "cpu",
+        ragged_all_to_all=name != "cpu",
+        forms_on_device=name != "cpu",
+        slices_over_cores=name == "cpu",
+        plan_scans=name == "cpu",
+        prefill_chunk=PREFILL_CHUNK.get(name, PREFILL_CHUNK_OTHER),
+        kv_cache_tokens=KV_CACHE_TOKENS.get(name),
+        compiler=COMPILERS[name],
+        starts_loudly=name == "tpu",
+    )
+
+
+def resolve(name: str | None = None) -> Platform:
+    """The decisions of a run on platform `name` (jax's name: a compile target's "cuda" or "tpu"),
+    default this machine's jax backend."""
+    if not name:
+        import jax  # here, so that reading a config does not load jax
+
+        name = jax.default_backend()
+    return _record(canonical(name))
+
+
+def run_dtype(dtype: str, platform: str | None = None) -> str:
+    """engine.dtype with "auto" resolved for `platform` (default: this machine's), for the readers of
+    a config that build no placement (checkpoints, `compare`, the cost tables)."""
+    return resolve(platform).run_dtype(dtype)
+
+
+def prefill_chunk(chunk: int, platform: str | None = None) -> int:
+    """engine.prefill_chunk with 0 resolved to `platform`'s default (this machine's by default)."""
+    return chunk or resolve(platform).prefill_chunk
+
+
 def attached_accelerator() -> bool:
     """Whether this host has a GPU or TPU attached. Without one, the compile-only plugins of the
     `targets` extra (jax's CUDA plugin, libtpu) would each try to start a device at jax's first
-    use and print their failures; the CLI then runs jax on the CPU alone (`startup.jax_platforms`)."""
+    use and print their failures; the CLI then runs jax on the CPU alone (`host_alone`)."""
     return any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICES)
 
 
-def backend(platform: str | None = None) -> str:
-    """`platform`, or this machine's jax backend ("cpu", "gpu", "tpu")."""
-    if platform:
-        return platform
-    import jax  # here, so that reading a config does not load jax
+def host_alone() -> bool:
+    """Whether jax runs on the host's CPU alone: JAX_PLATFORMS as the user set it, else "cpu" (set
+    here, before jax's import) on a host with no accelerator attached."""
+    if "JAX_PLATFORMS" not in os.environ and not attached_accelerator():
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    return os.environ.get("JAX_PLATFORMS") == "cpu"
 
-    return jax.default_backend()
+
+def host_device():
+    """The host's CPU device, where weights are formed off an accelerator (`Platform.forms_on_device`)."""
+    import jax
+
+    return jax.local_devices(backend="cpu")[0]
 
 
 def host_cores() -> int:
@@ -103,131 +301,3 @@ def host_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
-
-
-def run_dtype(dtype: str, platform: str | None = None) -> str:
-    """engine.dtype with "auto" resolved: float32 on XLA:CPU (its bf16 dots are slower), else bfloat16."""
-    if dtype != "auto":
-        return dtype
-    return "float32" if backend(platform) == "cpu" else "bfloat16"
-
-
-def unrolls(layer_loop: str, layers: int, platform: str | None = None) -> bool:
-    """Whether a run of `layers` identical layers executes unrolled over per-layer arrays (else as
-    a scan over their stack), for engine.layer_loop ("auto": on XLA:CPU short runs, on a GPU
-    every run, on a TPU none)."""
-    if layer_loop != "auto":
-        return layer_loop == "unroll"
-    where = backend(platform)
-    return where in UNROLLS_EVERY_RUN or (where == "cpu" and layers <= UNROLLED_LAYERS)
-
-
-def forms_on_device(platform: str | None = None) -> bool:
-    """Whether random weights are drawn, and 4-bit experts quantized, on the run's first device:
-    on an accelerator (seconds; the host's CPU device took 176 s for the 48-layer Qwen3-30B-A3B
-    shape, then a copy to the device), not on XLA:CPU, where the host's device works a few experts
-    at a time to bound its temporaries (`checkpoints/placing.py`)."""
-    return backend(platform) != "cpu"
-
-
-def buffers_apart(platform: str | None = None) -> bool:
-    """Whether an unrolled run holds its slices as buffers of their own: a decode block's
-    contiguous cache a buffer set per layer (`kv_cache.per_layer`), and, for a kernel that
-    multiplies a group where it lies through a `lax.switch`, each expert of a layer
-    (`pallas_kernels/layered.py`). On XLA:CPU only, where a slice read out of a stack is a copy.
-    On a GPU the split cache is a second whole cache (a block over Qwen3-30B-A3B's 206 GB of
-    cache took 206 GB more), and a conditional would read its branch index back to the host."""
-    return backend(platform) == "cpu"
-
-
-def prefill_chunk(chunk: int, platform: str | None = None) -> int:
-    """engine.prefill_chunk with 0 resolved to the platform's default."""
-    return chunk or PREFILL_CHUNK.get(backend(platform), PREFILL_CHUNK_OTHER)
-
-
-def kernel(name: str, platform: str | None = None) -> str:
-    """The grouped-GEMM backend kernel `name` stands for on `platform` ("auto": by platform)."""
-    return AUTO_KERNEL.get(backend(platform), "xla") if name == "auto" else name
-
-
-def gemm_rows(rows: int, quantized: bool, platform: str | None = None) -> str:
-    """How the XLA grouped GEMM multiplies `rows` rows by a stack of experts (`quantized`: 4-bit)
-    on `platform`: "groups" (a loop over the touched groups), "gather" (each row's expert gathered,
-    one batched product), "rows" (each row's expert sliced and multiplied apart) or "tiles" (a loop
-    of a static number of row tiles)."""
-    where = backend(platform)
-    if where == "cpu":
-        return "gather" if rows <= GATHER_ROWS and not quantized else "groups"
-    if rows > ACCELERATOR_GATHER_ROWS:
-        return "tiles"
-    return "rows" if where == "tpu" else "gather"
-
-
-def compiler_options(dtype: str, decode: bool = False, platform: str | None = None) -> dict | None:
-    """XLA compiler options of a jitted engine program of a run in `dtype` (a dtype or its name) on
-    `platform`; `decode`: a decode program (None: XLA's defaults)."""
-    name = backend(platform)
-    options = {
-        **(DECODE_COMPILER_OPTIONS.get(name, {}) if decode else {}),
-        **DTYPE_COMPILER_OPTIONS.get(str(dtype), {}).get(name, {}),
-    }
-    return options or None
-
-
-def matmul_precision(dtype) -> str | None:
-    """jax's matmul precision for the products of a run in `dtype` (a dtype or its name): "highest"
-    for float32, None (the platform's default) otherwise."""
-    return MATMUL_PRECISION.get(str(dtype))
-
-
-def at_matmul_precision(fn, dtype):
-    """`fn` traced at the matmul precision of a run in `dtype`: every product an engine program
-    (or a kernel it calls) traces without a precision of its own takes it."""
-    precision = matmul_precision(dtype)
-    if precision is None:
-        return fn
-    import jax
-
-    @functools.wraps(fn)  # the signature a jit reads static arguments from
-    def traced(*args, **kwargs):
-        with jax.default_matmul_precision(precision):
-            return fn(*args, **kwargs)
-
-    # the program's name (jit_decode_step, ...), which `moejax trace` matches
-    traced.__name__ = traced.__qualname__ = getattr(fn, "func", fn).__name__
-    return traced
-
-
-def kv_cache_bytes(devices: list) -> int:
-    """The page pool's default bytes over `devices`: 0 on XLA:CPU (CPU_KV_CACHE_TOKENS instead),
-    else KV_MEMORY_SHARE of the least free device's memory times their count."""
-    if devices[0].platform == "cpu":
-        return 0
-    import jax
-
-    # Over several processes each reads its own devices (`pool_pages` takes the smallest pool).
-    stats = [d.memory_stats() or {} for d in devices if d.process_index == jax.process_index()]
-    free = min(s.get("bytes_limit", 0) - s.get("bytes_in_use", 0) for s in stats)
-    return int(KV_MEMORY_SHARE * max(0, free) * len(devices))
-
-
-def attention_kernel(name: str, platform: str | None = None) -> str:
-    """The paged-attention kernel `name` stands for on `platform` ("auto": by platform)."""
-    return AUTO_ATTENTION_KERNEL.get(backend(platform), "xla") if name == "auto" else name
-
-
-def ragged_all_to_all(platform: str | None = None) -> bool:
-    """Whether `jax.lax.ragged_all_to_all` runs on `platform` (XLA:CPU lacks it: an exchange
-    sends its whole blocks through a dense all-to-all there)."""
-    return backend(platform) != "cpu"
-
-
-def slices_over_cores(platform: str | None = None) -> bool:
-    """Whether layout.devices "auto" means one virtual device per core with every weight sliced
-    over them (XLA:CPU runs one device's program on one core), rather than one device."""
-    return backend(platform) == "cpu"
-
-
-def concurrent_devices(platform: str | None = None) -> int:
-    """How many devices' programs run at once (XLA:CPU's virtual devices share the host's cores)."""
-    return host_cores() if backend(platform) == "cpu" else 1 << 20

@@ -40,12 +40,10 @@ def configure_compile_cache() -> str:
 
 def jax_platforms() -> str:
     """JAX_PLATFORMS for this process: the user's, else "cpu" on a host with no accelerator
-    attached (`platform.attached_accelerator`), else jax's own choice (""). Before jax's import."""
+    attached (`platform.host_alone`), else jax's own choice (""). Before jax's import."""
     from moejax import platform
 
-    if "JAX_PLATFORMS" not in os.environ and not platform.attached_accelerator():
-        os.environ["JAX_PLATFORMS"] = "cpu"
-    if os.environ.get("JAX_PLATFORMS") == "cpu":
+    if platform.host_alone():
         _load_plugins_quietly()
     return os.environ.get("JAX_PLATFORMS", "")
 
@@ -91,10 +89,10 @@ def start_tpu_compiler_quietly(target: str | None) -> None:
     host where jax runs on the CPU: there libtpu logs from C++ that it finds no TPU (its
     accelerator type, its hosts) as it starts, before any log setting applies, five lines ahead
     of the verb's own output or its one-line refusal."""
-    from moejax import targets
+    from moejax import platform, targets
 
     t = targets.TARGETS.get(target)
-    if t is None or t.platform != "tpu" or os.environ.get("JAX_PLATFORMS") != "cpu":
+    if t is None or not platform.resolve(t.platform).starts_loudly or not platform.host_alone():
         return
     with _native_stderr_shut():
         targets.devices(t.name, 1)

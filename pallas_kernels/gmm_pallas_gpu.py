@@ -32,7 +32,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from moejax.platform import matmul_precision
 from pallas_kernels import decode, epilogue, formats, layered, metadata, tiling
 from pallas_kernels.triton_blocks import column_pairs as _column_pairs
 from pallas_kernels.triton_blocks import iota as _iota
@@ -63,6 +62,7 @@ def _kernel(
     n,
     pairs,
     cdtype,
+    precision,
     tables,
     act,
 ):
@@ -82,8 +82,8 @@ def _kernel(
         g = group_ids[t]
         local, m0 = g - offset[0], m_tile_ids[t] * tm
         at = first[0] + local  # the group's weights
-        # float32 products at full precision (Triton's "ieee", not its default TF32)
-        dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=matmul_precision(cdtype))
+        # a float32 run's products at full precision (Triton's "ieee", not its default TF32)
+        dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
         rows = pl.ds(m0, tm)
         width, out_cols = tn // pairs, n // pairs  # this program's output columns (column pairs), of out_cols
         cols = pl.ds(n_i * width, width)
@@ -142,7 +142,16 @@ def _kernel(
 
 
 def gmm_pallas_gpu(
-    lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret: bool = False, tk: int | None = None, epilogue=None
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    out_dtype,
+    *,
+    interpret: bool = False,
+    tk: int | None = None,
+    epilogue=None,
+    precision=None,
 ):
     """The Triton twin of `gmm_pallas_tpu`: the same arguments, epilogue and result; rhs may also
     be one layer of a stack (`layered.LayerOf`)."""
@@ -179,6 +188,7 @@ def gmm_pallas_gpu(
         n=n,
         pairs=pairs,
         cdtype=tiling.compute_dtype(lhs.dtype, rhs),
+        precision=precision,
         tables=has,
         act=act,
     )

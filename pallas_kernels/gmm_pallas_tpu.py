@@ -26,7 +26,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from moejax.platform import matmul_precision
 from pallas_kernels import decode, epilogue, formats, layered, metadata, tiling
 
 SCALE_SUBLANES = 32  # rows of a Mosaic tile of 8-bit data (the scale bits)
@@ -59,6 +58,7 @@ def _kernel(
     tm,
     tiles_k,
     cdtype,
+    precision,
     tables,
     act,
 ):
@@ -77,8 +77,8 @@ def _kernel(
     def _():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    # float32 products at full precision (Mosaic's fp32 contraction, not one bf16 pass)
-    dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=matmul_precision(cdtype))
+    # a float32 run's products at full precision (Mosaic's fp32 contraction, not one bf16 pass)
+    dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
     if quantized:
         x_lo, x_hi, values, *scales = ins
         if len(scales) == 1:  # one block of both halves' scale rows: split as int32 (8-row tiles)
@@ -116,14 +116,24 @@ def _lane_pairs(y, pairs_ref):
 
 
 def gmm_pallas_tpu(
-    lhs, rhs, group_sizes, group_offset, out_dtype, *, interpret: bool = False, tk: int | None = None, epilogue=None
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    out_dtype,
+    *,
+    interpret: bool = False,
+    tk: int | None = None,
+    epilogue=None,
+    precision=None,
 ):
     """lhs [M, K], rhs [G_local, K, N] (array or QuantizedArray, or a LayerOf either), group_sizes [G]
     -> [M, N].
 
     tk overrides the K tile (tests use it to run several K steps on small shapes). epilogue:
     (column scales [G_local, N] or None, bias [G_local, N] or None, act): a gate|up rhs
-    (`fuses_glu`), out [M, N/2] = act(gate, up) of the scaled, biased product.
+    (`fuses_glu`), out [M, N/2] = act(gate, up) of the scaled, biased product. precision: jax's
+    matmul precision of the products (the run's: "highest" for float32; None: the platform's default).
     """
     m, k = lhs.shape
     g_local, _, n = rhs.shape
@@ -187,6 +197,7 @@ def gmm_pallas_tpu(
         tm=tm,
         tiles_k=tiles_k,
         cdtype=tiling.compute_dtype(lhs.dtype, rhs),
+        precision=precision,
         tables=has,
         act=act,
     )

@@ -10,7 +10,7 @@ The loop's trip count is computed on the device, which an accelerator's runtime 
 the host on every iteration (XLA:GPU). There few rows (a decode step) each load their own
 group (4-bit ones decoded) and multiply it, with no loop, and many rows go a tile of `tm` rows
 at a time through a loop of as many tiles as the rows can fill (megablox's schedule): each tile
-one group's, the tiles past the rows' own masked. `moejax.platform.gemm_rows` chooses the way.
+one group's, the tiles past the rows' own masked. The caller's `gemm_rows` chooses the way.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moejax.platform import gemm_rows, matmul_precision
 from pallas_kernels import decode, formats, layered
 from pallas_kernels.epilogue import finish, finish_product, gate_up_columns, glu
 from pallas_kernels.metadata import local_groups, varying_zeros
@@ -137,10 +136,13 @@ def gmm_xla(
     combine=None,
     bias=None,
     epilogue=None,
-    platform: str | None = None,
+    gemm_rows=None,
+    precision=None,
 ):
     """lhs [M, K], rhs [G_local, K, N] (array or QuantizedArray, or a LayerOf either),
-    group_sizes [G] -> [M, N], the way `moejax.platform.gemm_rows` gives for M rows on `platform`.
+    group_sizes [G] -> [M, N], the way gemm_rows(M, 4-bit rhs) gives (a platform's choice,
+    `moejax.platform.Platform.gemm_rows`): "groups", "gather", "rows" or "tiles" (None: "groups");
+    its products at jax's matmul `precision` (None: the default).
 
     lhs_rows [M] (lhs then [T, K]): row r is lhs[lhs_rows[r]], gathered by each chunk as it
     goes, so the sorted [M, K] rows are never written.
@@ -154,15 +156,13 @@ def gmm_xla(
     """
     m, n = (lhs if lhs_rows is None else lhs_rows).shape[0], rhs.shape[2]
     g_local = rhs.shape[0]
-    # The math is f32 whatever the rows' dtype; the products' precision is that of the rows' (the run's).
-    precision = matmul_precision(lhs.dtype)
     act = None
     if epilogue is not None:
         _, bias, act = epilogue  # no column scales: the loop applies a stack's own as it decodes
     way = (
         "groups"
-        if isinstance(rhs, layered.Groups)
-        else gemm_rows(m, isinstance(layered.stored(rhs), formats.QuantizedArray), platform)
+        if isinstance(rhs, layered.Groups) or gemm_rows is None
+        else gemm_rows(m, isinstance(layered.stored(rhs), formats.QuantizedArray))
     )
     if way in ("gather", "rows"):
         lhs = lhs if lhs_rows is None else lhs[lhs_rows]

@@ -58,15 +58,6 @@ def head_dim(name: str, dh: int) -> int:
     return dh
 
 
-def unavailable(name: str, platform: str) -> str | None:
-    """Why kernel `name` cannot run on `platform`, or None if it can."""
-    if name == "pallas_tpu" and platform != "tpu":
-        return f"needs a TPU; this machine's backend is {platform} (plan --target v5e compiles for one)"
-    if name == "pallas_gpu" and platform not in ("gpu", "cuda"):
-        return f"needs an NVIDIA GPU; this machine's backend is {platform} (interpret_gpu runs it interpreted)"
-    return None
-
-
 def attend(name: str, q, pool: dict, lens, table, scale: float):
     """q: [B, T, H, Dh] queries at each request's last T positions, lens: int32 [B] its positions
     so far (the last query's + 1), table: [B, P] -> [B, T, H, Dh]."""

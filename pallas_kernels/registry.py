@@ -1,4 +1,4 @@
-"""`grouped_gemm`: the one entry point; picks a backend by name or by platform."""
+"""`grouped_gemm`: the one entry point; runs the backend it is named, with the platform's decisions it is handed."""
 
 from __future__ import annotations
 
@@ -9,33 +9,29 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from moejax import platform as platforms
 from moejax.vocab import KERNELS
 from pallas_kernels import epilogue, formats, layered
 
-# The names are moejax.vocab.KERNELS ("auto": moejax.platform.kernel): the module of pallas_kernels
-# holding the backend (a function of the module's name), and keyword arguments.
+# The names are moejax.vocab.KERNELS (but "auto", which the caller resolves: `moejax.platform`): the
+# module of pallas_kernels holding the backend (a function of the module's name), its keyword
+# arguments, and the platform's decisions it takes (`grouped_gemm`'s arguments of those names).
 # A backend's module is imported on first use, so a CPU run never loads Mosaic GPU, Triton or
 # Mosaic TPU (~0.3 s of every command's start-up).
 _IMPLS = {
-    "xla": ("gmm_xla", {}),
-    "pallas_tpu": ("gmm_pallas_tpu", {}),
-    "pallas_gpu": ("gmm_pallas_gpu", {}),
-    "blackwell": ("gmm_blackwell", {}),  # 4-bit rows x 4-bit weights on sm_100
-    "interpret": ("gmm_pallas_tpu", {"interpret": True}),
-    "interpret_gpu": ("gmm_pallas_gpu", {"interpret": True}),
+    "xla": ("gmm_xla", {}, ("gemm_rows", "precision")),
+    "pallas_tpu": ("gmm_pallas_tpu", {}, ("precision",)),
+    "pallas_gpu": ("gmm_pallas_gpu", {}, ("precision",)),
+    "blackwell": ("gmm_blackwell", {}, ()),  # 4-bit rows x 4-bit weights on sm_100
+    "interpret": ("gmm_pallas_tpu", {"interpret": True}, ("precision",)),
+    "interpret_gpu": ("gmm_pallas_gpu", {"interpret": True}, ("precision",)),
 }
 if set(KERNELS) != {"auto", *_IMPLS}:
     raise ImportError("moejax.vocab.KERNELS and the kernel implementations differ")
 
 
-def unavailable(name: str, platform: str, expert_format: str) -> str | None:
-    """Why kernel `name` cannot run on `platform` with these experts, or None if it can."""
-    if name in ("pallas_tpu",) and platform != "tpu":
-        return f"needs a TPU; this machine's backend is {platform} (kernel interpret runs it interpreted)"
-    if name in ("pallas_gpu", "blackwell") and platform not in ("gpu", "cuda"):
-        gpu = "an NVIDIA Blackwell (sm_100) GPU" if name == "blackwell" else "an NVIDIA GPU"
-        return f"needs {gpu}; this machine's backend is {platform}"
+def unavailable(name: str, expert_format: str) -> str | None:
+    """Why kernel `name` cannot run with these experts on this machine (on its platform:
+    `moejax.platform.Platform.refusal`), or None if it can."""
     if name == "blackwell":
         if expert_format not in formats.FORMATS:
             return f"multiplies 4-bit rows by 4-bit experts; choose expert format {' or '.join(formats.FORMATS)}"
@@ -80,32 +76,34 @@ def _load(module: str, name: str):
     return getattr(importlib.import_module(f"pallas_kernels.{module}"), name)
 
 
-def _backend_fn(name: str, platform: str | None = None):
-    """Backend `name`'s grouped GEMM; the XLA path's loops are `platform`'s (`moejax.platform.gemm_rows`)."""
-    module, kwargs = _IMPLS[_known(name)]
-    return functools.partial(_load(module, module), **kwargs, **({"platform": platform} if name == "xla" else {}))
+def _backend_fn(name: str, gemm_rows=None, precision=None):
+    """Backend `name`'s grouped GEMM, with those of the platform's decisions it takes (`grouped_gemm`)."""
+    module, kwargs, takes = _IMPLS[_known(name)]
+    decisions = {"gemm_rows": gemm_rows, "precision": precision}
+    return functools.partial(_load(module, module), **kwargs, **{k: decisions[k] for k in takes})
 
 
 def _known(name: str) -> str:
     if name not in _IMPLS:
-        raise ValueError(f"unknown grouped_gemm backend {name!r}; expected one of {KERNELS}")
+        raise ValueError(f"unknown grouped_gemm backend {name!r}; expected one of {tuple(_IMPLS)}")
     return name
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "preferred_element_type", "act", "platform"))
+@functools.partial(jax.jit, static_argnames=("backend", "preferred_element_type", "act", "gemm_rows", "precision"))
 def grouped_gemm(
     lhs,
     rhs,
     group_sizes,
     *,
     group_offset=0,
-    backend: str = "auto",
+    backend: str = "xla",
     preferred_element_type=None,
     bias=None,
     act=None,
     lhs_rows=None,
     combine=None,
-    platform: str | None = None,
+    gemm_rows=None,
+    precision=None,
 ):
     """out[r] = lhs[r] @ rhs[g(r) - group_offset] (+ bias[g(r) - group_offset]) for rows r of
     local groups, else 0; with `act`, rhs is a gate|up stack (gate and up interleaved along N)
@@ -125,8 +123,10 @@ def grouped_gemm(
     (`order`: sorted row -> flat pick), without act: returns [T, N], each token's picks' rows
     weighted and summed (`epilogue.combine`; the XLA loop adds each chunk into its tokens' rows
     as it goes, in group order, and never writes the [M, N] product).
-    platform: the platform the program is built for (default: this machine's), which resolves
-    "auto" and the XLA path's loops (`moejax.platform.gemm_rows`).
+    backend: a kernel's name (a placement's `kernel`: "auto" resolved for its platform).
+    gemm_rows: gemm_rows(M, 4-bit rhs) -> how the XLA path meets M rows, the platform's choice
+    (`moejax.platform.Platform.gemm_rows`; None: its loop over the touched groups). precision:
+    jax's matmul precision of the kernels' products (the run's: `Platform.matmul_precision`).
     Returns [M, N] (with act: [M, N/2]) in preferred_element_type (default: lhs.dtype).
     """
     chex.assert_rank([lhs, group_sizes], [2, 1])
@@ -139,8 +139,7 @@ def grouped_gemm(
     if isinstance(stack, formats.QuantizedArray) and stack.axis != -2:
         raise ValueError("a 4-bit rhs must be quantized along K (axis=-2)")
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
-    backend = platforms.kernel(backend, platform)  # a placement passes its target's kernel and platform
-    kernel = _backend_fn(backend, platform)
+    kernel = _backend_fn(backend, gemm_rows=gemm_rows, precision=precision)
     if lhs_rows is not None and not getattr(_module(backend), "GATHERS_ROWS", False):
         lhs, lhs_rows = lhs[lhs_rows], None
     rows = {} if lhs_rows is None else {"lhs_rows": lhs_rows}

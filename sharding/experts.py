@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from moejax.model.layers import silu_glu
+from moejax.platform import Platform
 
 
 def expert_ffn(
@@ -21,10 +22,10 @@ def expert_ffn(
     w: dict,
     *,
     picks,
+    kernel: str,
+    platform: Platform,
     group_offset=0,
-    kernel: str = "auto",
     first_slice=True,
-    platform: str | None = None,
 ) -> jax.Array:
     """x: [T, D] tokens; group_sizes: [E_total] of their T*k picks sorted by expert; w: gate_up [E,
     D, 2F] (gate and up interleaved: one grouped GEMM for both), down [E, F, D], optional biases
@@ -34,8 +35,9 @@ def expert_ffn(
 
     Picks of experts outside [group_offset, group_offset + E) and rows past sum(group_sizes)
     contribute zero. Where F is sliced (K-sliced down projections), every slice's output is a
-    partial sum: only the `first_slice` adds the down bias, so the sum has it once. `platform`:
-    the one the program is built for (default: this machine's), as the kernel runs there.
+    partial sum: only the `first_slice` adds the down bias, so the sum has it once. `kernel`
+    (resolved: not "auto") runs as on `platform`, the one the program is built for: its XLA path's
+    rows and the run's matmul precision are the platform's decisions.
     """
     gmm = functools.partial(
         pallas_kernels.grouped_gemm,
@@ -43,7 +45,8 @@ def expert_ffn(
         group_offset=group_offset,
         backend=kernel,
         preferred_element_type=x.dtype,
-        platform=platform,
+        gemm_rows=platform.gemm_rows,
+        precision=platform.matmul_precision(x.dtype),
     )
     order, weights = picks
     h = gmm(
@@ -66,16 +69,17 @@ def moe_local(
     weights: jax.Array,
     w: dict,
     *,
+    kernel: str,
+    platform: Platform,
     num_groups: int | None = None,
     group_offset=0,
-    kernel: str = "auto",
     first_slice=True,
-    platform: str | None = None,
 ) -> jax.Array:
     """The experts this device holds, applied to its rows: x: [T, D], ids/weights: [T, k] -> [T, D].
 
     `w` holds experts [group_offset, group_offset + E_local) of `num_groups` (default: all of
-    them); picks of other experts contribute zero, and cost nothing. `first_slice`, `platform`: see `expert_ffn`.
+    them); picks of other experts contribute zero, and cost nothing. `kernel`, `platform`, `first_slice`: see
+    `expert_ffn`.
     """
     order, group_sizes = sort_picks(ids, num_groups or w["down"].shape[0])
     with jax.named_scope(

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from moejax.config import Config, ConfigError, LayoutConfig
 from moejax.model import paged
+from moejax.platform import Platform
 from pallas_kernels import layered
 from sharding import rules
 from sharding.placement import Placement
@@ -45,7 +46,7 @@ def make_mesh(shape: tuple[int, int], devices: list | None = None) -> Mesh:
 class MeshPlacement(Placement, abc.ABC):
     """A placement over an ("ep", "tp") mesh; subclasses give `mesh_shape` and `exchange`."""
 
-    def __init__(self, config: Config, mesh: Mesh | None = None, platform: str | None = None):
+    def __init__(self, config: Config, mesh: Mesh | None = None, platform: Platform | None = None):
         layout = config.layout
         self.ep, self.tp = self.mesh_shape(layout)  # before the base's: the kernel tiles a device's widths
         super().__init__(config, platform)

@@ -22,7 +22,7 @@ from moejax.model import paged
 from moejax.model.attention import cache_specs
 from moejax.model.layer_loop import layer_loops
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_specs
-from moejax.platform import attention_kernel, backend, buffers_apart, kernel, unrolls
+from moejax.platform import Platform, resolve
 from pallas_kernels import layered
 from sharding import accounting, rules, slots
 from sharding.experts import moe_local
@@ -44,25 +44,25 @@ class Placement:
     # Whether the exchange runs as two micro-batches (`sharding/overlap.py`); one device has none.
     two_batch_overlap = False
 
-    def __init__(self, config: Config, platform: str | None = None):
+    def __init__(self, config: Config, platform: Platform | None = None):
         self.config = config
-        # The platform the programs are built for: this machine's, or another one a program is
-        # compiled for (`moejax plan --target`); it picks the kernel "auto" stands for.
-        self.platform = backend(platform)
+        # The decisions of the platform the programs are built for: this machine's, or another
+        # one a program is compiled for (`moejax plan --target`); the kernel "auto" stands for, ...
+        self.platform = platform or resolve()
         self.kernel = gemm_kernel(config, self.platform, self.tp)
         self.attention_kernel = paged_kernel(config, self.platform)
         # How each run of layers executes there (a scan, or unrolled): the engine arranges its
         # parameters by these, and the decoder runs them so (`moejax/model/layer_loop.py`).
         # Where every device holds every expert and the kernel multiplies a group where it lies (on
-        # XLA:CPU: `platform.buffers_apart`), an unrolled run holds each group of its experts in its
+        # XLA:CPU: `Platform.buffers_apart`), an unrolled run holds each group of its experts in its
         # own buffers (`pallas_kernels/layered.py`).
         groups = (
             GEMM_WEIGHTS
-            if self.holds_every_expert and self.kernel in layered.READS_GROUPS and buffers_apart(self.platform)
+            if self.holds_every_expert and self.kernel in layered.READS_GROUPS and self.platform.buffers_apart
             else ()
         )
         self.loops = layer_loops(
-            config.model, lambda layers: unrolls(config.engine.layer_loop, layers, self.platform), groups
+            config.model, lambda layers: self.platform.unrolls(config.engine.layer_loop, layers), groups
         )
         self.set_slots(config.model.num_experts)
 
@@ -233,11 +233,11 @@ def k_slices(spec: ParamSpec, tp: int) -> int:
     return tp if spec.axes[-2:-1] == ("expert_mlp",) else 1
 
 
-def gemm_kernel(config: Config, platform: str, tp: int) -> str:
+def gemm_kernel(config: Config, platform: Platform, tp: int) -> str:
     """The grouped GEMM of `config.kernel` on `platform` with the experts' K-slices of `tp` devices.
     "auto" takes the XLA path where the platform's kernel cannot tile a device's expert widths; a
     kernel named for widths it cannot tile is refused with the reason."""
-    name = kernel(config.kernel, platform)
+    name = platform.kernel(config.kernel)
     widths = sorted(
         {
             spec.shape[-2] // k_slices(spec, tp)
@@ -251,12 +251,12 @@ def gemm_kernel(config: Config, platform: str, tp: int) -> str:
     return "xla" if refusal else name
 
 
-def paged_kernel(config: Config, platform: str) -> str:
+def paged_kernel(config: Config, platform: Platform) -> str:
     """The paged-attention kernel of `config.attention_kernel` on `platform`. "auto" takes the XLA
     path where the kernels cannot read the model's cache (under DP attention too: each rank's
     requests hold the rank's own pages, which its kernel reads); a kernel named for a model it
     cannot read is refused with the reason."""
-    name = attention_kernel(config.attention_kernel, platform)
+    name = platform.attention_kernel(config.attention_kernel)
     refusal = None if name == "xla" else paged.kernel_refusal(config.model)
     if refusal and config.attention_kernel != "auto":
         raise ConfigError(

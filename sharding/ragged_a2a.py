@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from moejax.platform import ragged_all_to_all
+from moejax.platform import Platform
 from sharding import accounting, overlap
 from sharding.experts import moe_local
 from sharding.mesh import MeshPlacement, own_share
@@ -86,7 +86,7 @@ def exchange_buffers(
 
 
 def ragged_phases(
-    w, *, num_experts: int, dispatch_dtype: str, use_ragged: bool, kernel: str, platform: str | None = None
+    w, *, num_experts: int, dispatch_dtype: str, use_ragged: bool, kernel: str, platform: Platform
 ) -> overlap.Phases:
     """The exchange of one device's rows x: [T, D], ids/weights: [T, k] as its three phases
     (`kernel` runs the experts as on `platform`)."""
@@ -161,10 +161,10 @@ class RaggedA2A(MeshPlacement):
     name = "ragged_a2a"
     home_replicas = True  # a replica on the row's own device saves the row its trip
 
-    def __init__(self, config, mesh=None, platform=None, use_ragged: bool | None = None):
+    def __init__(self, config, mesh=None, platform: Platform | None = None, use_ragged: bool | None = None):
         super().__init__(config, mesh, platform)
         # Only the used slots travel where the platform has a ragged all-to-all (`moejax.platform`).
-        self.use_ragged = ragged_all_to_all(self.platform) if use_ragged is None else use_ragged
+        self.use_ragged = self.platform.ragged_all_to_all if use_ragged is None else use_ragged
         if not self.use_ragged:
             self.sent_source = "exchange plan (this backend sends whole buffers)"
 

@@ -7,8 +7,7 @@ import dataclasses
 
 import pallas_kernels
 from moejax.config import Config, ConfigError
-from moejax.platform import attention_kernel, backend
-from pallas_kernels import paged_attention
+from moejax.platform import ATTENTION_KERNEL_NEEDS, GEMM_KERNEL_NEEDS, Platform, resolve
 from sharding import rules
 from sharding.expert_sharded import ExpertSharded
 from sharding.hybrid import Hybrid
@@ -47,27 +46,29 @@ def with_placement(config: Config, name: str, devices: int, ep: int = 0, tp: int
     return dataclasses.replace(config, layout=layout).validate()
 
 
-def check_kernel(config: Config, platform: str | None = None) -> None:
-    """The kernels can run on `platform` (this machine's by default), the grouped GEMM with these
-    experts; one clear line otherwise."""
-    reason = pallas_kernels.unavailable(config.kernel, backend(platform), config.weights.expert_format)
+def check_kernel(config: Config, platform: Platform) -> None:
+    """The kernels can run on `platform`, the grouped GEMM with these experts; one clear line otherwise."""
+    reason = platform.refusal(config.kernel, GEMM_KERNEL_NEEDS) or pallas_kernels.unavailable(
+        config.kernel, config.weights.expert_format
+    )
     if reason:
         raise ConfigError(f"kernel {config.kernel}: {reason}")
-    reason = paged_attention.unavailable(attention_kernel(config.attention_kernel, platform), backend(platform))
+    reason = platform.refusal(platform.attention_kernel(config.attention_kernel), ATTENTION_KERNEL_NEEDS)
     if reason:
         raise ConfigError(f"attention kernel {config.attention_kernel}: {reason}")
 
 
-def make_placement(config: Config, platform: str | None = None, devices: list | None = None) -> Placement:
+def make_placement(config: Config, platform: Platform | None = None, devices: list | None = None) -> Placement:
     """The placement of `config.layout` (the single-device reference on one device), building
-    programs for `platform` (default: this machine's), on the machine's first `layout.devices`
-    devices or on `devices` (a mesh even of one)."""
+    programs for `platform` (default: this machine's, `moejax.platform.resolve`), on the machine's
+    first `layout.devices` devices or on `devices` (a mesh even of one)."""
     if not config.layout.devices:
         raise ConfigError(
             "layout.devices 0 (this host's choice) is made by the verbs that run one model "
             "(generate, score, serve, bench); name a device count here"
         )
     cls = placement_class(config.layout.placement)
+    platform = platform or resolve()
     check_kernel(config, platform)
     rules.check_expert_widths(config.model, config.weights.expert_format)
     if devices is not None:

@@ -1,6 +1,7 @@
 """Slices: every device holds 1/N of every expert's intermediate dimension (a 1 x N mesh)."""
 
 from moejax.config import ConfigError
+from moejax.platform import Platform
 from sharding.gather_scatter import GatherScatter
 
 
@@ -8,7 +9,7 @@ class TensorSliced(GatherScatter):
     name = "tensor_sliced"
     holds_every_expert = True
 
-    def __init__(self, config, mesh=None, platform=None):
+    def __init__(self, config, mesh=None, platform: Platform | None = None):
         layout = config.layout
         if layout.redundant_experts or layout.eplb or layout.eplb_online:
             raise ConfigError(

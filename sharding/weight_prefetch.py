@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from moejax.platform import Platform
 from pallas_kernels.layered import layer_slice
 from sharding import accounting
 from sharding.experts import moe_local
@@ -28,7 +29,7 @@ class WeightPrefetch(MeshPlacement):
     name = "weight_prefetch"
     rows_stay_home = True
 
-    def __init__(self, config, mesh=None, platform=None):
+    def __init__(self, config, mesh=None, platform: Platform | None = None):
         super().__init__(config, mesh, platform)
         self.prefetch_depth = config.layout.prefetch_depth
 

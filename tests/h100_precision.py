@@ -19,7 +19,7 @@ from jax._src.pallas.triton import lowering as triton_lowering  # noqa: E402
 from checkpoints.hf_config import from_hf_config  # noqa: E402
 from moejax import targets  # noqa: E402
 from moejax.config import Config, EngineConfig, LayoutConfig  # noqa: E402
-from moejax.engine.engine import jit_program  # noqa: E402
+from moejax.engine.programs import jit_program  # noqa: E402
 from moejax.plan import decode_program  # noqa: E402
 from tests.hf_reference import hf_config  # noqa: E402
 
@@ -61,8 +61,8 @@ def products(dtype: str) -> dict:
     config = Config(
         model=model, layout=LayoutConfig(devices=1), engine=EngineConfig(dtype=dtype), kernel="auto"
     ).validate()
-    _, step, args = decode_program(config, 8, 64, "cuda", devices=list(targets.devices("h100", 1)))
-    lowered = jit_program(step, dtype, decode=True, platform_name="cuda", donate_argnums=1).lower(*args)
+    placement, step, args = decode_program(config, 8, 64, "cuda", devices=list(targets.devices("h100", 1)))
+    lowered = jit_program(step, dtype, placement.platform, decode=True, donate_argnums=1).lower(*args)
     hlo = lowered.compile().as_text()
     lines = hlo.splitlines()
     dots = [precision(r"operand_precision=\{([a-z,]+)\}", line) for line in lines if " dot(" in line]

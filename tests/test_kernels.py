@@ -18,6 +18,7 @@ from moejax import targets
 from moejax.config import Config, EngineConfig, LayoutConfig, preset
 from moejax.model.layers import ClampedSwiGLU, silu_glu
 from moejax.plan import decode_program
+from moejax.platform import resolve
 from pallas_kernels import epilogue
 from pallas_kernels.gmm_pallas_gpu import gmm_pallas_gpu
 from pallas_kernels.gmm_pallas_tpu import gmm_pallas_tpu
@@ -195,7 +196,7 @@ def test_xla_decode_and_prefill_chunking():
         np.testing.assert_allclose(out, reference(lhs, rhs, sizes, 0), rtol=1e-4, atol=1e-4)
 
 
-# The XLA path as an accelerator runs it (`moejax.platform.gemm_rows`): a decode step's few rows a
+# The XLA path as an accelerator runs it (`moejax.platform.Platform.gemm_rows`): a decode step's few rows a
 # product each (one gather on a GPU, a slice per row on a TPU), a prefill's many in a loop of tiles.
 ACCELERATORS = ["gpu", "tpu"]
 
@@ -212,7 +213,9 @@ def test_xla_on_accelerators_matches_numpy(platform, fmt, m):
     )
     w, w_f32 = weights(jnp.stack([rhs * 2, rhs]), fmt, jnp.float32)
     f = jax.jit(
-        lambda l, w, s, i: pk.grouped_gemm(l, LayerOf(w, i), s, group_offset=offset, backend="xla", platform=platform)
+        lambda l, w, s, i: pk.grouped_gemm(
+            l, LayerOf(w, i), s, group_offset=offset, backend="xla", gemm_rows=resolve(platform).gemm_rows
+        )
     )
     out = f(lhs, w, sizes, jnp.int32(1))
     np.testing.assert_allclose(out, reference(lhs, w_f32[1], sizes, offset), rtol=1e-5, atol=1e-5)
@@ -226,7 +229,9 @@ def test_xla_on_accelerators_finishes_products_as_the_loop(platform, tokens):
     the tokens (bias, weights) as an accelerator runs them: XLA:CPU's group loop's results."""
     lhs, w, sizes, offset, combine, bias, expected = picks_case(tokens, tokens, "nvfp4")
     run = functools.partial(pk.grouped_gemm, lhs, w, sizes, group_offset=offset, bias=bias, backend="xla")
-    np.testing.assert_allclose(run(combine=combine, platform=platform), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        run(combine=combine, gemm_rows=resolve(platform).gemm_rows), expected, rtol=1e-5, atol=1e-5
+    )
     up, w_up, up_sizes, up_offset, up_bias = glu_case("nvfp4", jnp.float32, n=96)
     rows = jnp.asarray(np.random.default_rng(tokens).integers(0, up.shape[0], 4 * tokens), jnp.int32)
     up_sizes = jnp.asarray(np.random.default_rng(1).multinomial(4 * tokens, np.ones(6) / 6), jnp.int32)
@@ -241,7 +246,7 @@ def test_xla_on_accelerators_finishes_products_as_the_loop(platform, tokens):
         lhs_rows=rows,
         backend="xla",
     )
-    np.testing.assert_allclose(glu(platform=platform), glu(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(glu(gemm_rows=resolve(platform).gemm_rows), glu(), rtol=1e-5, atol=1e-5)
 
 
 # Each kernel sees every format, both dtypes and every scenario, spread over six cases.

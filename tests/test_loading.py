@@ -64,7 +64,7 @@ def test_loading_never_holds_more_than_a_share_on_a_device(name, fmt, monkeypatc
 @pytest.mark.parametrize("name", ["expert_sharded", TensorSliced.name])  # experts split by expert, by K-slice
 def test_weights_drawn_on_the_device_are_the_hosts(name, fmt):
     """An accelerator draws random weights and quantizes 4-bit experts on its first device
-    (`platform.forms_on_device`): the values and shardings the host's CPU device makes."""
+    (`Platform.forms_on_device`): the values and shardings the host's CPU device makes."""
     cfg = config(name, fmt)
     placement = make_placement(cfg)
     host, device = (random_params(cfg, placement, 3, param_specs(MODEL), on_device=where) for where in (False, True))

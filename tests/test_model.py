@@ -12,8 +12,10 @@ import pytest
 from hf_reference import FAMILIES, build_hf_model, hf_greedy, hf_logits
 
 from moejax.config import Config, EngineConfig
-from moejax.engine.engine import Engine, decode_steps, decode_visible
+from moejax.engine.buckets import decode_visible
+from moejax.engine.engine import Engine
 from moejax.engine.sampling import Sampling
+from moejax.engine.steps import decode_steps
 from moejax.loading import load_params, with_hf_model
 from sharding import make_placement
 

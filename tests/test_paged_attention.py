@@ -19,6 +19,7 @@ from moejax.engine.engine import Engine
 from moejax.engine.kv_cache import init_pool
 from moejax.loading import load_params
 from moejax.model import attention, paged
+from moejax.platform import resolve
 from pallas_kernels import paged_attention as kernels
 from sharding import make_placement
 from sharding.placement import Placement
@@ -175,7 +176,7 @@ def test_engine_decoding_through_the_gpu_kernel_at_odd_widths_gives_the_xla_toke
 def test_a_kernel_named_for_mla_is_refused_with_the_reason(name):
     config = Config(model=preset("tiny"), attention_kernel=name).validate()
     with pytest.raises(ConfigError, match="MLA and DSA cache one latent"):
-        make_placement(config, platform={"pallas_tpu": "tpu", "pallas_gpu": "cuda"}[name])
+        make_placement(config, platform=resolve({"pallas_tpu": "tpu", "pallas_gpu": "cuda"}[name]))
 
 
 @pytest.mark.parametrize("platform,kernel", [("tpu", "pallas_tpu"), ("cuda", "pallas_gpu")])
@@ -183,9 +184,11 @@ def test_auto_reads_sinks_windows_and_mla_through_xla(platform, kernel):
     """`auto` takes the platform's kernels wherever they read the model (any head width, GQA
     group, expert width) and reads its pages through XLA where they cannot."""
     for model in ("tiny-gpt-oss", "tiny"):  # sinks and windows; MLA
-        assert make_placement(Config(model=preset(model)).validate(), platform=platform).attention_kernel == "xla"
+        assert (
+            make_placement(Config(model=preset(model)).validate(), platform=resolve(platform)).attention_kernel == "xla"
+        )
     for c in (C, ODD, dataclasses.replace(ODD, hidden_size=40, moe_intermediate_size=24)):
-        placement = make_placement(Config(model=c).validate(), platform=platform)
+        placement = make_placement(Config(model=c).validate(), platform=resolve(platform))
         assert (placement.attention_kernel, placement.kernel) == (kernel, kernel)
 
 
@@ -194,4 +197,4 @@ def test_a_kernel_named_for_sinks_and_windows_is_refused_with_the_reason():
     with pytest.raises(
         ConfigError, match="^attention kernel pallas_gpu: the kernels' softmax takes no attention sinks"
     ):
-        make_placement(config, platform="cuda")
+        make_placement(config, platform=resolve("cuda"))

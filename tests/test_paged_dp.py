@@ -20,6 +20,7 @@ from moejax.errors import UsageError
 from moejax.loading import load_mtp, load_params
 from moejax.model.mtp import init_mtp_pool
 from moejax.plan import kv_pages
+from moejax.platform import resolve
 from moejax.serving.kv_pages import KVPages
 from moejax.serving.request import Request, sampling_rows
 from moejax.serving.scheduler import Scheduler
@@ -254,8 +255,8 @@ def test_mtp_drafts_on_dp_ranks_give_the_single_device_tokens():
 # ---------------------------------------------------------------------------------- kernels, sizing
 def test_auto_reads_pages_through_the_kernels_under_dp_on_accelerators_and_xla_on_cpu():
     config = Config(model=MODEL, layout=DP4).validate()
-    assert make_placement(config, platform="tpu").attention_kernel == "pallas_tpu"
-    assert make_placement(config, platform="cpu").attention_kernel == "xla"
+    assert make_placement(config, platform=resolve("tpu")).attention_kernel == "pallas_tpu"
+    assert make_placement(config, platform=resolve("cpu")).attention_kernel == "xla"
 
 
 def test_page_bytes_with_mtp_counts_the_mtp_layers_pool():

@@ -182,7 +182,9 @@ def test_cache_defaults_to_the_longest_request_it_will_hold(engine):
     assert sized.run_all([request(prompt, new)])[0].tokens == engine.generate([prompt], new).tokens[0]
     default = Scheduler(engine, slots=2)
     assert default.max_len == min(engine.c.max_position_embeddings, 2048)
-    assert default.kv.num_pages * default.kv.page_size == platform.CPU_KV_CACHE_TOKENS  # the pool: CPU's default
+    assert (
+        default.kv.num_pages * default.kv.page_size == platform.resolve("cpu").kv_cache_tokens
+    )  # the pool: CPU's default
 
 
 def test_cancelled_request_frees_its_slot_at_the_next_step(scheduler):

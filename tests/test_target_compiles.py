@@ -17,8 +17,11 @@ from target_compiles import ODD_GQA, ODD_MLA, TILEABLE, Case, model_config, run_
 
 from moejax.config import Config, ConfigError, LayoutConfig, WeightsConfig
 from moejax.config.presets import PRESETS
+from moejax.platform import resolve
 from sharding import names
 from sharding.placement import gemm_kernel
+
+TPU = resolve("tpu")
 
 # Every family once: the goldens' transformers models (the ones that met a GPU first), then a tiny
 # preset of each family they lack; and GQA and MLA models of widths no power of two divides.
@@ -124,10 +127,10 @@ def test_the_tpu_kernel_named_for_experts_it_cannot_tile_is_refused_with_the_rea
     config = Config(
         model=model_config(NARROW), layout=LayoutConfig(devices=8), weights=WeightsConfig("nvfp4"), kernel="pallas_tpu"
     ).validate()
-    assert gemm_kernel(config, "tpu", 1) == "pallas_tpu"  # K 512 and 512 on one device
+    assert gemm_kernel(config, TPU, 1) == "pallas_tpu"  # K 512 and 512 on one device
     with pytest.raises(
         ConfigError,
         match=r"kernel pallas_tpu: 4-bit experts need a K per device of a multiple "
         r"of 256, these have \[64\]",
     ):
-        gemm_kernel(config, "tpu", 8)
+        gemm_kernel(config, TPU, 8)

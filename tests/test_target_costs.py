@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from moejax import targets
-from moejax.analysis import advise_tables, calc, costs, hlo, layout_choice, target_programs, target_ranking
+from moejax.analysis import advise_tables, calc, costs, hlo, serve_ranking, target_programs, target_ranking
 from moejax.analysis.simulate import Layout, device_work, layouts
 from moejax.analysis.target_pricing import CATEGORIES, CallTime, category, expert_us, phase_us
 from moejax.cli import build_parser, main
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
+from moejax.serving import layout_choice
 from moejax.trace import Trace, save_trace
 from sharding import eplb
 
@@ -316,8 +317,15 @@ def test_serve_placement_auto_takes_what_advise_ranks_first_and_says_so(tmp_path
     first = json.loads(capsys.readouterr().out)["ranking"][0]
     args = build_parser().parse_args(["serve", "--preset", "tiny", "--devices", "8", "--placement", "auto"])
     log = io.StringIO()
-    choice = layout_choice.choose(args, log)
-    assert args.placement == first and (args.prefill_placement, args.decode_placement) == (None, None)
+    choice = layout_choice.choose(args, serve_ranking.rank, log)
+    assert args.placement == "auto"  # the caller applies the choice: its flags are `choice.layout`
+    layout = choice.layout
+    assert (layout.devices, layout.placement, layout.prefill_placement, layout.decode_placement) == (
+        8,
+        first,
+        None,
+        None,
+    )
     assert f"decode and prefill {first}, predicted" in log.getvalue() and len(log.getvalue().splitlines()) == 1
     metric = next(iter(choice.collect()))
     assert {s.labels["layout"] for s in metric.samples} == {first} and {s.labels["target"] for s in metric.samples} == {

@@ -15,7 +15,7 @@ import pytest
 from compile_only import on
 
 import pallas_kernels as pk
-from moejax import plan, targets
+from moejax import plan, platform, targets
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 
 # Four scanned MoE layers of distinctive widths, a layer's experts larger than a TPU's on-chip memory
@@ -153,7 +153,7 @@ def test_decode_steps_copy_no_layer_of_their_experts_or_pages(target, kernel, pa
 def test_a_gpu_reads_every_weight_of_a_layer_where_it_lies(kernel, page_size):
     """On an H100 a decode block writes no array of any layer weight's shape (attention, router,
     norms and experts), nor over pages of a layer's pool: its runs of layers are unrolled
-    (`platform.unrolls`), each layer's weights buffers of their own, where a scan's slice of the
+    (`Platform.unrolls`), each layer's weights buffers of their own, where a scan's slice of the
     attention and router weights is a copy XLA:GPU makes before every GEMM. (A contiguous cache is
     split into its layers' buffers once a block and written in place: `kv_cache.per_layer`.)"""
     hlo, params, cache, _ = program("h100", kernel, page_size)
@@ -167,7 +167,7 @@ def test_a_gpu_reads_every_weight_of_a_layer_where_it_lies(kernel, page_size):
 def test_a_gpu_decode_block_holds_no_second_contiguous_cache(kernel):
     """On an H100 a decode block over a contiguous cache keeps each run's cache stacked: its
     temporaries stay under the cache's bytes (split into per-layer buffers, as XLA:CPU's block
-    holds it, they were a whole second cache: `platform.buffers_apart`)."""
+    holds it, they were a whole second cache: `Platform.buffers_apart`)."""
     _, _, cache, temp = program("h100", kernel, 0)
     assert temp < sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache))
 
@@ -189,7 +189,7 @@ def test_the_xla_grouped_gemm_loops_a_known_number_of_times_on_a_gpu(fmt, rows):
     w = jax.ShapeDtypeStruct((16, 256, 192), jnp.bfloat16)
     if fmt != "unquantized":
         w = jax.eval_shape(lambda a: pk.quantize_experts(a, fmt), w)
-    f = jax.jit(lambda l, w, s: pk.grouped_gemm(l, w, s, backend="xla", platform="cuda"))
+    f = jax.jit(lambda l, w, s: pk.grouped_gemm(l, w, s, backend="xla", gemm_rows=platform.resolve("cuda").gemm_rows))
     hlo = (
         f.lower(
             on("h100", (rows, 256), jnp.bfloat16),

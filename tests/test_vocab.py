@@ -47,8 +47,8 @@ def test_cli_choices_are_the_vocabulary(flag, expected):
 @pytest.mark.parametrize("name", vocab.KERNELS)
 def test_every_kernel_name_is_a_backend_function_on_every_platform(name):
     """Each --kernel word ("auto" on each platform it knows) names a function of pallas_kernels."""
-    for target in platform.AUTO_KERNEL:
-        backend = platform.kernel(name, target)
+    for target in platform.PLATFORMS:
+        backend = platform.resolve(target).kernel(name)
         assert backend != "auto" and callable(kernel_registry._backend_fn(backend))
 
 
@@ -79,8 +79,8 @@ def test_config_accepts_each_word_of_its_vocabulary_and_nothing_else(section, ke
 
 @pytest.mark.parametrize("name", vocab.ATTENTION_KERNELS)
 def test_every_attention_kernel_name_is_the_xla_path_or_a_kernel_on_every_platform(name):
-    for target in (*platform.AUTO_ATTENTION_KERNEL, "cpu"):
-        assert platform.attention_kernel(name, target) in ("xla", *paged_attention.KERNELS)
+    for target in platform.PLATFORMS:
+        assert platform.resolve(target).attention_kernel(name) in ("xla", *paged_attention.KERNELS)
     Config(attention_kernel=name).validate()
 
 

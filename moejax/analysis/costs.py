@@ -104,7 +104,7 @@ def load(path: Path, config: Config) -> CostTable:
             raise UsageError(f"{path} is not a moejax cost table: {e}") from None
         if table.model == geometry_key(config):
             return table
-    concurrency = platform.concurrent_devices()
+    concurrency = platform.resolve().concurrent_devices()
     return CostTable(geometry_key(config), config.model.moe_intermediate_size, concurrency)
 
 
@@ -179,7 +179,8 @@ def measure_compute(config: Config, rows: int, width: int, held: int, seed: int 
     import pallas_kernels
     from sharding.experts import moe_local
 
-    c, dtype = config.model, jnp.dtype(platform.run_dtype(config.engine.dtype))
+    here = platform.resolve()
+    c, dtype = config.model, jnp.dtype(here.run_dtype(config.engine.dtype))
     rng = np.random.default_rng(seed)
     fmt = config.weights.expert_format
     shapes = {"gate_up": (held, c.hidden_size, 2 * width), "down": (held, width, c.hidden_size)}
@@ -189,7 +190,10 @@ def measure_compute(config: Config, rows: int, width: int, held: int, seed: int 
         w[name] = pallas_kernels.quantize(a, fmt, axis=-2) if fmt in pallas_kernels.FORMATS else a.astype(dtype)
     x = jnp.asarray(rng.normal(size=(rows, c.hidden_size)), dtype)
     k = c.num_experts_per_tok
-    fn = _repeated(lambda x, ids, wts, w: moe_local(x, ids, wts, w, num_groups=c.num_experts, kernel=config.kernel))
+    kernel = here.kernel(config.kernel)
+    fn = _repeated(
+        lambda x, ids, wts, w: moe_local(x, ids, wts, w, kernel=kernel, platform=here, num_groups=c.num_experts)
+    )
     features, times = [], []
     for share, spread in ROUTINGS:
         ids = routing(rows, k, c.num_experts, held, share, spread, rng)

@@ -249,7 +249,7 @@ class EngineConfig:
     prefill_chunk: int = 0  # most prompt positions per prefill call; 0 = the platform's default
     max_seq_len: int = 0  # 0 = sized from the prompts and max_new_tokens
     routing: str = "natural"  # ROUTING_MODES; "even:SEED" seeds even's draws, "replay:TRACE" names the trace
-    layer_loop: str = "auto"  # LAYER_LOOPS ("auto": moejax.platform.unrolls)
+    layer_loop: str = "auto"  # LAYER_LOOPS ("auto": moejax.platform.Platform.unrolls)
     decode_block: int = 8  # decode steps per dispatched program (1: a program per step; see Engine.decode)
     page_size: int = 0  # Engine: the KV cache as pages of this many positions (0: a contiguous row per request)
 

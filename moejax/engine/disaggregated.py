@@ -22,7 +22,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moejax.engine import compile_clock
-from moejax.engine.engine import Engine, Generation, Prefilled, to_host
+from moejax.engine.engine import Engine, Generation, Prefilled
+from moejax.engine.host import to_host
 from moejax.engine.sampling import Sampling
 from moejax.engine.speculative import SpecGeneration, SpecPrefilled, SpecState, SpeculativeEngine
 

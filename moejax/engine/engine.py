@@ -1,206 +1,29 @@
-"""Pure, jit-compiled `prefill` and `decode_step`, and the host-side generation loop.
+"""The engine: a model, its placed parameters and a placement bound to jitted programs
+(`programs.py`), and the host-side generation loop over them.
 
-State is explicit: (params, KV cache) go in, the new cache comes out, and the cache buffer is
-donated so that a step updates it in place. Shapes are bucketed (batch and cache length to
-powers of two, prompts to whole prefill chunks), so a new request mix recompiles only when a
-bucket changes.
+Shapes are bucketed (`buckets.py`), so a new request mix recompiles only when a bucket changes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from moejax import platform
-from moejax.config import Config, ModelConfig
+from moejax.config import Config
 from moejax.engine import compile_clock
-from moejax.engine.kv_cache import init_cache, init_pool, leading, per_layer, put_leading, restack
+from moejax.engine.buckets import MIN_POSITIONS, bucket, decode_visible
+from moejax.engine.host import forced, seed_rows, to_host
+from moejax.engine.kv_cache import init_cache, init_pool
 from moejax.engine.pages import PageAllocator, pages_for
+from moejax.engine.programs import step_programs
 from moejax.engine.routing import Routing, valid_rows
 from moejax.engine.sampling import Sampling, sample
 from moejax.errors import UsageError
 from moejax.model import paged
 from moejax.model.layer_loop import arrange
-from moejax.model.transformer import forward, lm_head
-
-
-def prefill(
-    params,
-    cache,
-    tokens,
-    start,
-    last,
-    forced=None,
-    pages=None,
-    *,
-    c: ModelConfig,
-    placement,
-    all_logits: bool,
-    record: bool,
-    visible: int = 0,
-):
-    """One prefill chunk. tokens: [B, C] at positions start..start+C-1; last: [B] each request's
-    last prompt position; forced: int32 [MoE layers, B*C, k] picks of a routing override, or None;
-    visible (static): the chunk ends by this position, so attention reads only the cache's first
-    `visible` positions (0: all of them); pages: the block table [B, P] of a paged cache, or None
-    (its first pages holding `visible` positions are all a chunk reads). Returns (logits:
-    [B, C, V] if all_logits else [B, V] at `last` when it falls in this chunk, cache, picks or None)."""
-    b, chunk = tokens.shape
-    positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
-    if pages is not None:
-        if visible:
-            pages = paged.narrow(pages, pages_for(visible, paged.page_size_of(cache)))
-        h, cache, picks = forward(params, cache, tokens, positions, c, placement, forced, pages)
-    elif visible:
-        h, seen, picks = forward(params, leading(c, cache, visible), tokens, positions, c, placement, forced)
-        cache = put_leading(c, cache, seen)
-    else:
-        h, cache, picks = forward(params, cache, tokens, positions, c, placement, forced)
-    if not all_logits:
-        h = h[jnp.arange(b), jnp.clip(last - start, 0, chunk - 1)]
-    return lm_head(params, h, c), cache, picks if record else None
-
-
-def decode_step(
-    params,
-    cache,
-    tokens,
-    lens,
-    seeds,
-    step,
-    forced=None,
-    pages=None,
-    *,
-    c: ModelConfig,
-    placement,
-    sampling: Sampling,
-    record: bool,
-):
-    """Decode step `step` (1: the first after the prompt): tokens [B] go to positions lens + step - 1
-    (lens: [B] prompt lengths) -> (next tokens [B], logits [B, V], cache, picks), each row's drawn
-    with its seed [B] at its position. forced: int32 [MoE layers, B, k] picks of a routing override,
-    or None (two compiled variants); pages: a paged cache's block table [B, P], or None. The
-    positions are made here, not by the host between steps: as eager ops they would be programs
-    of their own, dispatched every step."""
-    positions = lens + (step - 1)
-    h, cache, picks = forward(params, cache, tokens[:, None], positions[:, None], c, placement, forced, pages)
-    logits = lm_head(params, h[:, 0], c)
-    return sample(logits, sampling, seeds, positions + 1), logits, cache, picks if record else None
-
-
-def decode_steps(
-    params,
-    cache,
-    tokens,
-    lens,
-    seeds,
-    first,
-    count,
-    pages=None,
-    *,
-    block: int,
-    c: ModelConfig,
-    placement,
-    sampling: Sampling,
-    visible: int = 0,
-):
-    """Decode steps first .. first + count - 1 (count <= block), each a `decode_step`, in one
-    program -> (their tokens [block, B], rows past count zero; the last tokens [B]; cache).
-    A program per step leaves the devices waiting on the host between steps, and each other
-    in the step's first collective. visible (static): with a contiguous cache, the steps write
-    and attend to its first `visible` positions only (0: all of them).
-
-    The loop runs all `block` steps: a trip count known when compiling, where an accelerator's
-    runtime reads a loop's condition computed on the device back to the host every iteration.
-    A step past count changes nothing read later: it keeps no token, and its positions lie past
-    the cache's end (past every row's block table), where writes are dropped."""
-    if pages is None:  # a contiguous cache: the positions the block sees, each unrolled layer's its own buffers
-        carried = per_layer(leading(c, cache, visible) if visible else cache, placement.loops, placement.platform)
-        length = jax.tree.leaves(carried)[0].shape[-2]  # every contiguous entry's positions precede one last axis
-    else:
-        carried, length = cache, paged.width(pages) * paged.page_size_of(cache)
-
-    def step(i, carry):
-        tok, cache, out = carry
-        live = i < count
-        # A step past count at step length + 1: its positions are >= lens + length, past the cache.
-        new, _, cache, _ = decode_step(
-            params,
-            cache,
-            tok,
-            lens,
-            seeds,
-            jnp.where(live, first + i, length + 1),
-            pages=pages,
-            c=c,
-            placement=placement,
-            sampling=sampling,
-            record=False,
-        )
-        return jnp.where(live, new, tok), cache, out.at[i].set(jnp.where(live, new, 0))
-
-    out = jnp.zeros((block, tokens.shape[0]), tokens.dtype)
-    tok, carried, out = lax.fori_loop(0, block, step, (tokens, carried, out))
-    if pages is not None:
-        return out, tok, carried
-    return out, tok, put_leading(c, cache, restack(carried))
-
-
-def jit_program(fn, dtype, *, decode: bool = False, platform_name: str | None = None, **jit_kwargs):
-    """jax.jit of an engine program of a run in `dtype` on `platform_name` (default: this machine's):
-    traced at the run's matmul precision, compiled with its compiler options (`decode`: those of a
-    decode program)."""
-    return jax.jit(
-        platform.at_matmul_precision(fn, dtype),
-        compiler_options=platform.compiler_options(dtype, decode, platform_name),
-        **jit_kwargs,
-    )
-
-
-def to_host(x: jax.Array) -> np.ndarray:
-    """A device array as numpy, gathered from every process when it spans several (multi-host)."""
-    if not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        x = multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(x)
-
-
-def forced(dealer, kind: str, valid: np.ndarray) -> jax.Array | None:
-    """A routing override's picks for one forward pass whose real rows are `valid`, as the jitted
-    step's input (None without an override: the router's own)."""
-    return None if dealer is None else jnp.asarray(dealer.picks(kind, valid))
-
-
-def seed_rows(seed: int, batch: int) -> np.ndarray:
-    """Sampling seeds of a batch's rows: prompt i samples as a request of seed `seed` + i alone."""
-    return ((seed + np.arange(batch)) & 0x7FFFFFFF).astype(np.int32)
-
-
-# Position counts (prompt widths, cache lengths) round up to powers of two of at least this, so
-# that short prompts and caches share their compiled programs.
-MIN_POSITIONS = 16
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """n rounded up to a power of two, at least `minimum`."""
-    return max(minimum, 1 << max(0, n - 1).bit_length())
-
-
-# A decode block attends to its cache's first positions rounded up to a multiple of an eighth of
-# the next power of two, and of at least this: few programs, and at most 1/8 read past the rows.
-DECODE_VISIBLE_STEP = 128
-
-
-def decode_visible(n: int) -> int:
-    """The cache positions a decode block reaching position n - 1 reads (545 -> 640, 1000 -> 1024)."""
-    step = max(DECODE_VISIBLE_STEP, bucket(n) // 8)
-    return -(-n // step) * step
 
 
 @dataclasses.dataclass
@@ -258,30 +81,10 @@ class Engine:
         self.placement = placement
         routing.check(self.c)
         self.routing = routing
-        self.dtype = jnp.dtype(platform.run_dtype(config.engine.dtype))
+        self.dtype = jnp.dtype(placement.platform.run_dtype(config.engine.dtype))
         compile_clock.start()
-        self.max_chunk = platform.prefill_chunk(config.engine.prefill_chunk)
-        bind = dict(c=self.c, placement=placement)
-        self._prefill = jit_program(
-            functools.partial(prefill, **bind),
-            self.dtype,
-            donate_argnums=1,
-            static_argnames=("all_logits", "record", "visible"),
-        )
-        self._decode = jit_program(
-            functools.partial(decode_step, **bind),
-            self.dtype,
-            decode=True,
-            donate_argnums=1,
-            static_argnames=("sampling", "record"),
-        )
-        self._decode_block = jit_program(
-            functools.partial(decode_steps, **bind),
-            self.dtype,
-            decode=True,
-            donate_argnums=1,
-            static_argnames=("block", "sampling", "visible"),
-        )
+        self.max_chunk = config.engine.prefill_chunk or placement.platform.prefill_chunk
+        self._prefill, self._decode, self._decode_block = step_programs(self.c, placement, self.dtype)
         self.decode_block = config.engine.decode_block  # `moejax trace` sets 1: a program per step
         # The first tokens placed as a decode step leaves its own (rows over the batch axis): the
         # first step then runs the program every later step runs, rather than compiling its own.

@@ -13,18 +13,17 @@ from moejax.model import paged
 from moejax.model.attention import cache_specs
 from moejax.model.layer_loop import split_layers, stack_layers
 from moejax.model.params import layer_runs
-from moejax.platform import buffers_apart
 from pallas_kernels.paged_attention import combined, head_dim
 
 
-def per_layer(cache: list[dict], loops: tuple, platform: str | None = None) -> list:
+def per_layer(cache: list[dict], loops: tuple, apart: bool) -> list:
     """A contiguous cache with each unrolled run's entries as a tuple of per-layer dicts, each
     layer's arrays their own buffers: a decoder layer reads and writes its own in place, where a
     layer sliced out of the run's [layers, ...] and put back is two copies of it per step on
     XLA:CPU. A program of several decode steps splits once and `restack`s once. Only where
-    `platform.buffers_apart` (XLA:CPU): on a GPU the split buffers are a second whole cache for
-    the program (`tests/test_target_structure.py`), and the run keeps its stack."""
-    if not buffers_apart(platform):
+    `apart` (`Platform.buffers_apart`: XLA:CPU): on a GPU the split buffers are a second whole cache
+    for the program (`tests/test_target_structure.py`), and the run keeps its stack."""
+    if not apart:
         return cache
     return [run if loop.stacked else split_layers(run) for run, loop in zip(cache, loops)]
 

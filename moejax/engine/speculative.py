@@ -23,7 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.engine import compile_clock
-from moejax.engine.engine import MIN_POSITIONS, Engine, bucket, jit_program, seed_rows, to_host
+from moejax.engine.buckets import MIN_POSITIONS, bucket
+from moejax.engine.engine import Engine
+from moejax.engine.host import seed_rows, to_host
+from moejax.engine.programs import jit_program
 from moejax.engine.sampling import Sampling, draw, row_keys, sample, sampling_logits
 from moejax.errors import UsageError
 from moejax.model.mtp import init_mtp_cache, mtp_forward
@@ -150,11 +153,16 @@ class SpeculativeEngine:
         self.placement = engine.placement
         bind = dict(c=engine.c, placement=engine.placement)
         self._prefill = jit_program(
-            functools.partial(spec_prefill, **bind), engine.dtype, donate_argnums=(2, 3), static_argnames="sampling"
+            functools.partial(spec_prefill, **bind),
+            engine.dtype,
+            engine.placement.platform,
+            donate_argnums=(2, 3),
+            static_argnames="sampling",
         )
         self._step = jit_program(
             functools.partial(spec_step, **bind),
             engine.dtype,
+            engine.placement.platform,
             decode=True,
             donate_argnums=(2, 3),
             static_argnames="sampling",

@@ -137,7 +137,8 @@ LOST_GRACE_S = 5.0  # a lost process: time for the failed requests' 503s to go o
 def cmd_serve(args) -> int:
     """Over several processes (--num-processes): process 0 serves HTTP and decides every step;
     the others follow its step plans (`serving/follower.py`)."""
-    from moejax.analysis.layout_choice import choose
+    from moejax.analysis.serve_ranking import rank
+    from moejax.serving.layout_choice import choose
     from moejax.serving.metrics import Metrics, TraceRecorder
     from moejax.serving.server import build_app, serve
 
@@ -149,7 +150,9 @@ def cmd_serve(args) -> int:
             "drop --speculative or --record"
         )
     api_key = args.api_key or os.environ.get("MOEJAX_API_KEY") or None
-    choice = choose(args)  # --placement auto: the layout advise ranks first, into args
+    choice = choose(args, rank)  # --placement auto: the layout advise ranks first
+    if choice is not None:
+        args = choice.layout.applied(args)
     leader = None
     if args.num_processes > 1 and args.process_id == 0:
         from moejax.serving.plan_link import Leader

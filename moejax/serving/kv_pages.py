@@ -12,8 +12,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from moejax import platform
-from moejax.engine.engine import bucket
+from moejax.engine.buckets import bucket
 from moejax.engine.kv_cache import page_bytes
 from moejax.engine.pages import PageAllocator, pages_for
 from moejax.errors import UsageError
@@ -48,9 +47,10 @@ def pool_pages(
     window_pages: int = 0,
 ) -> int:
     """Pages of the (full-attention layers') pool: `kv_tokens` positions, or `kv_gb` GB, or the
-    platform's default (`platform.kv_cache_bytes`), rounded up to a multiple of `multiple` (with DP
-    attention each rank holds an equal share). `mtp`: the MTP layer's pool of as many pages shares
-    the bytes; `window_pages`: the sliding-window layers' pool takes its bytes first."""
+    platform's default (`Platform.kv_cache_tokens`, else `Platform.kv_cache_bytes`), rounded up to
+    a multiple of `multiple` (with DP attention each rank holds an equal share). `mtp`: the MTP
+    layer's pool of as many pages shares the bytes; `window_pages`: the sliding-window layers' pool
+    takes its bytes first."""
     if page_size < 1 or kv_tokens < 0 or kv_gb < 0:
         raise UsageError(
             f"--page-size {page_size}, --kv-cache-tokens {kv_tokens} and --kv-cache-gb {kv_gb} must be positive"
@@ -60,17 +60,14 @@ def pool_pages(
     # The pool's layout is the attention kernel's (the TPU kernel's pads head_dim to 128 lanes).
     kernel = engine.placement.attention_kernel
     per_page = page_bytes(engine.c, page_size, engine.dtype, kernel, mtp, window=False)
-    if kv_tokens:
-        pages = pages_for(kv_tokens, page_size)
+    platform = engine.placement.platform
+    if kv_tokens or (not kv_gb and platform.kv_cache_tokens):
+        pages = pages_for(kv_tokens or platform.kv_cache_tokens, page_size)
     else:
         size = kv_gb * 1e9 or platform.kv_cache_bytes(list(jax.tree.leaves(engine.params)[0].devices()))
         window_bytes = window_pages * page_bytes(engine.c, page_size, engine.dtype, kernel, window=True)
-        pages = (
-            int(max(0.0, size - window_bytes) // per_page)
-            if size
-            else pages_for(platform.CPU_KV_CACHE_TOKENS, page_size)
-        )
-        if size and not kv_gb and jax.process_count() > 1:  # each read its own free memory: all take the least
+        pages = int(max(0.0, size - window_bytes) // per_page)
+        if not kv_gb and jax.process_count() > 1:  # each read its own free memory: all take the least
             from jax.experimental import multihost_utils
 
             pages = int(multihost_utils.process_allgather(np.int64(pages)).min())

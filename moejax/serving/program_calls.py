@@ -21,7 +21,8 @@ import time
 import jax
 import numpy as np
 
-from moejax.engine.engine import jit_program, to_host
+from moejax.engine.host import to_host
+from moejax.engine.programs import jit_program
 from moejax.model import paged
 from moejax.serving.request import sampling_rows
 from moejax.serving.slot_programs import decode_slots, fork_slots, prefill_slots, put_pages, take_pages
@@ -38,6 +39,7 @@ class ProgramCalls:
         self._decode = jit_program(
             functools.partial(decode_slots, c=c, placement=self.engine.placement),
             self.engine.dtype,
+            self.engine.placement.platform,
             decode=True,
             donate_argnums=1,
             static_argnames=("greedy_only", "extras"),
@@ -45,6 +47,7 @@ class ProgramCalls:
         self._prefill = jit_program(
             functools.partial(prefill_slots, c=c, placement=self.prefill_engine.placement),
             self.prefill_engine.dtype,
+            self.prefill_engine.placement.platform,
             donate_argnums=1,
             static_argnames=("greedy_only", "extras", "prompt_logprobs"),
         )

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.engine.engine import jit_program, to_host
+from moejax.engine.host import to_host
+from moejax.engine.programs import jit_program
 from moejax.errors import UsageError
 from moejax.model import paged
 from moejax.model.mtp import init_mtp_pool, mtp_forward
@@ -105,10 +106,17 @@ class SpecScheduler(Scheduler):
         self.drafts = self.accepted = 0  # drafts checked and accepted (acceptance rate)
         bind = dict(c=c, placement=engine.placement)
         self._spec_prefill = jit_program(
-            functools.partial(spec_prefill_slots, **bind), engine.dtype, donate_argnums=(2, 3)
+            functools.partial(spec_prefill_slots, **bind),
+            engine.dtype,
+            engine.placement.platform,
+            donate_argnums=(2, 3),
         )
         self._spec_decode = jit_program(
-            functools.partial(spec_decode_slots, **bind), engine.dtype, decode=True, donate_argnums=(2, 3)
+            functools.partial(spec_decode_slots, **bind),
+            engine.dtype,
+            engine.placement.platform,
+            decode=True,
+            donate_argnums=(2, 3),
         )
 
     def check(self, request: Request) -> None:

@@ -1,13 +1,12 @@
 """`serve --placement auto` (and --prefill-placement / --decode-placement auto): at start, the
-layouts `advise` ranks first for the model, the devices present and a trace; the choice and its
+layouts `advise` ranks first for the model, the devices present and a trace, as the placement
+flags serve then runs with (`ServeLayout`, which the caller applies); the choice and its
 predicted times are logged in one line and exposed in /metrics. With --eplb-online the layouts
 are ranked again on the live window every --eplb-interval steps, and a line says when another
 would win by more than MARGIN (the server keeps its layout).
 
-The ranking is `advise`'s: on a CPU host its measured table (`advise --target cpu`: decode only,
-so both phases take its first); on an accelerator host the target whose device_kind the devices
-report (`moejax.targets`), priced from the layouts' programs compiled on those devices. The trace
-is --eplb's, else an even router: each row k distinct experts uniformly, --slots rows a step.
+The ranking is `advise`'s, which the serve verb hands in (`moejax.analysis.serve_ranking`). The
+trace is --eplb's, else an even router: each row k distinct experts uniformly, --slots rows a step.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from typing import NamedTuple
 
 import numpy as np
 from prometheus_client.core import GaugeMetricFamily
@@ -53,13 +53,51 @@ class Ranked:
     us: float  # predicted per call
 
 
-class LayoutChoice:
-    """The layouts chosen for a serve (`chosen`: phase -> Ranked) and how to rank the decode
-    layouts again on other picks (`rerank(trace)` -> [(layout, us)], or None where it cannot)."""
+@dataclasses.dataclass(frozen=True)
+class ServeLayout:
+    """The placement flags a serve runs with once "auto" is chosen."""
 
-    def __init__(self, target: str, chosen: dict, ranking: list[str], rerank, log=None, per: str = "per call"):
+    devices: int
+    placement: str | None
+    prefill_placement: str | None = None
+    decode_placement: str | None = None
+    ep: int | None = None  # a hybrid layout's mesh, else the layout's own
+    tp: int | None = None
+
+    def applied(self, args: argparse.Namespace) -> argparse.Namespace:
+        """`args` with these flags in place of theirs."""
+        return argparse.Namespace(**{**vars(args), **dataclasses.asdict(self)})
+
+
+class Ranking(NamedTuple):
+    """advise's layouts for a serve on `devices`, on `target` ("cpu": this host's measured table)."""
+
+    target: str
+    devices: int
+    ranked: dict  # phase -> [Ranked], first the fastest
+    recommended: dict  # phase -> Ranked: advise's choice where both phases are auto
+    rerank: object  # rerank(trace) -> [(layout, us)], or None where it cannot
+    per: str  # what a predicted time covers
+
+
+class LayoutChoice:
+    """The layouts chosen for a serve (`chosen`: phase -> Ranked), the flags that run them
+    (`layout`) and how to rank the decode layouts again on other picks (`rerank(trace)` ->
+    [(layout, us)], or None where it cannot)."""
+
+    def __init__(
+        self,
+        target: str,
+        chosen: dict,
+        ranking: list[str],
+        rerank,
+        log=None,
+        per: str = "per call",
+        layout: ServeLayout | None = None,
+    ):
         self.target, self.chosen, self.ranking, self.rerank, self.log = target, chosen, ranking, rerank, log
         self.per = per  # what a predicted time covers
+        self.layout = layout
         self.latest: tuple[str, float] | None = None  # the live window's first decode layout, its time
 
     def line(self) -> str:
@@ -126,9 +164,11 @@ class LayoutChoice:
             yield live
 
 
-def choose(args, log=None) -> LayoutChoice | None:
-    """Resolves the "auto" placement flags in `args` to advise's choice (None when none is auto):
-    a phase auto on its own takes its own first layout; both auto, advise's recommendation."""
+def choose(args, rank, log=None) -> LayoutChoice | None:
+    """advise's choice for the "auto" placement flags in `args` (None when none is auto), its
+    `layout` the flags to run it: a phase auto on its own takes its own first layout; both auto,
+    advise's recommendation. rank(args, config, trace) -> Ranking: advise's layouts
+    (`moejax.analysis.serve_ranking.rank`)."""
     auto = [
         phase
         for phase in ("decode", "prefill")
@@ -142,7 +182,6 @@ def choose(args, log=None) -> LayoutChoice | None:
             "--placement auto chooses the layout for one process on the devices both phases share; "
             "drop --num-processes, --prefill-devices/--decode-devices and --ep/--tp, or name the placements"
         )
-    from moejax import platform
     from moejax.flags import config_from_args
     from moejax.loading import with_hf_model
     from moejax.trace import load_trace
@@ -150,87 +189,19 @@ def choose(args, log=None) -> LayoutChoice | None:
     given = argparse.Namespace(**{**vars(args), "placement": None, "prefill_placement": None, "decode_placement": None})
     config = with_hf_model(config_from_args(given), args.hf, args.checkpoint)
     trace = load_trace(config.layout.eplb) if config.layout.eplb else even_trace(config.model, args.slots)
-    target, ranked, recommended, rerank, per = (_on_target if platform.attached_accelerator() else _on_cpu)(
-        args, config, trace
-    )
-    chosen = {phase: recommended[phase] if len(auto) == 2 else ranked[phase][0] for phase in auto}
+    r = rank(args, config, trace)
+    chosen = {phase: r.recommended[phase] if len(auto) == 2 else r.ranked[phase][0] for phase in auto}
     if len(auto) == 2 and chosen["decode"].layout == chosen["prefill"].layout:
-        args.placement, args.prefill_placement, args.decode_placement = chosen["decode"].placement, None, None
+        flags = dict(placement=chosen["decode"].placement)
     else:
-        for phase, r in chosen.items():
-            setattr(args, f"{phase}_placement", r.placement)
-        args.placement = None if args.placement == AUTO else args.placement
-    hybrid = next((r for r in chosen.values() if r.placement == Hybrid.name), None)
-    args.ep, args.tp = (hybrid.ep, hybrid.tp) if hybrid else (None, None)
-    choice = LayoutChoice(target, chosen, [r.layout for r in ranked["decode"]], rerank, log, per)
+        flags = {
+            "placement": None if args.placement == AUTO else args.placement,
+            "prefill_placement": args.prefill_placement,
+            "decode_placement": args.decode_placement,
+            **{f"{phase}_placement": ranked.placement for phase, ranked in chosen.items()},
+        }
+    hybrid = next((ranked for ranked in chosen.values() if ranked.placement == Hybrid.name), None)
+    layout = ServeLayout(r.devices, **flags, **(dict(ep=hybrid.ep, tp=hybrid.tp) if hybrid else {}))
+    choice = LayoutChoice(r.target, chosen, [x.layout for x in r.ranked["decode"]], r.rerank, log, r.per, layout)
     print(f"moejax: {choice.line()}", file=log or sys.stderr, flush=True)
     return choice
-
-
-def _on_cpu(args, config, trace) -> tuple:
-    """advise --target cpu with this host's cores as devices (or --devices): decode only, both
-    phases take its ranking. Times: the decode step's, its MoE part until the table has the rest."""
-    from moejax import platform
-    from moejax.analysis import costs, simulate
-
-    args.devices = n = args.devices or platform.host_cores()
-
-    def ranking(report: dict) -> list[Ranked]:
-        return [
-            Ranked(
-                r["placement"],
-                r["placement"],
-                r["ep"],
-                r["tp"],
-                1e3 * (r["contiguous"]["step_ms"] or r["contiguous"]["moe_ms"]),
-            )
-            for r in report["placements"]
-        ]
-
-    report = costs.measure_and_rank(config, trace, n)
-    first, table = ranking(report), costs.load(costs.default_path(config), config)
-    per = (
-        "per decode step"
-        if report["placements"][0]["contiguous"]["step_ms"]
-        else "of MoE per decode step (the table has no non-MoE term)"
-    )
-
-    def rerank(window: Trace):
-        try:
-            return [(r.layout, r.us) for r in ranking(simulate.rank_placements(window, n, table))]
-        except (KeyError, ValueError):  # row counts the table was not measured at
-            return None
-
-    return "cpu", {"decode": first, "prefill": first}, {"decode": first[0], "prefill": first[0]}, rerank, per
-
-
-def _on_target(args, config, trace) -> tuple:
-    """advise --target for the attached devices' kind, its layouts compiled on them."""
-    import jax
-
-    from moejax import targets
-    from moejax.analysis import target_ranking
-    from moejax.serving.scheduler import SERVE_PREFILL_CHUNK
-    from sharding import registry
-
-    kind = jax.devices()[0].device_kind
-    t = next((t for t in targets.TARGETS.values() if t.device_kind == kind), None)
-    if t is None:
-        raise UsageError(f"no target in moejax.targets describes {kind!r}; name the placements")
-    devices = jax.devices()[: args.devices or len(jax.devices())]
-    args.devices = len(devices)
-    context = args.max_seq_len or min(config.model.max_position_embeddings, 2048)
-    chunk = (config.engine.prefill_chunk or SERVE_PREFILL_CHUNK) * args.prefill_rows
-    report, candidates = target_ranking.rank_on_target(config, trace, t, devices, context, chunk, registry.names())
-    ranked = {
-        phase: [Ranked(r.layout, r.placement, r.ep, r.tp, r.us.step) for r in p.layouts]
-        for phase, p in report.phases.items()
-    }
-    recommended = {
-        phase: next(r for r in ranked[phase] if r.layout == getattr(report.recommend, phase)) for phase in ranked
-    }
-
-    def rerank(window: Trace):
-        return [(r.layout, r.us.step) for r in target_ranking.ranked(candidates, "decode", window, t, config.model)]
-
-    return t.name, ranked, recommended, rerank, "per call"
