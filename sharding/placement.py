@@ -18,7 +18,7 @@ import numpy as np
 
 import pallas_kernels
 from moejax.config import Config, ConfigError
-from moejax.model import paged
+from moejax.model import paged, projections
 from moejax.model.attention import cache_specs
 from moejax.model.layer_loop import layer_loops
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_specs
@@ -43,6 +43,8 @@ class Placement:
     mesh_from_layout = False
     # Whether the exchange runs as two micro-batches (`sharding/overlap.py`); one device has none.
     two_batch_overlap = False
+    # How a layer's dense products run (`moejax/model/projections.py`).
+    dense = projections.XLA
 
     def __init__(self, config: Config, platform: str | None = None):
         self.config = config
