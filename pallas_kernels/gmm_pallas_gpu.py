@@ -34,24 +34,14 @@ from jax.experimental.pallas import triton as pl_triton
 
 from moejax.platform import matmul_precision
 from pallas_kernels import decode, epilogue, formats, layered, metadata, tiling
+from pallas_kernels.triton_blocks import column_pairs as _column_pairs
+from pallas_kernels.triton_blocks import iota as _iota
+from pallas_kernels.triton_blocks import load as _load
 
 
 def fuses_glu(m: int, n: int, rhs) -> bool:
     """Whether the epilogue can halve a gate|up product of N columns: any whole (gate, up) pairs."""
     return n % 2 == 0
-
-
-def _iota(size: int, axis: int, start=0):
-    """start + [0, size) along `axis` of a 2-D [size, 1] or [1, size] block (int32)."""
-    return start + lax.broadcasted_iota(jnp.int32, (size, 1) if axis == 0 else (1, size), axis)
-
-
-def _load(ref, *masks):
-    """ref's block, zeros where any of `masks` (None: nothing masked) is False."""
-    masks = [m for m in masks if m is not None]
-    if not masks:
-        return ref[...]
-    return pl_triton.load(ref, mask=functools.reduce(jnp.logical_and, masks), other=0)
 
 
 def _kernel(
@@ -149,11 +139,6 @@ def _kernel(
         row_ids = _iota(tm, 0, m0)
         mine = (row_ids >= offsets[g]) & (row_ids < offsets[g + 1])
         pl_triton.store(out_ref.at[rows, cols], y, mask=mine if in_n is None else mine & in_n)
-
-
-def _column_pairs(a, pairs: int):
-    """[..., N] -> [..., N/p, p] (a bitcast): the kernel's view of the weights' columns."""
-    return a.reshape(*a.shape[:-1], a.shape[-1] // pairs, pairs)
 
 
 def gmm_pallas_gpu(

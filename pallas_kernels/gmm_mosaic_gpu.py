@@ -1,0 +1,372 @@
+"""Grouped GEMM on Hopper (sm_90) as a Mosaic GPU kernel: TMA loads into shared memory, wgmma,
+4-bit weights decoded on the way (jax 0.11 deprecated Pallas's Triton backend, `gmm_pallas_gpu`).
+
+The twin of `gmm_pallas_gpu`: the same arguments, tile schedule, epilogue and result. The schedule
+is megablox's metadata: one CTA per (active row tile, N tile) on the static bound of
+M_pad / tm + G_local - 1 row tiles; CTAs past the traced number of active tiles exit at once, so
+untouched groups' weights are never read. rhs may be one layer of a stack (`layered.LayerOf`): the
+kernel reads the stack with its groups as one axis (`layered.flat`, a bitcast) at the layer's first
+group, so no layer is copied out of it.
+
+A CTA is one warpgroup: `plgpu.emit_pipeline` streams K through shared memory with TMA (`steps`
+stages), and every wgmma reads both operands there (its B operand must be in shared memory, and
+it takes bf16, not 4-bit, operands):
+- bf16 weights without a gated activation: the weight tile [tk, tn] goes to wgmma as TMA left it.
+- 4-bit weights: a step's bytes [tk/2, tn] hold the codes of two K-halves (`formats`); they and
+  their scale rows are decoded in registers with integer ops (`decode`: Hopper has no float4 /
+  float8 converts) into two bf16 tiles, stored into a double-buffered shared tile that the step's
+  two wgmmas read with the rows' two K-halves. A block scale row [tn] reaches its block's K rows
+  by selects on the row index (a register layout has no repeat along K).
+- a gated activation (`epilogue`): gate and up interleave along N (gate in even columns), and
+  neither TMA (rows of at least 16 bytes) nor wgmma (contiguous columns) can take every other
+  column. So the weights are read as words of one (gate, up) pair (bf16 pairs as int32, 4-bit
+  byte pairs as uint16: a bitcast of the operand, not a copy), split in registers into a gate and
+  an up tile, each multiplied into its own accumulator [tm, tn/2]; the epilogue applies the column
+  scales, the bias and act(gate, up) and writes [tm, tn/2].
+The CTA writes only its group's rows of the tile, from shared memory by TMA in power-of-two row
+pieces (a TMA box is static); rows no local group owns are never written and come out zero
+(`tiling.zero_foreign_rows`).
+
+Edges: TMA reads zeros past the end of K and N, so no tile is masked (a 4-bit tile past K/2 reads
+zero codes, whose products are 0 whatever the rows hold), and the output is allocated a whole
+number of N tiles wide and sliced after. TMA wants every row stride of 16 bytes' multiple: widths
+that miss it (bf16 K or N not a multiple of 8, 4-bit N not a multiple of 16) are padded here, a
+copy of the layer's weights per call; models' widths are multiples of 16 and read in place.
+
+float32 is refused (`refusal`): wgmma multiplies float32 operands as TF32 (10 mantissa bits),
+~1e-3 off where the project's float32 runs hold 1e-5 (`gmm_pallas_gpu` and `xla` multiply them at
+full precision).
+
+What is verified without a GPU (tests/test_mosaic_gpu_kernels.py): jax's Mosaic GPU interpreter
+(`interpret=True`, which simulates TMA, barriers, shared memory and wgmma) runs the kernel against
+a float64 reference; jax's Mosaic GPU lowering (register layouts, TMA descriptors' strides, wgmma
+shapes and swizzles) runs here and XLA compiles the program for a compile-only H100 around one
+`mosaic_gpu` custom call per product. Not verified here: the custom call's own PTX compilation
+and run, which happen when the program is loaded on a GPU (`pytest -m gpu`, tests/test_gpu.py),
+nor its speed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import decode, epilogue, formats, layered, metadata, tiling
+
+try:  # jax's Mosaic GPU interpreter (jax >= 0.10.2) is not exported; only the tests run it
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+except ImportError:  # pragma: no cover - a jax without it runs the compiled kernel only
+    InterpretGPUParams = None
+
+# The Mosaic GPU API the kernel uses (jax 0.10.2 to 0.12 have all of it).
+_API = ("kernel", "emit_pipeline", "BlockSpec", "wgmma", "wgmma_wait", "ACC", "SMEM", "Layout", "layout_cast", "load")
+_API += ("TilingTransform", "SwizzleTransform", "find_swizzle", "commit_smem", "copy_smem_to_gmem", "wait_smem_to_gmem")
+
+
+def refusal(dtype) -> str | None:
+    """Why this kernel cannot multiply rows of `dtype` (4-bit experts are decoded to it; bf16
+    experts are the rows' dtype), or None if it can."""
+    missing = [name for name in _API if not hasattr(plgpu, name)]
+    if missing:
+        return f"this jax's Mosaic GPU lacks {', '.join(missing)} (jax {jax.__version__})"
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        return (
+            f"multiplies bfloat16 rows only, got {jnp.dtype(dtype).name}: Hopper's wgmma multiplies float32 as "
+            "TF32 (10 mantissa bits, ~1e-3 off); pallas_gpu or xla multiply float32 at full precision"
+        )
+    return None
+
+
+def fuses_glu(m: int, n: int, rhs) -> bool:
+    """Whether the epilogue can halve a gate|up product of N columns: any whole (gate, up) pairs."""
+    return n % 2 == 0
+
+
+def _transforms(cols: int, bits: int, swizzle: int | None = None) -> tuple:
+    """Shared-memory tiling and swizzle of a tile whose rows are `cols` elements of `bits`: the
+    largest swizzle the row fills, or `swizzle` (wgmma wants its two operands' swizzles equal)."""
+    swizzle = swizzle or plgpu.find_swizzle(cols * bits)
+    return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
+
+
+def _decoded_tiles(w_ref, s_refs, *, pairs, fmt, block, cast, load):
+    """A step's weight tiles, f32 [rows, width] of values exact in bf16 (an e2m1 code times its
+    block scale has at most 6 significant bits): {(column set, K-half): tile}.
+
+    w_ref: the words [rows, width] (bf16 pairs as int32; 4-bit bytes, or byte pairs as uint16);
+    s_refs: the two K-halves' scale words [rows / block, width] (4-bit only). Column set i of a
+    word is its (i)th bf16 or byte; a byte's K-halves are its low and high nibble."""
+    words = cast(w_ref[...], plgpu.Layout.WGMMA).astype(jnp.int32)
+    rows, width = w_ref.shape
+    if fmt is None:  # bf16 (gate, up) pairs: the f32 bits of a bf16 are its 16 bits << 16
+        return {(i, 0): lax.bitcast_convert_type((words >> (16 * i)) << 16, jnp.float32) for i in range(pairs)}
+    row = cast(lax.broadcasted_iota(jnp.int32, (rows, width), 0), plgpu.Layout.WGMMA)
+    tiles = {}
+    for h, s_ref in enumerate(s_refs):
+        scale_rows = [load(s_ref.at[b], plgpu.Layout.WGMMA.reduce(0)).astype(jnp.int32) for b in range(rows // block)]
+        for i in range(pairs):
+            scale = None  # [rows, width] f32: each row's block's scale, by selects down the blocks
+            for b, bits in enumerate(scale_rows):
+                s = lax.broadcast_in_dim(decode.scale_to_f32((bits >> (8 * i)) & 255, fmt), (rows, width), (1,))
+                scale = s if scale is None else jnp.where(row >= b * block, s, scale)
+            tiles[i, h] = decode.e2m1_to_f32((words >> (8 * i + 4 * h)) & 15) * scale
+    return tiles
+
+
+def _kernel(
+    num_tiles,
+    group_ids,
+    m_tile_ids,
+    offsets,
+    offset,
+    first,
+    tscale,
+    *refs,
+    fmt,
+    block,
+    tm,
+    kt,
+    width,
+    k_steps,
+    steps,
+    pairs,
+    tables,
+    act,
+    interpret,
+):
+    """One (active m tile, n tile) CTA; the pipeline loops over K. Refs are whole arrays in GMEM:
+    the rows' K-halves (4-bit: x [M_pad, 2, K/2]) or x [M_pad, K]; the weights' words
+    [G', K or K/2, N/p] (p = `pairs`: 2 with act, a word holding a (gate, up) pair) and, 4-bit,
+    their scale words [G', K/B, N/p]; tscale [G'], whose local groups are first[0] + [0, G_local)
+    (G': a stack's every layer's groups); the epilogue's column scales and bias [G_local, p, W]
+    where `tables` says so; out [M_pad, W] (W: whole tiles of `width` output columns)."""
+    *ins, out_gmem = refs
+    cols_ref = ins.pop(len(ins) - sum(tables)) if tables[0] else None
+    bias_ref = ins.pop() if tables[1] else None
+    halves = 1 if fmt is None else 2
+    x_gmem, w_gmem, s_gmem = (*ins, None)[:3]
+    # The interpreter has no register layouts (a layout cast has no CPU lowering there).
+    cast = (lambda x, _: x) if interpret else plgpu.layout_cast
+    # A load from GMEM into a layout is per element (`optimized=False`): only shared memory has vector plans.
+    load = (
+        (lambda ref, *_: ref[...])
+        if interpret
+        else lambda ref, layout, optimized=True: plgpu.load(ref, (), layout=layout, optimized=optimized)
+    )
+    t, n_i = lax.axis_index("t"), lax.axis_index("n")
+
+    @pl.when(t < num_tiles[0])
+    def _():
+        g = group_ids[t]
+        local, m_tile = g - offset[0], m_tile_ids[t]
+        at = first[0] + local  # the group's weights
+        direct = fmt is None and pairs == 1  # the weight tile goes to wgmma as TMA left it
+        swizzle = plgpu.find_swizzle(min(kt, width) * 16)  # the bf16 operands' (x and weight tiles)
+        words = _transforms(width, 16, swizzle) if direct else _transforms(width, jnp.dtype(w_gmem.dtype).itemsize * 8)
+        x_spec = plgpu.BlockSpec(
+            (tm, kt), lambda k: (m_tile, k), transforms=_transforms(kt, 16, swizzle), delay_release=1
+        )
+        w_spec = plgpu.BlockSpec((kt, width), lambda k: (k, n_i), transforms=words, delay_release=1)
+        if fmt is None:
+            specs, gmem = [x_spec, w_spec], [x_gmem, w_gmem.at[at]]
+        else:  # the K-halves' rows and scale rows as views (past K/2 the codes read zero, so their tiles may overrun)
+            kh = s_gmem.shape[1] // 2  # scale rows per K-half
+            s_spec = plgpu.BlockSpec((kt // block, width), lambda k: (k, n_i), delay_release=1)
+            specs = [x_spec, x_spec, w_spec, s_spec, s_spec]
+            gmem = [
+                x_gmem.at[:, 0],
+                x_gmem.at[:, 1],
+                w_gmem.at[at],
+                *(s_gmem.at[at, pl.ds(h * kh, kh)] for h in (0, 1)),
+            ]
+
+        def mainloop(dec_smem, *accs):  # dec_smem: [2 slots, pairs, halves, kt, width] bf16, or None
+            def step(indices, *smem):
+                x_smem, (w_smem, *s_smem) = smem[:halves], smem[halves:]
+                if direct:
+                    plgpu.wgmma(accs[0], x_smem[0], w_smem)
+                    plgpu.wgmma_wait(1)  # the previous step's wgmma is done: its slots refill
+                    return
+                slot = lax.rem(indices[0], 2)  # the wgmmas of two steps ago read it, and are done
+                tiles = _decoded_tiles(w_smem, s_smem, pairs=pairs, fmt=fmt, block=block, cast=cast, load=load)
+                for (i, h), tile in tiles.items():
+                    dec_smem[slot, i, h] = tile.astype(jnp.bfloat16)
+                plgpu.commit_smem()  # the stores are visible to wgmma (the async proxy)
+                for i, h in tiles:
+                    plgpu.wgmma(accs[i], x_smem[h], dec_smem.at[slot, i, h])
+                plgpu.wgmma_wait(len(tiles))  # only this step's wgmmas run on
+
+            plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=specs, max_concurrent_steps=steps)(*gmem)
+            return tuple(acc[...] for acc in accs)
+
+        # Accumulators in registers and the decoded tiles in shared memory are scoped apart.
+        accumulate = lambda dec_smem: pl.run_scoped(
+            lambda *accs: mainloop(dec_smem, *accs), *[plgpu.ACC((tm, width), jnp.float32)] * pairs
+        )
+        if direct:
+            accs = accumulate(None)
+        else:
+            dec = plgpu.SMEM((2, pairs, halves, kt, width), jnp.bfloat16, transforms=_transforms(width, 16, swizzle))
+            accs = pl.run_scoped(accumulate, dec)
+
+        cols = pl.ds(n_i * width, width)
+
+        def column(ref, i):  # [tm, width]: row i of a group's epilogue table, down every row
+            row = load(ref.at[local, i, cols], plgpu.Layout.WGMMA.reduce(0), False)
+            return lax.broadcast_in_dim(row, (tm, width), (1,))
+
+        ys = [
+            epilogue.finish(
+                acc,
+                out_gmem.dtype,
+                tscale[at] * (1.0 if cols_ref is None else column(cols_ref, i)),
+                None if bias_ref is None else column(bias_ref, i),
+            )
+            for i, acc in enumerate(accs)
+        ]
+        # The activation's math is f32, as the Triton twin's (whose bf16 has no division).
+        y = ys[0] if act is None else epilogue.glu(*(y.astype(jnp.float32) for y in ys), act).astype(out_gmem.dtype)
+
+        def store(out_smem):
+            out_smem[...] = y
+            plgpu.commit_smem()
+            # Only this group's rows of the tile, [first, first + size), as power-of-two pieces.
+            m0 = m_tile * tm
+            first = jnp.maximum(offsets[g], m0) - m0
+            size = jnp.minimum(offsets[g + 1], m0 + tm) - m0 - first
+            piece, pos = tm, first
+            while piece >= 1:
+
+                @pl.when((size & piece) != 0)
+                def _(piece=piece, pos=pos):
+                    plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(pos, piece)], out_gmem.at[pl.ds(m0 + pos, piece), cols])
+
+                pos = pos + (size & piece)
+                piece //= 2
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        pl.run_scoped(store, plgpu.SMEM((tm, width), out_gmem.dtype))
+
+
+def _pad(a, axis: int, multiple: int):
+    """a padded with zeros along `axis` to a multiple of `multiple`."""
+    pad = [(0, 0)] * a.ndim
+    pad[axis] = (0, tiling.round_up(a.shape[axis], multiple) - a.shape[axis])
+    return jnp.pad(a, pad)
+
+
+def _words(a, pairs: int):
+    """[..., N] -> [..., N/p] words of p adjacent elements (a bitcast; p = 2: bf16 pairs as int32,
+    byte pairs as uint16)."""
+    if pairs == 1:
+        return a
+    word = {2: jnp.int32, 1: jnp.uint16}[jnp.dtype(a.dtype).itemsize]
+    return lax.bitcast_convert_type(a.reshape(*a.shape[:-1], a.shape[-1] // 2, 2), word)
+
+
+def _check_tiles(tm: int, tk: int, tn: int, steps: int, pairs: int, quantized: bool, out_dtype) -> None:
+    width = tn // pairs
+    if tm % 64:
+        raise ValueError(f"mosaic_gpu: tm={tm} must be a multiple of 64 (a warpgroup's wgmma rows)")
+    # A tile loaded into registers has the wgmma layout's 64-row tiles; 4-bit steps hold two K-halves.
+    if tk % (128 if quantized else 64):
+        raise ValueError(f"mosaic_gpu: tk={tk} must be a multiple of {128 if quantized else 64}")
+    # A TMA copy's shared-memory rows start 128-byte aligned: the row pieces of the output tile.
+    if tn % (32 * pairs) or width > 256 or width * jnp.dtype(out_dtype).itemsize % 128:
+        raise ValueError(
+            f"mosaic_gpu: tn={tn} must be a multiple of {32 * pairs} whose tn/{pairs} output columns are at most "
+            f"256 (wgmma's N) and a multiple of 128 bytes of {jnp.dtype(out_dtype).name}"
+        )
+    if steps < 2:
+        raise ValueError(f"mosaic_gpu: steps={steps} must be at least 2 (a step's tiles are read while the next load)")
+
+
+def gmm_mosaic_gpu(
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    out_dtype,
+    *,
+    interpret: bool = False,
+    tm: int = 64,
+    tk: int | None = None,
+    tn: int | None = None,
+    steps: int = 3,
+    epilogue=None,
+):
+    """The Mosaic GPU twin of `gmm_pallas_gpu`: the same arguments, epilogue and result (rhs may be
+    one layer of a stack, `layered.LayerOf`); bf16 rows only (`refusal`). Tiles: tm rows (a
+    multiple of 64), tk of K (bf16: a multiple of 64; 4-bit: of 128, two K-halves of tk/2), tn
+    product columns (tn/2 outputs with act); `steps` pipeline stages; `interpret`: jax's Mosaic GPU
+    interpreter (on any platform)."""
+    m, k = lhs.shape
+    g_local, _, n = rhs.shape
+    quantized = isinstance(layered.stored(rhs), formats.QuantizedArray)
+    reason = refusal(lhs.dtype) or (None if quantized else refusal(layered.stored(rhs).dtype))
+    if reason:
+        raise ValueError(f"mosaic_gpu: {reason}")
+    if interpret and InterpretGPUParams is None:
+        raise ValueError(f"mosaic_gpu: this jax ({jax.__version__}) has no Mosaic GPU interpreter")
+    tables, has, act = tiling.epilogue_tables(epilogue, g_local)
+    pairs = 1 if act is None else 2
+    tn = tn or (128 if pairs == 2 else tiling.pick_tile(n, (128, 64), masked=True))
+    tk = tk or (128 if quantized else 64)
+    _check_tiles(tm, tk, tn, steps, pairs, quantized, out_dtype)
+    width, kt = tn // pairs, tk // 2 if quantized else tk
+    # TMA strides: every row a multiple of 16 bytes. Widths that miss it are padded, which copies
+    # the layer's weights out of a stack.
+    lane = 16 if quantized else 8
+    if k % lane or n % lane:
+        rhs = layered.layer_slice(rhs.stack, rhs.index) if isinstance(rhs, layered.LayerOf) else rhs
+        if quantized:
+            rhs = rhs.replace(values=_pad(rhs.values, -1, lane), scales=_pad(rhs.scales, -1, lane))
+        else:
+            lhs, rhs = _pad(lhs, 1, lane), _pad(_pad(rhs, 1, lane), 2, lane)
+    rhs, first = layered.flat(rhs)
+    lhs_p, offset, (offsets, group_ids, m_tile_ids), num_tiles = tiling.group_tiles(
+        lhs, group_sizes, group_offset, g_local, tm
+    )
+    m_pad, grid_n = lhs_p.shape[0], pl.cdiv(n, tn)
+    if quantized:
+        kh = k // 2
+        operands = (
+            lhs_p.reshape(m_pad, 2, kh),  # the two K-halves, each with its own end for TMA
+            _words(rhs.values, pairs),
+            _words(tiling.scale_bits(rhs), pairs),
+        )
+        tscale, fmt, block, k_steps = tiling.tensor_scales(rhs), rhs.fmt, rhs.spec.block, pl.cdiv(kh, kt)
+    else:
+        operands = (lhs_p, _words(rhs, pairs))
+        tscale, fmt, block, k_steps = jnp.ones(rhs.shape[:1], jnp.float32), None, 1, pl.cdiv(lhs_p.shape[1], kt)
+    # The epilogue's tables [G_local, 1, N] -> [G_local, p, W]: gate and up rows apart, whole tiles wide.
+    tables = [_pad(t.reshape(g_local, n // pairs, pairs).transpose(0, 2, 1), -1, width) for t in tables]
+    kernel = functools.partial(
+        _kernel,
+        fmt=fmt,
+        block=block,
+        tm=tm,
+        kt=kt,
+        width=width,
+        k_steps=k_steps,
+        steps=steps,
+        pairs=pairs,
+        tables=has,
+        act=act,
+        interpret=interpret,
+    )
+    # TMA reads zeros past an array's end; the interpreter does where its out-of-bounds reads give zeroed memory.
+    params = InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero") if interpret else None
+    out = plgpu.kernel(
+        kernel,
+        out_type=metadata.varying_struct((m_pad, grid_n * width), out_dtype, lhs, rhs, group_sizes, group_offset),
+        grid=(group_ids.shape[0], grid_n),
+        grid_names=("t", "n"),
+        interpret=params,
+    )(num_tiles.reshape(1), group_ids, m_tile_ids, offsets, offset, first, tscale, *operands, *tables)
+    return tiling.zero_foreign_rows(out, offsets, offset[0], g_local, m)[:, : n // pairs]
