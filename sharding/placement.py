@@ -10,6 +10,7 @@ cost hooks (`sharding/registry.py` lists the placements).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -17,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
+from moejax import platform as platforms
 from moejax.config import Config, ConfigError
-from moejax.model import paged, projections
+from moejax.model import paged
 from moejax.model.attention import cache_specs
 from moejax.model.layer_loop import layer_loops
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_specs
@@ -43,8 +45,6 @@ class Placement:
     mesh_from_layout = False
     # Whether the exchange runs as two micro-batches (`sharding/overlap.py`); one device has none.
     two_batch_overlap = False
-    # How a layer's dense products run (`moejax/model/projections.py`).
-    dense = projections.XLA
 
     def __init__(self, config: Config, platform: str | None = None):
         self.config = config
@@ -67,6 +67,19 @@ class Placement:
             config.model, lambda layers: unrolls(config.engine.layer_loop, layers, self.platform), groups
         )
         self.set_slots(config.model.num_experts)
+
+    @functools.cached_property
+    def decode(self) -> platforms.DecodeKernels:
+        """How a decode step's small products run: XLA's ops, or the GPU's fused decode kernels
+        (`moejax/model/projections.py`, `sharding/experts.py`), a layer's dense products among them
+        on one device."""
+        dtype = platforms.run_dtype(self.config.engine.dtype, self.platform)
+        return platforms.decode_kernels(self.kernel, dtype, self.first_device, dense=self.devices == 1)
+
+    @property
+    def first_device(self):
+        """The device the placement's programs start on (kind and cores: the decode kernels' tiles)."""
+        return jax.devices()[0]
 
     def set_slots(self, num_logical: int) -> None:
         """Logical experts (padding included) and the physical slots holding them: one each, plus
@@ -203,7 +216,7 @@ class Placement:
 
     def moe(self, x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict) -> jax.Array:
         """x: [T, D], ids (physical slots)/weights: [T, k] -> [T, D]: the routed experts' weighted sum per row."""
-        return moe_local(x, ids, weights, experts, kernel=self.kernel, platform=self.platform)
+        return moe_local(x, ids, weights, experts, kernel=self.kernel, platform=self.platform, decode=self.decode)
 
     # ------------------------------------------------------------------ accounting
     # For one MoE layer and one forward pass: ids [T, k] are the picks of every row of the pass,

@@ -139,7 +139,7 @@ def gqa(
     pages=None,
 ):
     """x: [B, T, D] the residual stream, `norm` the attention norm's weight -> (x + attention, cache)."""
-    q, k, v = projections.qkv(placement.dense, p, x, norm, cos_sin, c)
+    q, k, v = projections.qkv(placement.decode, p, x, norm, cos_sin, c)
     kernel = placement.attention_kernel
     if pages is not None and kernel != "xla" and (q.shape[1] == 1 or kernels.prefills(kernel)):
         # The kernel reads the pages itself, per device (the placement's shard_map).
@@ -148,7 +148,7 @@ def gqa(
         )
     else:
         out, cache = _gqa_xla(p, q, k, v, positions, cache, c, placement, window, pages)
-    return projections.out(placement.dense, p, out, x, c), cache
+    return projections.out(placement.decode, p, out, x, c), cache
 
 
 def _gqa_xla(p: dict, q, k, v, positions, cache: dict, c: ModelConfig, placement, window, pages):

@@ -28,10 +28,10 @@ def moe_block(
         experts = {**experts, "act": ClampedSwiGLU(c.swiglu_alpha, c.swiglu_limit)}
     # Named scopes let `moejax trace` attribute the profiler's ops (moejax/analysis/step_trace.py).
     with jax.named_scope("moe"):
-        rows, ids, weights = projections.route(placement.dense, p, x.reshape(b * t, d), norm, c, forced)
+        rows, ids, weights = projections.route(placement.decode, p, x.reshape(b * t, d), norm, c, forced)
         # Experts in a placement's slots (`sharding/slots.py`): each pick goes to one replica.
         where = placement.pick_slots(ids, p["slots"]) if "slots" in p else ids
         y = placement.moe(rows, where, weights, experts)
     if c.num_shared_experts:
-        y = y + projections.mlp(placement.dense, p["shared"], rows)
+        y = y + projections.mlp(placement.decode, p["shared"], rows)
     return x + y.reshape(b, t, d), ids
