@@ -98,6 +98,48 @@ KV_MEMORY_SHARE = 0.8
 # Whose buffers and temporaries a compiled program's figures are (`moejax plan`).
 COMPILERS = {"cpu": "XLA:CPU", "gpu": "XLA:GPU", "tpu": "the TPU compiler"}
 
+# A GPU's decode step runs its small products in fused decode kernels (`moejax/model/projections.py`,
+# `sharding/experts.py`): every projection of a few rows there was a weight-sized multiply and a
+# reduce, and the MoE's group bookkeeping some twenty small kernels. Up to DECODE_KERNEL_ROWS rows
+# (a serving batch's decode rows); a prefill chunk's rows go through XLA's GEMMs and the grouped GEMM.
+DECODE_KERNEL_ROWS = 128
+# The grouped-GEMM kernels that come with the fused decode kernels (Triton's; the interpreter's, tests).
+DECODE_KERNELS = ("pallas_gpu", "interpret_gpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeKernels:
+    """How a placement runs a decode step's small products: `kernel` "xla", or the fused decode
+    kernels' backend ("pallas_gpu"; "interpret_gpu": the same kernels in Pallas's interpreter) for
+    passes of at most `rows` rows (a layer's dense products here, its experts by pick in
+    `sharding/experts.py`); `precision`: the products' matmul precision (None: the platform's
+    default); `device`: (device kind, cores) the kernels' tiles are looked up for
+    (`pallas_kernels/tiles.py`); `dense`: whether a layer's dense products run in them too (its
+    dense weights whole on the one device the kernel is a program of)."""
+
+    kernel: str = "xla"
+    rows: int = 0
+    precision: str | None = None
+    device: tuple[str, int] = ("", 0)
+
+    dense: bool = False
+
+    def fuses(self, rows: int) -> bool:
+        """Whether a pass of `rows` rows multiplies its experts by pick."""
+        return self.kernel != "xla" and rows <= self.rows
+
+    def fuses_dense(self, rows: int) -> bool:
+        """Whether a pass of `rows` rows runs a layer's dense products in the fused kernels."""
+        return self.dense and self.fuses(rows)
+
+    @property
+    def interpret(self) -> bool:
+        return self.kernel == "interpret_gpu"
+
+
+XLA = DecodeKernels()
+
+
 # Device files of the accelerators jax's plugins drive: NVIDIA GPUs, TPUs (and their VFIO form).
 ACCELERATOR_DEVICES = ("/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*")
 
@@ -218,6 +260,16 @@ class Platform:
         # the program's name (jit_decode_step, ...), which `moejax trace` matches
         traced.__name__ = traced.__qualname__ = getattr(fn, "func", fn).__name__
         return traced
+
+    def decode_kernels(self, gemm_kernel: str, dtype, device, dense: bool) -> DecodeKernels:
+        """The decode kernels of a run whose grouped GEMM is `gemm_kernel`, in `dtype`, on `device` (its
+        first device: kind and cores pick the tiles); `dense`: whether its layers' dense weights lie
+        whole on the one device (the fused kernels are one device's programs)."""
+        if gemm_kernel not in DECODE_KERNELS:
+            return XLA
+        cores = getattr(device, "core_count", 0) or 0
+        precision = self.matmul_precision(dtype)
+        return DecodeKernels(gemm_kernel, DECODE_KERNEL_ROWS, precision, (device.device_kind, cores), dense)
 
     def kv_cache_bytes(self, devices: list) -> int:
         """The page pool's default bytes over `devices` where the platform sizes it by memory

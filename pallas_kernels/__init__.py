@@ -10,7 +10,7 @@ from pallas_kernels.formats import (
     quantize_rows,
     values_nbytes,
 )
-from pallas_kernels.registry import for_kernel, grouped_gemm, run_weights, unavailable, width_refusal
+from pallas_kernels.registry import for_kernel, grouped_gemm, pick_gemm, run_weights, unavailable, width_refusal
 
 __all__ = [
     "FORMATS",
@@ -20,6 +20,7 @@ __all__ = [
     "grouped_gemm",
     "unavailable",
     "nbytes",
+    "pick_gemm",
     "quantize",
     "quantize_experts",
     "quantize_rows",

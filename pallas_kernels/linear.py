@@ -172,6 +172,11 @@ def _segments(x, weights, *, norm, biases, residual, head_dim, head_norms, rope,
     return segments
 
 
+def _check_normed(normed: bool, norm) -> None:
+    if normed and norm is None:
+        raise ValueError("fused_linear: normed asks for the normed rows, but no norm is given")
+
+
 def _check_options(tiles: Tiles, precision):
     if precision not in PRECISIONS:
         raise ValueError(f"fused_linear: precision must be one of {PRECISIONS}, got {precision!r}")
@@ -183,11 +188,11 @@ def _check_options(tiles: Tiles, precision):
         raise ValueError(f"fused_linear: tiles.num_stages must be at least 1, got {tiles.num_stages}")
 
 
-def _linear_kernel(*refs, tree, n_in, segments, m, k, tm, tk, eps, precision, act):
+def _linear_kernel(*refs, tree, n_in, segments, m, k, tm, tk, eps, precision, act, normed):
     """Program (p, r): row tile r of the output tile of whichever segment program p falls in.
     Refs are whole arrays: x [M, K], norm [1, K], per segment its weight [K, N/p, p] (p: pairs),
-    bias [1, N/p, p] and head norm [1, Dh]; cos, sin [M, R/2]; residual [M, N]; then the outputs
-    [M, N/p], one per segment."""
+    bias [1, N/p, p] and head norm [1, Dh]; cos, sin [M, R/2]; residual [M, N]; then the outputs:
+    (`normed`: the normed rows [M, K], written by the programs p = 0) [M, N/p], one per segment."""
     ins, outs = jax.tree.unflatten(tree, refs[:n_in]), refs[n_in:]
     p, r = pl.program_id(0), pl.program_id(1)  # read outside pl.when: interpret mode wants it
     rows = pl.ds(r * tm, tm)
@@ -216,6 +221,23 @@ def _linear_kernel(*refs, tree, n_in, segments, m, k, tm, tk, eps, precision, ac
         if rstd is None:
             return x
         return _normalize(x.astype(jnp.float32), rstd, _load(ins["norm"].at[:, pl.ds(k0, tk)], in_k(k0, 1)), x.dtype)
+
+    if normed:  # the normed rows for the products after this one (the router's rows: the experts')
+        normed_ref, outs = outs[0], outs[1:]
+
+        @pl.when(p == 0)
+        def _():
+            def write(k_i, carry):
+                k0 = k_i * tk
+                mask = [mk for mk in (in_m, in_k(k0, 1)) if mk is not None]
+                pl_triton.store(
+                    normed_ref.at[rows, pl.ds(k0, tk)],
+                    h_block(k0),
+                    mask=functools.reduce(jnp.logical_and, mask) if mask else None,
+                )
+                return carry
+
+            lax.fori_loop(0, steps, write, 0)
 
     def tile(seg: _Segment, refs, out_ref, t):  # segment seg's output tile t: [tm, seg.tile]
         c0 = t * seg.tile
@@ -305,12 +327,14 @@ def fused_linear(
     rotate: tuple[bool, ...] | None = None,
     act=None,
     out_dtype=None,
+    normed: bool = False,
     precision: str | None = None,
     tiles: Tiles = Tiles(),
     interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
     """Rows x [M, K] times each weight segment W_i [K, N_i] (bf16 or f32) in one launch -> one
-    output per segment, [M, N_i] ([M, N_i / 2] with act).
+    output per segment, [M, N_i] ([M, N_i / 2] with act); with `normed`, the normed rows [M, K]
+    first (what a later product of the same rows reads: the router's rows are the experts').
 
     norm [K], eps: x RMS-normed first (transformers' RMSNorm; eps also the head norms'). biases: per
     segment [N_i] or None, added to the rounded product in the output dtype (as the model's
@@ -324,6 +348,7 @@ def fused_linear(
     blocks and launch shape. interpret: Pallas' interpreter (any platform).
     """
     _check_options(tiles, precision)
+    _check_normed(normed, norm)
     segments = _segments(
         x,
         weights,
@@ -358,6 +383,8 @@ def fused_linear(
     }
     flat, tree = jax.tree.flatten(ins)
     outs = [metadata.varying_struct((m, seg.n), seg.out_dtype, *flat) for seg in segments]
+    if normed:
+        outs.insert(0, metadata.varying_struct((m, k), jnp.result_type(norm.dtype, x.dtype), *flat))
     out_cols = sum(seg.n for seg in segments)
     kernel = functools.partial(
         _linear_kernel,
@@ -371,6 +398,7 @@ def fused_linear(
         eps=eps,
         precision=precision,
         act=act,
+        normed=normed,
     )
     return tuple(
         pl.pallas_call(
@@ -403,11 +431,13 @@ def fused_linear_xla(
     rotate: tuple[bool, ...] | None = None,
     act=None,
     out_dtype=None,
+    normed: bool = False,
     precision: str | None = None,
 ) -> tuple[jax.Array, ...]:
     """`fused_linear` with XLA ops: the same arguments (less its tiles) and results."""
     if precision not in PRECISIONS:
         raise ValueError(f"fused_linear: precision must be one of {PRECISIONS}, got {precision!r}")
+    _check_normed(normed, norm)
     segments = _segments(
         x,
         weights,
@@ -446,4 +476,4 @@ def fused_linear_xla(
         if residual is not None:
             y = (residual + y).astype(seg.out_dtype)
         outs.append(y)
-    return tuple(outs)
+    return (h, *outs) if normed else tuple(outs)

@@ -170,6 +170,70 @@ def grouped_gemm(
     return epilogue.finish_product(out, out_dtype, scale, bias, group_sizes, group_offset, act, combine)
 
 
+# The backends that multiply a decode step's picks by expert id (`gmm_picks`), and whether they
+# run it interpreted.
+PICK_BACKENDS = {"pallas_gpu": False, "interpret_gpu": True}
+
+
+def pick_gemm(
+    lhs,
+    rhs,
+    ids,
+    *,
+    k: int,
+    group_offset=0,
+    backend: str,
+    out_dtype,
+    bias=None,
+    act=None,
+    rows_are_picks: bool = False,
+    precision=None,
+    device: tuple[str, int] = ("", 0),
+):
+    """`gmm_picks.pick_gemm` of the picks ids [P] (a [T, k] router's, flattened) with the tiles the
+    decode table gives its shape on `device` (device kind, SMs: `tiles.py`): out [P, N] (with act:
+    [P, N/2]) of each pick's row times its expert; picks of experts outside the local ones are zero.
+    bias: [G_local, N]; act, precision: as `grouped_gemm`'s."""
+    from pallas_kernels import gmm_picks, tiles
+
+    if backend not in PICK_BACKENDS:
+        raise ValueError(
+            f"no kernel multiplies picks by id on backend {backend!r}; expected one of {list(PICK_BACKENDS)}"
+        )
+    stack = layered.stored(rhs)
+    if isinstance(stack, formats.QuantizedArray):
+        fmt, tk_floor = stack.fmt, 2 * stack.spec.block
+    else:
+        fmt, tk_floor = ("f32" if stack.dtype == jnp.float32 else "bf16"), 16
+    p, (g_local, kdim, n) = ids.shape[0], rhs.shape
+    touched = min(g_local, p)  # experts a call can read: the programs that stream weights
+    chosen = tiles.tiles(
+        "pick_gemm",
+        device,
+        rows=p // k,
+        k=kdim,
+        n=n,
+        fmt=fmt,
+        programs=lambda tn: touched * -(-n // tn),
+        tn_floor=32 if act is not None else 16,
+    )
+    chosen["tk"] = max(chosen["tk"], tk_floor)
+    epilogue = None if bias is None and act is None else (None, bias, act)
+    return gmm_picks.pick_gemm(
+        lhs,
+        rhs,
+        ids,
+        k=k,
+        group_offset=group_offset,
+        out_dtype=out_dtype,
+        epilogue=epilogue,
+        rows_are_picks=rows_are_picks,
+        tiles=gmm_picks.Tiles(**chosen),
+        precision=precision,
+        interpret=PICK_BACKENDS[backend],
+    )
+
+
 def _module(backend: str):
     return importlib.import_module(f"pallas_kernels.{_IMPLS[_known(backend)][0]}")
 

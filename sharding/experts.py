@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from moejax.model.layers import silu_glu
-from moejax.platform import Platform
+from moejax.platform import XLA, DecodeKernels, Platform
 
 
 def expert_ffn(
@@ -56,6 +56,32 @@ def expert_ffn(
     return gmm(h, w["down"], bias=None if down_bias is None else jnp.where(first_slice, down_bias, 0), combine=picks)
 
 
+def expert_ffn_by_pick(
+    x: jax.Array, ids: jax.Array, weights: jax.Array, w: dict, *, group_offset, first_slice, decode: DecodeKernels
+) -> jax.Array:
+    """`expert_ffn` of a decode step's few rows, each pick multiplied by its expert where it lies
+    (`pallas_kernels.pick_gemm`: no sort, no group metadata): x: [T, D], ids, weights: [T, k] -> [T, D].
+    The down product's [T*k, D] rows are weighted and summed per token in float32, as `epilogue.combine`
+    sums the sorted products."""
+    t, k = ids.shape
+    gemm = functools.partial(
+        pallas_kernels.pick_gemm,
+        ids=ids.reshape(-1),
+        k=k,
+        group_offset=group_offset,
+        out_dtype=x.dtype,
+        backend=decode.kernel,
+        precision=decode.precision,
+        device=decode.device,
+    )
+    h = gemm(x, w["gate_up"], bias=w.get("gate_up_bias"), act=w.get("act", silu_glu))  # [T*k, F]
+    down_bias = w.get("down_bias")
+    y = gemm(
+        h, w["down"], bias=None if down_bias is None else jnp.where(first_slice, down_bias, 0), rows_are_picks=True
+    )  # [T*k, D]
+    return jnp.einsum("tkd,tk->td", y.reshape(t, k, -1).astype(jnp.float32), weights).astype(x.dtype)
+
+
 def sort_picks(ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
     """ids: [T, k] -> (order: [T*k] picks sorted by expert (stable), group_sizes: [num_experts])."""
     flat = ids.reshape(-1)
@@ -74,13 +100,19 @@ def moe_local(
     num_groups: int | None = None,
     group_offset=0,
     first_slice=True,
+    decode: DecodeKernels = XLA,
 ) -> jax.Array:
     """The experts this device holds, applied to its rows: x: [T, D], ids/weights: [T, k] -> [T, D].
 
     `w` holds experts [group_offset, group_offset + E_local) of `num_groups` (default: all of
     them); picks of other experts contribute zero, and cost nothing. `kernel`, `platform`, `first_slice`: see
-    `expert_ffn`.
+    `expert_ffn`; `decode`: the decode kernels, which multiply a decode step's rows by pick (`expert_ffn_by_pick`).
     """
+    if decode.fuses(x.shape[0]):
+        with jax.named_scope("experts"):
+            return expert_ffn_by_pick(
+                x, ids, weights, w, group_offset=group_offset, first_slice=first_slice, decode=decode
+            )
     order, group_sizes = sort_picks(ids, num_groups or w["down"].shape[0])
     with jax.named_scope(
         "experts"

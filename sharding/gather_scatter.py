@@ -40,6 +40,7 @@ class GatherScatter(MeshPlacement):
                 kernel=self.kernel,
                 first_slice=jax.lax.axis_index("tp") == 0,
                 platform=self.platform,
+                decode=self.decode,
             )
 
         def combine(y):

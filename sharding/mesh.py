@@ -68,6 +68,10 @@ class MeshPlacement(Placement, abc.ABC):
                 "device (its weight gathers already run layers ahead)"
             )
 
+    @property
+    def first_device(self):
+        return self.mesh.devices.flat[0]
+
     @classmethod
     @abc.abstractmethod
     def mesh_shape(cls, layout: LayoutConfig) -> tuple[int, int]:

@@ -10,6 +10,7 @@ cost hooks (`sharding/registry.py` lists the placements).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -22,7 +23,7 @@ from moejax.model import paged
 from moejax.model.attention import cache_specs
 from moejax.model.layer_loop import layer_loops
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_specs
-from moejax.platform import Platform, resolve
+from moejax.platform import DecodeKernels, Platform, resolve
 from pallas_kernels import layered
 from sharding import accounting, rules, slots
 from sharding.experts import moe_local
@@ -65,6 +66,19 @@ class Placement:
             config.model, lambda layers: self.platform.unrolls(config.engine.layer_loop, layers), groups
         )
         self.set_slots(config.model.num_experts)
+
+    @functools.cached_property
+    def decode(self) -> DecodeKernels:
+        """How a decode step's small products run: XLA's ops, or the GPU's fused decode kernels
+        (`moejax/model/projections.py`, `sharding/experts.py`), a layer's dense products among them
+        on one device."""
+        dtype = self.platform.run_dtype(self.config.engine.dtype)
+        return self.platform.decode_kernels(self.kernel, dtype, self.first_device, dense=self.devices == 1)
+
+    @property
+    def first_device(self):
+        """The device the placement's programs start on (kind and cores: the decode kernels' tiles)."""
+        return jax.devices()[0]
 
     def set_slots(self, num_logical: int) -> None:
         """Logical experts (padding included) and the physical slots holding them: one each, plus
@@ -201,7 +215,7 @@ class Placement:
 
     def moe(self, x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict) -> jax.Array:
         """x: [T, D], ids (physical slots)/weights: [T, k] -> [T, D]: the routed experts' weighted sum per row."""
-        return moe_local(x, ids, weights, experts, kernel=self.kernel, platform=self.platform)
+        return moe_local(x, ids, weights, experts, kernel=self.kernel, platform=self.platform, decode=self.decode)
 
     # ------------------------------------------------------------------ accounting
     # For one MoE layer and one forward pass: ids [T, k] are the picks of every row of the pass,

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from moejax.platform import Platform
+from moejax.platform import XLA, DecodeKernels, Platform
 from sharding import accounting, overlap
 from sharding.experts import moe_local
 from sharding.mesh import MeshPlacement, own_share
@@ -86,10 +86,17 @@ def exchange_buffers(
 
 
 def ragged_phases(
-    w, *, num_experts: int, dispatch_dtype: str, use_ragged: bool, kernel: str, platform: Platform
+    w,
+    *,
+    num_experts: int,
+    dispatch_dtype: str,
+    use_ragged: bool,
+    kernel: str,
+    platform: Platform,
+    decode: DecodeKernels = XLA,
 ) -> overlap.Phases:
     """The exchange of one device's rows x: [T, D], ids/weights: [T, k] as its three phases
-    (`kernel` runs the experts as on `platform`)."""
+    (`kernel` runs the experts as on `platform`, a decode step's with the `decode` kernels)."""
     e_local = w["down"].shape[0]
 
     def dispatch(x, ids, weights):
@@ -138,6 +145,7 @@ def ragged_phases(
             group_offset=jax.lax.axis_index(ALL) * e_local,
             kernel=kernel,
             platform=platform,
+            decode=decode,
         )
         return y.reshape(n, t, -1), send_sizes, row_of_slot
 
@@ -180,6 +188,7 @@ class RaggedA2A(MeshPlacement):
             use_ragged=self.use_ragged,
             kernel=self.kernel,
             platform=self.platform,
+            decode=self.decode,
         )
         inner = functools.partial(overlap.run, phases, self.two_batch_overlap)
         return inner(x, ids, weights) if self.rows_sharded else own_share(inner, x, ids, weights)

@@ -51,7 +51,14 @@ class WeightPrefetch(MeshPlacement):
 
     def exchange(self, x, ids, weights, w):
         inner = lambda x, ids, weights: moe_local(
-            x, ids, weights, w, num_groups=self.num_experts, kernel=self.kernel, platform=self.platform
+            x,
+            ids,
+            weights,
+            w,
+            num_groups=self.num_experts,
+            kernel=self.kernel,
+            platform=self.platform,
+            decode=self.decode,
         )
         return inner(x, ids, weights) if self.rows_sharded else own_share(inner, x, ids, weights)
 

@@ -79,11 +79,12 @@ def linear_case(name: str):
     if layout == "residual":  # 200 output columns over 4 tiles of 64
         kw = dict(biases=(_array(rng, (200,), dtype),), residual=_array(rng, (m, 200), dtype), tiles=Tiles(n=64, k=16))
         return x, (weight(200),), kw
-    return x, (weight(40, jnp.float32),), dict(norm=norm, precision="highest", tiles=Tiles(n=16))
+    # the router: its logits, and the normed rows the experts read
+    return x, (weight(40, jnp.float32),), dict(norm=norm, normed=True, precision="highest", tiles=Tiles(n=16))
 
 
 def numpy_linear(x, weights, *, norm=None, biases=None, residual=None, head_dim=None, head_norms=None, rope=None,
-                 rotate=None, act=None, **_):  # fmt: skip
+                 rotate=None, act=None, normed=False, **_):  # fmt: skip
     """fused_linear in float64, rounding nothing."""
     f64 = lambda a: None if a is None else np.asarray(a, np.float64)  # noqa: E731
     h = f64(x)
@@ -105,7 +106,7 @@ def numpy_linear(x, weights, *, norm=None, biases=None, residual=None, head_dim=
             heads = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, heads[..., 2 * half :]], axis=-1)
         y = heads.reshape(y.shape)
         outs.append(y if residual is None else y + f64(residual))
-    return outs
+    return [h, *outs] if normed else outs
 
 
 def exactly(f, *args):
@@ -162,9 +163,9 @@ def test_fused_linear_matches_its_xla_twin(name):
 
 def test_router_case_multiplies_rows_at_float32():
     """bf16 rows times float32 router weights come out float32 (the router's logits), as the model's
-    `x.astype(float32) @ router`."""
-    outs, _ = linear_runs("router f32 weights bf16 M5")
-    assert outs[0].dtype == jnp.float32
+    `x.astype(float32) @ router`; the normed rows beside them in the rows' dtype (the experts')."""
+    (normed, logits), _ = linear_runs("router f32 weights bf16 M5")
+    assert (normed.dtype, logits.dtype) == (jnp.bfloat16, jnp.float32)
 
 
 # The model's own functions at a decode step's shapes: [B=2, T=1] rows of D 40, 4 heads of 16
@@ -394,7 +395,7 @@ def h100_linear(layout: str, m: int = 4):
         args.append(on_h100((m, 96), bf16))
         call = lambda x, norm, ws, res: fused_linear(x, ws, residual=res)  # noqa: E731
     else:
-        call = lambda x, norm, ws: fused_linear(x, ws, norm=norm, precision="highest")  # noqa: E731
+        call = lambda x, norm, ws: fused_linear(x, ws, norm=norm, normed=True, precision="highest")  # noqa: E731
     return call, args, {k * n for n in widths}
 
 

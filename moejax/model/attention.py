@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from moejax.config import ModelConfig
-from moejax.model import dsa, paged
+from moejax.model import dsa, paged, projections
 from moejax.model.layers import apply_rope, rms_norm
 from pallas_kernels import paged_attention as kernels
 
@@ -127,17 +127,19 @@ def _attend(
 
 
 def gqa(
-    p: dict, x: jax.Array, positions: jax.Array, cos_sin, cache: dict, c: ModelConfig, placement, window=0, pages=None
+    p: dict,
+    x: jax.Array,
+    norm: jax.Array,
+    positions: jax.Array,
+    cos_sin,
+    cache: dict,
+    c: ModelConfig,
+    placement,
+    window=0,
+    pages=None,
 ):
-    q = jnp.einsum("btd,dhk->bthk", x, p["q"])
-    k = jnp.einsum("btd,dhk->bthk", x, p["k"])
-    v = jnp.einsum("btd,dhk->bthk", x, p["v"])
-    if c.attention_bias:
-        q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
-    if c.qk_norm:
-        q, k = rms_norm(q, p["q_norm"], c.rms_norm_eps), rms_norm(k, p["k_norm"], c.rms_norm_eps)
-    cos, sin = cos_sin
-    q, k = apply_rope(q, cos, sin, c.rope_interleave), apply_rope(k, cos, sin, c.rope_interleave)
+    """x: [B, T, D] the residual stream, `norm` the attention norm's weight -> (x + attention, cache)."""
+    q, k, v = projections.qkv(placement.decode, p, x, norm, cos_sin, c)
     kernel = placement.attention_kernel
     if pages is not None and kernel != "xla" and (q.shape[1] == 1 or kernels.prefills(kernel)):
         # The kernel reads the pages itself, per device (the placement's shard_map).
@@ -146,8 +148,7 @@ def gqa(
         )
     else:
         out, cache = _gqa_xla(p, q, k, v, positions, cache, c, placement, window, pages)
-    out = jnp.einsum("bthk,hkd->btd", out, p["o"])
-    return (out + p["o_bias"] if c.o_bias else out), cache
+    return projections.out(placement.decode, p, out, x, c), cache
 
 
 def _gqa_xla(p: dict, q, k, v, positions, cache: dict, c: ModelConfig, placement, window, pages):
@@ -204,7 +205,8 @@ def _gqa_attend(q, keys, values, positions, window, sinks, scale: float):
 
 def mla(
     p: dict,
-    x: jax.Array,
+    residual: jax.Array,
+    norm: jax.Array,
     positions: jax.Array,
     cos_sin,
     cache: dict,
@@ -217,7 +219,8 @@ def mla(
 
     DSA (GLM-5): a layer with an indexer selects the key positions each query sees; a layer
     without one is handed the previous layer's `selected` (bool [B, T, S]). Returns
-    (out, cache, selected)."""
+    (residual + out, cache, selected)."""
+    x = rms_norm(residual, norm, c.rms_norm_eps)
     if c.q_lora_rank:
         q_lat = rms_norm(x @ p["q_a"], p["q_a_norm"], c.rms_norm_eps)
         q = jnp.einsum("btr,rhk->bthk", q_lat, p["q_b"])
@@ -264,13 +267,14 @@ def mla(
         2,
     ).astype(lat.dtype)  # [B, H, T, R]
     out = jnp.einsum("bhtr,rhv->bthv", out_lat, p["w_uv"])
-    return jnp.einsum("bthv,hvd->btd", out, p["o"]), cache, selected
+    return residual + jnp.einsum("bthv,hvd->btd", out, p["o"]), cache, selected
 
 
-def attention(p, x, positions, cos_sin, cache, c: ModelConfig, placement, selected=None, window=0, pages=None):
-    """-> (out [B, T, D], cache, selected: the DSA selection a following layer may reuse, else None).
+def attention(p, x, norm, positions, cos_sin, cache, c: ModelConfig, placement, selected=None, window=0, pages=None):
+    """x: [B, T, D] the residual stream, `norm` the attention norm's weight -> (x + attention of the
+    normed x [B, T, D], cache, selected: the DSA selection a following layer may reuse, else None).
     `window`: a sliding-window layer's window (0: full attention; GQA only); `pages`: the block
     table [B, P] of a paged cache (None: a contiguous one)."""
     if c.is_mla:
-        return mla(p, x, positions, cos_sin, cache, c, placement, selected, pages)
-    return (*gqa(p, x, positions, cos_sin, cache, c, placement, window, pages), None)
+        return mla(p, x, norm, positions, cos_sin, cache, c, placement, selected, pages)
+    return (*gqa(p, x, norm, positions, cos_sin, cache, c, placement, window, pages), None)

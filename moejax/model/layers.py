@@ -1,4 +1,4 @@
-"""Small building blocks shared by every family: RMSNorm, rotary embedding, SwiGLU MLP."""
+"""Small building blocks shared by every family: RMSNorm, rotary embedding, the gated activations."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.config import ModelConfig
-from pallas_kernels.epilogue import gate_up_columns
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -31,11 +30,6 @@ def interleave_gate_up(gate, up):
 
 def silu_glu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
-
-
-def swiglu(x: jax.Array, p: dict) -> jax.Array:
-    """x: [..., D] -> [..., D] through gate_up [D, 2F] (one product) and down [F, D]."""
-    return silu_glu(*gate_up_columns(x @ p["gate_up"])) @ p["down"]
 
 
 @flax.struct.dataclass

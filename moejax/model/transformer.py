@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import ModelConfig
-from moejax.model import layer_loop, paged
+from moejax.model import layer_loop, paged, projections
 from moejax.model.attention import attention
 from moejax.model.layer_loop import cache_layer, with_cache_layer
-from moejax.model.layers import rms_norm, rope_cos_sin, swiglu
+from moejax.model.layers import rms_norm, rope_cos_sin
 from moejax.model.moe import moe_block
 from moejax.model.params import Run, layer_runs
 
@@ -45,17 +45,19 @@ def decoder_layer(
     `forced`: int32 [B*T, k] picks replacing the router's (None: the router's own); `pages`: the
     block table [B, P] of a paged cache (`paged.LayerPages`, or `paged.GroupPages` with page groups;
     None: contiguous)."""
-    h = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
+    # Each block takes the residual stream and its norm's weight and returns the stream with its
+    # output added: the norms, and the residual adds, are parts of its products (`projections`).
     with jax.named_scope("attention"):  # for `moejax trace`
-        a, cache, selected = attention(lp["attn"], h, positions, cos_sin, cache, c, placement, selected, window, pages)
-    x = placement.constrain(x + a, ROWS)
-    h = rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
+        x, cache, selected = attention(
+            lp["attn"], x, lp["attn_norm"], positions, cos_sin, cache, c, placement, selected, window, pages
+        )
+    x = placement.constrain(x, ROWS)
     ids = None
     if "moe" in lp:
-        m, ids = moe_block(lp["moe"], experts, h, c, placement, forced)
+        x, ids = moe_block(lp["moe"], experts, x, lp["mlp_norm"], c, placement, forced)
     else:
-        m = swiglu(h, lp["mlp"])
-    return placement.constrain(x + m, ROWS), cache, selected, ids
+        x = projections.mlp(placement.decode, lp["mlp"], rms_norm(x, lp["mlp_norm"], c.rms_norm_eps), x)
+    return placement.constrain(x, ROWS), cache, selected, ids
 
 
 def run_layers(
