@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import pallas_kernels
 from moejax import targets
+from moejax.analysis import hlo
 from moejax.config import Config
 from moejax.engine.expert_placement import wants_slots
 from moejax.engine.kv_cache import init_cache, init_pool
@@ -257,6 +258,32 @@ def expert_leaves(params: dict) -> list:
     ]
 
 
+def layer_weight_shapes(params: dict) -> list[tuple[int, ...]]:
+    """Each layer weight's shape as a device holds it: its shard, a stacked run's less its layer axis."""
+    shapes = []
+    for run in params["layers"]:
+        for a in jax.tree.leaves(run):
+            shape = a.shape if a.sharding is None else a.sharding.shard_shape(a.shape)
+            shapes.append(tuple(shape if isinstance(run, tuple) else shape[1:]))
+    return shapes
+
+
+def decode_kernels(text: str, params: dict, layers: int) -> dict:
+    """A compiled decode step's kernel launches (`hlo.launches`, by kind) and the temporaries it
+    writes of a layer weight's shape (`hlo.weight_shaped`: a weight copied, or a product spelled out
+    as a multiply and a reduce), per call and per layer of the model's `layers`."""
+    launches = hlo.launches(text)
+    total = sum(r.count for r in launches)
+    temporaries = sum(r.count for r in hlo.weight_shaped(text, layer_weight_shapes(params)))
+    return {
+        "launches": round(total, 1),
+        "launches_per_layer": round(total / layers, 1),
+        "launch_kinds": {kind: round(n, 1) for kind, n in hlo.by_kind(launches).items()},
+        "weight_shaped": round(temporaries, 1),
+        "weight_shaped_per_layer": round(temporaries / layers, 1),
+    }
+
+
 def decode_program(
     config: Config,
     batch: int,
@@ -354,15 +381,18 @@ def plan_placement(
     target: str | None = None,
 ) -> dict:
     """One placement's per-device bytes and compile times (`config.layout` names it), for
-    `target`'s compile-only devices (else this machine's), and the page pool of `page_size`
-    positions the memory left after the weights and temporaries holds (`kv_pages`)."""
+    `target`'s compile-only devices (else this machine's), the page pool of `page_size`
+    positions the memory left after the weights and temporaries holds (`kv_pages`), and on a
+    target, its decode step's kernels (`decode_kernels`; None on this machine's XLA:CPU)."""
     t = targets.target(target) if target else None
     devices = list(targets.devices(t.name, config.layout.devices)) if t else None
     placement, progs = programs(config, batch, context, prefill_chunk, t and t.platform, devices)
     params, cache = progs["decode"][1][:2]
-    compiled = {}
+    compiled, kernels = {}, None
     for name, (jitted, args) in progs.items():
         program, seconds, error = compile_program(jitted, args, persist=t is None)
+        if name == "decode" and program is not None and t:  # XLA:CPU's kernels are not a target's
+            kernels = decode_kernels(program.as_text(), params, config.model.num_layers)
         compiled[name] = {
             "compiled": program is not None,
             "compile_s": round(seconds, 1),
@@ -395,6 +425,7 @@ def plan_placement(
         "programs": compiled,
         "compiled": all(p["compiled"] for p in compiled.values()),
         "compile_s": round(sum(p["compile_s"] for p in compiled.values()), 1),
+        "decode_kernels": kernels,
         "kv_pages": kv_pages(
             config, placement, hbm_gb * GB - param_bytes - temp, page_size, prompt_len, output_len, mtp
         ),

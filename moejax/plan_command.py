@@ -111,6 +111,16 @@ def cmd_plan(args) -> int:
     )
     print(f"temp: the largest of the decode step's, a decode block's and the prefill chunk's temporaries, {compiler}")
     for r in rows:
+        if r["decode_kernels"]:
+            k = r["decode_kernels"]
+            kinds = ", ".join(f"{kind} {n / model.num_layers:.1f}" for kind, n in list(k["launch_kinds"].items())[:4])
+            print(
+                f"{r['name']} decode step, per layer (of {model.num_layers}): {k['launches_per_layer']:.1f} kernel "
+                f"launches ({kinds}, ...), {k['weight_shaped_per_layer']:g} temporaries of a layer weight's shape"
+            )
+    if not target:
+        print("kernel launches: counted on a --target's program (XLA:CPU's is not the one an accelerator launches)")
+    for r in rows:
         for name, p in r["programs"].items():
             if not p["compiled"]:
                 print(f"{r['name']} {name} does not compile: {p['error']}")

@@ -57,7 +57,18 @@ ATTENTION_KERNEL_NEEDS = {
 # XLA compiler options of decode programs, by platform. A decode step's dots are small (a few
 # rows per expert, a batch of rows through the LM head): on XLA:CPU its own dot emitter runs them
 # faster than its YNN fusions, which a prefill's large dots gain from (docs/cpu-host.md).
-DECODE_COMPILER_OPTIONS = {"cpu": {"xla_cpu_experimental_ynn_fusion_type": ""}}
+#
+# On a GPU a decode step is some 14 kernels a layer of a few microseconds each: launched one by
+# one, the launches alone cost about what the step's bytes do. XLA:GPU records runs of them as CUDA
+# graphs (command buffers) and launches each graph once: every fusion, library GEMM and custom call
+# (Triton's and Mosaic GPU's kernels), and the loop of a decode block and its conditionals (as
+# graph nodes, with CUDA 12.3's conditional nodes) so that a block of steps is one graph, however
+# short a run of kernels is (XLA's default leaves runs under 5 ops and every loop outside graphs).
+GPU_COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+DECODE_COMPILER_OPTIONS = {
+    "cpu": {"xla_cpu_experimental_ynn_fusion_type": ""},
+    "gpu": {"xla_gpu_enable_command_buffer": GPU_COMMAND_BUFFERS, "xla_gpu_graph_min_graph_size": 1},
+}
 
 # XLA compiler options of every program of a run, by run dtype and platform. XLA:GPU's dot merger
 # joins small products of one input into one and slices its result: in float32, the router's logits

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from compile_only import on_h100
-from test_target_structure import PASSING, run_ops
 
+from moejax.analysis import hlo
 from moejax.model import attention, paged
 from pallas_kernels import paged_attention_mgpu as mgpu
 
@@ -192,12 +192,12 @@ def test_compiles_for_h100_into_one_mosaic_gpu_kernel(splits, launches):
     """Whole heads and query groups need no padding, so the program is the kernel alone; with
     splits, XLA zero-fills the semaphores first (the only other op), and the splits' combine is
     in the kernel."""
-    hlo = h100_program(splits)
-    ops = [op for op, _ in run_ops(hlo) if op not in PASSING]
-    assert sorted(ops) == sorted(launches)
-    assert hlo.count('custom_call_target="mosaic_gpu') == 1
-    if splits > 1:
-        assert ("fusion", "s32[8]{0}") in run_ops(hlo)  # a semaphore per (request, kv head)
+    text = h100_program(splits)
+    runs = hlo.launches(text)
+    assert sorted(r.instr.opcode for r in runs) == sorted(launches)
+    assert [r.instr.target for r in runs if r.instr.opcode == "custom-call"] == ["mosaic_gpu_v2"]
+    if splits > 1:  # a semaphore per (request, kv head)
+        assert [r.instr.type for r in runs if r.instr.opcode == "fusion"] == ["s32[8]{0}"]
 
 
 @pytest.mark.parametrize(

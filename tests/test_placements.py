@@ -3,9 +3,9 @@ no placement drops a pick; the communication accounting matches the compiled pro
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
+from moejax.analysis import hlo
 from moejax.config import Config, ConfigError, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import Engine
 from moejax.loading import load_params
@@ -195,9 +196,11 @@ def test_ragged_receiver_expands_each_row_to_its_local_picks_only():
     t, d, k = 32, config.model.hidden_size, config.model.num_experts_per_tok
     rows = placement.sharding(("batch", None), (t, d))
     args = [jax.device_put(a, rows) for a in (jnp.ones((t, d)), jnp.zeros((t, k), jnp.int32), jnp.ones((t, k)))]
-    hlo = jax.jit(placement.moe).lower(*args, experts).compile().as_text()
+    text = jax.jit(placement.moe).lower(*args, experts).compile().as_text()
     slots, f = 8 * (t // 8), config.model.moe_intermediate_size  # n blocks of T_local slots
-    assert f"f32[{slots * 4},{f}]" in hlo and f"f32[{slots * k},{f}]" not in hlo  # the picks' activations
+    assert (
+        hlo.writes_of(text, [(slots * 4, f)]) and hlo.writes_of(text, [(slots * k, f)]) == []
+    )  # the picks' activations
     buffers = exchange_buffers(t // 8, 8, k, 4, d, 4, d * 4)
     assert buffers["expert_rows"] == slots * 4 * d * 4
 
@@ -222,50 +225,27 @@ def test_real_ragged_all_to_all_lowers_for_tpu_and_cuda(tbo):
         assert exported.mlir_module().count("@ragged_all_to_all(") == 4 * (1 + tbo)
 
 
-def _instructions(computation: list[str]) -> dict[str, tuple[str, set[str]]]:
-    """name -> (line, names on its right-hand side) for one HLO computation's instructions."""
-    out = {}
-    for line in computation:
-        m = re.match(r"\s*(?:ROOT )?(%[\w.\-]+) = (.*)", line)
-        if m:
-            out[m.group(1)] = (m.group(2), set(re.findall(r"%[\w.\-]+", m.group(2))))
-    return out
-
-
-def _computations(hlo: str) -> dict[str, list[str]]:
-    """name -> lines of each HLO computation."""
-    comps, current = {}, None
-    for line in hlo.splitlines():
-        if line.endswith("{") and not line.startswith(" "):
-            current = comps.setdefault(re.search(r"%[\w.\-]+", line).group(), [])
-        elif line == "}":
-            current = None
-        elif current is not None:
-            current.append(line)
-    return comps
-
-
-def expert_loops_fed_by_gathers(hlo: str, gathered: tuple[str, ...]) -> tuple[int, int]:
-    """In the layer scan's body (the computation that holds both the full-expert all-gathers and
-    the expert loops, whiles over full experts): (expert loops, of them fed by a gather of that
-    same computation, following operands)."""
-    comps = _computations(hlo)
+def expert_loops_fed_by_gathers(text: str, gathered: list[tuple[int, ...]]) -> tuple[int, int]:
+    """In the layer scan's body (the computation that holds both the all-gathers of full experts,
+    `gathered` their shapes, and the expert loops, whiles over full experts): (expert loops, of them
+    fed by a gather of that same computation, following operands)."""
+    program = hlo.parse(text)
     # XLA:CPU may call a loop as a computation of its own, whose root is the while (jax 0.11 on).
-    wrapped = {
-        name for name, lines in comps.items() if any(" while(" in l for l in lines if l.lstrip().startswith("ROOT "))
-    }
+    wrapped = {name for name, instrs in program.comps.items() if any(i.root and i.opcode == "while" for i in instrs)}
 
-    def loop(rhs: str) -> bool:
-        call = re.search(r" call\(.*to_apply=(%[\w.\-]+)", rhs)
-        return (" while(" in rhs or (call is not None and call.group(1) in wrapped)) and any(g in rhs for g in gathered)
+    def loop(i: hlo.Instr) -> bool:
+        runs = i.opcode == "while" or (i.opcode == "call" and i.called("to_apply") in wrapped)
+        return runs and any(s in gathered for s in i.shapes)
 
-    for comp in comps.values():
-        ins = _instructions(comp)
-        gathers = [n for n, (rhs, _) in ins.items() if " all-gather(" in f" {rhs}" and rhs.startswith(gathered)]
-        loops = [n for n, (rhs, _) in ins.items() if loop(rhs)]
+    for instrs in program.comps.values():
+        gathers = [i.name for i in instrs if i.opcode == "all-gather" and i.shapes[0] in gathered]
+        loops = [i.name for i in instrs if loop(i)]
         if gathers and loops:
             fed, frontier = set(gathers), list(gathers)
-            users = {n: [m for m, (_, deps) in ins.items() if n in deps] for n in ins}
+            users = collections.defaultdict(list)
+            for u in instrs:
+                for operand in u.operands:
+                    users[operand].append(u.name)
             while frontier:
                 for user in users[frontier.pop()]:
                     if user not in fed:
@@ -303,9 +283,9 @@ def test_weight_prefetch_expert_loops_compute_with_weights_gathered_iterations_e
         jnp.zeros(64, jnp.int32),
         1,
     )
-    hlo = engine._decode.lower(*args, sampling=Sampling(), record=False).compile().as_text()
+    text = engine._decode.lower(*args, sampling=Sampling(), record=False).compile().as_text()
     e, d, f = c.num_experts, c.hidden_size, c.moe_intermediate_size
-    loops, fed = expert_loops_fed_by_gathers(hlo, (f"f32[{e},{d},{2 * f}]", f"f32[{e},{f},{d}]"))
+    loops, fed = expert_loops_fed_by_gathers(text, [(e, d, 2 * f), (e, f, d)])
     assert loops == 2  # gate_up, down
     assert fed == (2 if depth == 0 else 0)
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from moejax import plan, plan_command
 from moejax.analysis import calc
 from moejax.cli import main
 from moejax.compare import param_bytes_per_device
@@ -60,6 +61,35 @@ def test_plan_of_one_device_reports_it_once(capsys):
     assert main(["plan", "--preset", "tiny", "--devices", "1", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)["placements"]
     assert row["fits"]
+    assert row["decode_kernels"] is None  # XLA:CPU's program: not a target's kernels
+
+
+def test_plan_for_a_target_counts_its_decode_steps_kernel_launches_a_layer(capsys, monkeypatch):
+    """plan --target h100: its decode step's kernel launches (the Triton kernels among them, at least
+    gate_up and down a MoE layer), by kind, over the model's layers, and the temporaries it writes
+    of a layer weight's shape (none at 8 rows: every product a GEMM reading its weight in place);
+    the table prints them. (Only the decode step compiles here: the figures are its.)"""
+    every = plan.programs
+
+    def decode_only(*args, **kwargs):
+        placement, programs = every(*args, **kwargs)
+        return placement, {"decode": programs["decode"]}
+
+    monkeypatch.setattr(plan, "programs", decode_only)
+    argv = ["plan", "--preset", "tiny", "--devices", "1", "--target", "h100", "--batch", "8", "--context", "64"]
+    assert main([*argv, "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["placements"]
+    c, kernels = preset("tiny"), row["decode_kernels"]
+    moe_layers = c.num_layers - len(c.dense_layers)
+    assert kernels["launch_kinds"]["custom-call __gpu$xla.gpu.triton"] >= 2 * moe_layers
+    assert kernels["launches"] == pytest.approx(sum(kernels["launch_kinds"].values()))
+    assert kernels["launches_per_layer"] == pytest.approx(kernels["launches"] / c.num_layers, abs=0.05)
+    assert kernels["weight_shaped"] == 0
+    monkeypatch.setattr(plan_command, "plan_placement", lambda *a, **k: row)
+    assert main(argv) == 0
+    assert f"decode step, per layer (of {c.num_layers}): {kernels['launches_per_layer']:.1f} kernel launches" in (
+        capsys.readouterr().out
+    )
 
 
 @pytest.mark.parametrize(

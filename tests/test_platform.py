@@ -43,20 +43,29 @@ def test_auto_unrolls_short_runs_of_layers_on_the_cpu_and_every_run_on_a_gpu():
 
 
 def test_decode_programs_leave_ynn_fusions_on_the_cpu_only():
-    """A decode program's compiler options: XLA:CPU's YNN fusions off; other platforms keep
-    XLA's defaults (as every prefill does: it is compiled without options)."""
+    """A decode program's compiler options: XLA:CPU's YNN fusions off; a TPU keeps XLA's defaults
+    (as every prefill does: it is compiled without options)."""
     for dtype in ("float32", "bfloat16"):
         assert CPU.compiler_options(dtype, decode=True) == {"xla_cpu_experimental_ynn_fusion_type": ""}
         assert CPU.compiler_options(dtype) is None
     assert TPU.compiler_options("bfloat16", decode=True) is None
 
 
+def test_gpu_decode_programs_run_as_cuda_graphs_of_every_kernel_and_loop():
+    """A GPU's decode programs record every kernel kind, loops and conditionals among them, into
+    command buffers, however short a run; its prefills keep XLA's defaults."""
+    options = GPU.compiler_options("bfloat16", decode=True)
+    kinds = set(options["xla_gpu_enable_command_buffer"].split(","))
+    assert {"FUSION", "CUSTOM_CALL", "WHILE", "CONDITIONAL"} <= kinds and options["xla_gpu_graph_min_graph_size"] == 1
+    assert GPU.compiler_options("bfloat16") is None
+
+
 def test_float32_programs_merge_no_dots_on_xla_gpu():
     """XLA:GPU's dot merger sets up a Triton GEMM fusion that aborts the compiler in float32
     (the tests' tiny DeepSeek-V3, test_precision.py): every program of a float32 run goes without it."""
     for decode in (False, True):
-        assert GPU.compiler_options("float32", decode) == {"xla_gpu_dot_merger_threshold_mb": 0}
-    assert GPU.compiler_options("bfloat16", True) is None
+        assert GPU.compiler_options("float32", decode)["xla_gpu_dot_merger_threshold_mb"] == 0
+    assert "xla_gpu_dot_merger_threshold_mb" not in GPU.compiler_options("bfloat16", True)
     assert TPU.compiler_options("float32") is None
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +15,7 @@ from compile_only import on
 
 import pallas_kernels as pk
 from moejax import plan, platform, targets
+from moejax.analysis import hlo
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 
 # Four scanned MoE layers of distinctive widths, a layer's experts larger than a TPU's on-chip memory
@@ -33,74 +33,14 @@ MODEL = dataclasses.replace(
     head_dim=128,
 )
 BATCH, CONTEXT, PAGE_SIZE = 8, 256, 16
+STEPS = EngineConfig().decode_block  # a decode block's
 KERNELS = ("xla", "auto")  # auto on h100: pallas_gpu; on v5e: pallas_tpu
-# Ops that only name or pass on buffers, and the ops whose computations are listed on their own.
-PASSING = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call"}
-INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%\S+ = (\(.*?\)|\S+) ([\w-]+)\(")
 
 
-def computations(hlo: str) -> dict[str, list[str]]:
-    """Optimized HLO text -> each computation's instruction lines, by name ("ENTRY": the entry's)."""
-    out, name = {}, None
-    for line in hlo.splitlines():
-        head = re.match(r"^(ENTRY )?%(\S+) ", line)
-        if head and line.rstrip().endswith("{"):
-            name = "ENTRY" if head.group(1) else head.group(2)
-            out[name] = []
-        elif line.startswith("}"):
-            name = None
-        elif name is not None:
-            out[name].append(line)
-    return out
-
-
-def run_ops(hlo: str) -> list[tuple[str, str]]:
-    """(opcode, output type) of each instruction the program runs as an op of its own: the entry's
-    and those of the loops and conditionals it runs (not the instructions fused into a fusion)."""
-    comps, todo, seen, ops = computations(hlo), ["ENTRY"], set(), []
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        for line in comps[name]:
-            m = INSTRUCTION.match(line)
-            if m:
-                ops.append((m.group(2), m.group(1)))
-                if m.group(2) in ("while", "conditional", "call"):
-                    todo += re.findall(
-                        r"(?:body|condition|to_apply|true_computation|false_computation)=%([\w.-]+)", line
-                    )
-                    branches = re.search(r"branch_computations=\{([^}]*)\}", line)
-                    todo += re.findall(r"%([\w.-]+)", branches.group(1)) if branches else []
-    return ops
-
-
-def dims(shape, ordered: bool = False) -> tuple[int, ...]:
-    """A shape's sizes other than 1, sorted: a copy's, however transposed or reshaped (`ordered`:
-    in their order, a copy's as laid out, telling a [D, E] weight from [E, D] rows)."""
-    kept = [d for d in shape if d != 1]
-    return tuple(kept if ordered else sorted(kept))
-
-
-def copies_of(hlo: str, shapes, ordered: bool = False) -> list[str]:
-    """Ops writing an array of one of `shapes` (as `dims` sees them)."""
-    wanted = {dims(s, ordered) for s in shapes}
-    return [
-        f"{op} {out}"
-        for op, out in run_ops(hlo)
-        if op not in PASSING
-        for t in re.findall(r"\w+\[([\d,]*)\]", out)
-        if dims((int(d) for d in t.split(",") if d), ordered) in wanted
-    ]
-
-
-def loops_of_unknown_trip_count(hlo: str) -> list[str]:
-    return [
-        line.strip()[:160]
-        for line in hlo.splitlines()
-        if re.search(r" while\(", line) and "known_trip_count" not in line
-    ]
+def scoped(text: str, scope: str) -> list[hlo.Run]:
+    """The kernels a program launches under a named scope ("grouped_gemm", "/attention/"): what a
+    check that finds no copy among them has looked through."""
+    return [r for r in hlo.launches(text) if scope in r.instr.scope]
 
 
 @functools.cache
@@ -141,11 +81,12 @@ def test_decode_steps_copy_no_layer_of_their_experts_or_pages(target, kernel, pa
     """No op of a decode block writes an array of a layer's expert matrices' shape (a grouped
     GEMM reads them in their stack, a `layered.LayerOf`), nor of a layer's page pool (attention
     writes and reads a layer's pages through its index into the run's pools)."""
-    hlo, params, cache, _ = program(target, kernel, page_size)
+    text, params, cache, _ = program(target, kernel, page_size)
     shapes = [s for run in params["layers"] for s in layer_shapes(layer(run)["moe"]["experts"])]
     if page_size:
         shapes += [s for run in cache for s in layer_shapes(layer(run))]
-    assert copies_of(hlo, shapes) == []
+    assert scoped(text, "/experts/") and scoped(text, "/attention/")
+    assert hlo.writes_of(text, shapes) == []
 
 
 @pytest.mark.parametrize("page_size", [0, PAGE_SIZE])
@@ -156,11 +97,12 @@ def test_a_gpu_reads_every_weight_of_a_layer_where_it_lies(kernel, page_size):
     (`Platform.unrolls`), each layer's weights buffers of their own, where a scan's slice of the
     attention and router weights is a copy XLA:GPU makes before every GEMM. (A contiguous cache is
     split into its layers' buffers once a block and written in place: `kv_cache.per_layer`.)"""
-    hlo, params, cache, _ = program("h100", kernel, page_size)
+    text, params, cache, _ = program("h100", kernel, page_size)
     shapes = [s for run in params["layers"] for s in layer_shapes(layer(run))]
     if page_size:
         shapes += [s for run in cache for s in layer_shapes(layer(run))]
-    assert copies_of(hlo, shapes, ordered=True) == []
+    assert all(scoped(text, f"/{part}/") for part in ("qkv", "out", "router", "experts"))
+    assert hlo.writes_of(text, shapes, ordered=True) == []
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -177,8 +119,10 @@ def test_a_gpu_decode_block_holds_no_second_contiguous_cache(kernel):
 def test_a_decode_block_loops_a_known_number_of_times(kernel, page_size):
     """On an H100 every loop of a decode block, the block's own and the grouped GEMMs', has a trip
     count XLA knows (`known_trip_count`): the GPU runtime runs it without reading its condition."""
-    hlo, *_ = program("h100", kernel, page_size)
-    assert re.search(r" while\(", hlo) and loops_of_unknown_trip_count(hlo) == []
+    text, *_ = program("h100", kernel, page_size)
+    loops = hlo.loops(text)
+    assert [hlo.known_trip_count(r.instr) for r in loops if r.computation == hlo.parse(text).entry] == [STEPS]
+    assert [r.instr.name for r in loops if hlo.known_trip_count(r.instr) is None] == []
 
 
 @pytest.mark.parametrize("rows", [12, 300])  # a decode step's (one product per row) and a prefill's (a loop of tiles)
@@ -190,7 +134,7 @@ def test_the_xla_grouped_gemm_loops_a_known_number_of_times_on_a_gpu(fmt, rows):
     if fmt != "unquantized":
         w = jax.eval_shape(lambda a: pk.quantize_experts(a, fmt), w)
     f = jax.jit(lambda l, w, s: pk.grouped_gemm(l, w, s, backend="xla", gemm_rows=platform.resolve("cuda").gemm_rows))
-    hlo = (
+    text = (
         f.lower(
             on("h100", (rows, 256), jnp.bfloat16),
             jax.tree.map(lambda a: on("h100", a.shape, a.dtype), w),
@@ -199,4 +143,22 @@ def test_the_xla_grouped_gemm_loops_a_known_number_of_times_on_a_gpu(fmt, rows):
         .compile()
         .as_text()
     )
-    assert loops_of_unknown_trip_count(hlo) == []
+    loops = hlo.loops(text)
+    assert bool(loops) == (rows > 16) and scoped(text, "grouped_gemm")  # the loop of tiles: a prefill's
+    assert [r.instr.name for r in loops if hlo.known_trip_count(r.instr) is None] == []
+
+
+def test_a_gpu_decode_block_launches_each_kernel_of_its_steps():
+    """The launches of an H100 decode block of STEPS steps over 4 MoE layers: its loop's body's
+    kernels STEPS times each, its condition's none (XLA:GPU knows its trip count), and each layer's 7
+    Triton kernels a step (the fused q|k|v, output, router and top-k, the experts' gate_up and down by
+    pick, and the paged attention)."""
+    text, *_ = program("h100", "auto", PAGE_SIZE)
+    launches = hlo.launches(text)
+    (loop,) = hlo.loops(text)
+    body = [r for r in launches if r.computation == loop.instr.called("body")]
+    assert len(hlo.parse(text).runs) > 300 and len(body) > 4 * 10  # about 16 kernels a layer
+    assert {r.count for r in body} == {STEPS} and not [r for r in launches if r.condition_of is not None]
+    kinds = hlo.by_kind(launches)
+    assert kinds["custom-call __gpu$xla.gpu.triton"] == STEPS * 4 * 7
+    assert sum(kinds.values()) == sum(r.count for r in launches)

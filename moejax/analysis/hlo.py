@@ -1,6 +1,12 @@
-"""A compiled program's optimized HLO text (`compiled.as_text()`) as the operations one call runs:
-each kernel (fusion, custom call, copy, ...) with the bytes it reads and writes and the flops
-of its dots, each collective with the bytes every device sends, and how many times it runs.
+"""A compiled program's optimized HLO text (`compiled.as_text()`), read once (`parse`) into its
+computations and the instructions one call runs as ops of their own (`Run`: the entry's, its loops'
+bodies and conditions', its conditionals' branches' and called computations', not those fused into
+a fusion), each with how many times it runs. What the project asks of a compiled program is read
+off them: the arrays of given shapes it writes (`writes_of`, `weight_shaped`), its products
+(`products`), its loops and their trip counts (`loops`), the kernels it launches (`launches`, by
+kind: `by_kind`) and, priced, the operations it runs (`ops`): each kernel (fusion, custom call,
+copy, ...) with the bytes it reads and writes and the flops of its dots, each collective with the
+bytes every device sends, and how many times it runs.
 
 First-order bytes, per kernel: its operands' and its result's. Three corrections keep the
 engine's programs from being priced at many times their traffic:
@@ -11,18 +17,21 @@ engine's programs from being priced at many times their traffic:
   * inside a layer loop of T trips, a custom call handed the whole [T, ...] stack (a kernel
     reading its layer in place) reads one layer of it per trip.
 A while loop's body runs its trip count times (XLA's `known_trip_count`, or its condition's
-constant bound), once where that is not known (the XLA grouped GEMM's loop over groups); a conditional's branches
-each count 1 / branches. Collectives send, per device of a group of n, over its links (ring
+constant bound), once where that is not known (the XLA grouped GEMM's loop over groups), its
+condition once more (not priced; launched only where XLA does not know the trip count); a
+conditional's branches each count 1 / branches. Collectives send, per device of a group of n, over its links (ring
 algorithms): all-gather (n - 1) x its operand, reduce-scatter and all-to-all (n - 1) / n of it,
 all-reduce twice that, collective-permute its operand; a ragged all-to-all is sized for the worst
-case, which the caller scales by the rows that really travel (`target_costs`). A collective the
+case, which the caller scales by the rows that really travel (`target_pricing`). A collective the
 compiler combined from several is split back into one per operand, each with its own scope, the
 latency counted once.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import math
 import re
 
@@ -78,6 +87,9 @@ FREE = {
     "call-done",
     "domain",
 }
+# Ops that run the computations they name (a loop's body and condition, a conditional's branches, a
+# call's callee, an async op's wrapped op): their computations' ops run, not they themselves.
+CONTAINERS = {"while", "conditional", "call", "call-start", "async-start"}
 SLICES = {"dynamic-slice", "slice", "gather"}
 MOVES = {"bitcast", "copy", "reshape", "transpose", "convert"}  # of one operand: its elements moved, not read whole
 IN_PLACE = {"dynamic-update-slice", "scatter"}
@@ -105,6 +117,43 @@ class Instr:
     @property
     def operands(self) -> list[str]:
         return re.findall(r"%([\w.\-]+)", self.args)
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        """The dimensions of each array of its result (a tuple's elements, in order)."""
+        return [tuple(int(d) for d in sizes.split(",") if d) for _, sizes in SHAPE.findall(self.type)]
+
+    @property
+    def scope(self) -> str:
+        """Its op_name: the named scopes it was traced under ("" when the compiler dropped it)."""
+        m = re.search(r'op_name="([^"]*)"', self.attrs)
+        return m.group(1) if m else ""
+
+    @property
+    def target(self) -> str:
+        """A custom call's target ("__gpu$xla.gpu.triton", "tpu_custom_call", "__cublas$gemm"); else ""."""
+        m = re.search(r'custom_call_target="([^"]*)"', self.attrs)
+        return m.group(1) if m else ""
+
+    @property
+    def fusion_kind(self) -> str:
+        """A fusion's kind: kLoop, kInput, kOutput, or a custom fusion's backend (XLA:GPU's Triton
+        fusions: "__triton_nested_gemm_fusion", "__triton"); else ""."""
+        m = re.search(r'"fusion_backend_config":\{"kind":"([^"]+)"', self.attrs) or re.search(
+            r"\bkind=(k\w+)", self.attrs
+        )
+        return m.group(1) if m and self.opcode == "fusion" else ""
+
+    @property
+    def kind(self) -> str:
+        """What it is, for breakdowns: "fusion <its kind>", "custom-call <its target>", else its opcode."""
+        if self.opcode == "fusion":
+            return f"fusion {self.fusion_kind}"
+        return f"custom-call {self.target}" if self.opcode == "custom-call" else self.opcode
+
+    def called(self, key: str) -> str | None:
+        """The computation it names by `key` ("calls", "body", "condition", "to_apply", ...)."""
+        return _attr(self.attrs, key)
 
 
 def shape_bytes(type_: str) -> float:
@@ -196,7 +245,7 @@ def dot_flops(comps: dict, comp: str, seen: frozenset = frozenset()) -> float:
             labels = re.search(r"dim_labels=\w+_(\w+)->", i.attrs).group(1)
             rhs = dims(symbols[i.operands[1]].type)
             total += 2 * math.prod(dims(i.type)) * math.prod(s for s, c in zip(rhs, labels) if c != "o")
-        callee = _attr(i.attrs, "calls")
+        callee = i.called("calls")
         if callee and callee not in seen:
             total += dot_flops(comps, callee, seen | {comp})
     return total
@@ -214,7 +263,7 @@ def _sliced_bytes(comps: dict, instrs: list[Instr], name: str) -> float | None:
             if i.opcode in SLICES and k == 0:
                 part = shape_bytes(i.type)
             elif i.opcode == "fusion":  # slices inside it, or (a layout change) slices of what it gives
-                inner = comps[_attr(i.attrs, "calls")]
+                inner = comps[i.called("calls")]
                 part = _sliced_bytes(
                     comps, inner, next(f.name for f in inner if f.opcode == "parameter" and int(f.args) == k)
                 )
@@ -242,7 +291,7 @@ def _layer_stack(symbols: dict, name: str, trips: int) -> bool:
 
 
 def _kernel_bytes(i: Instr, symbols: dict, comps: dict, trips: int) -> float:
-    fused = comps.get(_attr(i.attrs, "calls"), []) if i.opcode == "fusion" else []
+    fused = comps.get(i.called("calls"), []) if i.opcode == "fusion" else []
     params = {int(f.args): f for f in fused if f.opcode == "parameter"}
     root = next((f for f in fused if f.root), i)
     in_place = root.opcode in IN_PLACE
@@ -265,7 +314,7 @@ def _kernel_bytes(i: Instr, symbols: dict, comps: dict, trips: int) -> float:
 
 def _kernel_flops(i: Instr, symbols: dict, comps: dict) -> float:
     if i.opcode == "fusion":
-        return dot_flops(comps, _attr(i.attrs, "calls"))
+        return dot_flops(comps, i.called("calls"))
     m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', i.attrs)
     if i.opcode == "custom-call" and "cublas" in i.attrs and m:  # a library GEMM: its dot's numbers
         lhs = dims(symbols[i.operands[0]].type)
@@ -278,28 +327,35 @@ def _collective(kind: str, i: Instr, symbols: dict, n: int, count: float) -> lis
     then lists theirs: "prefix/(a:b:c)"), so that each part keeps its own scope."""
     sizes = [shape_bytes(symbols[o].type) for o in i.operands]
     if kind == "ragged-all-to-all":  # (input, output, offsets and sizes): the input's rows go out
-        return [Op(kind, _scope(i), sizes[0] * (n - 1) / n, 0.0, count)]
+        return [Op(kind, i.scope, sizes[0] * (n - 1) / n, 0.0, count)]
     share = {
         "all-gather": n - 1,
         "reduce-scatter": (n - 1) / n,
         "all-to-all": (n - 1) / n,
         "all-reduce": 2 * (n - 1) / n,
     }.get(kind, 1.0)
-    m = re.fullmatch(r"(.*/|)\(([^()]*)\)", _scope(i))
+    m = re.fullmatch(r"(.*/|)\(([^()]*)\)", i.scope)
     parts = [m.group(1) + part for part in m.group(2).split(":")] if m else []
     if len(parts) != len(sizes):
-        return [Op(kind, _scope(i), sum(sizes) * share, 0.0, count)]
+        return [Op(kind, i.scope, sum(sizes) * share, 0.0, count)]
     return [Op(kind, scope, size * share, 0.0, count, int(k == 0)) for k, (scope, size) in enumerate(zip(parts, sizes))]
+
+
+def known_trip_count(loop: Instr) -> int | None:
+    """The trip count XLA states for a while loop (`known_trip_count`: XLA:GPU runs its body that
+    many times without evaluating its condition), else None."""
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', loop.attrs)
+    return int(m.group(1)) if m else None
 
 
 def _trips(i: Instr, symbols: dict, comps: dict) -> int:
     """A while loop's trip count: XLA's `known_trip_count` (XLA:GPU), else read off its condition
     (the TPU compiler's): a counter the loop carries from a constant start, compared less than a
     constant bound; else 1."""
-    m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', i.attrs)
-    if m:
-        return int(m.group(1))
-    cond = {c.name: c for c in comps[_attr(i.attrs, "condition")]}
+    known = known_trip_count(i)
+    if known is not None:
+        return known
+    cond = {c.name: c for c in comps[i.called("condition")]}
     root = next(c for c in cond.values() if c.root)
     if root.opcode != "compare" or "direction=LT" not in root.attrs:
         return 1
@@ -315,46 +371,144 @@ def _trips(i: Instr, symbols: dict, comps: dict) -> int:
     return max(1, int(bound.args) - (int(start.args) if start is not None and start.opcode == "constant" else 0))
 
 
-def _scope(i: Instr) -> str:
-    m = re.search(r'op_name="([^"]*)"', i.attrs)
-    return m.group(1) if m else ""
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """An instruction one call of a program runs as an op of its own."""
+
+    instr: Instr
+    computation: str  # the computation holding it
+    count: float  # runs per call: its loops' trip counts multiplied, shared among a conditional's branches
+    trips: int  # the trip count of the innermost loop it runs in (1 outside loops)
+    condition_of: Instr | None = None  # the while loop whose condition it runs in (the innermost)
 
 
-def ops(text: str, devices: int) -> list[Op]:
-    """Every kernel and collective one call of the program runs (`devices`: the program's)."""
-    comps, entry = computations(text)
-    out: list[Op] = []
+class Program:
+    """Optimized HLO text parsed once: its computations, and `runs`, the instructions one call runs
+    as ops of their own, in program order (a loop's condition and body after the loop)."""
 
-    def walk(comp: str, count: float, trips: int) -> None:
-        symbols = {i.name: i for i in comps[comp]}
-        for i in comps[comp]:
-            kind = i.opcode.removesuffix("-start")
+    def __init__(self, text: str):
+        self.comps, self.entry = computations(text)
+        self.symbols = {name: {i.name: i for i in instrs} for name, instrs in self.comps.items()}
+        self.runs: list[Run] = []
+        self._walk(self.entry, 1.0, 1, None)
+
+    def _walk(self, comp: str, count: float, trips: int, condition_of: Instr | None) -> None:
+        for i in self.comps[comp]:
+            self.runs.append(Run(i, comp, count, trips, condition_of))
             if i.opcode == "while":
-                t = _trips(i, symbols, comps)
-                walk(_attr(i.attrs, "body"), count * t, t)
+                t = _trips(i, self.symbols[comp], self.comps)
+                self._walk(i.called("condition"), count * (t + 1), t, i)
+                self._walk(i.called("body"), count * t, t, condition_of)
             elif i.opcode == "conditional":
                 m = re.search(r"branch_computations=\{([^}]*)\}", i.attrs)
                 branches = (
                     re.findall(r"%([\w.\-]+)", m.group(1))
                     if m
-                    else [_attr(i.attrs, "true_computation"), _attr(i.attrs, "false_computation")]
+                    else [i.called("true_computation"), i.called("false_computation")]
                 )
                 for b in branches:
-                    walk(b, count / len(branches), trips)
-            elif i.opcode in ("call", "call-start", "async-start"):
-                walk(_attr(i.attrs, "to_apply") or _attr(i.attrs, "calls"), count, trips)
-            elif kind in COLLECTIVES:
-                out.extend(_collective(kind, i, symbols, group_size(i.attrs, devices), count))
-            elif i.opcode not in FREE and not i.opcode.endswith("-done"):
-                out.append(
-                    Op(
-                        "kernel",
-                        _scope(i),
-                        _kernel_bytes(i, symbols, comps, trips),
-                        _kernel_flops(i, symbols, comps),
-                        count,
-                    )
-                )
+                    self._walk(b, count / len(branches), trips, condition_of)
+            elif i.opcode in CONTAINERS:  # a call, or an async op's wrapped op
+                self._walk(i.called("to_apply") or i.called("calls"), count, trips, condition_of)
 
-    walk(entry, 1.0, 1)
+    def root_of(self, i: Instr) -> Instr:
+        """The instruction computing what `i` writes: a fusion's root, any other op itself."""
+        return next(f for f in self.comps[i.called("calls")] if f.root) if i.opcode == "fusion" else i
+
+
+@functools.lru_cache(maxsize=4)
+def parse(text: str) -> Program:
+    """The program of optimized HLO text (its last few parses kept: callers ask several questions)."""
+    return Program(text)
+
+
+def _writes(i: Instr) -> bool:
+    """Whether an instruction writes arrays of its own, not naming, passing on or running others'."""
+    return not (i.opcode in FREE or i.opcode in CONTAINERS or i.opcode.endswith("-done"))
+
+
+def _sizes(shape, ordered: bool) -> tuple[int, ...]:
+    """A shape's sizes other than 1: sorted (a copy's, however transposed or reshaped) unless
+    `ordered` (as laid out: a [D, E] weight told from [E, D] rows)."""
+    kept = [d for d in shape if d != 1]
+    return tuple(kept if ordered else sorted(kept))
+
+
+def writes_of(text: str, shapes, ordered: bool = False) -> list[Run]:
+    """The runs writing an array (any element of a tuple result) of one of `shapes`, compared by
+    their sizes other than 1 (`ordered`: in their order, else sorted)."""
+    wanted = {_sizes(s, ordered) for s in shapes}
+    return [
+        r for r in parse(text).runs if _writes(r.instr) and any(_sizes(s, ordered) in wanted for s in r.instr.shapes)
+    ]
+
+
+def weight_shaped(text: str, shapes) -> list[Run]:
+    """The runs writing an array of one of the weight `shapes` as laid out (sizes other than 1, in
+    order): a weight copied, or a product spelled out as a multiply the weight's size and a reduce.
+    Only weights of at least two sizes other than 1 count: a norm's [D] is an activation's [1, 1, D]."""
+    return writes_of(text, [s for s in shapes if sum(d != 1 for d in s) >= 2], ordered=True)
+
+
+def products(text: str) -> list[Run]:
+    """The runs computing matrix products: dots and convolutions, fusions holding them (XLA:GPU's
+    Triton GEMMs) and library GEMMs (cuBLAS); a Pallas kernel's are its own, not the HLO's."""
+    program = parse(text)
+    return [
+        r
+        for r in program.runs
+        if r.instr.opcode in ("dot", "convolution")
+        or _kernel_flops(r.instr, program.symbols[r.computation], program.comps) > 0
+    ]
+
+
+def loops(text: str) -> list[Run]:
+    """The while loops a call runs (`known_trip_count(r.instr)`: None where XLA does not know it)."""
+    return [r for r in parse(text).runs if r.instr.opcode == "while"]
+
+
+def launches(text: str) -> list[Run]:
+    """The kernels one call launches as XLA:GPU runs them (`Run.count` times each): fusions, custom
+    calls (Triton, Mosaic, cuBLAS), copies, collectives (an async pair's start), sorts, scatters
+    and every other op that is not free, in the entry, loop bodies (times their trips), branches
+    and called computations; a loop's condition where XLA does not know its trip count (it then
+    evaluates it every trip). Not launches: the values without work of their own (`FREE`), the
+    second halves of async pairs and the ops that run computations (`CONTAINERS`)."""
+    return [
+        r
+        for r in parse(text).runs
+        if _writes(r.instr) and (r.condition_of is None or known_trip_count(r.condition_of) is None)
+    ]
+
+
+def by_kind(runs: list[Run]) -> dict[str, float]:
+    """Runs per call by `Instr.kind` (fusion kind, custom-call target or opcode), most first."""
+    counts = collections.Counter()
+    for r in runs:
+        counts[r.instr.kind] += r.count
+    return dict(counts.most_common())
+
+
+def ops(text: str, devices: int) -> list[Op]:
+    """Every kernel and collective one call of the program runs (`devices`: the program's), a
+    loop's condition aside."""
+    program = parse(text)
+    out: list[Op] = []
+    for r in program.runs:
+        i, symbols = r.instr, program.symbols[r.computation]
+        kind = i.opcode.removesuffix("-start")
+        if r.condition_of is not None or not _writes(i):
+            continue
+        if kind in COLLECTIVES:
+            out.extend(_collective(kind, i, symbols, group_size(i.attrs, devices), r.count))
+        else:
+            out.append(
+                Op(
+                    "kernel",
+                    i.scope,
+                    _kernel_bytes(i, symbols, program.comps, r.trips),
+                    _kernel_flops(i, symbols, program.comps),
+                    r.count,
+                )
+            )
     return out

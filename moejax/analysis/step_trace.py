@@ -38,10 +38,10 @@ import jax
 import numpy as np
 from jax.profiler import ProfileData
 
+from moejax.analysis import hlo
 from moejax.errors import UsageError
 
 PARTS = ("attention", "dispatch", "experts", "combine")
-_OP_NAME = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{op_name="([^"]*)"', re.M)
 
 
 def profile_run(engine, prompts: list[list[int]], steps: int) -> tuple[ProfileData, dict[str, str]]:
@@ -90,7 +90,7 @@ def _capture(engine, name: str):
 
 def op_scopes(hlo_text: str) -> dict[str, str]:
     """HLO op name -> its `op_name` path (named scopes included), from a compiled program's text."""
-    return dict(_OP_NAME.findall(hlo_text))
+    return {i.name: i.scope for instrs in hlo.parse(hlo_text).comps.values() for i in instrs if i.scope}
 
 
 def part_of(path: str) -> str | None:

@@ -13,7 +13,7 @@ of products is one kernel (`pallas_kernels/linear.py`) that reads its weights on
 - the router: the MoE's input RMSNorm and the logits, then top-k and the picks' weights (`route`);
 - a dense MLP (or shared expert): gate|up with the gated activation, then down with the residual add.
 
-Both paths compute the same values (`tests/test_projections.py`); the kernels round where the XLA
+Both paths compute the same values (`tests/test_decode_kernels.py`); the kernels round where the XLA
 ops do.
 """
 
@@ -52,6 +52,7 @@ def _fused(decode: DecodeKernels, x: jax.Array, weights: tuple, *, heads: int = 
     )
 
 
+@jax.named_scope("qkv")  # `moejax trace` and the compiled-program checks find its ops
 def qkv(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, cos_sin, c: ModelConfig):
     """x: [B, T, D] the residual stream, `norm` the layer's attention norm -> q [B, T, H, Dh],
     k, v [B, T, H_kv, Dh]: normed rows projected, biased, q and k normed per head and rotated."""
@@ -88,6 +89,7 @@ def qkv(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, cos_sin, 
     return tuple(y.reshape(b, t, -1, c.head_dim) for y in (q, k, v))
 
 
+@jax.named_scope("out")
 def out(decode: DecodeKernels, p: dict, attended: jax.Array, residual: jax.Array, c: ModelConfig) -> jax.Array:
     """attended: [B, T, H, Dh] -> residual + its output projection (+ bias): [B, T, D]."""
     b, t, h, dh = attended.shape
@@ -105,6 +107,7 @@ def out(decode: DecodeKernels, p: dict, attended: jax.Array, residual: jax.Array
     return y.reshape(residual.shape)
 
 
+@jax.named_scope("router")
 def route(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, c: ModelConfig, forced=None):
     """x: [T, D] the residual stream's rows, `norm` the layer's MLP norm -> (h [T, D] the normed
     rows the experts multiply, ids int32 [T, k], weights float32 [T, k]) as `router.route` picks.
@@ -128,6 +131,7 @@ def route(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, c: Mode
     return h, ids, weights
 
 
+@jax.named_scope("mlp")
 def mlp(decode: DecodeKernels, p: dict, h: jax.Array, residual: jax.Array | None = None) -> jax.Array:
     """A SwiGLU MLP on normed rows h: [..., D] through gate_up [D, 2F] and down [F, D] (+ residual)."""
     if not decode.fuses_dense(h.size // h.shape[-1]):

@@ -1,0 +1,121 @@
+"""The fused decode kernels a GPU's decode step runs (`moejax.platform.DecodeKernels`), here in
+Pallas's interpreter: a layer's dense products (`moejax.model.projections`: attention's q|k|v and
+output, the router, a dense MLP, with each family's options: q/k norms, biases, a router's bias and
+sigmoid scoring) give the values of the XLA ops every other pass runs, and a whole run (its experts
+multiplied by pick) the XLA run's greedy tokens. Float32 at full precision on both sides."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
+from moejax.engine.engine import Engine
+from moejax.loading import load_params
+from moejax.model import projections
+from moejax.model.layers import rope_cos_sin
+from moejax.platform import XLA, DecodeKernels
+from sharding import make_placement
+
+# The fused kernels in the interpreter, for every pass of up to 128 rows, a layer's dense weights on
+# its one device; tiles: the table's defaults ("", 0).
+FUSED = DecodeKernels("interpret_gpu", 128, "highest", ("", 0), dense=True)
+ROWS = 3  # a decode step of three requests
+PRESETS = ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-mixtral"]  # q/k norms; biases and sinks; neither
+
+
+def close(fused, xla):
+    for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(xla), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-5, atol=2e-5)
+
+
+def normal(key: int, shape, scale=1.0) -> jax.Array:
+    return scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)
+
+
+@functools.cache
+def attention_params(name: str) -> tuple:
+    """(model config, random GQA attention weights of its widths with the options it has)."""
+    c = preset(name)
+    d, h, hkv, dh = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    p = {"q": normal(1, (d, h, dh), 0.2), "k": normal(2, (d, hkv, dh), 0.2), "v": normal(3, (d, hkv, dh), 0.2)}
+    p["o"] = normal(4, (h, dh, d), 0.2)
+    if c.attention_bias:
+        p |= {"q_bias": normal(5, (h, dh)), "k_bias": normal(6, (hkv, dh)), "v_bias": normal(7, (hkv, dh))}
+    if c.o_bias:
+        p["o_bias"] = normal(8, (d,))
+    if c.qk_norm:
+        p |= {"q_norm": 1 + normal(9, (dh,), 0.1), "k_norm": 1 + normal(10, (dh,), 0.1)}
+    return c, p
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_qkv_is_the_normed_projected_rotated_rows(name):
+    c, p = attention_params(name)
+    x, norm = normal(11, (ROWS, 1, c.hidden_size)), 1 + normal(12, (c.hidden_size,), 0.1)
+    cos_sin = rope_cos_sin(c, jnp.array([[3], [17], [40]], jnp.int32))
+    close(projections.qkv(FUSED, p, x, norm, cos_sin, c), projections.qkv(XLA, p, x, norm, cos_sin, c))
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_out_is_the_residual_plus_the_output_projection(name):
+    c, p = attention_params(name)
+    attended = normal(13, (ROWS, 1, c.num_heads, c.head_dim))
+    residual = normal(14, (ROWS, 1, c.hidden_size))
+    close(projections.out(FUSED, p, attended, residual, c), projections.out(XLA, p, attended, residual, c))
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-glm4-moe"])
+def test_route_picks_and_weighs_as_the_router(name):
+    """The normed rows, the experts picked and their weights (softmax top-k, with a bias, or
+    sigmoid scores with the bias for picking only, renormed and scaled)."""
+    c = preset(name)
+    d, e = c.hidden_size, c.num_experts
+    p = {"router": normal(15, (d, e), 0.3)}
+    if c.router_bias:
+        p["router_bias"] = normal(16, (e,), 0.1)
+    x, norm = normal(17, (ROWS, d)), 1 + normal(18, (d,), 0.1)
+    (h, ids, weights), (h_xla, ids_xla, weights_xla) = (
+        projections.route(decode, p, x, norm, c) for decode in (FUSED, XLA)
+    )
+    np.testing.assert_array_equal(ids, ids_xla)
+    close((h, weights), (h_xla, weights_xla))
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_mlp_is_gate_up_activated_then_down(residual):
+    d, f = 64, 96
+    p = {"gate_up": normal(19, (d, 2 * f), 0.2), "down": normal(20, (f, d), 0.2)}
+    h, res = normal(21, (ROWS, 1, d)), normal(22, (ROWS, 1, d)) if residual else None
+    close(projections.mlp(FUSED, p, h, res), projections.mlp(XLA, p, h, res))
+
+
+def test_a_prefills_rows_take_the_xla_ops():
+    """More rows than a decode step's go through XLA's GEMMs: the same function, the same values."""
+    assert FUSED.fuses_dense(ROWS) and not FUSED.fuses_dense(FUSED.rows + 1) and not XLA.fuses_dense(1)
+
+
+@pytest.mark.parametrize("name,fmt", [("tiny-qwen3-moe", "nvfp4"), ("tiny-gpt-oss", "unquantized")])
+def test_a_run_in_the_decode_kernels_gives_the_xla_runs_tokens(name, fmt):
+    """One device, kernel interpret_gpu (the decode kernels in the interpreter; a prefill's rows
+    through the grouped GEMM) and kernel xla: the same greedy tokens for requests of several lengths."""
+
+    def tokens(kernel: str) -> list:
+        config = Config(
+            model=preset(name),
+            layout=LayoutConfig(devices=1),
+            kernel=kernel,
+            weights=WeightsConfig(fmt),
+            engine=EngineConfig(page_size=4, max_seq_len=32, dtype="float32"),
+        ).validate()
+        placement = make_placement(config)
+        assert placement.decode.fuses(4) == (kernel == "interpret_gpu")
+        engine = Engine(config, load_params(config, placement, seed=1), placement)
+        return engine.generate([[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21, 22]], 4).tokens
+
+    assert tokens("interpret_gpu") == tokens("xla")

@@ -1,0 +1,202 @@
+"""The HLO reader (`moejax.analysis.hlo`) on a hand-written XLA:GPU-like program: the ops one call
+runs, how many times, which of them are kernel launches, and which write arrays of given shapes.
+(Its pricing, `hlo.ops`: `test_target_costs.py`; on compiled programs: `test_target_structure.py`.)"""
+
+import pytest
+
+from moejax.analysis import hlo
+
+# A decode step at batch 1 against a weight w [16, 32] (and a norm's [32]): x * w spelled out as a
+# multiply of w's size and a reduce, an async all-gather, a copy pair, a cuBLAS GEMM over the
+# gathered rows, a sort, a conditional of two branches, an async Triton call, a called computation
+# and a loop of 3 trips (a counter from 0 while < 3) around a Triton kernel and a transposed copy
+# of w. The loop's trip count is XLA's to state (`KNOWN`).
+KNOWN = ', backend_config={"known_trip_count":{"n":"3"}}'
+PROGRAM = """HloModule step, entry_computation_layout={(f32[1,16]{1,0}, f32[16,32]{1,0}, f32[32]{0})->f32[8,32]{1,0}}
+
+%fused_mul (p0: f32[1,16], p1: f32[16,32]) -> f32[16,32] {
+  %p0 = f32[1,16]{1,0} parameter(0)
+  %p1 = f32[16,32]{1,0} parameter(1)
+  %b = f32[16,32]{1,0} broadcast(%p0), dimensions={0,1}
+  ROOT %m = f32[16,32]{1,0} multiply(%b, %p1)
+}
+
+%less (l0: f32[], l1: f32[]) -> pred[] {
+  %l0 = f32[] parameter(0)
+  %l1 = f32[] parameter(1)
+  ROOT %lo = pred[] compare(%l0, %l1), direction=LT
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused_reduce (r0: f32[16,32]) -> f32[1,32] {
+  %r0 = f32[16,32]{1,0} parameter(0)
+  %zero = f32[] constant(0)
+  %r = f32[32]{0} reduce(%r0, %zero), dimensions={0}, to_apply=%add
+  ROOT %rb = f32[1,32]{1,0} bitcast(%r)
+}
+
+%fused_norm (n0: f32[1,32], n1: f32[32]) -> f32[1,1,32] {
+  %n0 = f32[1,32]{1,0} parameter(0)
+  %n1 = f32[32]{0} parameter(1)
+  %nb = f32[1,32]{1,0} bitcast(%n1)
+  %nm = f32[1,32]{1,0} multiply(%n0, %nb)
+  ROOT %nr = f32[1,1,32]{2,1,0} bitcast(%nm)
+}
+
+%then (t0: f32[8,32]) -> f32[8,32] {
+  %t0 = f32[8,32]{1,0} parameter(0)
+  ROOT %tn = f32[8,32]{1,0} negate(%t0)
+}
+
+%else (e0: f32[8,32]) -> f32[8,32] {
+  %e0 = f32[8,32]{1,0} parameter(0)
+  ROOT %ec = f32[8,32]{1,0} copy(%e0)
+}
+
+%wrapped (w0: f32[8,32]) -> f32[8,32] {
+  %w0 = f32[8,32]{1,0} parameter(0)
+  ROOT %wk = f32[8,32]{1,0} custom-call(%w0), custom_call_target="__gpu$xla.gpu.triton"
+}
+
+%callee (c0: f32[8,32]) -> f32[8,32] {
+  %c0 = f32[8,32]{1,0} parameter(0)
+  ROOT %cf = f32[8,32]{1,0} fusion(%c0), kind=kLoop, calls=%then
+}
+
+%body (arg: (s32[], f32[8,32], f32[16,32])) -> (s32[], f32[8,32], f32[16,32]) {
+  %arg = (s32[], f32[8,32]{1,0}, f32[16,32]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %h = f32[8,32]{1,0} get-tuple-element(%arg), index=1
+  %w = f32[16,32]{1,0} get-tuple-element(%arg), index=2
+  %k = f32[8,32]{1,0} custom-call(%h, %i), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="step/moe/gemm"}
+  %wt = f32[32,16]{0,1} copy(%w), metadata={op_name="step/transpose"}
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[8,32]{1,0}, f32[16,32]{1,0}) tuple(%next, %k, %w)
+}
+
+%cond (carg: (s32[], f32[8,32], f32[16,32])) -> pred[] {
+  %carg = (s32[], f32[8,32]{1,0}, f32[16,32]{1,0}) parameter(0)
+  %counter = s32[] get-tuple-element(%carg), index=0
+  %bound = s32[] constant(3)
+  ROOT %lt = pred[] compare(%counter, %bound), direction=LT
+}
+
+ENTRY %main (x: f32[1,16], w: f32[16,32], norm: f32[32]) -> f32[8,32] {
+  %x = f32[1,16]{1,0} parameter(0)
+  %w = f32[16,32]{1,0} parameter(1)
+  %norm = f32[32]{0} parameter(2)
+  %mul = f32[16,32]{1,0} fusion(%x, %w), kind=kLoop, calls=%fused_mul, metadata={op_name="step/attention/dot"}
+  %red = f32[1,32]{1,0} fusion(%mul), kind=kInput, calls=%fused_reduce, metadata={op_name="step/attention/dot"}
+  %normed = f32[1,1,32]{2,1,0} fusion(%red, %norm), kind=kLoop, calls=%fused_norm
+  %flat = f32[1,32]{1,0} bitcast(%normed)
+  %ag = (f32[1,32]{1,0}, f32[8,32]{1,0}) all-gather-start(%flat), replica_groups=[1,8]<=[8], dimensions={0}
+  %rows = f32[8,32]{1,0} all-gather-done(%ag)
+  %cp = (f32[8,32]{1,0}, f32[8,32]{1,0}, u32[]) copy-start(%rows)
+  %moved = f32[8,32]{1,0} copy-done(%cp)
+  %gemm = f32[8,32]{1,0} custom-call(%moved, %moved), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"]}}}
+  %sorted = f32[8,32]{1,0} sort(%gemm), dimensions={1}, to_apply=%less
+  %pred = pred[] constant(true)
+  %picked = f32[8,32]{1,0} conditional(%pred, %sorted, %sorted), true_computation=%then, false_computation=%else
+  %as = ((f32[8,32]{1,0}), f32[8,32]{1,0}, u32[]) async-start(%picked), calls=%wrapped
+  %done = f32[8,32]{1,0} async-done(%as), calls=%wrapped
+  %called = f32[8,32]{1,0} call(%done), to_apply=%callee
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,32]{1,0}, f32[16,32]{1,0}) tuple(%zero, %called, %w)
+  %loop = (s32[], f32[8,32]{1,0}, f32[16,32]{1,0}) while(%init), condition=%cond, body=%body{KNOWN}
+  ROOT %out = f32[8,32]{1,0} get-tuple-element(%loop), index=1
+}
+"""  # noqa: E501
+
+
+def program(known: bool) -> str:
+    return PROGRAM.replace("{KNOWN}", KNOWN if known else "")
+
+
+def test_runs_are_the_ops_a_call_runs_not_those_fused_into_fusions():
+    """Each instruction of the entry, the loop's body and condition, the branches and the called
+    computations, not those inside fusions, with its result's shapes, kind, target and scope."""
+    runs = {(r.computation, r.instr.name): r for r in hlo.parse(program(known=True)).runs}
+    assert len(runs) == 22 + 9 + 4 + 2 + 2 + 2 + 2  # entry, body, cond, then, else, wrapped, callee
+    assert not {name for _, name in runs} & {"m", "r", "nm", "rb"}  # fused
+    mul, ag, k = runs["main", "mul"].instr, runs["main", "ag"].instr, runs["body", "k"].instr
+    assert (mul.opcode, mul.shapes, mul.fusion_kind, mul.scope) == (
+        "fusion",
+        [(16, 32)],
+        "kLoop",
+        "step/attention/dot",
+    )
+    assert ag.shapes == [(1, 32), (8, 32)] and ag.kind == "all-gather-start"
+    assert (k.target, k.kind, k.scope) == (
+        "__gpu$xla.gpu.triton",
+        "custom-call __gpu$xla.gpu.triton",
+        "step/moe/gemm",
+    )
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_runs_count_loop_trips_condition_evaluations_and_branches(known):
+    """A loop's body runs its trip count (XLA's, or its condition's bound: 0 while < 3), its
+    condition once more, a conditional's branches half a time each, a called computation once."""
+    counts = {(r.computation, r.instr.name): r.count for r in hlo.parse(program(known)).runs}
+    assert counts["body", "k"] == 3 and counts["cond", "lt"] == 4
+    assert counts["then", "tn"] == counts["else", "ec"] == 0.5
+    assert counts["main", "mul"] == counts["callee", "cf"] == counts["wrapped", "wk"] == 1
+    (loop,) = hlo.loops(program(known))
+    assert hlo.known_trip_count(loop.instr) == (3 if known else None)
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_launches_are_the_kernels_xla_gpu_runs(known):
+    """Fusions, custom calls, copies, collectives (an async pair once), sorts, each branch's share,
+    an async op's wrapped kernel, a called computation's, the loop body's 3 times; its condition
+    4 times only where XLA does not know the trip count. Not: parameters, constants, bitcasts,
+    tuples, the second halves of async pairs, the loop, conditional, call and async-start."""
+    launches = hlo.launches(program(known))
+    assert hlo.by_kind(launches) == {
+        "custom-call __gpu$xla.gpu.triton": 1 + 3,  # wrapped, the loop's
+        "fusion kLoop": 3,  # mul, normed, callee's
+        "copy": 3 + 0.5,  # the loop's transposed w, the else branch's
+        "add": 3,  # the loop's counter
+        "fusion kInput": 1,
+        "all-gather-start": 1,
+        "copy-start": 1,
+        "custom-call __cublas$gemm": 1,
+        "sort": 1,
+        "negate": 0.5,
+        **({} if known else {"compare": 4}),
+    }
+
+
+@pytest.mark.parametrize(
+    "shapes, found",
+    [
+        ([(16, 32)], ["mul"]),  # w spelled out by the multiply; its transposed copy laid out [32, 16]
+        ([(32, 16)], ["wt"]),
+        ([(32,)], []),  # a norm weight: an activation's [1, 1, 32] is not it
+        ([(1, 16, 32, 1)], ["mul"]),  # sizes of 1 aside
+    ],
+)
+def test_weight_shaped_are_writes_of_a_weights_shape_as_laid_out(shapes, found):
+    assert [r.instr.name for r in hlo.weight_shaped(program(True), shapes)] == found
+
+
+@pytest.mark.parametrize(
+    "ordered, found",
+    [(False, ["mul", "wt"]), (True, ["mul"])],  # sorted sizes: a copy however transposed
+)
+def test_writes_of_shapes_any_tuple_element_free_ops_aside(ordered, found):
+    """An op writing an array of a given shape, in any element of its result; parameters,
+    get-tuple-elements, tuples and the loop that carry w are not writes."""
+    assert [r.instr.name for r in hlo.writes_of(program(True), [(16, 32)], ordered)] == found
+    assert [r.instr.name for r in hlo.writes_of(program(True), [(1, 32)])] == ["red", "normed", "ag"]
+
+
+def test_products_are_dots_and_gemms_not_a_multiply_and_reduce():
+    """The cuBLAS GEMM computes a product; x * w spelled out as a multiply and a reduce does not."""
+    assert [r.instr.name for r in hlo.products(program(True))] == ["gemm"]
