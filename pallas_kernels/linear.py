@@ -6,8 +6,8 @@ every norm, bias, head norm and rotation around it. `fused_linear` is one launch
 weight once: rows x [M, K] (optionally RMS-normed first) times weight segments W_i [K, N_i], each
 column tile of a segment one program over all of K, its epilogue in registers: the bias, then a
 per-head RMSNorm and rotate-half RoPE (attention's q and k), or the gated activation of a gate|up
-product (writing [M, N_i / 2]), or a residual added. `fused_linear_xla` computes the same with XLA
-ops, one product per segment; the tests hold both to the model's own functions.
+product (writing [M, N_i / 2]), or a residual added. `linear_xla.fused_linear_xla` computes the
+same with XLA ops, one product per segment; the tests hold both to the model's own functions.
 
 Triton's blocks are powers of two and a dot's dims at least 16: rows, K and columns are read in
 such blocks, masked past the arrays' ends (nothing beyond them is read, nothing written). A
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +26,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels import epilogue, metadata, tiling
-
-PRECISIONS = (None, "highest")
+from pallas_kernels import epilogue, metadata
+from pallas_kernels.linear_segments import PRECISIONS, Segment, block, check_normed, normalize, rotate_half, segments
+from pallas_kernels.triton_blocks import column_pairs, iota, load, pow2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,139 +41,6 @@ class Tiles:
     m: int = 64  # rows a program holds; more rows are a second grid axis
     num_warps: int = 4
     num_stages: int = 2
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _block(dim: int, most: int) -> int:
-    """The block of a dim: `most`, or the power of two >= 16 covering a smaller dim."""
-    return min(most, max(16, _pow2(dim)))
-
-
-def _iota(size: int, axis: int, start=0):
-    """start + [0, size) along `axis` of a 2-D [size, 1] or [1, size] block (int32)."""
-    return start + lax.broadcasted_iota(jnp.int32, (size, 1) if axis == 0 else (1, size), axis)
-
-
-def _load(ref, *masks):
-    """ref's block, zeros where any of `masks` (None: nothing masked) is False."""
-    masks = [m for m in masks if m is not None]
-    if not masks:
-        return ref[...]
-    return pl_triton.load(ref, mask=functools.reduce(jnp.logical_and, masks), other=0)
-
-
-def _normalize(xf: jax.Array, rstd: jax.Array, w: jax.Array, dtype) -> jax.Array:
-    """transformers' RMSNorm past its statistic (`moejax.model.layers.rms_norm`): xf [.., n] f32
-    scaled by rstd in f32, rounded to the input's dtype, times the weight (in their common dtype)."""
-    return w * (xf * rstd).astype(dtype)
-
-
-def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """x [.., n] RMS-normed over its last axis, statistics in f32."""
-    xf = x.astype(jnp.float32)
-    return _normalize(xf, lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps), w, x.dtype)
-
-
-def _rotate(x1: jax.Array, x2: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Rotate-half RoPE of a head's halves x1, x2 [.., R/2] (f32), as `apply_rope` without interleave."""
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
-
-
-class _Segment(NamedTuple):
-    """One weight segment as the kernel walks it (static)."""
-
-    n: int  # output columns: N_i, or N_i / 2 with act
-    pairs: int  # 2: the columns are read as (gate, up) pairs, else 1
-    tile: int  # output columns a program writes: a head, or the column tile
-    pieces: tuple[tuple[int, int], ...]  # (first column in the tile, width): a block each
-    first: int  # its first program
-    count: int  # its programs
-    head_norm: bool
-    rotate: bool
-    bias: bool
-    cdtype: jnp.dtype  # the product's operands
-    out_dtype: jnp.dtype
-
-
-def _segments(x, weights, *, norm, biases, residual, head_dim, head_norms, rope, rotate, act, out_dtype, tn):
-    """Checks a call's arguments (one error naming what is wrong) and lays out its segments;
-    tn: the column tile of segments without a head epilogue (None: the XLA twin, no tiles)."""
-    if x.ndim != 2:
-        raise ValueError(f"fused_linear: rows must be [M, K], got shape {x.shape}")
-    m, k = x.shape
-    if not weights:
-        raise ValueError("fused_linear: no weight segments")
-    count = len(weights)
-    for name, per in (("biases", biases), ("head_norms", head_norms), ("rotate", rotate)):
-        if per is not None and len(per) != count:
-            raise ValueError(f"fused_linear: {name} has {len(per)} entries for {count} weight segments")
-    for w in weights:
-        if w.ndim != 2 or w.shape[0] != k:
-            raise ValueError(f"fused_linear: a weight segment must be [K={k}, N], got shape {w.shape}")
-    if norm is not None and norm.shape != (k,):
-        raise ValueError(f"fused_linear: norm must be [K={k}], got shape {norm.shape}")
-    for w, b in zip(weights, biases or [None] * count):
-        if b is not None and b.shape != w.shape[1:]:
-            raise ValueError(f"fused_linear: a bias must be [N={w.shape[1]}], got shape {b.shape}")
-    head_norms = head_norms or (None,) * count
-    if rope is None and rotate is not None and any(rotate):
-        raise ValueError("fused_linear: rotate names segments but rope (cos, sin) is not given")
-    if rope is not None and (rotate is None or not any(rotate)):
-        raise ValueError("fused_linear: rope (cos, sin) given but rotate names no segment")
-    rotate = rotate if rope is not None else (False,) * count
-    heads = [hn is not None or r for hn, r in zip(head_norms, rotate)]
-    if any(heads) and not head_dim:
-        raise ValueError("fused_linear: head norms and rope need head_dim")
-    half = 0
-    if rope is not None:
-        cos, sin = rope
-        half = cos.shape[-1]
-        if cos.shape != (m, half) or sin.shape != (m, half) or not 0 < 2 * half <= head_dim:
-            raise ValueError(
-                f"fused_linear: rope's cos and sin must be [M={m}, R/2] with 0 < R <= head_dim={head_dim}, "
-                f"got shapes {cos.shape} and {sin.shape}"
-            )
-    if act is not None and (count != 1 or any(heads) or weights[0].shape[1] % 2):
-        raise ValueError("fused_linear: act takes one gate|up segment of an even width and no head epilogue")
-    h_dtype = x.dtype if norm is None else jnp.result_type(norm.dtype, x.dtype)
-    segments, first = [], 0
-    for w, b, hn, head, rot in zip(weights, biases or [None] * count, head_norms, heads, rotate):
-        pairs = 2 if act is not None else 1
-        n = w.shape[1] // pairs
-        if head:
-            if n % head_dim:
-                raise ValueError(
-                    f"fused_linear: a segment with a head epilogue has N={n}, not whole heads of {head_dim}"
-                )
-            if hn is not None and hn.shape != (head_dim,):
-                raise ValueError(f"fused_linear: a head norm must be [head_dim={head_dim}], got shape {hn.shape}")
-            tile = head_dim
-            pieces = ((0, half), (half, half), (2 * half, head_dim - 2 * half)) if rot else ((0, head_dim),)
-        else:
-            tile = n if tn is None else _block(n, tn // pairs)
-            pieces = ((0, tile),)
-        pieces = tuple(p for p in pieces if p[1])
-        cdtype = tiling.compute_dtype(h_dtype, w)
-        out = jnp.dtype(out_dtype or jnp.result_type(h_dtype, w.dtype))
-        segment = _Segment(
-            n, pairs, tile, pieces, first, -(-n // tile), hn is not None, rot, b is not None, cdtype, out
-        )
-        segments.append(segment)
-        first += segment.count
-    if residual is not None and (count != 1 or residual.shape != (m, segments[0].n)):
-        raise ValueError(
-            f"fused_linear: a residual goes with one segment and is its output's shape [M, N], "
-            f"got shape {residual.shape} for {count} segments"
-        )
-    return segments
-
-
-def _check_normed(normed: bool, norm) -> None:
-    if normed and norm is None:
-        raise ValueError("fused_linear: normed asks for the normed rows, but no norm is given")
 
 
 def _check_options(tiles: Tiles, precision):
@@ -196,31 +62,31 @@ def _linear_kernel(*refs, tree, n_in, segments, m, k, tm, tk, eps, precision, ac
     ins, outs = jax.tree.unflatten(tree, refs[:n_in]), refs[n_in:]
     p, r = pl.program_id(0), pl.program_id(1)  # read outside pl.when: interpret mode wants it
     rows = pl.ds(r * tm, tm)
-    in_m = None if m % tm == 0 else _iota(tm, 0, r * tm) < m  # [tm, 1]
+    in_m = None if m % tm == 0 else iota(tm, 0, r * tm) < m  # [tm, 1]
     steps = pl.cdiv(k, tk)
     dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
 
     def in_k(k0, axis):  # [tk, 1] or [1, tk]: which of a step's K rows lie in K
-        return None if k % tk == 0 else _iota(tk, axis, k0) < k
+        return None if k % tk == 0 else iota(tk, axis, k0) < k
 
-    def x_block(k0):  # [tm, tk]: the rows' K step
-        return _load(ins["x"].at[rows, pl.ds(k0, tk)], in_m, in_k(k0, 1))
+    def xblock(k0):  # [tm, tk]: the rows' K step
+        return load(ins["x"].at[rows, pl.ds(k0, tk)], in_m, in_k(k0, 1))
 
     rstd = None
     if ins["norm"] is not None:  # the rows' statistic: a first pass over x's K
 
         def square(k_i, acc):
-            xf = x_block(k_i * tk).astype(jnp.float32)
+            xf = xblock(k_i * tk).astype(jnp.float32)
             return acc + xf * xf
 
         sumsq = lax.fori_loop(0, steps, square, jnp.zeros((tm, tk), jnp.float32))
         rstd = lax.rsqrt(jnp.sum(sumsq, axis=1, keepdims=True) / k + eps)  # [tm, 1]
 
-    def h_block(k0):  # [tm, tk]: the rows' K step as the product reads them (normed in x's dtype)
-        x = x_block(k0)
+    def hblock(k0):  # [tm, tk]: the rows' K step as the product reads them (normed in x's dtype)
+        x = xblock(k0)
         if rstd is None:
             return x
-        return _normalize(x.astype(jnp.float32), rstd, _load(ins["norm"].at[:, pl.ds(k0, tk)], in_k(k0, 1)), x.dtype)
+        return normalize(x.astype(jnp.float32), rstd, load(ins["norm"].at[:, pl.ds(k0, tk)], in_k(k0, 1)), x.dtype)
 
     if normed:  # the normed rows for the products after this one (the router's rows: the experts')
         normed_ref, outs = outs[0], outs[1:]
@@ -232,20 +98,20 @@ def _linear_kernel(*refs, tree, n_in, segments, m, k, tm, tk, eps, precision, ac
                 mask = [mk for mk in (in_m, in_k(k0, 1)) if mk is not None]
                 pl_triton.store(
                     normed_ref.at[rows, pl.ds(k0, tk)],
-                    h_block(k0),
+                    hblock(k0),
                     mask=functools.reduce(jnp.logical_and, mask) if mask else None,
                 )
                 return carry
 
             lax.fori_loop(0, steps, write, 0)
 
-    def tile(seg: _Segment, refs, out_ref, t):  # segment seg's output tile t: [tm, seg.tile]
+    def tile(seg: Segment, refs, out_ref, t):  # segment seg's output tile t: [tm, seg.tile]
         c0 = t * seg.tile
         # Each piece: its first output column, its block's width, and which of its columns are real.
         pieces = []
         for off, width in seg.pieces:
-            block = max(16, _pow2(width))
-            cols = _iota(block, 1)
+            block = max(16, pow2(width))
+            cols = iota(block, 1)
             keep = [cols < width] if block > width else []
             if seg.n % seg.tile:
                 keep.append(cols + c0 + off < seg.n)
@@ -256,11 +122,11 @@ def _linear_kernel(*refs, tree, n_in, segments, m, k, tm, tk, eps, precision, ac
 
         def step(k_i, accs):  # accs: per piece, per column set, [tm, block] f32
             k0 = k_i * tk
-            h = h_block(k0).astype(seg.cdtype)
+            h = hblock(k0).astype(seg.cdtype)
             return tuple(
                 tuple(
                     acc
-                    + dot(h, _load(refs["w"].at[pl.ds(k0, tk), pl.ds(c, b), i], in_k(k0, 0), keep).astype(seg.cdtype))
+                    + dot(h, load(refs["w"].at[pl.ds(k0, tk), pl.ds(c, b), i], in_k(k0, 0), keep).astype(seg.cdtype))
                     for i, acc in zip(sets, piece_accs)
                 )
                 for (c, b, keep), piece_accs in zip(pieces, accs)
@@ -271,7 +137,7 @@ def _linear_kernel(*refs, tree, n_in, segments, m, k, tm, tk, eps, precision, ac
         ys = [
             [
                 epilogue.finish(
-                    acc, seg.out_dtype, bias=_load(refs["bias"].at[:, pl.ds(c, b), i], keep) if seg.bias else None
+                    acc, seg.out_dtype, bias=load(refs["bias"].at[:, pl.ds(c, b), i], keep) if seg.bias else None
                 )
                 for i, acc in zip(sets, piece_accs)
             ]
@@ -287,16 +153,16 @@ def _linear_kernel(*refs, tree, n_in, segments, m, k, tm, tk, eps, precision, ac
             # A piece's head norm columns from its first column's place in the head (traced: a
             # static start is checked against the ref's width, which a masked block passes).
             ys = [
-                _normalize(f, head_rstd, _load(refs["head_norm"].at[:, pl.ds(c % seg.tile, b)], keep), y.dtype)
+                normalize(f, head_rstd, load(refs["head_norm"].at[:, pl.ds(c % seg.tile, b)], keep), y.dtype)
                 for f, y, (c, b, keep) in zip(yf, ys, pieces)
             ]
         if seg.rotate:  # pieces 0 and 1: the rotated halves
             _, b, keep = pieces[0]
-            cos, sin = (_load(a.at[rows, pl.ds(0, b)], in_m, keep) for a in ins["rope"])
-            ys[:2] = (y.astype(seg.out_dtype) for y in _rotate(*(y.astype(jnp.float32) for y in ys[:2]), cos, sin))
+            cos, sin = (load(a.at[rows, pl.ds(0, b)], in_m, keep) for a in ins["rope"])
+            ys[:2] = (y.astype(seg.out_dtype) for y in rotate_half(*(y.astype(jnp.float32) for y in ys[:2]), cos, sin))
         for (c, b, keep), y in zip(pieces, ys):
             if ins["residual"] is not None:
-                y = (_load(ins["residual"].at[rows, pl.ds(c, b)], in_m, keep) + y).astype(seg.out_dtype)
+                y = (load(ins["residual"].at[rows, pl.ds(c, b)], in_m, keep) + y).astype(seg.out_dtype)
             mask = [mk for mk in (in_m, keep) if mk is not None]
             pl_triton.store(
                 out_ref.at[rows, pl.ds(c, b)], y, mask=functools.reduce(jnp.logical_and, mask) if mask else None
@@ -306,11 +172,6 @@ def _linear_kernel(*refs, tree, n_in, segments, m, k, tm, tk, eps, precision, ac
         pl.when((p >= seg.first) & (p < seg.first + seg.count))(
             functools.partial(tile, seg, refs, out_ref, p - seg.first)
         )
-
-
-def _pairs(a: jax.Array, pairs: int) -> jax.Array:
-    """[..., N] -> [..., N/p, p] (a bitcast): the kernel's view of a segment's columns."""
-    return a.reshape(*a.shape[:-1], a.shape[-1] // pairs, pairs)
 
 
 def fused_linear(
@@ -348,8 +209,8 @@ def fused_linear(
     blocks and launch shape. interpret: Pallas' interpreter (any platform).
     """
     _check_options(tiles, precision)
-    _check_normed(normed, norm)
-    segments = _segments(
+    check_normed(normed, norm)
+    laid_out = segments(
         x,
         weights,
         norm=norm,
@@ -364,33 +225,33 @@ def fused_linear(
         tn=tiles.n,
     )
     m, k = x.shape
-    tm, tk = _block(m, tiles.m), _block(k, tiles.k)
+    tm, tk = block(m, tiles.m), block(k, tiles.k)
     ins = {
         "x": x,
         "norm": None if norm is None else norm.reshape(1, k),
         "segments": [
             {
-                "w": _pairs(w, seg.pairs),
-                "bias": None if b is None else _pairs(b.reshape(1, -1), seg.pairs),
+                "w": column_pairs(w, seg.pairs),
+                "bias": None if b is None else column_pairs(b.reshape(1, -1), seg.pairs),
                 "head_norm": None if hn is None else hn.reshape(1, -1),
             }
             for w, b, hn, seg in zip(
-                weights, biases or [None] * len(weights), head_norms or [None] * len(weights), segments
+                weights, biases or [None] * len(weights), head_norms or [None] * len(weights), laid_out
             )
         ],
         "rope": rope,
         "residual": residual,
     }
     flat, tree = jax.tree.flatten(ins)
-    outs = [metadata.varying_struct((m, seg.n), seg.out_dtype, *flat) for seg in segments]
+    outs = [metadata.varying_struct((m, seg.n), seg.out_dtype, *flat) for seg in laid_out]
     if normed:
         outs.insert(0, metadata.varying_struct((m, k), jnp.result_type(norm.dtype, x.dtype), *flat))
-    out_cols = sum(seg.n for seg in segments)
+    out_cols = sum(seg.n for seg in laid_out)
     kernel = functools.partial(
         _linear_kernel,
         tree=tree,
         n_in=len(flat),
-        segments=segments,
+        segments=laid_out,
         m=m,
         k=k,
         tm=tm,
@@ -404,76 +265,14 @@ def fused_linear(
         pl.pallas_call(
             kernel,
             out_shape=outs,
-            grid=(segments[-1].first + segments[-1].count, pl.cdiv(m, tm)),
+            grid=(laid_out[-1].first + laid_out[-1].count, pl.cdiv(m, tm)),
             compiler_params=pl_triton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
             interpret=interpret,
             cost_estimate=pl.CostEstimate(
                 flops=2 * m * k * sum(w.shape[1] for w in weights),
                 transcendentals=m * out_cols if act is not None else 0,
                 bytes_accessed=sum(a.size * a.dtype.itemsize for a in flat)
-                + sum(m * seg.n * seg.out_dtype.itemsize for seg in segments),
+                + sum(m * seg.n * seg.out_dtype.itemsize for seg in laid_out),
             ),
         )(*flat)
     )
-
-
-def fused_linear_xla(
-    x: jax.Array,
-    weights: tuple[jax.Array, ...],
-    *,
-    norm: jax.Array | None = None,
-    eps: float = 1e-6,
-    biases: tuple[jax.Array | None, ...] | None = None,
-    residual: jax.Array | None = None,
-    head_dim: int | None = None,
-    head_norms: tuple[jax.Array | None, ...] | None = None,
-    rope: tuple[jax.Array, jax.Array] | None = None,
-    rotate: tuple[bool, ...] | None = None,
-    act=None,
-    out_dtype=None,
-    normed: bool = False,
-    precision: str | None = None,
-) -> tuple[jax.Array, ...]:
-    """`fused_linear` with XLA ops: the same arguments (less its tiles) and results."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"fused_linear: precision must be one of {PRECISIONS}, got {precision!r}")
-    _check_normed(normed, norm)
-    segments = _segments(
-        x,
-        weights,
-        norm=norm,
-        biases=biases,
-        residual=residual,
-        head_dim=head_dim,
-        head_norms=head_norms,
-        rope=rope,
-        rotate=rotate,
-        act=act,
-        out_dtype=out_dtype,
-        tn=None,
-    )
-    m = x.shape[0]
-    h = x if norm is None else _rms_norm(x, norm, eps)
-    outs = []
-    for i, (w, seg) in enumerate(zip(weights, segments)):
-        acc = jnp.dot(
-            h.astype(seg.cdtype), w.astype(seg.cdtype), preferred_element_type=jnp.float32, precision=precision
-        )
-        y = epilogue.finish(acc, seg.out_dtype, bias=None if biases is None else biases[i])
-        if act is not None:
-            y = epilogue.glu(*(c.astype(jnp.float32) for c in epilogue.gate_up_columns(y)), act).astype(seg.out_dtype)
-        if seg.head_norm or seg.rotate:
-            y = y.reshape(m, -1, head_dim)  # [M, H, Dh]
-            if seg.head_norm:
-                y = _rms_norm(y, head_norms[i], eps).astype(seg.out_dtype)
-            if seg.rotate:
-                half = rope[0].shape[-1]
-                cos, sin = (a[:, None, :] for a in rope)
-                yf = y[..., : 2 * half].astype(jnp.float32)
-                rotated = jnp.concatenate(_rotate(yf[..., :half], yf[..., half:], cos, sin), axis=-1)
-                y = jnp.concatenate([rotated.astype(seg.out_dtype), y[..., 2 * half :]], axis=-1)
-            y = y.reshape(m, -1)
-        if residual is not None:
-            y = (residual + y).astype(seg.out_dtype)
-        outs.append(y)
-    return (h, *outs) if normed else tuple(outs)

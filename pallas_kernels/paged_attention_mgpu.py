@@ -24,35 +24,23 @@ last split waits for the others' signals, reads their partials and writes the co
 its others, so the waiting CTA never waits on one that cannot start. With splits, XLA zero-fills
 the semaphores first (a fusion of B * H_kv int32): two launches; one without.
 
-Mosaic GPU's shapes, and what is padded or masked:
-- a TMA copy moves a multiple of 128 bytes (one per thread of the warpgroup) and lands on SMEM
-  tiles of 8 rows: a page's copy is its page_size rows rounded up to 8 (`page_rows`); the rows
-  after the page (the next kv head's or page's) are masked, and the last page of the pool,
-  which has no rows after it, is read from as many rows earlier and masked before;
-- W (the pool's width) is whole 32-byte swizzle granules: `pool_width` pads Dh (64, 80 or 128
-  in bf16 need none, 24 is read as 32); its zero columns add nothing to q.k, and only Dh
-  columns are returned;
-- a compute block's rows (`pages_per_block * page_rows`) are padded to the register tile's 64
-  (rows never written, masked);
-- the query heads per kv head are padded to whole 128-byte copies (`query_rows`); the padded
-  heads are never computed.
+The pools' and blocks' shapes, and what is padded or masked: `paged_layout_mgpu`.
 
 Block sizes are arguments (`pages_per_block`, `splits`). `interpret=True` runs the kernel in
 JAX's Mosaic GPU interpreter on any platform: there the register layouts are no-ops, and the
 semaphores are left out (it has none: it runs the CTAs one at a time in grid order, which gives
 the last split its partials already written).
 
-Status: runs in the interpreter and lowers and compiles for an H100 (tests); not run on a GPU
-here (`tests/test_gpu.py` runs it there): Mosaic GPU compiles its PTX when a GPU loads the
-kernel, and the semaphores' ordering of the partials (TMA stores, then a release signal; an
-acquire wait, then TMA loads) is only exercised on one.
+Status: runs in the interpreter and compiles for an H100 (tests: XLA:GPU's compile lowers it to
+PTX and assembles it with ptxas); not run on a GPU here (`tests/test_gpu.py` runs it there): the
+semaphores' ordering of the partials (TMA stores, then a release signal; an acquire wait, then
+TMA loads) is only exercised on one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import operator
 
 import jax
@@ -61,12 +49,20 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-ROWS = 64  # the register tile's rows (the WGMMA layout's): a compute block's positions are padded to it
-TILE_ROWS = 8  # an SMEM tile's rows: each page's copy starts on one
-COPY_BYTES = 128  # a TMA copy's granule: a byte per thread of the warpgroup (Mosaic GPU's lowering)
-GRANULE = 32  # bytes: the least swizzle, so a pool row is whole granules of it
+from pallas_kernels.paged_layout_mgpu import (
+    GRANULE,
+    ROWS,
+    SMEM_BYTES,
+    TILE_ROWS,
+    page_rows,
+    partial_rows,
+    pool_width,
+    query_rows,
+    round_up,
+    smem_bytes,
+)
+
 SWIZZLES = (128, 64, 32)
-SMEM_BYTES = 227 * 1024  # an H100 CTA's most shared memory
 TINY = 1e-30  # a divisor's floor where a sum of weights may be 0 (no key)
 
 
@@ -98,46 +94,6 @@ def unavailable() -> str | None:
         f"{module.__name__}.{name}" for module, names in APIS.items() for name in names if not hasattr(module, name)
     ]
     return f"jax {jax.__version__} lacks {', '.join(missing)}" if missing else None
-
-
-def _round(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def pool_width(dh: int, dtype) -> int:
-    """The pools' head width W for heads of dh: whole 32-byte swizzle granules (zeros after dh)."""
-    return _round(dh, GRANULE // jnp.dtype(dtype).itemsize)
-
-
-def page_rows(page_size: int) -> int:
-    """The rows a page's copy moves: page_size rounded up to whole SMEM tiles."""
-    return _round(page_size, TILE_ROWS)
-
-
-def _whole_copies(n: int, row_bytes: int) -> int:
-    """The least m >= n for which m rows of row_bytes are whole TMA copies."""
-    return n + (-n) % (COPY_BYTES // math.gcd(COPY_BYTES, row_bytes))
-
-
-def query_rows(groups: int, w: int, dtype) -> int:
-    """Query heads per kv head as the kernel holds them: G padded to whole copies of q (dtype)."""
-    return _whole_copies(groups, w * jnp.dtype(dtype).itemsize)
-
-
-def smem_bytes(groups: int, w: int, page_size: int, pages_per_block: int, splits: int, dtype) -> int:
-    """The SMEM the kernel's buffers take (an H100's CTA may hold 227 KB)."""
-    itemsize = jnp.dtype(dtype).itemsize
-    gq = query_rows(groups, w, dtype)
-    block = _round(pages_per_block * page_rows(page_size), ROWS)
-    kv = 2 * 2 * block * w * itemsize  # k and v, two slots
-    partials = max(splits - 1, 1) * _partial_rows(groups, w) * w * 4
-    return kv + gq * w * (itemsize + 4) + partials
-
-
-def _partial_rows(groups: int, w: int) -> int:
-    """A split's partial [rows, W] f32: a normalized output row per head, then the heads'
-    log-sum-exps, head h at (groups + h // W, h % W); whole copies."""
-    return _whole_copies(groups + -(-groups // w), w * 4)
 
 
 def _interpret_params():
@@ -194,14 +150,14 @@ def paged_attention(
     g = h // hkv
     gq = query_rows(g, w, q.dtype)
     rows = page_rows(ps)
-    block = _round(pages_per_block * rows, ROWS)
+    block = round_up(pages_per_block * rows, ROWS)
     n = b * hkv
     # q as [B * H_kv, Gq, W]: a bitcast when G and Dh need no padding.
     qs = jnp.pad(q.reshape(n, g, dh), ((0, 0), (0, gq - g), (0, w - dh)))
     flat = lambda pool: pool.reshape(pages * hkv * ps, w)
     swizzle = next(s for s in SWIZZLES if w * k.dtype.itemsize % s == 0)
     tiled = (plgpu.TilingTransform((TILE_ROWS, swizzle // k.dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
-    part_rows = _partial_rows(g, w)
+    part_rows = partial_rows(g, w)
     combine = splits > 1
 
     operands = [qs, flat(k), flat(v), table.astype(jnp.int32), lens.astype(jnp.int32)]

@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from pallas_kernels import metadata
-from pallas_kernels.linear import _iota, _load, _pow2
+from pallas_kernels.triton_blocks import iota, load, pow2
 
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 
@@ -83,9 +83,9 @@ def _route_kernel(*refs, m, e, k, tm, scoring, norm_topk_prob, scale):
     ids [M, k], weights [M, k]; blocks [tm, E'] and [tm, k'] (powers of two, masked)."""
     logits_ref, *bias_ref, ids_ref, weights_ref = refs
     rows = pl.ds(pl.program_id(0) * tm, tm)
-    e_block, k_block = _pow2(e), _pow2(k)
-    in_m = None if m % tm == 0 else _iota(tm, 0, pl.program_id(0) * tm) < m  # [tm, 1]
-    experts, picks = _iota(e_block, 1), _iota(k_block, 1)  # [1, E'], [1, k']
+    e_block, k_block = pow2(e), pow2(k)
+    in_m = None if m % tm == 0 else iota(tm, 0, pl.program_id(0) * tm) < m  # [tm, 1]
+    experts, picks = iota(e_block, 1), iota(k_block, 1)  # [1, E'], [1, k']
     in_e = None if e == e_block else experts < e
     in_k = None if k == k_block else picks < k
 
@@ -97,8 +97,8 @@ def _route_kernel(*refs, m, e, k, tm, scoring, norm_topk_prob, scale):
         unnormalized = jnp.exp(x - jnp.max(x, axis=1, keepdims=True))
         return unnormalized / jnp.sum(unnormalized, axis=1, keepdims=True)
 
-    logits = _load(logits_ref.at[rows, pl.ds(0, e_block)], in_m, in_e)
-    bias = _load(bias_ref[0].at[:, pl.ds(0, e_block)], in_e) if bias_ref else None
+    logits = load(logits_ref.at[rows, pl.ds(0, e_block)], in_m, in_e)
+    bias = load(bias_ref[0].at[:, pl.ds(0, e_block)], in_e) if bias_ref else None
     scores, choice = _scores(logits, scoring, bias, functools.partial(softmax, mask=in_e))
     # Picks in top_k's order: the best score not taken yet, the lowest index among equals.
     taken = jnp.zeros((tm, e_block), jnp.bool_) if in_e is None else jnp.broadcast_to(~in_e, (tm, e_block))
@@ -147,7 +147,7 @@ def topk_route(
     if rows < 1 or rows & (rows - 1) or num_warps < 1 or num_warps & (num_warps - 1):
         raise ValueError(f"topk_route: rows and num_warps must be powers of two, got {rows} and {num_warps}")
     m, e = logits.shape
-    tm = min(rows, _pow2(m))
+    tm = min(rows, pow2(m))
     operands = (logits,) if bias is None else (logits, bias.reshape(1, e))
     kernel = functools.partial(
         _route_kernel,

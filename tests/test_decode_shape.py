@@ -2,7 +2,7 @@
 compile-only H200 (XLA:GPU's own compiler, `moejax.targets`), at batch 1 and 64, with bf16 and
 NVFP4 experts. A layer launches at most LAUNCHES_PER_LAYER kernels and writes no temporary of a
 layer weight's shape (a weight copied, or a product spelled out as a multiply the weight's size
-and a reduce), read off the compiled program by `moejax.analysis.hlo`.
+and a reduce), read off the compiled program by `moejax.hlo`.
 
 A GPU runs every layer unrolled, each layer the same kernels: a layer's figures are the difference
 of the steps of DEPTHS[1] and DEPTHS[0] layers (the embedding, LM head and sampling cancel), so

@@ -1,10 +1,10 @@
-"""The HLO reader (`moejax.analysis.hlo`) on a hand-written XLA:GPU-like program: the ops one call
+"""The HLO reader (`moejax.hlo`) on a hand-written XLA:GPU-like program: the ops one call
 runs, how many times, which of them are kernel launches, and which write arrays of given shapes.
-(Its pricing, `hlo.ops`: `test_target_costs.py`; on compiled programs: `test_target_structure.py`.)"""
+(Its pricing, `hlo_ops.ops`: `test_target_costs.py`; on compiled programs: `test_target_structure.py`.)"""
 
 import pytest
 
-from moejax.analysis import hlo
+from moejax import hlo
 
 # A decode step at batch 1 against a weight w [16, 32] (and a norm's [32]): x * w spelled out as a
 # multiply of w's size and a reduce, an async all-gather, a copy pair, a cuBLAS GEMM over the

@@ -18,7 +18,8 @@ from moejax.config import preset
 from moejax.model.layers import apply_rope, interleave_gate_up, rms_norm, silu_glu
 from moejax.model.router import route
 from pallas_kernels.epilogue import gate_up_columns
-from pallas_kernels.linear import Tiles, fused_linear, fused_linear_xla
+from pallas_kernels.linear import Tiles, fused_linear
+from pallas_kernels.linear_xla import fused_linear_xla
 from pallas_kernels.routing import topk_route, topk_route_xla
 
 EPS = 1e-6

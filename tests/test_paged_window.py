@@ -20,6 +20,7 @@ from moejax.engine.pages import pages_for
 from moejax.errors import UsageError
 from moejax.loading import load_mtp, load_params
 from moejax.plan import kv_pages
+from moejax.platform import resolve
 from moejax.serving.kv_pages import pool_pages, window_held
 from moejax.serving.request import Request
 from moejax.serving.scheduler import Scheduler
@@ -185,7 +186,8 @@ def test_the_pool_holds_each_groups_layers_and_pages():
 
 
 def test_kv_cache_gb_pays_for_the_window_pool_first():
-    fake = types.SimpleNamespace(c=MODEL, dtype=jnp.float32, placement=types.SimpleNamespace(attention_kernel="xla"))
+    placement = types.SimpleNamespace(attention_kernel="xla", platform=resolve("cpu"))
+    fake = types.SimpleNamespace(c=MODEL, dtype=jnp.float32, placement=placement)
     full, window = (page_bytes(MODEL, 16, jnp.float32, window=w) for w in (False, True))
     assert pool_pages(fake, 16, kv_gb=1e-3, window_pages=40) == int((1e6 - 40 * window) // full)
     assert pool_pages(fake, 16, kv_tokens=160, window_pages=40) == 10  # tokens count the full group's

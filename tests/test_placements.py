@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from moejax.analysis import hlo
+from moejax import hlo
 from moejax.config import Config, ConfigError, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import Engine
 from moejax.loading import load_params

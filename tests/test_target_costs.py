@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from moejax import targets
-from moejax.analysis import advise_tables, calc, costs, hlo, serve_ranking, target_programs, target_ranking
+from moejax.analysis import advise_tables, calc, costs, hlo_ops, serve_ranking, target_programs, target_ranking
 from moejax.analysis.simulate import Layout, device_work, layouts
 from moejax.analysis.target_pricing import CATEGORIES, CallTime, category, expert_us, phase_us
 from moejax.cli import build_parser, main
@@ -90,7 +90,7 @@ ENTRY %main (a: f32[4,8,16], b: f32[16,32], c: f32[4,8,32]) -> f32[4,8,32] {
 def test_hlo_ops_price_slices_updates_in_place_loops_and_collectives(loop):
     # XLA:GPU states the trip count; the TPU compiler leaves it to the condition: i from 1 while i < 5
     text = HLO if loop == "known trip count" else HLO.replace(', backend_config={"known_trip_count":{"n":"4"}}', "")
-    ops = hlo.ops(text, 8)
+    ops = hlo_ops.ops(text, 8)
     assert [(op.kind, op.count) for op in ops] == [("kernel", 4)] * 2 + [("all-gather", 4)] * 2 + [("kernel", 4)] * 2
     sliced, dot, rows, other, kernel, update = ops
     assert sliced.bytes == 512 + 4 + 512  # the layer's slice of the stack, its index, the result
@@ -120,7 +120,7 @@ def test_hlo_ops_price_slices_updates_in_place_loops_and_collectives(loop):
     ],
 )
 def test_hlo_group_sizes(attrs, size):
-    assert hlo.group_size(attrs, 8) == size
+    assert hlo_ops.group_size(attrs, 8) == size
 
 
 def test_b300_expert_time_per_touched_gb_is_the_placement_studys():
@@ -240,8 +240,8 @@ def test_the_trace_sets_the_busiest_devices_experts_and_travelling_rows():
     ragged all-to-alls sized for all 8 rows of a device going to the 7 others."""
     t, per_expert, ragged = targets.target("h100"), 1e6, 7 * 8 * 1e3
     ops = [
-        hlo.Op("kernel", "moe/shard_map/experts/gemm", 2 * per_expert + 1e3, 0.0, 2.0),
-        hlo.Op("ragged-all-to-all", "", ragged, 0.0, 2.0),
+        hlo_ops.Op("kernel", "moe/shard_map/experts/gemm", 2 * per_expert + 1e3, 0.0, 2.0),
+        hlo_ops.Op("ragged-all-to-all", "", ragged, 0.0, 2.0),
     ]
     c = target_programs.Candidate(
         Layout("ragged_a2a", 8, 1), "pallas_gpu", per_expert, 0.0, {"decode": target_programs.Program(tuple(ops), 8)}

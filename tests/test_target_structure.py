@@ -14,8 +14,7 @@ import pytest
 from compile_only import on
 
 import pallas_kernels as pk
-from moejax import plan, platform, targets
-from moejax.analysis import hlo
+from moejax import hlo, plan, platform, targets
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 
 # Four scanned MoE layers of distinctive widths, a layer's experts larger than a TPU's on-chip memory

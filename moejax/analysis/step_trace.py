@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from jax.profiler import ProfileData
 
-from moejax.analysis import hlo
+from moejax import hlo
 from moejax.errors import UsageError
 
 PARTS = ("attention", "dispatch", "experts", "combine")

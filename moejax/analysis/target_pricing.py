@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-from moejax.analysis import calc, hlo, metrics
+from moejax.analysis import calc, hlo_ops, metrics
 from moejax.analysis.simulate import device_work
 from moejax.analysis.target_programs import Candidate
 from moejax.config import ModelConfig
@@ -52,7 +52,7 @@ class CallTime:
         return cls(sum(parts.values()), **parts)
 
 
-def category(op: hlo.Op) -> str:
+def category(op: hlo_ops.Op) -> str:
     """attention, experts (the local expert kernels), exchange (the exchange's collectives, and the
     kernels packing rows for them and summing what comes back: the placement's shard_map), rest."""
     if op.kind == "kernel":
@@ -65,7 +65,7 @@ def category(op: hlo.Op) -> str:
     return "attention" if "attention" in op.scope else "rest"
 
 
-def op_us(op: hlo.Op, t: Target) -> float:
+def op_us(op: hlo_ops.Op, t: Target) -> float:
     if op.kind == "kernel":
         return max(op.bytes / (t.hbm_tb_s * 1e6), op.flops / (t.bf16_tflops * 1e6)) + op.fixed * t.launch_us
     return op.bytes / (t.link_gb_s * 1e3) + op.fixed * t.collective_us

@@ -1,13 +1,13 @@
 """The layouts `advise --target` weighs and their programs compiled for the target: each layout's
 decode step and prefill chunk (`plan.programs` on `targets.devices`), its optimized HLO read into
-operations (`hlo.ops`) for `target_pricing` to price."""
+operations (`hlo_ops.ops`) for `target_pricing` to price."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from moejax import plan
-from moejax.analysis import hlo
+from moejax import abstract_arrays, plan
+from moejax.analysis import hlo_ops
 from moejax.analysis.simulate import Layout
 from moejax.config import Config, ConfigError
 from moejax.targets import Target
@@ -19,7 +19,7 @@ ONE_DEVICE = "one device"  # the layout of one device: no exchange, every placem
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    ops: tuple[hlo.Op, ...]  # what one call runs
+    ops: tuple[hlo_ops.Op, ...]  # what one call runs
     rows: int  # rows per device (a ragged all-to-all's slots per peer)
 
 
@@ -84,23 +84,23 @@ def compile_candidate(
     except ConfigError as e:  # a kernel or a shape the placement does not take
         return NotCompiled(label(layout), str(e))
     params, cache = progs["decode"][1][:2]
-    experts = plan.expert_leaves(params)
+    experts = abstract_arrays.expert_leaves(params)
     held = placement.num_experts // placement.ep
     temp, programs = 0, {}
     for phase, rows in (("decode", batch), ("prefill", chunk)):
         jitted, args = progs[phase]
         compiled, _, error = plan.compile_program(jitted, args, persist=False)
         if compiled is None:  # the TPU compiler's "temporaries" it refuses count the parameters too
-            gb = plan.bytes_per_device(params) / GB
+            gb = abstract_arrays.bytes_per_device(params) / GB
             return NotCompiled(
                 label(layout), f"its {phase} does not compile ({gb:.1f} GB of parameters a device): {error}"
             )
         temp = max(temp, compiled.memory_analysis().temp_size_in_bytes)
-        programs[phase] = Program(tuple(hlo.ops(compiled.as_text(), layout.devices)), -(-rows // layout.devices))
+        programs[phase] = Program(tuple(hlo_ops.ops(compiled.as_text(), layout.devices)), -(-rows // layout.devices))
     return Candidate(
         layout,
         placement.kernel,
-        plan.bytes_per_device(experts) / len(cfg.model.moe_layers) / held,
-        plan.bytes_per_device(params) + plan.bytes_per_device(cache) + temp,
+        abstract_arrays.bytes_per_device(experts) / len(cfg.model.moe_layers) / held,
+        abstract_arrays.bytes_per_device(params) + abstract_arrays.bytes_per_device(cache) + temp,
         programs,
     )

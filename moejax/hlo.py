@@ -3,28 +3,8 @@ computations and the instructions one call runs as ops of their own (`Run`: the 
 bodies and conditions', its conditionals' branches' and called computations', not those fused into
 a fusion), each with how many times it runs. What the project asks of a compiled program is read
 off them: the arrays of given shapes it writes (`writes_of`, `weight_shaped`), its products
-(`products`), its loops and their trip counts (`loops`), the kernels it launches (`launches`, by
-kind: `by_kind`) and, priced, the operations it runs (`ops`): each kernel (fusion, custom call,
-copy, ...) with the bytes it reads and writes and the flops of its dots, each collective with the
-bytes every device sends, and how many times it runs.
-
-First-order bytes, per kernel: its operands' and its result's. Three corrections keep the
-engine's programs from being priced at many times their traffic:
-  * a fusion reads only the slices of an operand it reaches through (dynamic-)slices or gathers
-    (a layer's weights out of the stacked run, a KV cache's rows), also after a layout change;
-  * an update in place (a fusion whose root is a dynamic-update-slice or scatter, writing the
-    KV cache) moves its update, not the buffer it updates;
-  * inside a layer loop of T trips, a custom call handed the whole [T, ...] stack (a kernel
-    reading its layer in place) reads one layer of it per trip.
-A while loop's body runs its trip count times (XLA's `known_trip_count`, or its condition's
-constant bound), once where that is not known (the XLA grouped GEMM's loop over groups), its
-condition once more (not priced; launched only where XLA does not know the trip count); a
-conditional's branches each count 1 / branches. Collectives send, per device of a group of n, over its links (ring
-algorithms): all-gather (n - 1) x its operand, reduce-scatter and all-to-all (n - 1) / n of it,
-all-reduce twice that, collective-permute its operand; a ragged all-to-all is sized for the worst
-case, which the caller scales by the rows that really travel (`target_pricing`). A collective the
-compiler combined from several is split back into one per operand, each with its own scope, the
-latency counted once.
+(`products`), its loops and their trip counts (`loops`) and the kernels it launches (`launches`, by
+kind: `by_kind`); `hlo_ops` prices the operations it runs.
 """
 
 from __future__ import annotations
@@ -60,15 +40,6 @@ BYTES = {
     "c128": 16,
 }
 SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
-COLLECTIVES = (
-    "all-gather",
-    "all-reduce",
-    "reduce-scatter",
-    "all-to-all",
-    "ragged-all-to-all",
-    "collective-permute",
-    "collective-broadcast",
-)
 # Values without memory traffic of their own, and the halves of async pairs whose start is priced.
 FREE = {
     "parameter",
@@ -90,19 +61,6 @@ FREE = {
 # Ops that run the computations they name (a loop's body and condition, a conditional's branches, a
 # call's callee, an async op's wrapped op): their computations' ops run, not they themselves.
 CONTAINERS = {"while", "conditional", "call", "call-start", "async-start"}
-SLICES = {"dynamic-slice", "slice", "gather"}
-MOVES = {"bitcast", "copy", "reshape", "transpose", "convert"}  # of one operand: its elements moved, not read whole
-IN_PLACE = {"dynamic-update-slice", "scatter"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Op:
-    kind: str  # "kernel", or the collective (`COLLECTIVES`)
-    scope: str  # its op_name: the named scopes it was traced under ("" when the compiler dropped it)
-    bytes: float  # kernel: bytes read and written; collective: bytes each device sends
-    flops: float  # its dots' (0 for a custom call: a Pallas kernel's are not in the HLO)
-    count: float  # runs per call of the program
-    fixed: int = 1  # launches or collective latencies per run (0: a later part of a combined collective)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,19 +176,6 @@ def _attr(attrs: str, key: str) -> str | None:
     return m.group(1) if m else None
 
 
-def group_size(attrs: str, devices: int) -> int:
-    """Devices in each replica group of a collective."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
-    if m:  # mesh['axis_0'=8,'axis_1'=1] {'axis_0'}
-        sizes = {k: int(v) for k, v in re.findall(r"'(\w+)'=(\d+)", m.group(1))}
-        return math.prod(sizes[a] for a in re.findall(r"'(\w+)'", m.group(2)))
-    m = re.search(r"replica_groups=\[([\d,]+)\]<=", attrs)
-    if m:  # iota groups [groups, size]<=[...]
-        return int(m.group(1).split(",")[-1])
-    m = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
-    return len(m.group(1).split(",")) if m else devices
-
-
 def dot_flops(comps: dict, comp: str, seen: frozenset = frozenset()) -> float:
     """Flops of the dots and convolutions in a fused computation (and the ones it calls)."""
     symbols = {i.name: i for i in comps.get(comp, [])}
@@ -251,68 +196,7 @@ def dot_flops(comps: dict, comp: str, seen: frozenset = frozenset()) -> float:
     return total
 
 
-def _sliced_bytes(comps: dict, instrs: list[Instr], name: str) -> float | None:
-    """Bytes of `name` that `instrs` read where they read only slices of it (through ops that
-    move its elements, and into nested fusions: the TPU compiler's layout changes), else None."""
-    total, read = 0.0, False
-    for i in instrs:
-        for k, operand in enumerate(i.operands):
-            if operand != name:
-                continue
-            read = True
-            if i.opcode in SLICES and k == 0:
-                part = shape_bytes(i.type)
-            elif i.opcode == "fusion":  # slices inside it, or (a layout change) slices of what it gives
-                inner = comps[i.called("calls")]
-                part = _sliced_bytes(
-                    comps, inner, next(f.name for f in inner if f.opcode == "parameter" and int(f.args) == k)
-                )
-                if part is None and len(i.operands) == 1:
-                    part = _sliced_bytes(comps, instrs, i.name)
-            elif i.opcode in MOVES and len(i.operands) == 1:
-                part = _sliced_bytes(comps, instrs, i.name)
-            else:
-                return None
-            if part is None:
-                return None
-            total += part
-    return total if read else None
-
-
-def _layer_stack(symbols: dict, name: str, trips: int) -> bool:
-    """Whether `name` is (a bitcast of) a [trips, ...] stack the enclosing loop carries: an element
-    of its parameter."""
-    i = symbols[name]
-    while i.opcode == "bitcast":
-        i = symbols[i.operands[0]]
-    return (
-        i.opcode == "get-tuple-element" and symbols[i.operands[0]].opcode == "parameter" and dims(i.type)[:1] == [trips]
-    )
-
-
-def _kernel_bytes(i: Instr, symbols: dict, comps: dict, trips: int) -> float:
-    fused = comps.get(i.called("calls"), []) if i.opcode == "fusion" else []
-    params = {int(f.args): f for f in fused if f.opcode == "parameter"}
-    root = next((f for f in fused if f.root), i)
-    in_place = root.opcode in IN_PLACE
-    total = 0.0
-    for k, name in enumerate(i.operands):
-        type_ = symbols[name].type
-        if in_place and SHAPE.findall(type_) == SHAPE.findall(i.type):
-            continue  # the buffer updated in place
-        size = shape_bytes(type_)
-        sliced = _sliced_bytes(comps, fused, params[k].name) if k in params else None
-        if sliced is not None:
-            size = sliced
-        elif i.opcode == "custom-call" and trips > 1 and _layer_stack(symbols, name, trips):
-            size /= trips  # a layer of the stack the loop runs over
-        total += size
-    if i.opcode == "copy-start":  # its result is (destination, source, context)
-        return 2 * total
-    return 2 * total if in_place else total + shape_bytes(i.type)
-
-
-def _kernel_flops(i: Instr, symbols: dict, comps: dict) -> float:
+def kernel_flops(i: Instr, symbols: dict, comps: dict) -> float:
     if i.opcode == "fusion":
         return dot_flops(comps, i.called("calls"))
     m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', i.attrs)
@@ -320,25 +204,6 @@ def _kernel_flops(i: Instr, symbols: dict, comps: dict) -> float:
         lhs = dims(symbols[i.operands[0]].type)
         return 2 * math.prod(dims(i.type)) * math.prod(lhs[int(d)] for d in re.findall(r"\d+", m.group(1)))
     return 0.0
-
-
-def _collective(kind: str, i: Instr, symbols: dict, n: int, count: float) -> list[Op]:
-    """A collective's bytes; one op per operand where the compiler combined several (its op_name
-    then lists theirs: "prefix/(a:b:c)"), so that each part keeps its own scope."""
-    sizes = [shape_bytes(symbols[o].type) for o in i.operands]
-    if kind == "ragged-all-to-all":  # (input, output, offsets and sizes): the input's rows go out
-        return [Op(kind, i.scope, sizes[0] * (n - 1) / n, 0.0, count)]
-    share = {
-        "all-gather": n - 1,
-        "reduce-scatter": (n - 1) / n,
-        "all-to-all": (n - 1) / n,
-        "all-reduce": 2 * (n - 1) / n,
-    }.get(kind, 1.0)
-    m = re.fullmatch(r"(.*/|)\(([^()]*)\)", i.scope)
-    parts = [m.group(1) + part for part in m.group(2).split(":")] if m else []
-    if len(parts) != len(sizes):
-        return [Op(kind, i.scope, sum(sizes) * share, 0.0, count)]
-    return [Op(kind, scope, size * share, 0.0, count, int(k == 0)) for k, (scope, size) in enumerate(zip(parts, sizes))]
 
 
 def known_trip_count(loop: Instr) -> int | None:
@@ -422,7 +287,7 @@ def parse(text: str) -> Program:
     return Program(text)
 
 
-def _writes(i: Instr) -> bool:
+def writes_arrays(i: Instr) -> bool:
     """Whether an instruction writes arrays of its own, not naming, passing on or running others'."""
     return not (i.opcode in FREE or i.opcode in CONTAINERS or i.opcode.endswith("-done"))
 
@@ -439,7 +304,9 @@ def writes_of(text: str, shapes, ordered: bool = False) -> list[Run]:
     their sizes other than 1 (`ordered`: in their order, else sorted)."""
     wanted = {_sizes(s, ordered) for s in shapes}
     return [
-        r for r in parse(text).runs if _writes(r.instr) and any(_sizes(s, ordered) in wanted for s in r.instr.shapes)
+        r
+        for r in parse(text).runs
+        if writes_arrays(r.instr) and any(_sizes(s, ordered) in wanted for s in r.instr.shapes)
     ]
 
 
@@ -458,7 +325,7 @@ def products(text: str) -> list[Run]:
         r
         for r in program.runs
         if r.instr.opcode in ("dot", "convolution")
-        or _kernel_flops(r.instr, program.symbols[r.computation], program.comps) > 0
+        or kernel_flops(r.instr, program.symbols[r.computation], program.comps) > 0
     ]
 
 
@@ -477,7 +344,7 @@ def launches(text: str) -> list[Run]:
     return [
         r
         for r in parse(text).runs
-        if _writes(r.instr) and (r.condition_of is None or known_trip_count(r.condition_of) is None)
+        if writes_arrays(r.instr) and (r.condition_of is None or known_trip_count(r.condition_of) is None)
     ]
 
 
@@ -487,28 +354,3 @@ def by_kind(runs: list[Run]) -> dict[str, float]:
     for r in runs:
         counts[r.instr.kind] += r.count
     return dict(counts.most_common())
-
-
-def ops(text: str, devices: int) -> list[Op]:
-    """Every kernel and collective one call of the program runs (`devices`: the program's), a
-    loop's condition aside."""
-    program = parse(text)
-    out: list[Op] = []
-    for r in program.runs:
-        i, symbols = r.instr, program.symbols[r.computation]
-        kind = i.opcode.removesuffix("-start")
-        if r.condition_of is not None or not _writes(i):
-            continue
-        if kind in COLLECTIVES:
-            out.extend(_collective(kind, i, symbols, group_size(i.attrs, devices), r.count))
-        else:
-            out.append(
-                Op(
-                    "kernel",
-                    i.scope,
-                    _kernel_bytes(i, symbols, program.comps, r.trips),
-                    _kernel_flops(i, symbols, program.comps),
-                    r.count,
-                )
-            )
-    return out

@@ -1,0 +1,130 @@
+"""A `fused_linear` call laid out (`segments`: its arguments checked, one error naming what is
+wrong, and each weight segment's columns, tiles and epilogue), and the math of the epilogue the
+Triton kernel and its XLA twin share (RMSNorm, rotate-half RoPE)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import tiling
+from pallas_kernels.triton_blocks import pow2
+
+PRECISIONS = (None, "highest")
+
+
+def block(dim: int, most: int) -> int:
+    """The block of a dim: `most`, or the power of two >= 16 covering a smaller dim."""
+    return min(most, max(16, pow2(dim)))
+
+
+def normalize(xf: jax.Array, rstd: jax.Array, w: jax.Array, dtype) -> jax.Array:
+    """transformers' RMSNorm past its statistic (`moejax.model.layers.rms_norm`): xf [.., n] f32
+    scaled by rstd in f32, rounded to the input's dtype, times the weight (in their common dtype)."""
+    return w * (xf * rstd).astype(dtype)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """x [.., n] RMS-normed over its last axis, statistics in f32."""
+    xf = x.astype(jnp.float32)
+    return normalize(xf, lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps), w, x.dtype)
+
+
+def rotate_half(x1: jax.Array, x2: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rotate-half RoPE of a head's halves x1, x2 [.., R/2] (f32), as `apply_rope` without interleave."""
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+class Segment(NamedTuple):
+    """One weight segment as the kernel walks it (static)."""
+
+    n: int  # output columns: N_i, or N_i / 2 with act
+    pairs: int  # 2: the columns are read as (gate, up) pairs, else 1
+    tile: int  # output columns a program writes: a head, or the column tile
+    pieces: tuple[tuple[int, int], ...]  # (first column in the tile, width): a block each
+    first: int  # its first program
+    count: int  # its programs
+    head_norm: bool
+    rotate: bool
+    bias: bool
+    cdtype: jnp.dtype  # the product's operands
+    out_dtype: jnp.dtype
+
+
+def segments(x, weights, *, norm, biases, residual, head_dim, head_norms, rope, rotate, act, out_dtype, tn):
+    """Checks a call's arguments (one error naming what is wrong) and lays out its segments;
+    tn: the column tile of segments without a head epilogue (None: the XLA twin, no tiles)."""
+    if x.ndim != 2:
+        raise ValueError(f"fused_linear: rows must be [M, K], got shape {x.shape}")
+    m, k = x.shape
+    if not weights:
+        raise ValueError("fused_linear: no weight segments")
+    count = len(weights)
+    for name, per in (("biases", biases), ("head_norms", head_norms), ("rotate", rotate)):
+        if per is not None and len(per) != count:
+            raise ValueError(f"fused_linear: {name} has {len(per)} entries for {count} weight segments")
+    for w in weights:
+        if w.ndim != 2 or w.shape[0] != k:
+            raise ValueError(f"fused_linear: a weight segment must be [K={k}, N], got shape {w.shape}")
+    if norm is not None and norm.shape != (k,):
+        raise ValueError(f"fused_linear: norm must be [K={k}], got shape {norm.shape}")
+    for w, b in zip(weights, biases or [None] * count):
+        if b is not None and b.shape != w.shape[1:]:
+            raise ValueError(f"fused_linear: a bias must be [N={w.shape[1]}], got shape {b.shape}")
+    head_norms = head_norms or (None,) * count
+    if rope is None and rotate is not None and any(rotate):
+        raise ValueError("fused_linear: rotate names segments but rope (cos, sin) is not given")
+    if rope is not None and (rotate is None or not any(rotate)):
+        raise ValueError("fused_linear: rope (cos, sin) given but rotate names no segment")
+    rotate = rotate if rope is not None else (False,) * count
+    heads = [hn is not None or r for hn, r in zip(head_norms, rotate)]
+    if any(heads) and not head_dim:
+        raise ValueError("fused_linear: head norms and rope need head_dim")
+    half = 0
+    if rope is not None:
+        cos, sin = rope
+        half = cos.shape[-1]
+        if cos.shape != (m, half) or sin.shape != (m, half) or not 0 < 2 * half <= head_dim:
+            raise ValueError(
+                f"fused_linear: rope's cos and sin must be [M={m}, R/2] with 0 < R <= head_dim={head_dim}, "
+                f"got shapes {cos.shape} and {sin.shape}"
+            )
+    if act is not None and (count != 1 or any(heads) or weights[0].shape[1] % 2):
+        raise ValueError("fused_linear: act takes one gate|up segment of an even width and no head epilogue")
+    h_dtype = x.dtype if norm is None else jnp.result_type(norm.dtype, x.dtype)
+    segments, first = [], 0
+    for w, b, hn, head, rot in zip(weights, biases or [None] * count, head_norms, heads, rotate):
+        pairs = 2 if act is not None else 1
+        n = w.shape[1] // pairs
+        if head:
+            if n % head_dim:
+                raise ValueError(
+                    f"fused_linear: a segment with a head epilogue has N={n}, not whole heads of {head_dim}"
+                )
+            if hn is not None and hn.shape != (head_dim,):
+                raise ValueError(f"fused_linear: a head norm must be [head_dim={head_dim}], got shape {hn.shape}")
+            tile = head_dim
+            pieces = ((0, half), (half, half), (2 * half, head_dim - 2 * half)) if rot else ((0, head_dim),)
+        else:
+            tile = n if tn is None else block(n, tn // pairs)
+            pieces = ((0, tile),)
+        pieces = tuple(p for p in pieces if p[1])
+        cdtype = tiling.compute_dtype(h_dtype, w)
+        out = jnp.dtype(out_dtype or jnp.result_type(h_dtype, w.dtype))
+        segment = Segment(n, pairs, tile, pieces, first, -(-n // tile), hn is not None, rot, b is not None, cdtype, out)
+        segments.append(segment)
+        first += segment.count
+    if residual is not None and (count != 1 or residual.shape != (m, segments[0].n)):
+        raise ValueError(
+            f"fused_linear: a residual goes with one segment and is its output's shape [M, N], "
+            f"got shape {residual.shape} for {count} segments"
+        )
+    return segments
+
+
+def check_normed(normed: bool, norm) -> None:
+    if normed and norm is None:
+        raise ValueError("fused_linear: normed asks for the normed rows, but no norm is given")

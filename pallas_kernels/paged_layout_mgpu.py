@@ -1,0 +1,68 @@
+"""The layouts of the Mosaic GPU paged decode attention (`paged_attention_mgpu`): the pools' width,
+a page's copied rows, the query rows a kv head holds, a split's partials and the SMEM they take.
+
+Mosaic GPU's shapes, and what is padded or masked:
+- a TMA copy moves a multiple of 128 bytes (one per thread of the warpgroup) and lands on SMEM
+  tiles of 8 rows: a page's copy is its page_size rows rounded up to 8 (`page_rows`); the rows
+  after the page (the next kv head's or page's) are masked, and the last page of the pool,
+  which has no rows after it, is read from as many rows earlier and masked before;
+- W (the pool's width) is whole 32-byte swizzle granules: `pool_width` pads Dh (64, 80 or 128
+  in bf16 need none, 24 is read as 32); its zero columns add nothing to q.k, and only Dh
+  columns are returned;
+- a compute block's rows (`pages_per_block * page_rows`) are padded to the register tile's 64
+  (rows never written, masked);
+- the query heads per kv head are padded to whole 128-byte copies (`query_rows`); the padded
+  heads are never computed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+ROWS = 64  # the register tile's rows (the WGMMA layout's): a compute block's positions are padded to it
+TILE_ROWS = 8  # an SMEM tile's rows: each page's copy starts on one
+COPY_BYTES = 128  # a TMA copy's granule: a byte per thread of the warpgroup (Mosaic GPU's lowering)
+GRANULE = 32  # bytes: the least swizzle, so a pool row is whole granules of it
+SMEM_BYTES = 227 * 1024  # an H100 CTA's most shared memory
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def pool_width(dh: int, dtype) -> int:
+    """The pools' head width W for heads of dh: whole 32-byte swizzle granules (zeros after dh)."""
+    return round_up(dh, GRANULE // jnp.dtype(dtype).itemsize)
+
+
+def page_rows(page_size: int) -> int:
+    """The rows a page's copy moves: page_size rounded up to whole SMEM tiles."""
+    return round_up(page_size, TILE_ROWS)
+
+
+def whole_copies(n: int, row_bytes: int) -> int:
+    """The least m >= n for which m rows of row_bytes are whole TMA copies."""
+    return n + (-n) % (COPY_BYTES // math.gcd(COPY_BYTES, row_bytes))
+
+
+def query_rows(groups: int, w: int, dtype) -> int:
+    """Query heads per kv head as the kernel holds them: G padded to whole copies of q (dtype)."""
+    return whole_copies(groups, w * jnp.dtype(dtype).itemsize)
+
+
+def smem_bytes(groups: int, w: int, page_size: int, pages_per_block: int, splits: int, dtype) -> int:
+    """The SMEM the kernel's buffers take (an H100's CTA may hold 227 KB)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    gq = query_rows(groups, w, dtype)
+    block = round_up(pages_per_block * page_rows(page_size), ROWS)
+    kv = 2 * 2 * block * w * itemsize  # k and v, two slots
+    partials = max(splits - 1, 1) * partial_rows(groups, w) * w * 4
+    return kv + gq * w * (itemsize + 4) + partials
+
+
+def partial_rows(groups: int, w: int) -> int:
+    """A split's partial [rows, W] f32: a normalized output row per head, then the heads'
+    log-sum-exps, head h at (groups + h // W, h % W); whole copies."""
+    return whole_copies(groups + -(-groups // w), w * 4)
