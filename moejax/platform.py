@@ -35,8 +35,16 @@ UNROLLED_LAYERS = {"cpu": 16, "gpu": sys.maxsize}
 PREFILL_CHUNK = {"cpu": 1024}
 PREFILL_CHUNK_OTHER = 512
 
-# The grouped-GEMM backend kernel "auto" stands for, by platform (else the plain XLA loop).
-AUTO_KERNEL = {"cpu": "xla", "tpu": "pallas_tpu", "gpu": "pallas_gpu"}
+# The grouped-GEMM kernels "auto" tries, by platform, in order: the first that the kernel registry
+# finds runnable (its backend in this jax, the run's dtype, the experts' format and widths:
+# `pallas_kernels.unavailable`) is the run's, else the plain XLA loop. A GPU's by its compute
+# capability's major version (AUTO_GPU_KERNELS; other GPUs: "gpu"): Mosaic GPU's kernels first,
+# the Triton one (`pallas_gpu`) only where they cannot run (float32 rows: wgmma multiplies them as
+# TF32; an Ampere GPU) and only while this jax still has Pallas's Triton backend (jax 0.11
+# deprecated it). On Blackwell the bf16-rows x 4-bit-weights kernel: the 4-bit x 4-bit one
+# (`blackwell`) quantizes the rows too, a change of the run's numbers a user asks for by name.
+AUTO_KERNELS = {"cpu": (), "tpu": ("pallas_tpu",), "gpu": ("pallas_gpu",)}
+AUTO_GPU_KERNELS = {9: ("mosaic_gpu", "pallas_gpu"), 10: ("blackwell_bf16", "pallas_gpu")}
 
 # The paged-attention kernel "auto" stands for, by platform (else the XLA gather).
 AUTO_ATTENTION_KERNEL = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
@@ -46,8 +54,10 @@ AUTO_ATTENTION_KERNEL = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
 # (`--attention-kernel`).
 GEMM_KERNEL_NEEDS = {
     "pallas_tpu": ("tpu", "a TPU", "kernel interpret runs it interpreted"),
-    "pallas_gpu": ("gpu", "an NVIDIA GPU", ""),
+    "pallas_gpu": ("gpu", "an NVIDIA GPU", "kernel interpret_gpu runs it interpreted"),
+    "mosaic_gpu": ("gpu", "an NVIDIA Hopper (sm_90) GPU", ""),
     "blackwell": ("gpu", "an NVIDIA Blackwell (sm_100) GPU", ""),
+    "blackwell_bf16": ("gpu", "an NVIDIA Blackwell (sm_100) GPU", ""),
 }
 ATTENTION_KERNEL_NEEDS = {
     "pallas_tpu": ("tpu", "a TPU", "plan --target v5e compiles for one"),
@@ -114,8 +124,11 @@ COMPILERS = {"cpu": "XLA:CPU", "gpu": "XLA:GPU", "tpu": "the TPU compiler"}
 # reduce, and the MoE's group bookkeeping some twenty small kernels. Up to DECODE_KERNEL_ROWS rows
 # (a serving batch's decode rows); a prefill chunk's rows go through XLA's GEMMs and the grouped GEMM.
 DECODE_KERNEL_ROWS = 128
-# The grouped-GEMM kernels that come with the fused decode kernels (Triton's; the interpreter's, tests).
-DECODE_KERNELS = ("pallas_gpu", "interpret_gpu")
+# The grouped GEMMs whose runs take the fused decode kernels (Triton kernels, `pallas_gpu`, while this
+# jax has Pallas's Triton backend; else XLA's ops), and the one that takes them interpreted (tests).
+# Not `blackwell`'s: it multiplies 4-bit rows, which a decode step's bf16 picks would not match.
+DECODE_GEMMS = ("pallas_gpu", "mosaic_gpu", "blackwell_bf16")
+DECODE_INTERPRETED = "interpret_gpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +181,7 @@ class Platform:
     """The decisions of a run on one platform (see the tables above for why each is what it is)."""
 
     name: str  # one of PLATFORMS
-    auto_kernel: str  # the grouped GEMM "auto" stands for
+    auto_kernels: tuple[str, ...]  # the grouped GEMMs "auto" tries, in order (on a GPU: `gemm_candidates`)
     auto_attention_kernel: str  # the paged attention "auto" stands for
     # layer_loop "auto" unrolls runs of at most this many layers
     unrolled_layers: int
@@ -200,9 +213,16 @@ class Platform:
     # none (libtpu: its accelerator type, its hosts), before any log setting applies.
     starts_loudly: bool
 
-    def kernel(self, name: str) -> str:
-        """The grouped-GEMM backend kernel `name` stands for ("auto": the platform's)."""
-        return self.auto_kernel if name == "auto" else name
+    def gemm_candidates(self, name: str, device=None) -> tuple[str, ...]:
+        """The grouped GEMMs kernel `name` may stand for on `device` (a GPU's compute capability picks
+        its row of AUTO_GPU_KERNELS), in order: the first the kernel registry finds runnable is the
+        run's (`sharding.placement.gemm_kernel`), else "xla" (the list's last). A name other than
+        "auto" stands for itself."""
+        if name != "auto":
+            return (name,)
+        capability = str(getattr(device, "compute_capability", "") or "")
+        major = int(capability.split(".")[0]) if self.name == "gpu" and capability else None
+        return (*AUTO_GPU_KERNELS.get(major, self.auto_kernels), "xla")
 
     def attention_kernel(self, name: str) -> str:
         """The paged-attention kernel `name` stands for ("auto": the platform's)."""
@@ -272,15 +292,20 @@ class Platform:
         traced.__name__ = traced.__qualname__ = getattr(fn, "func", fn).__name__
         return traced
 
-    def decode_kernels(self, gemm_kernel: str, dtype, device, dense: bool) -> DecodeKernels:
+    def decode_kernels(self, gemm_kernel: str, dtype, device, dense: bool, triton: bool) -> DecodeKernels:
         """The decode kernels of a run whose grouped GEMM is `gemm_kernel`, in `dtype`, on `device` (its
         first device: kind and cores pick the tiles); `dense`: whether its layers' dense weights lie
-        whole on the one device (the fused kernels are one device's programs)."""
-        if gemm_kernel not in DECODE_KERNELS:
+        whole on the one device (the fused kernels are one device's programs); `triton`: whether
+        this jax has Pallas's Triton backend, which the fused kernels are written for."""
+        if gemm_kernel == DECODE_INTERPRETED:
+            kernel = DECODE_INTERPRETED
+        elif gemm_kernel in DECODE_GEMMS and triton:
+            kernel = "pallas_gpu"
+        else:
             return XLA
         cores = getattr(device, "core_count", 0) or 0
         precision = self.matmul_precision(dtype)
-        return DecodeKernels(gemm_kernel, DECODE_KERNEL_ROWS, precision, (device.device_kind, cores), dense)
+        return DecodeKernels(kernel, DECODE_KERNEL_ROWS, precision, (device.device_kind, cores), dense)
 
     def kv_cache_bytes(self, devices: list) -> int:
         """The page pool's default bytes over `devices` where the platform sizes it by memory
@@ -301,7 +326,7 @@ class Platform:
 def _record(name: str) -> Platform:
     return Platform(
         name=name,
-        auto_kernel=AUTO_KERNEL.get(name, "xla"),
+        auto_kernels=AUTO_KERNELS[name],
         auto_attention_kernel=AUTO_ATTENTION_KERNEL.get(name, "xla"),
         unrolled_layers=UNROLLED_LAYERS.get(name, 0),
         buffers_apart=name == "cpu",

@@ -20,10 +20,22 @@ EXPERT_FORMATS = ("unquantized", "nvfp4", "mxfp4")
 QUANTIZED_FORMATS = EXPERT_FORMATS[1:]
 # What `calc` and `analyze` count a full-size model's expert bytes in (no run dtype there).
 STORAGE_FORMATS = ("bf16", *QUANTIZED_FORMATS)
-# Grouped-GEMM backends: "auto" picks by platform; "interpret" runs the TPU kernel in Pallas'
-# interpreter on any platform, "interpret_gpu" the GPU one; "blackwell" needs an sm_100 GPU and
-# 4-bit experts.
-KERNELS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "blackwell", "interpret", "interpret_gpu")
+# Grouped-GEMM backends: "auto" picks by platform (and a GPU's architecture: `moejax.platform`);
+# "pallas_gpu" is the Triton kernel (any NVIDIA GPU, while jax has Pallas's Triton backend),
+# "mosaic_gpu" the Mosaic GPU one for Hopper (sm_90, bf16 rows); "blackwell" (4-bit rows) and
+# "blackwell_bf16" (bf16 rows) multiply 4-bit experts on an sm_100 GPU; "interpret" runs the TPU
+# kernel in Pallas' interpreter on any platform, "interpret_gpu" the Triton one.
+KERNELS = (
+    "auto",
+    "xla",
+    "pallas_tpu",
+    "pallas_gpu",
+    "mosaic_gpu",
+    "blackwell",
+    "blackwell_bf16",
+    "interpret",
+    "interpret_gpu",
+)
 # Paged-attention kernels (`--attention-kernel`): "auto" picks by platform (`moejax.platform`);
 # JAX's ragged paged attention (Mosaic TPU) and paged attention (Triton); "interpret_gpu" runs the
 # Triton one in Pallas' interpreter on any platform. Only GQA without sinks or windows uses them.

@@ -10,7 +10,15 @@ from pallas_kernels.formats import (
     quantize_rows,
     values_nbytes,
 )
-from pallas_kernels.registry import for_kernel, grouped_gemm, pick_gemm, run_weights, unavailable, width_refusal
+from pallas_kernels.registry import (
+    for_kernel,
+    grouped_gemm,
+    pick_gemm,
+    run_weights,
+    shape_refusal,
+    triton_refusal,
+    unavailable,
+)
 
 __all__ = [
     "FORMATS",
@@ -18,6 +26,8 @@ __all__ = [
     "dequantize",
     "for_kernel",
     "grouped_gemm",
+    "shape_refusal",
+    "triton_refusal",
     "unavailable",
     "nbytes",
     "pick_gemm",
@@ -26,5 +36,4 @@ __all__ = [
     "quantize_rows",
     "run_weights",
     "values_nbytes",
-    "width_refusal",
 ]

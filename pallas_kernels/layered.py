@@ -60,7 +60,16 @@ class Groups:
 
 # The grouped-GEMM kernels that read a group straight out of a layer stack (a `LayerOf`), and
 # those that take a layer's experts a buffer per group (`Groups`).
-READS_STACK = ("xla", "pallas_gpu", "interpret_gpu", "pallas_tpu", "interpret", "blackwell")
+READS_STACK = (
+    "xla",
+    "pallas_gpu",
+    "interpret_gpu",
+    "mosaic_gpu",
+    "pallas_tpu",
+    "interpret",
+    "blackwell",
+    "blackwell_bf16",
+)
 READS_GROUPS = ("xla",)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 
 import chex
 import jax
@@ -20,8 +21,10 @@ from pallas_kernels import epilogue, formats, layered
 _IMPLS = {
     "xla": ("gmm_xla", {}, ("gemm_rows", "precision")),
     "pallas_tpu": ("gmm_pallas_tpu", {}, ("precision",)),
-    "pallas_gpu": ("gmm_pallas_gpu", {}, ("precision",)),
+    "pallas_gpu": ("gmm_pallas_gpu", {}, ("precision",)),  # Triton
+    "mosaic_gpu": ("gmm_mosaic_gpu", {}, ()),  # Hopper: bf16 rows (wgmma)
     "blackwell": ("gmm_blackwell", {}, ()),  # 4-bit rows x 4-bit weights on sm_100
+    "blackwell_bf16": ("gmm_blackwell_bf16", {}, ()),  # bf16 rows x 4-bit weights on sm_100
     "interpret": ("gmm_pallas_tpu", {"interpret": True}, ("precision",)),
     "interpret_gpu": ("gmm_pallas_gpu", {"interpret": True}, ("precision",)),
 }
@@ -29,22 +32,65 @@ if set(KERNELS) != {"auto", *_IMPLS}:
     raise ImportError("moejax.vocab.KERNELS and the kernel implementations differ")
 
 
-def unavailable(name: str, expert_format: str) -> str | None:
-    """Why kernel `name` cannot run with these experts on this machine (on its platform:
-    `moejax.platform.Platform.refusal`), or None if it can."""
-    if name == "blackwell":
-        if expert_format not in formats.FORMATS:
-            return f"multiplies 4-bit rows by 4-bit experts; choose expert format {' or '.join(formats.FORMATS)}"
-        if not is_blackwell():
-            return "needs an NVIDIA Blackwell (sm_100) GPU; this GPU is not one"
+# The GPU architecture (compute capability's major version) each Mosaic GPU kernel is written for:
+# wgmma is Hopper's (sm_90a), tcgen05 Blackwell's (sm_100a); neither runs on the other.
+ARCHITECTURE = {"mosaic_gpu": (9, "Hopper (sm_90)"), "blackwell": (10, "Blackwell (sm_100)")}
+ARCHITECTURE["blackwell_bf16"] = ARCHITECTURE["blackwell"]
+# The kernels written for Pallas's Triton backend, which jax 0.11 deprecated: a jax without it has none.
+TRITON = ("pallas_gpu", "interpret_gpu")
+
+
+def unavailable(name: str, expert_format: str, dtype="bfloat16", device=None) -> str | None:
+    """Why kernel `name` cannot multiply these experts here, or None if it can: this jax's Pallas
+    backends, the run's `dtype` (rows), the experts' format, and `device`'s GPU architecture (a
+    compile target's device, or this machine's; one without a compute capability: not checked).
+    Which platform a kernel runs on is `moejax.platform.Platform.refusal`'s."""
+    if name in TRITON:
+        return triton_refusal()
+    quantized = expert_format in formats.FORMATS
+    if name == "mosaic_gpu":
+        reason = _load("gmm_mosaic_gpu", "refusal")(dtype)
+    elif name == "blackwell" and not quantized:
+        reason = f"multiplies 4-bit rows by 4-bit experts; choose expert format {' or '.join(formats.FORMATS)}"
+    elif name == "blackwell_bf16" and not (quantized and jnp.dtype(dtype) == jnp.bfloat16):
+        reason = f"multiplies bfloat16 rows by 4-bit experts (expert format {' or '.join(formats.FORMATS)})"
+    else:
+        reason = None
+    return reason or _architecture_refusal(name, device)
+
+
+def _architecture_refusal(name: str, device) -> str | None:
+    if name not in ARCHITECTURE:
+        return None
+    major, what = ARCHITECTURE[name]
+    capability = str(getattr(device or jax.devices()[0], "compute_capability", "") or "")
+    if capability and int(capability.split(".")[0]) != major:
+        return f"needs an NVIDIA {what} GPU; this one is sm_{capability.replace('.', '')}"
     return None
 
 
-def width_refusal(name: str, widths: list[int], expert_format: str) -> str | None:
-    """Why kernel `name` cannot multiply experts whose per-device K are `widths`, or None."""
-    if name != "pallas_tpu" or expert_format not in formats.FORMATS:
+@functools.cache
+def triton_refusal() -> str | None:
+    """Why this jax cannot run Pallas's Triton kernels (None: it can): it has no Triton backend.
+    Probed without importing it (an import of a deprecated backend may warn)."""
+    try:
+        found = importlib.util.find_spec("jax.experimental.pallas.triton") is not None
+    except ImportError:
+        found = False
+    if found:
         return None
-    return _load("gmm_pallas_tpu", "width_refusal")(widths)
+    return f"this jax ({jax.__version__}) has no Pallas Triton backend; mosaic_gpu, blackwell_bf16 or xla run on GPUs"
+
+
+def shape_refusal(name: str, shapes: list[tuple[int, int, bool]], expert_format: str) -> str | None:
+    """Why kernel `name` cannot multiply experts whose per-device (K, N, gated) are `shapes`, or None."""
+    quantized = expert_format in formats.FORMATS
+    if name == "pallas_tpu" and quantized:
+        return _load("gmm_pallas_tpu", "width_refusal")(sorted({k for k, _, _ in shapes}))
+    if name == "blackwell_bf16":
+        refusals = (_load("gmm_blackwell_bf16", "shape_refusal")(k, n, gated) for k, n, gated in shapes)
+        return next((r for r in refusals if r), None)
+    return None
 
 
 def run_weights(w, expert_format: str, k_slices: int = 1, kernel: str = "auto", gated: bool = False):
@@ -67,9 +113,9 @@ def for_kernel(q: formats.QuantizedArray, kernel: str):
     return prepare(q)
 
 
-def is_blackwell() -> bool:
-    """Whether the default device is an sm_100 GPU (B200 / B300)."""
-    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("10.")
+def is_blackwell(device=None) -> bool:
+    """Whether `device` (default: this machine's first) is an sm_100 GPU (B200 / B300)."""
+    return str(getattr(device or jax.devices()[0], "compute_capability", "")).startswith("10.")
 
 
 def _load(module: str, name: str):

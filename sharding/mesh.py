@@ -48,10 +48,11 @@ class MeshPlacement(Placement, abc.ABC):
 
     def __init__(self, config: Config, mesh: Mesh | None = None, platform: Platform | None = None):
         layout = config.layout
-        self.ep, self.tp = self.mesh_shape(layout)  # before the base's: the kernel tiles a device's widths
+        # Before the base's: the kernel is chosen for a device's widths, on the mesh's first device.
+        self.ep, self.tp = self.mesh_shape(layout)
+        self.mesh = mesh or make_mesh((self.ep, self.tp))
         super().__init__(config, platform)
         rules.check_model(config.model, self.ep, self.tp, config.weights.expert_format)
-        self.mesh = mesh or make_mesh((self.ep, self.tp))
         self.table = rules.rules(layout)
         self.sizes = dict(self.mesh.shape)
         if layout.redundant_experts % self.ep:

@@ -23,7 +23,7 @@ from moejax.model import paged
 from moejax.model.attention import cache_specs
 from moejax.model.layer_loop import layer_loops
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_specs
-from moejax.platform import DecodeKernels, Platform, resolve
+from moejax.platform import GEMM_KERNEL_NEEDS, DecodeKernels, Platform, resolve
 from pallas_kernels import layered
 from sharding import accounting, rules, slots
 from sharding.experts import moe_local
@@ -50,7 +50,7 @@ class Placement:
         # The decisions of the platform the programs are built for: this machine's, or another
         # one a program is compiled for (`moejax plan --target`); the kernel "auto" stands for, ...
         self.platform = platform or resolve()
-        self.kernel = gemm_kernel(config, self.platform, self.tp)
+        self.kernel = gemm_kernel(config, self.platform, self.tp, self.first_device)
         self.attention_kernel = paged_kernel(config, self.platform)
         # How each run of layers executes there (a scan, or unrolled): the engine arranges its
         # parameters by these, and the decoder runs them so (`moejax/model/layer_loop.py`).
@@ -73,7 +73,8 @@ class Placement:
         (`moejax/model/projections.py`, `sharding/experts.py`), a layer's dense products among them
         on one device."""
         dtype = self.platform.run_dtype(self.config.engine.dtype)
-        return self.platform.decode_kernels(self.kernel, dtype, self.first_device, dense=self.devices == 1)
+        triton = pallas_kernels.triton_refusal() is None
+        return self.platform.decode_kernels(self.kernel, dtype, self.first_device, self.devices == 1, triton)
 
     @property
     def first_device(self):
@@ -247,22 +248,36 @@ def k_slices(spec: ParamSpec, tp: int) -> int:
     return tp if spec.axes[-2:-1] == ("expert_mlp",) else 1
 
 
-def gemm_kernel(config: Config, platform: Platform, tp: int) -> str:
-    """The grouped GEMM of `config.kernel` on `platform` with the experts' K-slices of `tp` devices.
-    "auto" takes the XLA path where the platform's kernel cannot tile a device's expert widths; a
-    kernel named for widths it cannot tile is refused with the reason."""
-    name = platform.kernel(config.kernel)
-    widths = sorted(
+def gemm_kernel(config: Config, platform: Platform, tp: int, device=None) -> str:
+    """The grouped GEMM of `config.kernel` on `platform`'s `device` (a compile target's, or this
+    machine's first) with the experts' per-device widths on `tp` devices: "auto" takes the first of
+    the platform's candidates the kernel registry finds runnable (this jax's backends, the run's
+    dtype, the experts' format and widths, the GPU's architecture), else the XLA path; a kernel
+    named for what it cannot run is refused with the reason."""
+    dtype = platform.run_dtype(config.engine.dtype)
+    fmt = config.weights.expert_format
+    for name in platform.gemm_candidates(config.kernel, device):
+        refusal = platform.refusal(name, GEMM_KERNEL_NEEDS) or pallas_kernels.unavailable(name, fmt, dtype, device)
+        if refusal is None and (refusal := pallas_kernels.shape_refusal(name, expert_shapes(config.model, tp), fmt)):
+            refusal += "; these experts multiply through XLA (--kernel xla or auto)"
+        if refusal is None:
+            return name
+        if config.kernel != "auto":
+            raise ConfigError(f"kernel {name}: {refusal}")
+    return "xla"
+
+
+def expert_shapes(model, tp: int) -> list[tuple[int, int, bool]]:
+    """(K, N, gated) of each expert matrix a device multiplies by with `tp`-way tensor slicing (the
+    experts' hidden axis sliced: K of a down stack, N of a gate|up one)."""
+    specs = jax.tree.leaves(param_specs(model), is_leaf=lambda x: isinstance(x, ParamSpec))
+    return sorted(
         {
-            spec.shape[-2] // k_slices(spec, tp)
-            for spec in jax.tree.leaves(param_specs(config.model), is_leaf=lambda x: isinstance(x, ParamSpec))
-            if is_expert_matrix(spec)
+            (s.shape[-2] // k_slices(s, tp), s.shape[-1] // (tp if s.axes[-1] == "expert_mlp" else 1), s.gated)
+            for s in specs
+            if is_expert_matrix(s)
         }
     )
-    refusal = pallas_kernels.width_refusal(name, widths, config.weights.expert_format)
-    if refusal and config.kernel != "auto":
-        raise ConfigError(f"kernel {name}: {refusal}; these experts multiply through XLA (--kernel xla or auto)")
-    return "xla" if refusal else name
 
 
 def paged_kernel(config: Config, platform: Platform) -> str:

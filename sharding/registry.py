@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import pallas_kernels
 from moejax.config import Config, ConfigError
-from moejax.platform import ATTENTION_KERNEL_NEEDS, GEMM_KERNEL_NEEDS, Platform, resolve
+from moejax.platform import ATTENTION_KERNEL_NEEDS, Platform, resolve
 from sharding import rules
 from sharding.expert_sharded import ExpertSharded
 from sharding.hybrid import Hybrid
@@ -46,13 +45,9 @@ def with_placement(config: Config, name: str, devices: int, ep: int = 0, tp: int
     return dataclasses.replace(config, layout=layout).validate()
 
 
-def check_kernel(config: Config, platform: Platform) -> None:
-    """The kernels can run on `platform`, the grouped GEMM with these experts; one clear line otherwise."""
-    reason = platform.refusal(config.kernel, GEMM_KERNEL_NEEDS) or pallas_kernels.unavailable(
-        config.kernel, config.weights.expert_format
-    )
-    if reason:
-        raise ConfigError(f"kernel {config.kernel}: {reason}")
+def check_attention_kernel(config: Config, platform: Platform) -> None:
+    """The paged attention can run on `platform`; one clear line otherwise (the grouped GEMM's
+    refusals are `sharding.placement.gemm_kernel`'s)."""
     reason = platform.refusal(platform.attention_kernel(config.attention_kernel), ATTENTION_KERNEL_NEEDS)
     if reason:
         raise ConfigError(f"attention kernel {config.attention_kernel}: {reason}")
@@ -69,7 +64,7 @@ def make_placement(config: Config, platform: Platform | None = None, devices: li
         )
     cls = placement_class(config.layout.placement)
     platform = platform or resolve()
-    check_kernel(config, platform)
+    check_attention_kernel(config, platform)
     rules.check_expert_widths(config.model, config.weights.expert_format)
     if devices is not None:
         return cls(config, make_mesh(cls.mesh_shape(config.layout), devices), platform=platform)

@@ -11,11 +11,13 @@ and an XLA abort (a failed check ends the process, no Python error) costs one ca
 from __future__ import annotations
 
 import dataclasses
+import importlib.abc
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,9 +35,12 @@ ODD_MLA = (
     ("q_lora_rank", 40),
 )
 TILEABLE = (("hidden_size", 512), ("moe_intermediate_size", 2048))  # tensor-sliced on 8: K 256
-# Custom-call targets of Pallas kernels in an optimized HLO: Mosaic TPU's, Triton's; and the names
-# JAX's paged-attention kernels have in them (TPU's ragged paged attention, the Triton one).
-PALLAS_CALLS = ("tpu_custom_call", "__gpu$xla.gpu.triton")
+# Custom-call targets of Pallas kernels in an optimized HLO: Mosaic TPU's, Triton's, Mosaic GPU's;
+# and the names JAX's paged-attention kernels have in them (TPU's ragged paged attention, the Triton one).
+PALLAS_CALLS = ("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu")
+# The modules of Pallas's Triton backend (jax 0.11 deprecated it): a worker asked to compile as a jax
+# without it finds none of them (`_without_triton`), so jax lowers GPU kernels with Mosaic GPU or not at all.
+TRITON_MODULES = ("jax._src.pallas.triton", "jax.experimental.pallas.triton")
 PAGED_KERNELS = ("ragged_paged_attention_kernel", "paged_attention_block_h")
 
 
@@ -52,15 +57,25 @@ class Case:
     expert_format: str = "unquantized"
     page_size: int = 0  # a paged cache of this page size (0: contiguous)
     programs: tuple = ("decode", "decode block", "prefill")
+    triton: bool = True  # False: compiled as by a jax without Pallas's Triton backend
 
     @property
     def id(self) -> str:
         widths = f"-d{self.widths[0][1]}" if self.widths else ""
         pages = f"-pages{self.page_size}" if self.page_size else ""
+        triton = "" if self.triton else "-notriton"
         return (
             f"{self.model}{widths}-{self.target}x{self.devices}-{self.placement}-{self.dtype}-{self.kernel}-"
-            f"{self.expert_format}{pages}"
+            f"{self.expert_format}{pages}{triton}"
         )
+
+    @property
+    def process(self) -> tuple:
+        """The cases one worker process may compile together: one GPU architecture (ptxas assembles
+        a process's Mosaic GPU kernels for the first it met) and one jax (with or without Triton)."""
+        from moejax import targets
+
+        return targets.target(self.target).capability, self.triton
 
 
 def model_config(case: Case):
@@ -104,16 +119,28 @@ def compile_case(case: Case) -> dict:
         devices=list(targets.devices(t.name, case.devices)),
         page_size=case.page_size,
     )
-    out = {"kernel": placement.kernel, "attention_kernel": placement.attention_kernel, "programs": {}}
+    out = {
+        "kernel": placement.kernel,
+        "attention_kernel": placement.attention_kernel,
+        "decode_kernels": placement.decode.kernel,
+        "programs": {},
+    }
     for name in case.programs:
         jitted, args = progs[name]
-        compiled, seconds, error = compile_program(jitted, args, persist=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled, seconds, error = compile_program(jitted, args, persist=False)
         hlo = compiled.as_text() if compiled else ""
         out["programs"][name] = {
             "compiled": compiled is not None,
             "error": error,
             "seconds": round(seconds, 1),
-            "pallas_calls": sorted({c for c in PALLAS_CALLS if f'custom_call_target="{c}"' in hlo}),
+            "deprecations": [
+                f"{w.filename}:{w.lineno}: {w.message}"
+                for w in caught
+                if issubclass(w.category, (DeprecationWarning, FutureWarning))
+            ],
+            "pallas_calls": sorted({c for c in PALLAS_CALLS if f'custom_call_target="{c}' in hlo}),
             "paged_attention": any(name in hlo for name in PAGED_KERNELS),
             "ragged_all_to_all": "ragged-all-to-all(" in hlo or "ragged-all-to-all-start(" in hlo,
         }
@@ -130,13 +157,22 @@ def run_cases(cases: list[Case], workers: int = 2) -> dict[str, dict]:
 
 
 def _run_chunk(cases: list[Case]) -> dict[str, dict]:
+    """The cases of a chunk, in a worker process for each kind of process they need (`Case.process`)."""
+    kinds = {c.process: None for c in cases}
+    return {k: v for kind in kinds for k, v in _run_processes([c for c in cases if c.process == kind]).items()}
+
+
+def _run_processes(cases: list[Case]) -> dict[str, dict]:
     results: dict[str, dict] = {}
     while len(results) < len(cases):
         todo = [c for c in cases if c.id not in results]
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump([dataclasses.asdict(c) for c in todo], f)
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
-        run = subprocess.run([sys.executable, __file__, f.name], capture_output=True, text=True, env=env, cwd=ROOT)
+        flags = [] if cases[0].triton else ["--without-triton"]
+        run = subprocess.run(
+            [sys.executable, __file__, f.name, *flags], capture_output=True, text=True, env=env, cwd=ROOT
+        )
         os.unlink(f.name)
         for line in run.stdout.splitlines():
             if line.startswith("{"):
@@ -149,11 +185,29 @@ def _run_chunk(cases: list[Case]) -> dict[str, dict]:
     return results
 
 
-def main(path: str) -> None:
+class _NoTriton(importlib.abc.MetaPathFinder):
+    """Finds Pallas's Triton backend missing, as a jax without it would."""
+
+    def find_spec(self, name, path=None, target=None):
+        if any(name == m or name.startswith(m + ".") for m in TRITON_MODULES):
+            raise ModuleNotFoundError(f"No module named {name!r} (simulated: a jax without Triton)", name=name)
+        return None
+
+
+def _without_triton() -> None:
+    """This process's jax without Pallas's Triton backend: before jax's first import of it."""
+    if any(m in sys.modules for m in TRITON_MODULES):
+        raise RuntimeError("Pallas's Triton backend is imported already")
+    sys.meta_path.insert(0, _NoTriton())
+
+
+def main(path: str, *flags: str) -> None:
+    if "--without-triton" in flags:
+        _without_triton()
     for raw in json.loads(Path(path).read_text()):
         case = Case(**{**raw, "programs": tuple(raw["programs"]), "widths": tuple(map(tuple, raw["widths"]))})
         print(json.dumps({"id": case.id, "result": compile_case(case)}), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

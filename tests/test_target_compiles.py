@@ -1,9 +1,11 @@
 """The engine's programs compiled by the accelerators' own compilers, on this CPU machine.
 
 Every family (the tiny presets, the goldens' transformers models, and models whose widths are no
-power of two) x decode step and prefill chunk (contiguous cache), paged decode step x bfloat16 and
-float32, with the kernels `auto` picks (and the XLA path's in bf16), compile for an H100 (XLA:GPU
-with its Triton lowering); every placement's decode step and prefill chunk compile for 8 H100s
+power of two) x paged decode step x bfloat16 and float32 (and float32's decode step and prefill
+chunk over a contiguous cache), with the kernels `auto` picks (and the XLA path's in bf16), compile
+for an H100 (XLA:GPU with its Triton and Mosaic GPU lowerings); every family's decode step, decode
+block and prefill chunk compile for an H100 and a B200 as by a jax without Pallas's Triton backend,
+raising no deprecation warning; every placement's decode step and prefill chunk compile for 8 H100s
 and for a v5e slice of 8 chips with the Pallas kernels the target's `auto` picks. The whole matrix
 compiles once, in worker processes running side by side (`target_compiles.py`), so that an XLA
 abort fails its case instead of ending the run.
@@ -34,19 +36,31 @@ MODELS = (
 DTYPES = ("bfloat16", "float32")
 PAGE_SIZE = 16
 
-# The decode step and the prefill chunk over a contiguous cache, the decode step over pages (a decode
-# block is the decode step in a loop: `test_target_structure.py` compiles it); the XLA path's own
-# expert products in bf16 (its float32 dots are the auto path's, and the expert einsums'), without
-# pages (`XLA_ONLY` reads pages through XLA).
+# The decode step and the prefill chunk over a contiguous cache (float32), the decode step over pages
+# (a decode block is the decode step in a loop: `test_target_structure.py` compiles it); the XLA
+# path's own expert products in bf16 (its float32 dots are the auto path's, and the expert einsums'),
+# without pages (`XLA_ONLY` reads pages through XLA).
 FAMILY_CASES = [
     case
     for model, widths in MODELS
     for dtype in DTYPES
     for case in (
-        Case(model, "h100", widths, dtype=dtype, programs=("decode", "prefill")),
+        *([Case(model, "h100", widths, dtype=dtype, programs=("decode", "prefill"))] if dtype == "float32" else []),
         Case(model, "h100", widths, dtype=dtype, page_size=PAGE_SIZE, programs=("decode",)),
         *([Case(model, "h100", widths, kernel="xla", programs=("decode", "prefill"))] if dtype == "bfloat16" else []),
     )
+]
+# Every family's decode step, decode block and prefill chunk over pages, as a jax without Pallas's
+# Triton backend compiles them (jax 0.11 deprecated it) for a Hopper and a Blackwell GPU with `auto`;
+# and 4-bit experts wide enough for the Blackwell bf16 x 4-bit kernel.
+GPU_ARCHITECTURES = {"h100": "mosaic_gpu", "b200": "blackwell_bf16"}
+WITHOUT_TRITON = [
+    Case(model, target, widths, page_size=PAGE_SIZE, triton=False)
+    for model, widths in MODELS
+    for target in GPU_ARCHITECTURES
+] + [
+    Case("tiny-qwen3-moe", target, TILEABLE, expert_format="nvfp4", page_size=PAGE_SIZE, triton=False)
+    for target in GPU_ARCHITECTURES
 ]
 # 4-bit experts on widths the TPU grouped GEMM tiles; pages, for the paged-attention kernels.
 TARGET_DEVICES = {"h100": 8, "v5e": 8}
@@ -64,8 +78,9 @@ PLACEMENT_CASES = [
     for target, n in TARGET_DEVICES.items()
     for name in names()
 ]
-# The Pallas custom call each target's grouped GEMM is (`auto` picks pallas_gpu, pallas_tpu).
-KERNEL_CALL = {"h100": "__gpu$xla.gpu.triton", "v5e": "tpu_custom_call"}
+# The grouped GEMM `auto` picks for each target's 4-bit experts in bf16, and its Pallas custom call.
+KERNEL = {"h100": "mosaic_gpu", "v5e": "pallas_tpu"}
+KERNEL_CALL = {"h100": "mosaic_gpu", "v5e": "tpu_custom_call"}
 # 4-bit experts sliced narrower than the TPU grouped GEMM tiles (K 64 a device): `auto` multiplies
 # them through XLA (Mosaic refused the program: GLM-5.3 tensor-sliced over 32 v6e chips).
 NARROW = Case(
@@ -84,7 +99,7 @@ XLA_ONLY = Case(
 
 @pytest.fixture(scope="session")
 def compiled() -> dict[str, dict]:
-    return run_cases(FAMILY_CASES + PLACEMENT_CASES + [NARROW, XLA_ONLY])
+    return run_cases(FAMILY_CASES + WITHOUT_TRITON + PLACEMENT_CASES + [NARROW, XLA_ONLY])
 
 
 def _programs(result: dict) -> dict:
@@ -104,13 +119,27 @@ def test_every_family_compiles_for_an_h100(compiled, case):
 def test_every_placement_compiles_for_a_target_with_its_kernels(compiled, case):
     result = compiled[case.id]
     programs = _programs(result)
-    assert result["kernel"] == {"h100": "pallas_gpu", "v5e": "pallas_tpu"}[case.target]
+    assert result["kernel"] == KERNEL[case.target]
     for name, program in programs.items():
         assert KERNEL_CALL[case.target] in program["pallas_calls"], name
     # The pages' attention kernel: the decode step reads them through JAX's kernel where auto picks one.
     assert programs["decode"]["paged_attention"] == (result["attention_kernel"] != "xla")
     if case.placement == "ragged_a2a":  # the exchange is the target's own ragged all-to-all
         assert all(p["ragged_all_to_all"] for p in programs.values())
+
+
+@pytest.mark.parametrize("case", WITHOUT_TRITON, ids=lambda c: c.id)
+def test_every_family_compiles_for_hopper_and_blackwell_without_triton(compiled, case):
+    result = compiled[case.id]
+    programs = _programs(result)
+    assert set(programs) == set(case.programs)
+    assert result["decode_kernels"] == "xla"  # the fused decode kernels are Triton's
+    for name, program in programs.items():
+        assert "__gpu$xla.gpu.triton" not in program["pallas_calls"], name
+        assert program["deprecations"] == [], name
+    if case.expert_format == "nvfp4":  # `auto` picks the architecture's Mosaic GPU kernel
+        assert result["kernel"] == GPU_ARCHITECTURES[case.target]
+        assert all("mosaic_gpu" in p["pallas_calls"] for p in programs.values())
 
 
 def test_the_xla_path_compiles_no_pallas_kernel(compiled):

@@ -4,6 +4,7 @@ implement the names read the same tuple; each placement name lives in one module
 from __future__ import annotations
 
 import re
+import types
 from pathlib import Path
 
 import numpy as np
@@ -46,10 +47,12 @@ def test_cli_choices_are_the_vocabulary(flag, expected):
 
 @pytest.mark.parametrize("name", vocab.KERNELS)
 def test_every_kernel_name_is_a_backend_function_on_every_platform(name):
-    """Each --kernel word ("auto" on each platform it knows) names a function of pallas_kernels."""
+    """Each --kernel word ("auto" on each platform and GPU architecture it knows) names functions of pallas_kernels."""
+    gpus = [types.SimpleNamespace(compute_capability=f"{major}.0") for major in platform.AUTO_GPU_KERNELS]
     for target in platform.PLATFORMS:
-        backend = platform.resolve(target).kernel(name)
-        assert backend != "auto" and callable(kernel_registry._backend_fn(backend))
+        for device in [None, *gpus]:
+            backends = platform.resolve(target).gemm_candidates(name, device)
+            assert "auto" not in backends and all(callable(kernel_registry._backend_fn(b)) for b in backends)
 
 
 @pytest.mark.parametrize(

@@ -178,6 +178,7 @@ def measure_compute(config: Config, rows: int, width: int, held: int, seed: int 
 
     import pallas_kernels
     from sharding.experts import moe_local
+    from sharding.placement import gemm_kernel
 
     here = platform.resolve()
     c, dtype = config.model, jnp.dtype(here.run_dtype(config.engine.dtype))
@@ -190,7 +191,7 @@ def measure_compute(config: Config, rows: int, width: int, held: int, seed: int 
         w[name] = pallas_kernels.quantize(a, fmt, axis=-2) if fmt in pallas_kernels.FORMATS else a.astype(dtype)
     x = jnp.asarray(rng.normal(size=(rows, c.hidden_size)), dtype)
     k = c.num_experts_per_tok
-    kernel = here.kernel(config.kernel)
+    kernel = gemm_kernel(config, here, 1)
     fn = _repeated(
         lambda x, ids, wts, w: moe_local(x, ids, wts, w, kernel=kernel, platform=here, num_groups=c.num_experts)
     )

@@ -1,0 +1,96 @@
+"""Which grouped GEMM a run's `auto` stands for: by platform, GPU architecture, run dtype, expert
+format and widths, and this jax's Pallas backends (a jax without Triton: jax 0.11 deprecated it);
+and a kernel named for what it cannot run, refused in one line. On compile-only devices."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import pallas_kernels
+from moejax import targets
+from moejax.config import Config, ConfigError, EngineConfig, LayoutConfig, WeightsConfig, preset
+from moejax.platform import resolve
+from sharding import make_placement
+
+GPU = resolve("cuda")
+WIDE = {"hidden_size": 512, "moe_intermediate_size": 256}  # the Blackwell bf16 x 4-bit kernel's least tiles
+
+
+def _placement(target: str, *, dtype="bfloat16", fmt="unquantized", kernel="auto", wide=True):
+    model = preset("tiny-qwen3-moe")
+    model = dataclasses.replace(model, **WIDE) if wide else model
+    config = Config(
+        model=model,
+        layout=LayoutConfig(devices=1),
+        weights=WeightsConfig(fmt),
+        engine=EngineConfig(dtype=dtype),
+        kernel=kernel,
+    ).validate()
+    return make_placement(config, platform=GPU, devices=list(targets.devices(target, 1)))
+
+
+@pytest.fixture
+def without_triton(monkeypatch):
+    reason = "this jax (simulated) has no Pallas Triton backend"
+    monkeypatch.setattr(pallas_kernels.registry, "triton_refusal", lambda: reason)
+    monkeypatch.setattr(pallas_kernels, "triton_refusal", lambda: reason)
+
+
+@pytest.mark.parametrize(
+    "target, dtype, fmt, wide, kernel",
+    [
+        ("h100", "bfloat16", "unquantized", True, "mosaic_gpu"),
+        ("h100", "bfloat16", "nvfp4", False, "mosaic_gpu"),  # any width: padded
+        ("h100", "float32", "unquantized", True, "pallas_gpu"),  # wgmma would multiply float32 as TF32
+        ("b200", "bfloat16", "mxfp4", True, "blackwell_bf16"),
+        ("b200", "bfloat16", "nvfp4", False, "pallas_gpu"),  # narrower than the kernel's tiles
+        ("b200", "bfloat16", "unquantized", True, "pallas_gpu"),  # its kernels multiply 4-bit experts
+    ],
+)
+def test_auto_picks_the_architectures_mosaic_kernel_where_it_can_run(target, dtype, fmt, wide, kernel):
+    placement = _placement(target, dtype=dtype, fmt=fmt, wide=wide)
+    assert placement.kernel == kernel
+    assert placement.decode.kernel == "pallas_gpu"  # the fused decode kernels, Triton's
+
+
+@pytest.mark.parametrize(
+    "target, dtype, fmt, kernel",
+    [
+        ("h100", "bfloat16", "nvfp4", "mosaic_gpu"),
+        ("h100", "float32", "unquantized", "xla"),
+        ("b200", "bfloat16", "nvfp4", "blackwell_bf16"),
+        ("b200", "bfloat16", "unquantized", "xla"),
+    ],
+)
+def test_without_triton_auto_never_picks_a_triton_kernel(without_triton, target, dtype, fmt, kernel):
+    placement = _placement(target, dtype=dtype, fmt=fmt)
+    assert placement.kernel == kernel and placement.decode.kernel == "xla"
+
+
+@pytest.mark.parametrize(
+    "target, kernel, fmt, match",
+    [
+        (
+            "b200",
+            "mosaic_gpu",
+            "unquantized",
+            r"kernel mosaic_gpu: needs an NVIDIA Hopper \(sm_90\) GPU; this one is sm_100",
+        ),
+        ("h100", "blackwell_bf16", "nvfp4", r"kernel blackwell_bf16: needs an NVIDIA Blackwell \(sm_100\) GPU"),
+        ("b200", "blackwell_bf16", "unquantized", "kernel blackwell_bf16: multiplies bfloat16 rows by 4-bit experts"),
+    ],
+)
+def test_a_kernel_named_for_another_architecture_or_format_is_refused(target, kernel, fmt, match):
+    with pytest.raises(ConfigError, match=match):
+        _placement(target, fmt=fmt, kernel=kernel)
+
+
+def test_without_triton_the_triton_kernel_named_is_refused(without_triton):
+    with pytest.raises(ConfigError, match="kernel pallas_gpu: this jax .* has no Pallas Triton backend"):
+        _placement("h100", kernel="pallas_gpu")
+
+
+def test_this_jax_has_the_triton_backend_it_is_pinned_with():
+    assert pallas_kernels.triton_refusal() is None
