@@ -167,12 +167,13 @@ class Placement:
         """Activation sharding by logical axis names (no-op without a mesh)."""
         return x
 
-    def on_pages(self, fn, q, k, v, positions, pages, pool: dict):
-        """fn(first_page, q, k, v, positions, pages, pool) -> (out, pool) run on each device's own
-        requests, heads and pages (a Pallas kernel is one device's program): q [B, T, H, Dh],
+    def on_pages(self, fn, q, k, v, positions, pages, pool: dict, sinks=None):
+        """fn(first_page, q, k, v, positions, pages, pool, sinks) -> (out, pool) run on each device's
+        own requests, heads and pages (a Pallas kernel is one device's program): q [B, T, H, Dh],
         k, v [B, T, H_kv, Dh], positions [B, T], pages: `paged.LayerPages` (tables [B, P] of global
-        page ids) into the run's pools [layers, pages, ...]; first_page: the first page this device holds."""
-        return fn(jnp.int32(0), q, k, v, positions, pages, pool)
+        page ids) into the run's pools [layers, pages, ...], sinks: [H] per-head logits (sliced as
+        q's heads) or None; first_page: the first page this device holds."""
+        return fn(jnp.int32(0), q, k, v, positions, pages, pool, sinks)
 
     def store_pages(self, pool: jax.Array, new, positions, pages, seq_axis: int, view: bool = True):
         """`paged.store` on each device's own pages of one pool entry ([pages, ...], or a run's
@@ -271,7 +272,7 @@ def paged_kernel(config: Config, platform: Platform) -> str:
     requests hold the rank's own pages, which its kernel reads); a kernel named for a model it
     cannot read is refused with the reason."""
     name = platform.attention_kernel(config.attention_kernel)
-    refusal = None if name == "xla" else paged.kernel_refusal(config.model)
+    refusal = None if name == "xla" else paged.kernel_refusal(config.model, name)
     if refusal and config.attention_kernel != "auto":
         raise ConfigError(
             f"attention kernel {name}: {refusal}; this model reads its pages through XLA "
