@@ -34,9 +34,10 @@ ODD_MLA = (
 )
 TILEABLE = (("hidden_size", 512), ("moe_intermediate_size", 2048))  # tensor-sliced on 8: K 256
 # Custom-call targets of Pallas kernels in an optimized HLO: Mosaic TPU's, Triton's; and the names
-# JAX's paged-attention kernels have in them (TPU's ragged paged attention, the Triton one).
+# the paged-attention kernels have in it: JAX's ragged paged attention (TPU) in its call, and our
+# Mosaic GPU one in its call's op_name (".../paged_attention_mgpu/mpmd_map": its kernel name).
 PALLAS_CALLS = ("tpu_custom_call", "__gpu$xla.gpu.triton")
-PAGED_KERNELS = ("ragged_paged_attention_kernel", "paged_attention_block_h")
+PAGED_KERNELS = ("ragged_paged_attention_kernel", "/paged_attention_mgpu/")
 
 
 @dataclasses.dataclass(frozen=True)

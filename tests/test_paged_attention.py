@@ -17,7 +17,8 @@ import pytest
 from compile_only import on_h100
 from jax.experimental.pallas.ops.tpu import ragged_paged_attention as tpu_module
 
-from moejax.config import Config, ConfigError, EngineConfig, preset
+from moejax import targets
+from moejax.config import Config, ConfigError, EngineConfig, LayoutConfig, preset
 from moejax.engine.engine import Engine
 from moejax.engine.kv_cache import init_pool
 from moejax.loading import load_params
@@ -176,6 +177,30 @@ def test_tpu_kernel_adapter_equals_the_xla_path(t, monkeypatch):
     (got, got_pool), (want, want_pool) = kernel("pallas_tpu", t), xla(t)
     assert_close(got, want)
     assert_close(got_pool["kv"], interleaved(want_pool, "pallas_tpu")["kv"])
+
+
+def test_tp_attention_slices_the_sinks_as_the_heads_on_h100s():
+    """Under TP attention each device attends its kv head's query heads over its slice of the
+    pools: the kernel a device runs gets those heads' sinks, [1 kv head, 2 query heads]."""
+    layout = LayoutConfig(placement="tensor_sliced", devices=2, attention="tp")
+    config = Config(model=GPT_OSS, layout=layout, attention_kernel="pallas_gpu").validate()
+    placement = make_placement(config, platform=resolve("cuda"), devices=list(targets.devices("h100", 2)))
+    replicated = jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec())
+    on = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+    c, b = GPT_OSS, 4
+    pool = jax.eval_shape(lambda: init_pool(c, PAGES, 16, jnp.bfloat16, "pallas_gpu", PAGES))[0]
+    pool = {paged.base(name): on(a.shape) for name, a in pool.items() if paged.in_window(name)}
+    attend = functools.partial(paged.store_and_attend, "pallas_gpu", c.softmax_scale, c.sliding_window)
+    step = jax.jit(
+        lambda q, k, v, positions, table, pool, sinks: placement.on_pages(
+            attend, q, k, v, positions, paged.LayerPages(table, 0), pool, sinks
+        )
+    )
+    q, k, v = (on((b, 1, h, c.head_dim)) for h in (c.num_heads, c.num_kv_heads, c.num_kv_heads))
+    args = (on((b, 1), jnp.int32), on((b, 8), jnp.int32), pool, on((c.num_heads,), jnp.float32))
+    hlo = step.lower(q, k, v, *args).compile().as_text()
+    [call] = [line for line in hlo.splitlines() if f"/{mgpu.NAME}/" in line and "custom-call(" in line]
+    assert (c.num_kv_heads, c.num_heads) == (2, 4) and "f32[1,2]" in call.split("operand_layout_constraints")[1]
 
 
 MODELS = {"gqa": C, "odd": ODD, "gpt_oss": GPT_OSS}  # by name: a config with dicts is no cache key
