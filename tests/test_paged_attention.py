@@ -2,8 +2,9 @@
 pool, on a tiny GQA shape with scattered block tables and ragged lengths (and, for the GPU's, a
 sliding window and sinks); and an engine that decodes through the GPU's (in Mosaic GPU's
 interpreter, on one device: under a mesh's shard_map the interpreter fails its own check that
-every barrier is freed, "Barrier remains allocated") gives the XLA path's greedy tokens, for a GQA model and for gpt-oss's sinks and windows.
-Every placement's decode step through it compiles for 8 H100s in `test_target_compiles.py`."""
+every barrier is freed, "Barrier remains allocated") gives the XLA path's greedy tokens, for a
+GQA model and for gpt-oss's sinks and windows. Every placement's decode step through it compiles
+for 8 H100s in `test_target_compiles.py`."""
 
 from __future__ import annotations
 
