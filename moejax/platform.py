@@ -61,7 +61,7 @@ GEMM_KERNEL_NEEDS = {
 }
 ATTENTION_KERNEL_NEEDS = {
     "pallas_tpu": ("tpu", "a TPU", "plan --target v5e compiles for one"),
-    "pallas_gpu": ("gpu", "an NVIDIA GPU", "interpret_gpu runs it interpreted"),
+    "pallas_gpu": ("gpu", "an NVIDIA Hopper or newer GPU (TMA)", "interpret_gpu runs it interpreted"),
 }
 
 # XLA compiler options of decode programs, by platform. A decode step's dots are small (a few

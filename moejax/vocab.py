@@ -37,8 +37,9 @@ KERNELS = (
     "interpret_gpu",
 )
 # Paged-attention kernels (`--attention-kernel`): "auto" picks by platform (`moejax.platform`);
-# JAX's ragged paged attention (Mosaic TPU) and paged attention (Triton); "interpret_gpu" runs the
-# Triton one in Pallas' interpreter on any platform. Only GQA without sinks or windows uses them.
+# JAX's ragged paged attention (Mosaic TPU) and our Mosaic GPU paged decode attention
+# (`pallas_kernels/paged_attention_mgpu.py`); "interpret_gpu" runs the GPU one in JAX's Mosaic GPU
+# interpreter on any platform. GQA only; the GPU one reads sinks and sliding windows, the TPU one not.
 ATTENTION_KERNELS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "interpret_gpu")
 ATTENTION_MODES = ("dp", "tp")  # data-parallel (requests split over devices) | tensor-parallel (heads)
 SPLIT_MODES = ("tp", "replicated")  # dense layers and the shared expert: sliced or copied

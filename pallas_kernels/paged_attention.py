@@ -1,39 +1,35 @@
-"""GQA attention over a paged KV cache through JAX's own Pallas kernels, by name.
+"""GQA attention over a paged KV cache through Pallas kernels, by name.
 
 `pallas_tpu`: `jax.experimental.pallas.ops.tpu.ragged_paged_attention` (Mosaic TPU), which
 reads prefill chunks and decode steps alike, from one pool holding each position's keys and
 values interleaved by head, [pages, page_size, 2 * H_kv, Dh padded to 128 lanes]: the layout
-it wants (a TPU array's last axis is padded to 128 lanes in memory anyway).
-`pallas_gpu` (`interpret_gpu`: in Pallas' interpreter): `jax/experimental/pallas/ops/gpu/
-paged_attention.py` (Triton), decode steps only, from the XLA path's own pools k, v
-[pages, H_kv, page_size, Dh padded to a power of two of at least 16]: a kv head's page is
-contiguous there, so the pool viewed as [pages * H_kv, page_size, Dh] is the kernel's pool of
-one kv head, and each (request, kv head) one of its sequences (no copy of the pool). Triton's
-blocks are powers of two, and a dot's every dim at least 16: hence the padded head width (its
-zeros add nothing to q.k, nor to the output columns kept); a page of a size no power of two is
-read as sub-pages of the largest power of two dividing it (a view too), and the block table
-is padded to whole compute blocks (at least 16 positions, at most GPU_BLOCK_BYTES of keys) with
-pages past every length.
+it wants (a TPU array's last axis is padded to 128 lanes in memory anyway). Its softmax takes
+no attention sinks and masks no sliding window (`reads_windows`).
+`pallas_gpu` (`interpret_gpu`: in JAX's Mosaic GPU interpreter): our Mosaic GPU flash-decoding
+kernel (`paged_attention_mgpu`; compiled for an H100 here, never run on a GPU by these tests),
+decode steps only, with sliding windows and sinks, from the XLA path's own pools k, v
+[pages, H_kv, page_size, W], W: Dh padded to whole 32-byte granules (`pool_width`: zeros after
+Dh, which add nothing to q.k and are cut from the output). Its compute block and splits are
+chosen here (`gpu_blocks`).
 
 Both take one device's requests and pages (the placement runs them under shard_map) and a
-block table of page ids in [0, pages] (`pages`: none; the kernels read page 0 there, rows that
-own no page are padding whose outputs nobody reads). A request's positions in a call are
-consecutive, ending at the last it writes.
+block table of page ids in [0, pages] (`pages`: none; the TPU kernel reads page 0 there, the
+GPU one masks it; rows that own no page are padding whose outputs nobody reads). A request's
+positions in a call are consecutive, ending at the last it writes.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels.paged_layout_mgpu import ROWS, SMEM_BYTES, page_rows, pool_width, smem_bytes
+
 LANES = 128  # the TPU kernel's head_dim: its softmax statistics are [.., 128] and broadcast over Dh
 # The TPU kernel's blocks when no tuned size applies (its own defaults on TPU v5 and later).
 TPU_KV_PAGES_PER_BLOCK, TPU_QUERIES_PER_BLOCK = 128, 32
-GPU_SPLITS, GPU_PAGES_PER_BLOCK = 16, 8  # the Triton kernel's defaults: splits of the pages, pages per step
-TRITON_DOT = 16  # a Triton dot's least size along each dim: the head width's and a compute block's positions
-# The most bytes of keys (and as many of values) a compute block of the Triton kernel holds in
-# shared memory: an H100's 228 KB holds both, but not twice that (f32 heads of 256 in blocks of
-# 128 positions asked for 280 KB).
-GPU_BLOCK_BYTES = 64 << 10
+# The GPU kernel's launch should cover this many SMs (an H100's and an H200's 132) about
+# GPU_WAVES times: a compiled program does not know the GPU it will run on, so it is a constant.
+GPU_SMS, GPU_WAVES = 132, 2
 
 KERNELS = ("pallas_tpu", "pallas_gpu", "interpret_gpu")
 
@@ -43,27 +39,42 @@ def combined(name: str) -> bool:
     return name == "pallas_tpu"
 
 
+def unavailable(name: str) -> str | None:
+    """Why this jax cannot build kernel `name` (None: it can): the Mosaic GPU names ours lacks."""
+    if name in ("pallas_gpu", "interpret_gpu"):
+        from pallas_kernels import paged_attention_mgpu
+
+        return paged_attention_mgpu.unavailable()
+    return None
+
+
 def prefills(name: str) -> bool:
     """Whether kernel `name` reads a prefill chunk's many positions per request (else decode only)."""
     return name == "pallas_tpu"
 
 
-def head_dim(name: str, dh: int) -> int:
-    """The pool's last axis for heads of `dh` under kernel `name`: the TPU kernel's 128 lanes, the
-    Triton kernel's power of two (at least a dot's 16), else dh."""
+def reads_windows(name: str) -> bool:
+    """Whether kernel `name` takes sliding windows and attention sinks (the GPU kernel's do)."""
+    return name in ("pallas_gpu", "interpret_gpu")
+
+
+def head_dim(name: str, dh: int, dtype) -> int:
+    """The pool's last axis for heads of `dh` in `dtype` under kernel `name`: the TPU kernel's 128
+    lanes, the GPU kernel's whole 32-byte granules (`pool_width`), else dh."""
     if combined(name):
         return -(-dh // LANES) * LANES
     if name in ("pallas_gpu", "interpret_gpu"):
-        return max(TRITON_DOT, 1 << (dh - 1).bit_length())
+        return pool_width(dh, dtype)
     return dh
 
 
-def attend(name: str, q, pool: dict, lens, table, scale: float):
+def attend(name: str, q, pool: dict, lens, table, scale: float, window: int = 0, sinks=None):
     """q: [B, T, H, Dh] queries at each request's last T positions, lens: int32 [B] its positions
-    so far (the last query's + 1), table: [B, P] -> [B, T, H, Dh]."""
+    so far (the last query's + 1), table: [B, P], window: the sliding window (0: none), sinks: [H]
+    logits or None (both GPU only: `reads_windows`) -> [B, T, H, Dh]."""
     if combined(name):
         return _ragged(q, pool["kv"], lens, table, scale)
-    return _decode(q, pool["k"], pool["v"], lens, table, scale, interpret=name == "interpret_gpu")
+    return _decode(q, pool["k"], pool["v"], lens, table, scale, window, sinks, interpret=name == "interpret_gpu")
 
 
 def _ragged(q, kv, lens, table, scale):
@@ -90,46 +101,44 @@ def _ragged(q, kv, lens, table, scale):
     return out.reshape(b, t, h, lanes)[..., :dh]
 
 
-def _pow2_floor(n: int) -> int:
-    return 1 << (n.bit_length() - 1)
+def gpu_blocks(b: int, hkv: int, groups: int, w: int, page_size: int, p: int, dtype) -> tuple[int, int]:
+    """(pages_per_block, splits) of the GPU kernel for b requests of hkv kv heads (`groups` query
+    heads each) over tables of p pages, pools `w` wide in `dtype`. A compute block holds as many
+    pages as fill the register tile's ROWS positions (its rows are padded to them anyway; at least
+    one page, at most the table's); the splits are as many as make splits * b * hkv CTAs cover
+    GPU_SMS about GPU_WAVES times, at most the table's blocks (a split past them reads nothing).
+    Where their SMEM is over SMEM_BYTES, fewer splits (each holds a partial), then fewer pages;
+    a shape that fits in none is the kernel's to refuse."""
+    pages = min(p, max(1, ROWS // page_rows(page_size)))
+    splits = max(1, min(-(-GPU_WAVES * GPU_SMS // (b * hkv)), -(-p // pages)))
+    fits = lambda: smem_bytes(groups, w, page_size, pages, splits, dtype) <= SMEM_BYTES
+    while not fits() and splits > 1:
+        splits -= 1
+    while not fits() and pages > 1:
+        pages -= 1
+    return pages, splits
 
 
-def _decode(q, k, v, lens, table, scale, interpret: bool):
-    """JAX's Triton paged attention, one query per request; each (request, kv head) is a
-    sequence of its own over the pools [pages, H_kv, ps, W] (W: `head_dim`) viewed as one kv
-    head's pool of sub-pages [pages * H_kv * ps / sub, sub, W], `sub` the largest power of two
-    dividing ps (at most a compute block's positions)."""
-    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+def _decode(q, k, v, lens, table, scale, window, sinks, interpret: bool):
+    """The Mosaic GPU kernel, one query per request, over the pools k, v [pages, H_kv, ps, W]."""
+    from pallas_kernels import paged_attention_mgpu as mgpu  # Mosaic GPU's modules load only where it runs
 
     b, t, h, dh = q.shape
     if t != 1:
         raise ValueError(f"the GPU paged-attention kernel reads one query per request, got {t}")
-    pages, hkv, ps, width = k.shape
-    p = table.shape[1]
-    most = max(TRITON_DOT, _pow2_floor(GPU_BLOCK_BYTES // (width * k.dtype.itemsize)))  # positions a block may hold
-    sub = min(ps & -ps, most)
-    per = ps // sub  # sub-pages per page
-    # Splits of a sequence's n sub-pages and blocks of `block` sub-pages (a power of two, at least a
-    # dot's 16 positions and at most `most`): the table padded to whole blocks of every split.
-    n, least = p * per, max(1, TRITON_DOT // sub)
-    splits = min(GPU_SPLITS, -(-n // least))
-    block = max(least, min(GPU_PAGES_PER_BLOCK, most // sub, _pow2_floor(-(-n // splits))))
-    padded = splits * block * -(-n // (splits * block))
-    i = jnp.arange(padded)
-    page = jnp.minimum(table, pages - 1)[
-        :, jnp.minimum(i // per, p - 1)
-    ]  # [B, padded]; past the table: read no position
-    rows = (page[:, None, :] * hkv + jnp.arange(hkv, dtype=table.dtype)[None, :, None]) * per + i % per
-    one_head = lambda pool: pool.reshape(1, pages * hkv * per, sub, width)
-    q = jnp.pad((q * scale).astype(q.dtype).reshape(b * hkv, h // hkv, dh), ((0, 0), (0, 0), (0, width - dh)))
-    out = paged_attention(
-        q,
-        one_head(k),
-        one_head(v),
-        rows.reshape(b * hkv, padded),
-        jnp.repeat(jnp.clip(lens, 1, p * ps), hkv),
-        k_splits=splits,
-        pages_per_compute_block=block,
+    _, hkv, ps, width = k.shape
+    pages_per_block, splits = gpu_blocks(b, hkv, h // hkv, width, ps, table.shape[1], k.dtype)
+    out = mgpu.paged_attention(
+        q[:, 0].astype(k.dtype),
+        k,
+        v,
+        table,
+        lens,
+        scale=scale,
+        window=window,
+        sinks=sinks,
+        pages_per_block=pages_per_block,
+        splits=splits,
         interpret=interpret,
     )
-    return out.reshape(b, 1, h, width)[..., :dh]
+    return out.astype(q.dtype)[:, None]

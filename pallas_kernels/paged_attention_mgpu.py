@@ -63,6 +63,9 @@ from pallas_kernels.paged_layout_mgpu import (
 )
 
 SWIZZLES = (128, 64, 32)
+# The kernel's name: its custom call's op_name in a compiled program ends ".../NAME/mpmd_map",
+# which tells it from other Mosaic GPU calls (`tests/target_compiles.py`).
+NAME = "paged_attention_mgpu"
 TINY = 1e-30  # a divisor's floor where a sum of weights may be 0 (no key)
 
 
@@ -197,6 +200,7 @@ def paged_attention(
         scratch_types=scratch,
         grid=(splits, n),
         grid_names=("split", "seq"),
+        kernel_name=NAME,
         interpret=_interpret_params() if interpret else None,
     )(*operands)
     return outs[0][:, :g, :dh].reshape(b, h, dh)

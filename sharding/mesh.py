@@ -105,11 +105,11 @@ class MeshPlacement(Placement, abc.ABC):
     def constrain(self, x, axes):
         return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape))
 
-    def on_pages(self, fn, q, k, v, positions, pages, pool: dict):
+    def on_pages(self, fn, q, k, v, positions, pages, pool: dict, sinks=None):
         """Under shard_map: each device its requests (DP attention; their pages are on its rank;
         rows too few to split run on every device, answered by the rank of their pages) or its
-        heads (TP attention, where the pool's kv heads slice; else every head on every device),
-        the run's pools [layers, pages, ...] as they lie."""
+        heads (TP attention, where the pool's kv heads slice, the sinks' heads with them; else
+        every head on every device), the run's pools [layers, pages, ...] as they lie."""
         axes = self.cache_axes([pool], pool=True)[0]
         pool_specs = {name: self.spec(axes[name], a.shape) for name, a in pool.items()}
         name = next(iter(pool))
@@ -119,9 +119,9 @@ class MeshPlacement(Placement, abc.ABC):
         local_pages = pool[name].shape[1] // (self.devices if split else 1)
         pages = paged.LayerPages(pages.table, jnp.asarray(pages.layer, jnp.int32))
 
-        def per_device(q, k, v, positions, pages, pool):
+        def per_device(q, k, v, positions, pages, pool, *sinks):
             first = jax.lax.axis_index(rules.ALL) * local_pages if split else jnp.int32(0)
-            out, pool = fn(first, q, k, v, positions, pages, pool)
+            out, pool = fn(first, q, k, v, positions, pages, pool, *sinks)
             if split and rows is None:  # every device runs every row: the rank holding a row's pages answers
                 own = jnp.any(paged.local(pages.table, first, local_pages) < local_pages, axis=1)  # [B]
                 out = jax.lax.psum(jnp.where(own[:, None, None, None], out, 0), rules.ALL)
@@ -129,14 +129,16 @@ class MeshPlacement(Placement, abc.ABC):
 
         heads_spec, rows_spec = P(rows, None, heads, None), P(rows, None)
         pages_spec = paged.LayerPages(rows_spec, P())
+        # The sinks [H] slice as q's heads do (none: an argument fewer).
+        sinks_args, sinks_specs = ((), ()) if sinks is None else ((sinks,), (P(heads),))
         # check_vma off: a pallas_call's outputs carry no varying-axes types.
         return jax.shard_map(
             per_device,
             mesh=self.mesh,
-            in_specs=(heads_spec, heads_spec, heads_spec, rows_spec, pages_spec, pool_specs),
+            in_specs=(heads_spec, heads_spec, heads_spec, rows_spec, pages_spec, pool_specs, *sinks_specs),
             out_specs=(heads_spec, pool_specs),
             check_vma=False,
-        )(q, k, v, positions, pages, pool)
+        )(q, k, v, positions, pages, pool, *sinks_args)
 
     def store_pages(self, pool, new, positions, pages, seq_axis, view=True):
         """Under DP attention (the pool's pages axis split over every device) under shard_map: each

@@ -24,7 +24,7 @@ from moejax.model.attention import cache_specs
 from moejax.model.layer_loop import layer_loops
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_specs
 from moejax.platform import GEMM_KERNEL_NEEDS, DecodeKernels, Platform, resolve
-from pallas_kernels import layered
+from pallas_kernels import layered, paged_attention
 from sharding import accounting, rules, slots
 from sharding.experts import moe_local
 
@@ -168,12 +168,13 @@ class Placement:
         """Activation sharding by logical axis names (no-op without a mesh)."""
         return x
 
-    def on_pages(self, fn, q, k, v, positions, pages, pool: dict):
-        """fn(first_page, q, k, v, positions, pages, pool) -> (out, pool) run on each device's own
-        requests, heads and pages (a Pallas kernel is one device's program): q [B, T, H, Dh],
+    def on_pages(self, fn, q, k, v, positions, pages, pool: dict, sinks=None):
+        """fn(first_page, q, k, v, positions, pages, pool, sinks) -> (out, pool) run on each device's
+        own requests, heads and pages (a Pallas kernel is one device's program): q [B, T, H, Dh],
         k, v [B, T, H_kv, Dh], positions [B, T], pages: `paged.LayerPages` (tables [B, P] of global
-        page ids) into the run's pools [layers, pages, ...]; first_page: the first page this device holds."""
-        return fn(jnp.int32(0), q, k, v, positions, pages, pool)
+        page ids) into the run's pools [layers, pages, ...], sinks: [H] per-head logits (sliced as
+        q's heads) or None; first_page: the first page this device holds."""
+        return fn(jnp.int32(0), q, k, v, positions, pages, pool, sinks)
 
     def store_pages(self, pool: jax.Array, new, positions, pages, seq_axis: int, view: bool = True):
         """`paged.store` on each device's own pages of one pool entry ([pages, ...], or a run's
@@ -282,11 +283,11 @@ def expert_shapes(model, tp: int) -> list[tuple[int, int, bool]]:
 
 def paged_kernel(config: Config, platform: Platform) -> str:
     """The paged-attention kernel of `config.attention_kernel` on `platform`. "auto" takes the XLA
-    path where the kernels cannot read the model's cache (under DP attention too: each rank's
+    path where this jax cannot build the kernel or it cannot read the model's cache (under DP attention too: each rank's
     requests hold the rank's own pages, which its kernel reads); a kernel named for a model it
     cannot read is refused with the reason."""
     name = platform.attention_kernel(config.attention_kernel)
-    refusal = None if name == "xla" else paged.kernel_refusal(config.model)
+    refusal = None if name == "xla" else paged_attention.unavailable(name) or paged.kernel_refusal(config.model, name)
     if refusal and config.attention_kernel != "auto":
         raise ConfigError(
             f"attention kernel {name}: {refusal}; this model reads its pages through XLA "

@@ -35,13 +35,14 @@ ODD_MLA = (
     ("q_lora_rank", 40),
 )
 TILEABLE = (("hidden_size", 512), ("moe_intermediate_size", 2048))  # tensor-sliced on 8: K 256
-# Custom-call targets of Pallas kernels in an optimized HLO: Mosaic TPU's, Triton's, Mosaic GPU's;
-# and the names JAX's paged-attention kernels have in them (TPU's ragged paged attention, the Triton one).
+# Custom-call targets of Pallas kernels in an optimized HLO: Mosaic TPU's, Triton's, Mosaic GPU's; and
+# the names the paged-attention kernels have in it: JAX's ragged paged attention (TPU) in its call, and
+# our Mosaic GPU one in its call's op_name (".../paged_attention_mgpu/mpmd_map": its kernel name).
 PALLAS_CALLS = ("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu")
+PAGED_KERNELS = ("ragged_paged_attention_kernel", "/paged_attention_mgpu/")
 # The modules of Pallas's Triton backend (jax 0.11 deprecated it): a worker asked to compile as a jax
 # without it finds none of them (`_without_triton`), so jax lowers GPU kernels with Mosaic GPU or not at all.
 TRITON_MODULES = ("jax._src.pallas.triton", "jax.experimental.pallas.triton")
-PAGED_KERNELS = ("ragged_paged_attention_kernel", "paged_attention_block_h")
 
 
 @dataclasses.dataclass(frozen=True)

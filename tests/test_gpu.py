@@ -1,6 +1,6 @@
 """The goldens on a real GPU: every family's stored transformers outputs (tests/golden, made by
 make_goldens.py) against the engine with the kernels `auto` picks there (the Triton grouped GEMM;
-with pages, the Triton paged attention); on a Blackwell (sm_100) GPU also the two Blackwell grouped
+with pages, our Mosaic GPU paged attention); on a Blackwell (sm_100) GPU also the two Blackwell grouped
 GEMMs (4-bit x 4-bit, bf16 x 4-bit) against float64 products.
 
 Runs with `python -m pytest -m gpu` on a host with an NVIDIA GPU (conftest.py then hands jax the
@@ -143,7 +143,7 @@ def test_blackwell_kernels_match_float64_products(kernel, fmt, act):
     np.testing.assert_array_equal(out[SIZES.sum() :], 0)  # past the groups
 
 
-# Our Mosaic GPU paged attention (not yet the engine's `pallas_gpu`), compiled for this GPU: its
+# Our Mosaic GPU paged attention (the engine's `pallas_gpu`), compiled for this GPU: its
 # PTX, and the semaphores that order its splits' combine, which the CPU tests' interpreter lacks.
 @pytest.mark.parametrize("name", mgpu_cases.CASES)
 def test_mosaic_gpu_paged_attention_equals_the_xla_path_on_the_gpu(name):

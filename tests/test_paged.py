@@ -133,19 +133,19 @@ def test_a_decode_step_copies_no_pool():
 
 def test_kv_cache_gb_holds_the_pages_its_bytes_hold_in_the_kernels_layout():
     """--kv-cache-gb: floor(bytes / page bytes) pages, a page as the attention kernel lays it out
-    (the TPU kernel's pool pads head_dim 24 to 128 lanes, the Triton kernel's to 32: fewer pages
-    in the same bytes)."""
+    (in bf16 the TPU kernel's pool pads head_dim 24 to 128 lanes, the GPU kernel's to 32: whole
+    32-byte granules; fewer pages in the same bytes)."""
     c = dataclasses.replace(preset("tiny-qwen3-moe"), head_dim=24)
     pages = {
         k: pool_pages(
             types.SimpleNamespace(
-                c=c, dtype=jnp.float32, placement=types.SimpleNamespace(attention_kernel=k, platform=resolve("cpu"))
+                c=c, dtype=jnp.bfloat16, placement=types.SimpleNamespace(attention_kernel=k, platform=resolve("cpu"))
             ),
             16,
             kv_gb=0.001,
         )
         for k in ("xla", "pallas_tpu", "pallas_gpu")
     }
-    assert pages == {k: 1e6 // page_bytes(c, 16, jnp.float32, k) for k in pages}
-    assert page_bytes(c, 16, jnp.float32, "pallas_gpu") == page_bytes(c, 16, jnp.float32, "xla") * 32 // 24
+    assert pages == {k: 1e6 // page_bytes(c, 16, jnp.bfloat16, k) for k in pages}
+    assert page_bytes(c, 16, jnp.bfloat16, "pallas_gpu") == page_bytes(c, 16, jnp.bfloat16, "xla") * 32 // 24
     assert pages["pallas_tpu"] < pages["pallas_gpu"] < pages["xla"]

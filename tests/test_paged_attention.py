@@ -1,6 +1,10 @@
 """The Pallas paged-attention kernels read a page pool as the XLA path does: same outputs, same
-pool, on a tiny GQA shape with scattered block tables and ragged lengths; and an engine that
-decodes through one gives the XLA path's greedy tokens under placements of both attention modes."""
+pool, on a tiny GQA shape with scattered block tables and ragged lengths (and, for the GPU's, a
+sliding window and sinks); and an engine that decodes through the GPU's (in Mosaic GPU's
+interpreter, on one device: under a mesh's shard_map the interpreter fails its own check that
+every barrier is freed, "Barrier remains allocated") gives the XLA path's greedy tokens, for a
+GQA model and for gpt-oss's sinks and windows. Every placement's decode step through it compiles
+for 8 H100s in `test_target_compiles.py`."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import pytest
 from compile_only import on_h100
 from jax.experimental.pallas.ops.tpu import ragged_paged_attention as tpu_module
 
+from moejax import targets
 from moejax.config import Config, ConfigError, EngineConfig, LayoutConfig, preset
 from moejax.engine.engine import Engine
 from moejax.engine.kv_cache import init_pool
@@ -21,14 +26,17 @@ from moejax.loading import load_params
 from moejax.model import attention, paged
 from moejax.platform import resolve
 from pallas_kernels import paged_attention as kernels
+from pallas_kernels import paged_attention_mgpu as mgpu
+from pallas_kernels.paged_layout_mgpu import SMEM_BYTES, smem_bytes
 from sharding import make_placement
 from sharding.placement import Placement
 
 C = preset("tiny-qwen3-moe")  # 4 query heads over 2 kv heads of 16
-# Widths Triton's power-of-two blocks do not take as they are: heads of 24 (the kernel's pool pads
-# them to 32), 3 query heads per kv head (the kernel pads them to its block of 16), and (with a
-# page size of 6) pages read as sub-pages of 2.
-ODD = dataclasses.replace(C, head_dim=24, num_heads=6)
+# Widths the GPU kernel pads: heads of 20 (its f32 pool pads them to 24, bf16 to 32: whole 32-byte
+# granules), 3 query heads per kv head (its queries padded to whole copies) and (with a page size
+# of 6) pages copied as 8 rows, the rows after them masked.
+ODD = dataclasses.replace(C, head_dim=20, num_heads=6)
+GPT_OSS = preset("tiny-gpt-oss")  # sinks, and sliding-window layers (their own page group)
 PAGES, PAGE_SIZE = 12, 4
 TABLE = np.array([[5, 2, 7], [1, 9, 0], [3, 11, 12]], np.int32)  # 12: no page (row 2 holds 2)
 LENS = np.array([5, 12, 8])  # positions each request holds after the call
@@ -53,27 +61,30 @@ def interleaved(pool: dict, kernel: str, c=C) -> dict:
     """The k/v pools as the TPU kernel's one pool [pages, ps, 2 * H_kv, Dh padded]."""
     kv = jnp.stack([pool["k"], pool["v"]], axis=2)  # [pages, H_kv, 2, ps, Dh]
     kv = jnp.moveaxis(kv, 3, 1).reshape(PAGES, kv.shape[3], 2 * c.num_kv_heads, c.head_dim)
-    return {"kv": paged.widen(kv, kernels.head_dim(kernel, c.head_dim))}
+    return {"kv": paged.widen(kv, kernels.head_dim(kernel, c.head_dim, jnp.float32))}
 
 
-def xla(t: int, c=C, page_size=PAGE_SIZE, width=None):
-    """The XLA path's output and pools (heads padded to `width` as a kernel's pools are)."""
+def xla(t: int, c=C, page_size=PAGE_SIZE, width=None, window=0, sinks=None):
+    """The XLA path's output and pools (heads padded to `width` as a kernel's pools are), keys
+    older than `window` masked and `sinks` [H] (or None) in the softmax."""
     q, k, v, positions, pool = inputs(t, c, page_size)
     pool = {name: paged.widen(a, width or c.head_dim) for name, a in pool.items()}
-    out, pool = attention._gqa_xla({}, q, k, v, positions, pool, c, Placement(Config(model=c)), 0, jnp.asarray(TABLE))
-    return out, pool
+    c = dataclasses.replace(c, attention_sinks=sinks is not None)
+    p = {} if sinks is None else {"sinks": sinks}
+    placement = Placement(Config(model=c))
+    return attention._gqa_xla(p, q, k, v, positions, pool, c, placement, window, jnp.asarray(TABLE))
 
 
-def kernel(name: str, t: int, c=C, page_size=PAGE_SIZE):
+def kernel(name: str, t: int, c=C, page_size=PAGE_SIZE, window=0, sinks=None):
     q, k, v, positions, pool = inputs(t, c, page_size)
     if kernels.combined(name):
         pool = interleaved(pool, name, c)
     else:
-        pool = {n: paged.widen(a, kernels.head_dim(name, c.head_dim)) for n, a in pool.items()}
+        pool = {n: paged.widen(a, kernels.head_dim(name, c.head_dim, jnp.float32)) for n, a in pool.items()}
     # As layer 1 of a run of two: the kernel reads the run's pools flattened, layer 0's untouched.
     run = {k: jnp.stack([jnp.full_like(a, 7.0), a]) for k, a in pool.items()}
     out, run = paged.store_and_attend(
-        name, c.softmax_scale, 0, q, k, v, positions, paged.LayerPages(jnp.asarray(TABLE), 1), run
+        name, c.softmax_scale, window, 0, q, k, v, positions, paged.LayerPages(jnp.asarray(TABLE), 1), run, sinks
     )
     assert all(bool((a[0] == 7.0).all()) for a in run.values())
     return out, {k: a[1] for k, a in run.items()}
@@ -85,7 +96,7 @@ def assert_close(got, want):
 
 @pytest.mark.parametrize("c,page_size", [(C, PAGE_SIZE), (ODD, 6)], ids=["pow2", "odd"])
 def test_gpu_kernel_interpreted_equals_the_xla_path_on_a_decode_step(c, page_size):
-    """The Triton kernel (interpreted) reads and writes its pools as the XLA path does; at odd
+    """The Mosaic GPU kernel (interpreted) reads and writes its pools as the XLA path does; at odd
     widths its pools' heads are padded (zeros after each head's Dh: the scores and the kept
     output columns are unchanged, and the softmax scale is the model's)."""
     (got, got_pool), (want, want_pool) = kernel("interpret_gpu", 1, c, page_size), xla(1, c, page_size)
@@ -95,41 +106,94 @@ def test_gpu_kernel_interpreted_equals_the_xla_path_on_a_decode_step(c, page_siz
         assert not got_pool[name][..., c.head_dim :].any()
 
 
+def test_gpu_kernel_interpreted_masks_a_window_and_adds_sinks_as_the_xla_path():
+    """gpt-oss's attention at odd widths: a window of 5 positions (requests hold up to 12) and a
+    sink logit per query head, as the XLA path masks and adds them (each changes the output)."""
+    sinks = jax.random.normal(jax.random.PRNGKey(1), (ODD.num_heads,))
+    got, _ = kernel("interpret_gpu", 1, ODD, 6, window=5, sinks=sinks)
+    assert_close(got, xla(1, ODD, 6, window=5, sinks=sinks)[0])
+    for other in (xla(1, ODD, 6, window=5)[0], xla(1, ODD, 6, sinks=sinks)[0]):
+        assert np.abs(np.asarray(got - other)).max() > 1e-2
+
+
+# (B, H_kv, G, W, page_size, P, dtype) -> (pages_per_block, splits). Qwen3-30B-A3B in bf16 at batch 1
+# (66 splits would cover the SMs twice; the partials of 35 fill SMEM) and 64 (2 splits: 512 CTAs),
+# and in f32 (larger blocks of keys: 21); gpt-oss-120b's heads at batch 1 (33 splits: 264 CTAs,
+# twice the SMs); a short table (one block: one split).
+BLOCKS = {
+    (1, 4, 8, 128, 16, 256, "bfloat16"): (4, 35),
+    (64, 4, 8, 128, 16, 256, "bfloat16"): (4, 2),
+    (1, 4, 8, 128, 16, 256, "float32"): (4, 21),
+    (1, 8, 8, 64, 16, 512, "bfloat16"): (4, 33),
+    (4, 2, 2, 16, 4, 8, "float32"): (8, 1),
+}
+
+
+@pytest.mark.parametrize("shape", BLOCKS)
+def test_gpu_blocks_fit_smem_and_cover_the_sms(shape):
+    """The GPU kernel's blocks: pages filling the 64-row register tile, as many splits as cover the
+    SMs twice where the table has the blocks and SMEM the partials, and no more (one more split
+    would not fit, or would reach past the SMs' two waves or the table's blocks)."""
+    b, hkv, g, w, ps, p, dtype = shape
+    pages, splits = kernels.gpu_blocks(b, hkv, g, w, ps, p, dtype)
+    assert (pages, splits) == BLOCKS[shape]
+    assert smem_bytes(g, w, ps, pages, splits, dtype) <= SMEM_BYTES
+    assert (
+        smem_bytes(g, w, ps, pages, splits + 1, dtype) > SMEM_BYTES
+        or splits * b * hkv >= kernels.GPU_WAVES * kernels.GPU_SMS
+        or splits == -(-p // pages)
+    )
+
+
 @pytest.mark.parametrize("t", [1, 3], ids=["decode", "prefill_chunk"])
 def test_xla_path_reads_a_kernels_wider_pool(t):
-    """A prefill chunk (the XLA path: the Triton kernel reads decode steps only) over the Triton
-    kernel's pools, heads padded from 24 to 32: the output the model's own pools give, and zeros
-    after each head."""
-    (got, got_pool), (want, want_pool) = xla(t, ODD, 6, kernels.head_dim("pallas_gpu", 24)), xla(t, ODD, 6)
-    assert got_pool["k"].shape[-1] == 32
+    """A prefill chunk (the XLA path: the GPU kernel reads decode steps only) over the GPU kernel's
+    pools, heads padded from 20 to 24: the output the model's own pools give, and zeros after
+    each head."""
+    width = kernels.head_dim("pallas_gpu", ODD.head_dim, jnp.float32)
+    (got, got_pool), (want, want_pool) = xla(t, ODD, 6, width), xla(t, ODD, 6)
+    assert got_pool["k"].shape[-1] == width == 24
     assert_close(got, want)
     for name in "kv":
-        assert_close(got_pool[name][..., :24], want_pool[name])
-        assert not got_pool[name][..., 24:].any()
+        assert_close(got_pool[name][..., : ODD.head_dim], want_pool[name])
+        assert not got_pool[name][..., ODD.head_dim :].any()
 
 
-# Each once refused by Triton's lowering ("an array of shape ..."): heads of 24 ((16, 24)), a page
-# of 12 positions ((1, 12, 16)), a table of 48 pages in 16 splits of 3 ((3,)).
 @pytest.mark.parametrize(
     "c,page_size,width",
-    [(ODD, 16, 16), (C, 12, 8), (C, 16, 48)],
-    ids=["heads_24_in_groups_of_3", "pages_of_12", "table_of_48"],
+    [(ODD, 16, 16), (C, 12, 8), (C, 16, 48), (preset("tiny-gpt-oss"), 16, 8)],
+    ids=["heads_20_in_groups_of_3", "pages_of_12", "table_of_48", "window_and_sinks"],
 )
 def test_gpu_kernel_compiles_for_h100_at_any_width(c, page_size, width):
-    """A decode step's paged attention through the Triton kernel, over the pools `init_pool` makes
-    for it, compiles for an H100."""
-    pool = jax.eval_shape(lambda: init_pool(c, PAGES, page_size, jnp.bfloat16, "pallas_gpu"))[0]
-    pool = {name: on_h100(a.shape, a.dtype) for name, a in pool.items()}
+    """A decode step's paged attention through the Mosaic GPU kernel, over the pools `init_pool`
+    makes for it in bf16 (heads of 20 padded to 32; pages of 12 copied as 16 rows; a table of 48
+    pages in splits; a window layer's window and sinks), compiles for an H100 into its kernel."""
+    pool = jax.eval_shape(lambda: init_pool(c, PAGES, page_size, jnp.bfloat16, "pallas_gpu", PAGES))[0]
+    group = bool(c.sliding_layers)  # gpt-oss: its window layers' own pools
+    pool = {paged.base(name): on_h100(a.shape, a.dtype) for name, a in pool.items() if paged.in_window(name) == group}
     b = 4
     q, k, v = (on_h100((b, 1, h, c.head_dim), jnp.bfloat16) for h in (c.num_heads, c.num_kv_heads, c.num_kv_heads))
+    sinks = on_h100((c.num_heads,), jnp.float32) if c.attention_sinks else None
     step = jax.jit(
-        lambda q, k, v, positions, table, pool: paged.store_and_attend(
-            "pallas_gpu", c.softmax_scale, 0, q, k, v, positions, paged.LayerPages(table, 1), pool
+        lambda q, k, v, positions, table, pool, sinks: paged.store_and_attend(
+            "pallas_gpu",
+            c.softmax_scale,
+            c.sliding_window,
+            0,
+            q,
+            k,
+            v,
+            positions,
+            paged.LayerPages(table, 1),
+            pool,
+            sinks,
         ),
         donate_argnums=5,
     )
-    hlo = step.lower(q, k, v, on_h100((b, 1), jnp.int32), on_h100((b, width), jnp.int32), pool).compile().as_text()
-    assert "__gpu$xla.gpu.triton" in hlo
+    table = on_h100((b, width), jnp.int32)
+    hlo = step.lower(q, k, v, on_h100((b, 1), jnp.int32), table, pool, sinks).compile().as_text()
+    calls = [line for line in hlo.splitlines() if 'custom_call_target="mosaic_gpu' in line]
+    assert len(calls) == 1 and f"/{mgpu.NAME}/" in calls[0]
 
 
 @pytest.mark.parametrize("t", [1, 3], ids=["decode", "prefill_chunk"])
@@ -146,30 +210,68 @@ def test_tpu_kernel_adapter_equals_the_xla_path(t, monkeypatch):
     assert_close(got_pool["kv"], interleaved(want_pool, "pallas_tpu")["kv"])
 
 
+def test_tp_attention_slices_the_sinks_as_the_heads_on_h100s():
+    """Under TP attention each device attends its kv head's query heads over its slice of the
+    pools: the kernel a device runs gets those heads' sinks, [1 kv head, 2 query heads]."""
+    layout = LayoutConfig(placement="tensor_sliced", devices=2, attention="tp")
+    config = Config(model=GPT_OSS, layout=layout, attention_kernel="pallas_gpu").validate()
+    placement = make_placement(config, platform=resolve("cuda"), devices=list(targets.devices("h100", 2)))
+    replicated = jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec())
+    on = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+    c, b = GPT_OSS, 4
+    pool = jax.eval_shape(lambda: init_pool(c, PAGES, 16, jnp.bfloat16, "pallas_gpu", PAGES))[0]
+    pool = {paged.base(name): on(a.shape) for name, a in pool.items() if paged.in_window(name)}
+    attend = functools.partial(paged.store_and_attend, "pallas_gpu", c.softmax_scale, c.sliding_window)
+    step = jax.jit(
+        lambda q, k, v, positions, table, pool, sinks: placement.on_pages(
+            attend, q, k, v, positions, paged.LayerPages(table, 0), pool, sinks
+        )
+    )
+    q, k, v = (on((b, 1, h, c.head_dim)) for h in (c.num_heads, c.num_kv_heads, c.num_kv_heads))
+    args = (on((b, 1), jnp.int32), on((b, 8), jnp.int32), pool, on((c.num_heads,), jnp.float32))
+    hlo = step.lower(q, k, v, *args).compile().as_text()
+    [call] = [line for line in hlo.splitlines() if f"/{mgpu.NAME}/" in line and "custom-call(" in line]
+    assert (c.num_kv_heads, c.num_heads) == (2, 4) and "f32[1,2]" in call.split("operand_layout_constraints")[1]
+
+
+MODELS = {"gqa": C, "odd": ODD, "gpt_oss": GPT_OSS}  # by name: a config with dicts is no cache key
+
+
 @functools.cache
-def tokens(attention_kernel: str, placement: str = "", mode: str = "dp", devices: int = 1, c=C, page_size=4):
-    layout = LayoutConfig(placement=placement, devices=devices, attention=mode) if placement else LayoutConfig()
+def tokens(attention_kernel: str, model: str = "gqa", page_size=4):
+    """A one-device engine's greedy tokens for MODELS[model], decode steps through `attention_kernel`."""
     config = Config(
-        model=c,
-        layout=layout,
-        attention_kernel=attention_kernel,
-        engine=EngineConfig(page_size=page_size, max_seq_len=32),
+        model=MODELS[model], attention_kernel=attention_kernel, engine=EngineConfig(page_size=page_size, max_seq_len=32)
     ).validate()
     live = make_placement(config)
     prompts = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21, 22]]
     return Engine(config, load_params(config, live, seed=1), live).generate(prompts, 4).tokens
 
 
-# On 2 devices: DP attention, each its requests and their pages; TP attention, each its kv head.
-@pytest.mark.parametrize("placement,mode,devices", [("expert_sharded", "dp", 2), ("tensor_sliced", "tp", 2)])
-def test_engine_decoding_through_the_gpu_kernel_gives_the_xla_tokens(placement, mode, devices):
-    assert tokens("interpret_gpu", placement, mode, devices) == tokens("xla")
+def test_engine_decoding_through_the_gpu_kernel_gives_the_xla_tokens():
+    assert tokens("interpret_gpu") == tokens("xla")
 
 
 def test_engine_decoding_through_the_gpu_kernel_at_odd_widths_gives_the_xla_tokens():
-    """`init_pool` pads the kernel's pools' heads (24 to 32), prefill chunks write and read them
+    """`init_pool` pads the kernel's pools' heads (20 to 24), prefill chunks write and read them
     through XLA, decode steps through the kernel: the XLA path's tokens over its own pools."""
-    assert tokens("interpret_gpu", c=ODD, page_size=6) == tokens("xla", c=ODD, page_size=6)
+    assert tokens("interpret_gpu", "odd", page_size=6) == tokens("xla", "odd", page_size=6)
+
+
+def test_engine_decoding_gpt_oss_through_the_gpu_kernel_gives_the_xla_tokens(monkeypatch):
+    """gpt-oss's decode steps through the kernel: its window layers' over their own page group with
+    their window masked (requests outgrow it), its full layers' over theirs, all with the sinks
+    (as the kernel is traced: every layer unrolled, each knows its group)."""
+    seen = set()
+    traced = mgpu.paged_attention
+
+    def spy(*args, window, sinks, **kw):
+        seen.add((window, sinks is not None))
+        return traced(*args, window=window, sinks=sinks, **kw)
+
+    monkeypatch.setattr(mgpu, "paged_attention", spy)
+    assert tokens("interpret_gpu", "gpt_oss") == tokens("xla", "gpt_oss")
+    assert seen == {(0, True), (GPT_OSS.sliding_window, True)}
 
 
 @pytest.mark.parametrize("name", ["pallas_tpu", "pallas_gpu"])
@@ -180,21 +282,19 @@ def test_a_kernel_named_for_mla_is_refused_with_the_reason(name):
 
 
 @pytest.mark.parametrize("platform,kernel", [("tpu", "pallas_tpu"), ("cuda", "pallas_gpu")])
-def test_auto_reads_sinks_windows_and_mla_through_xla(platform, kernel):
+def test_auto_reads_what_the_kernels_cannot_through_xla(platform, kernel):
     """`auto` takes the platform's kernels wherever they read the model (any head width, GQA
-    group, expert width) and reads its pages through XLA where they cannot."""
-    for model in ("tiny-gpt-oss", "tiny"):  # sinks and windows; MLA
-        assert (
-            make_placement(Config(model=preset(model)).validate(), platform=resolve(platform)).attention_kernel == "xla"
-        )
+    group, expert width; the GPU's sinks and windows too) and reads its pages through XLA where
+    they cannot (MLA; the TPU's sinks and windows)."""
+    assert make_placement(Config(model=preset("tiny")).validate(), platform=resolve(platform)).attention_kernel == "xla"
+    windows = make_placement(Config(model=GPT_OSS).validate(), platform=resolve(platform)).attention_kernel
+    assert windows == (kernel if kernels.reads_windows(kernel) else "xla")
     for c in (C, ODD, dataclasses.replace(ODD, hidden_size=40, moe_intermediate_size=24)):
         placement = make_placement(Config(model=c).validate(), platform=resolve(platform))
         assert (placement.attention_kernel, placement.kernel) == (kernel, kernel)
 
 
-def test_a_kernel_named_for_sinks_and_windows_is_refused_with_the_reason():
-    config = Config(model=preset("tiny-gpt-oss"), attention_kernel="pallas_gpu").validate()
-    with pytest.raises(
-        ConfigError, match="^attention kernel pallas_gpu: the kernels' softmax takes no attention sinks"
-    ):
-        make_placement(config, platform=resolve("cuda"))
+def test_the_tpu_kernel_named_for_sinks_and_windows_is_refused_with_the_reason():
+    config = Config(model=GPT_OSS, attention_kernel="pallas_tpu").validate()
+    with pytest.raises(ConfigError, match="^attention kernel pallas_tpu: its softmax takes no attention sinks"):
+        make_placement(config, platform=resolve("tpu"))

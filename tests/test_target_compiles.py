@@ -122,7 +122,7 @@ def test_every_placement_compiles_for_a_target_with_its_kernels(compiled, case):
     assert result["kernel"] == KERNEL[case.target]
     for name, program in programs.items():
         assert KERNEL_CALL[case.target] in program["pallas_calls"], name
-    # The pages' attention kernel: the decode step reads them through JAX's kernel where auto picks one.
+    # The pages' attention kernel: the decode step reads them through it where auto picks one.
     assert programs["decode"]["paged_attention"] == (result["attention_kernel"] != "xla")
     if case.placement == "ragged_a2a":  # the exchange is the target's own ragged all-to-all
         assert all(p["ragged_all_to_all"] for p in programs.values())

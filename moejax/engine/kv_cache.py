@@ -43,19 +43,21 @@ def init_cache(c: ModelConfig, batch: int, max_len: int, dtype) -> list[dict]:
     ]
 
 
-def pool_specs(c: ModelConfig, pages: int, page_size: int, layer: int | None = None, kernel: str = "xla") -> dict:
-    """`cache_specs` of a pool: name -> ([pages, ..., page_size, ...], logical axes); GQA's k and
-    v interleaved in one pool where the paged-attention `kernel` reads that (`paged.kv_pool_spec`),
-    and as wide as the kernel reads a head (`head_dim`)."""
+def pool_specs(
+    c: ModelConfig, pages: int, page_size: int, dtype, layer: int | None = None, kernel: str = "xla"
+) -> dict:
+    """`cache_specs` of a pool in `dtype`: name -> ([pages, ..., page_size, ...], logical axes);
+    GQA's k and v interleaved in one pool where the paged-attention `kernel` reads that
+    (`paged.kv_pool_spec`), and as wide as the kernel reads a head in `dtype` (`head_dim`)."""
     if c.is_mla:
         return {
             k: paged.pool_spec(shape, axes, pages, page_size)
             for k, (shape, axes) in cache_specs(c, 1, 1, layer).items()
         }
     if combined(kernel):
-        return paged.kv_pool_spec(c, pages, page_size, kernel)
+        return paged.kv_pool_spec(c, pages, page_size, kernel, dtype)
     return {
-        k: paged.pool_spec(shape, axes, pages, page_size, head_dim(kernel, c.head_dim))
+        k: paged.pool_spec(shape, axes, pages, page_size, head_dim(kernel, c.head_dim, dtype))
         for k, (shape, axes) in cache_specs(c, 1, 1, layer).items()
     }
 
@@ -77,7 +79,7 @@ def init_pool(
         pools = (
             {
                 k: jnp.zeros((full, *shape), dtype)
-                for k, (shape, _) in pool_specs(c, pages, page_size, run.first, kernel).items()
+                for k, (shape, _) in pool_specs(c, pages, page_size, dtype, run.first, kernel).items()
             }
             if full
             else {}
@@ -85,7 +87,7 @@ def init_pool(
         if window:
             pools |= {
                 paged.WINDOW + k: jnp.zeros((window, *shape), dtype)
-                for k, (shape, _) in pool_specs(c, window_pages, page_size, run.first, kernel).items()
+                for k, (shape, _) in pool_specs(c, window_pages, page_size, dtype, run.first, kernel).items()
             }
         out.append(pools)
     return out
@@ -100,8 +102,8 @@ def page_bytes(
     sliding-window layers' (their own page group, `init_pool`)."""
     size = jnp.dtype(dtype).itemsize
     count = lambda run: run.count if window is None else group_counts(c, run)[int(window)]
-    runs = [(count(run), pool_specs(c, 1, page_size, run.first, kernel)) for run in layer_runs(c)]
-    runs += [(1, pool_specs(c, 1, page_size, c.num_layers))] if mtp and not window else []
+    runs = [(count(run), pool_specs(c, 1, page_size, dtype, run.first, kernel)) for run in layer_runs(c)]
+    runs += [(1, pool_specs(c, 1, page_size, dtype, c.num_layers))] if mtp and not window else []
     return sum(count * size * int(np.prod(shape)) for count, specs in runs for shape, _ in specs.values())
 
 

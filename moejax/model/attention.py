@@ -140,15 +140,35 @@ def gqa(
 ):
     """x: [B, T, D] the residual stream, `norm` the attention norm's weight -> (x + attention, cache)."""
     q, k, v = projections.qkv(placement.decode, p, x, norm, cos_sin, c)
-    kernel = placement.attention_kernel
-    if pages is not None and kernel != "xla" and (q.shape[1] == 1 or kernels.prefills(kernel)):
-        # The kernel reads the pages itself, per device (the placement's shard_map).
-        out, cache = placement.on_pages(
-            functools.partial(paged.store_and_attend, kernel, c.softmax_scale), q, k, v, positions, pages, cache
-        )
+    if _kernel_reads(placement.attention_kernel, q, pages):
+        out, cache = _gqa_kernel(p, q, k, v, positions, cache, c, placement, pages)
     else:
         out, cache = _gqa_xla(p, q, k, v, positions, cache, c, placement, window, pages)
     return projections.out(placement.decode, p, out, x, c), cache
+
+
+def _kernel_reads(kernel: str, q, pages) -> bool:
+    """Whether the paged-attention `kernel` reads this call's pages: a decode step (or any call, for
+    a kernel that prefills), and with page groups a layer whose group is known as it is traced (a
+    scan over mixed layers picks it at run time: the XLA path's `lax.cond`)."""
+    if pages is None or kernel == "xla" or not (q.shape[1] == 1 or kernels.prefills(kernel)):
+        return False
+    return not isinstance(pages, paged.GroupPages) or isinstance(pages.window, bool)
+
+
+def _gqa_kernel(p: dict, q, k, v, positions, cache: dict, c: ModelConfig, placement, pages):
+    """`_gqa_xla` through the placement's paged-attention kernel, which reads the pages itself, per
+    device (the placement's shard_map): over the layer's own group's pool entries and tables (with
+    page groups: `GroupPages`), a window layer's window masked, and the heads' sinks."""
+    prefix, window = "", 0
+    if isinstance(pages, paged.GroupPages):
+        prefix, pages = pages.group(pages.window)
+        window = c.sliding_window if prefix else 0
+    pool = {paged.base(name): a for name, a in cache.items() if paged.in_window(name) == bool(prefix)}
+    sinks = p["sinks"] if c.attention_sinks else None
+    attend = functools.partial(paged.store_and_attend, placement.attention_kernel, c.softmax_scale, window)
+    out, pool = placement.on_pages(attend, q, k, v, positions, pages, pool, sinks)
+    return out, {**cache, **{prefix + name: a for name, a in pool.items()}}
 
 
 def _gqa_xla(p: dict, q, k, v, positions, cache: dict, c: ModelConfig, placement, window, pages):

@@ -20,10 +20,13 @@ Attention writes a step's keys through the table and reads back the view of the 
 P pages as a contiguous [B, ..., P * page_size, ...] cache, so the masked attention after it
 is the contiguous cache's, over the request's live pages only. With a Pallas paged-attention
 kernel (`pallas_kernels/paged_attention.py`, GQA only) the kernel reads the pages itself, per
-device; TPU's wants one pool "kv" [pages, page_size, 2 * H_kv, Dh padded to 128] of each
-position's keys and values interleaved by head, written here and read by that kernel only;
-the GPU's reads the pools k, v with Dh padded to a power of two (`kernels.head_dim`), which the
-XLA path reads too (a prefill chunk's attention) as zeros after each head's Dh.
+device (`store_and_attend`); TPU's wants one pool "kv" [pages, page_size, 2 * H_kv, Dh padded
+to 128] of each position's keys and values interleaved by head, written here and read by that
+kernel only, and reads no sinks or windows (`kernel_refusal`); the GPU's (Mosaic GPU) reads the
+pools k, v with Dh padded to whole 32-byte granules (`kernels.head_dim`), which the XLA path
+reads too (a prefill chunk's attention) as zeros after each head's Dh, and masks a window
+layer's window and adds its sinks itself: a window layer's decode step reads its own group's
+pool and tables.
 """
 
 from __future__ import annotations
@@ -129,19 +132,19 @@ def page_size_of(cache) -> int:
     return run["kv"].shape[-3] if "kv" in run else next(iter(run.values())).shape[-2]
 
 
-def kernel_refusal(c) -> str | None:
-    """Why the paged-attention kernels cannot read this model's cache (None: they can). Their
-    softmax has no sink logit, they mask no sliding window of ours, and MLA caches a latent."""
+def kernel_refusal(c, kernel: str) -> str | None:
+    """Why paged-attention `kernel` cannot read this model's cache (None: it can). MLA caches a
+    latent; the TPU kernel's softmax has no sink logit and masks no sliding window."""
     if c.is_mla:
         return "MLA and DSA cache one latent per position, not GQA heads"
-    if c.attention_sinks or c.sliding_layers:
-        return "the kernels' softmax takes no attention sinks or sliding windows"
+    if (c.attention_sinks or c.sliding_layers) and not kernels.reads_windows(kernel):
+        return "its softmax takes no attention sinks or sliding windows"
     return None
 
 
-def kv_pool_spec(c, pages: int, page_size: int, kernel: str) -> dict:
+def kv_pool_spec(c, pages: int, page_size: int, kernel: str, dtype) -> dict:
     """The interleaved "kv" pool of a kernel that reads one (`kernels.combined`): name -> (shape, axes)."""
-    dh = kernels.head_dim(kernel, c.head_dim)
+    dh = kernels.head_dim(kernel, c.head_dim, dtype)
     return {"kv": ((pages, page_size, 2 * c.num_kv_heads, dh), KV_POOL_AXES)}
 
 
@@ -167,10 +170,14 @@ def store(first_page, pool: jax.Array, new: jax.Array, positions: jax.Array, pag
     return (pool, read(pool, pages, seq_axis)) if view else pool
 
 
-def store_and_attend(kernel: str, scale: float, first_page, q, k, v, positions, pages: LayerPages, pool: dict):
+def store_and_attend(
+    kernel: str, scale: float, window: int, first_page, q, k, v, positions, pages: LayerPages, pool: dict, sinks=None
+):
     """One device's requests and pages: writes k, v: [B, T, H_kv, Dh] at positions [B, T]
     through `pages` (global page ids; this device holds pages first_page.. of the run's pools
-    [layers, n, ...]) and attends q: [B, T, H, Dh] over them with `kernel` -> (out [B, T, H, Dh], pool)."""
+    [layers, n, ...]) and attends q: [B, T, H, Dh] over them with `kernel`, keys older than
+    `window` positions masked (0: none) and the device's heads' `sinks` [H] (or None) in the
+    softmax -> (out [B, T, H, Dh], pool)."""
     shapes = {name: a.shape for name, a in pool.items()}
     layers, n = next(iter(shapes.values()))[:2]
     # The run's pools as one pool of layers * n pages (a bitcast): the kernels read no layer axis.
@@ -186,7 +193,7 @@ def store_and_attend(kernel: str, scale: float, first_page, q, k, v, positions, 
             name: write(pool[name], widen(new, pool[name].shape[-1]), positions, table, seq_axis=2)
             for name, new in (("k", k), ("v", v))
         }
-    out = kernels.attend(kernel, q, pool, positions[:, -1] + 1, table, scale)
+    out = kernels.attend(kernel, q, pool, positions[:, -1] + 1, table, scale, window, sinks)
     return out, {name: a.reshape(shapes[name]) for name, a in pool.items()}
 
 
