@@ -36,6 +36,10 @@ if set(KERNELS) != {"auto", *_IMPLS}:
 # wgmma is Hopper's (sm_90a), tcgen05 Blackwell's (sm_100a); neither runs on the other.
 ARCHITECTURE = {"mosaic_gpu": (9, "Hopper (sm_90)"), "blackwell": (10, "Blackwell (sm_100)")}
 ARCHITECTURE["blackwell_bf16"] = ARCHITECTURE["blackwell"]
+# The Mosaic GPU names the Blackwell kernels build on beyond the Hopper one's (jax 0.10.2 to 0.12 have
+# them), checked before their modules are imported (which build tcgen05 layouts at import).
+BLACKWELL_API = ("tcgen05_mma", "tcgen05_commit_arrive", "TMEM", "TMEMLayout", "commit_tmem", "warp_map")
+BLACKWELL_API += ("async_load_tmem", "async_store_tmem", "wait_load_tmem", "async_copy_scales_to_tmem", "transpose_ref")
 # The kernels written for Pallas's Triton backend, which jax 0.11 deprecated: a jax without it has none.
 TRITON = ("pallas_gpu", "interpret_gpu")
 
@@ -56,7 +60,16 @@ def unavailable(name: str, expert_format: str, dtype="bfloat16", device=None) ->
         reason = f"multiplies bfloat16 rows by 4-bit experts (expert format {' or '.join(formats.FORMATS)})"
     else:
         reason = None
-    return reason or _architecture_refusal(name, device)
+    return reason or _api_refusal(name) or _architecture_refusal(name, device)
+
+
+def _api_refusal(name: str) -> str | None:
+    if name not in ("blackwell", "blackwell_bf16"):
+        return None
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    missing = [api for api in BLACKWELL_API if not hasattr(plgpu, api)]
+    return f"this jax's Mosaic GPU lacks {', '.join(missing)} (jax {jax.__version__})" if missing else None
 
 
 def _architecture_refusal(name: str, device) -> str | None:

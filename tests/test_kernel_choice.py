@@ -94,3 +94,12 @@ def test_without_triton_the_triton_kernel_named_is_refused(without_triton):
 
 def test_this_jax_has_the_triton_backend_it_is_pinned_with():
     assert pallas_kernels.triton_refusal() is None
+
+
+def test_a_jax_whose_mosaic_gpu_lacks_blackwells_names_falls_back_to_triton(monkeypatch):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    monkeypatch.delattr(plgpu, "tcgen05_mma")
+    assert _placement("b200", fmt="nvfp4").kernel == "pallas_gpu"
+    with pytest.raises(ConfigError, match=r"kernel blackwell_bf16: this jax's Mosaic GPU lacks tcgen05_mma \(jax "):
+        _placement("b200", fmt="nvfp4", kernel="blackwell_bf16")

@@ -115,7 +115,12 @@ def test_the_cpus_rows_through_the_xla_grouped_gemm_are_the_product():
         (platform.GEMM_KERNEL_NEEDS, "blackwell", TPU, "needs an NVIDIA Blackwell"),
         (platform.GEMM_KERNEL_NEEDS, "pallas_gpu", GPU, None),
         (platform.GEMM_KERNEL_NEEDS, "interpret_gpu", CPU, None),
-        (platform.ATTENTION_KERNEL_NEEDS, "pallas_gpu", TPU, "needs an NVIDIA GPU; this machine's backend is tpu"),
+        (
+            platform.ATTENTION_KERNEL_NEEDS,
+            "pallas_gpu",
+            TPU,
+            "needs an NVIDIA Hopper or newer GPU (TMA); this machine's backend is tpu",
+        ),
         (platform.ATTENTION_KERNEL_NEEDS, "pallas_tpu", TPU, None),
     ],
 )
