@@ -1,7 +1,9 @@
 """The GPU grouped GEMMs against `jax.lax.ragged_dot`, at decode and prefill sizes.
 
 One GLM-5.3-like projection per expert ([E, K, N] = [256, 6144, 2048], top-8): for each
-batch, the Triton kernel (`pallas_gpu`) with bf16, NVFP4 and MXFP4 weights and
+batch, side by side, every grouped GEMM this GPU and this jax run (`pallas_kernels.unavailable`):
+the Triton kernel (`pallas_gpu`, while jax has Pallas's Triton backend), Mosaic GPU's for Hopper
+(`mosaic_gpu`) or for Blackwell (`blackwell_bf16`), with bf16, NVFP4 and MXFP4 weights, and
 `jax.lax.ragged_dot` with bf16 weights; on a Blackwell GPU (sm_100) also the `blackwell`
 kernel, whose rows are 4-bit too. Prints time, experts touched, expert bytes read,
 GB/s and TFLOP/s against the card's ceilings, and each kernel's error against ragged_dot.
@@ -55,10 +57,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted kernel, CPU")
     args = p.parse_args(argv)
-    backend = "pallas_gpu"
+    backends = [b for b in ("pallas_gpu", "mosaic_gpu", "blackwell_bf16") if not pk.unavailable(b, "nvfp4")]
     if args.smoke:
         args.experts, args.hidden, args.inter, args.tokens, args.reps = 8, 256, 128, [1, 16], 2
-        backend = "interpret_gpu"
+        backends = ["interpret_gpu"]
     kind, hbm, peak = ceilings()
     print(f"{kind}: ceilings {hbm / 1e12:.2f} TB/s, {peak / 1e12:.0f} TFLOP/s bf16 dense")
     print(f"[E, K, N] = [{args.experts}, {args.hidden}, {args.inter}], top-{args.topk}")
@@ -84,7 +86,12 @@ def main(argv: list[str] | None = None) -> None:
         flops = 2 * ids.size * args.hidden * args.inter
         expected = ragged(rows, w, sizes).astype(jnp.float32)
         runs = [("ragged_dot bf16", "bf16", lambda: ragged(rows, w, sizes))]
-        runs += [(f"{backend} {f}", f, lambda f=f: gemm(rows, weights[f], sizes, backend=backend)) for f in weights]
+        runs += [
+            (f"{b} {f}", f, lambda b=b, f=f: gemm(rows, weights[f], sizes, backend=b))
+            for b in backends
+            for f in weights
+            if f != "bf16" or b != "blackwell_bf16"  # its weights are 4-bit
+        ]
         runs += [
             (f"blackwell {f}", f, lambda f=f: gemm(rows, prepared[f], sizes, backend="blackwell")) for f in prepared
         ]

@@ -30,6 +30,9 @@ TPU_KV_PAGES_PER_BLOCK, TPU_QUERIES_PER_BLOCK = 128, 32
 # The GPU kernel's launch should cover this many SMs (an H100's and an H200's 132) about
 # GPU_WAVES times: a compiled program does not know the GPU it will run on, so it is a constant.
 GPU_SMS, GPU_WAVES = 132, 2
+# The most splits: the last split's CTA combines the others' partials in code unrolled over splits and
+# query heads (compiling Qwen3-30B-A3B's batch-1 step took 53 s at 35 splits, XLA:GPU and ptxas).
+GPU_MAX_SPLITS = 8
 
 KERNELS = ("pallas_tpu", "pallas_gpu", "interpret_gpu")
 
@@ -106,11 +109,12 @@ def gpu_blocks(b: int, hkv: int, groups: int, w: int, page_size: int, p: int, dt
     heads each) over tables of p pages, pools `w` wide in `dtype`. A compute block holds as many
     pages as fill the register tile's ROWS positions (its rows are padded to them anyway; at least
     one page, at most the table's); the splits are as many as make splits * b * hkv CTAs cover
-    GPU_SMS about GPU_WAVES times, at most the table's blocks (a split past them reads nothing).
+    GPU_SMS about GPU_WAVES times, at most the table's blocks (a split past them reads nothing) and
+    GPU_MAX_SPLITS.
     Where their SMEM is over SMEM_BYTES, fewer splits (each holds a partial), then fewer pages;
     a shape that fits in none is the kernel's to refuse."""
     pages = min(p, max(1, ROWS // page_rows(page_size)))
-    splits = max(1, min(-(-GPU_WAVES * GPU_SMS // (b * hkv)), -(-p // pages)))
+    splits = max(1, min(-(-GPU_WAVES * GPU_SMS // (b * hkv)), -(-p // pages), GPU_MAX_SPLITS))
     fits = lambda: smem_bytes(groups, w, page_size, pages, splits, dtype) <= SMEM_BYTES
     while not fits() and splits > 1:
         splits -= 1

@@ -116,15 +116,14 @@ def test_gpu_kernel_interpreted_masks_a_window_and_adds_sinks_as_the_xla_path():
         assert np.abs(np.asarray(got - other)).max() > 1e-2
 
 
-# (B, H_kv, G, W, page_size, P, dtype) -> (pages_per_block, splits). Qwen3-30B-A3B in bf16 at batch 1
-# (66 splits would cover the SMs twice; the partials of 35 fill SMEM) and 64 (2 splits: 512 CTAs),
-# and in f32 (larger blocks of keys: 21); gpt-oss-120b's heads at batch 1 (33 splits: 264 CTAs,
-# twice the SMs); a short table (one block: one split).
+# (B, H_kv, G, W, page_size, P, dtype) -> (pages_per_block, splits). Qwen3-30B-A3B in bf16 and f32 at
+# batch 1 (66 splits would cover the SMs twice: GPU_MAX_SPLITS) and 64 (2 splits: 512 CTAs);
+# gpt-oss-120b's heads at batch 1 (33 would: GPU_MAX_SPLITS); a short table (one block: one split).
 BLOCKS = {
-    (1, 4, 8, 128, 16, 256, "bfloat16"): (4, 35),
+    (1, 4, 8, 128, 16, 256, "bfloat16"): (4, 8),
     (64, 4, 8, 128, 16, 256, "bfloat16"): (4, 2),
-    (1, 4, 8, 128, 16, 256, "float32"): (4, 21),
-    (1, 8, 8, 64, 16, 512, "bfloat16"): (4, 33),
+    (1, 4, 8, 128, 16, 256, "float32"): (4, 8),
+    (1, 8, 8, 64, 16, 512, "bfloat16"): (4, 8),
     (4, 2, 2, 16, 4, 8, "float32"): (8, 1),
 }
 
@@ -133,7 +132,7 @@ BLOCKS = {
 def test_gpu_blocks_fit_smem_and_cover_the_sms(shape):
     """The GPU kernel's blocks: pages filling the 64-row register tile, as many splits as cover the
     SMs twice where the table has the blocks and SMEM the partials, and no more (one more split
-    would not fit, or would reach past the SMs' two waves or the table's blocks)."""
+    would not fit, or would reach past the SMs' two waves, the table's blocks or GPU_MAX_SPLITS)."""
     b, hkv, g, w, ps, p, dtype = shape
     pages, splits = kernels.gpu_blocks(b, hkv, g, w, ps, p, dtype)
     assert (pages, splits) == BLOCKS[shape]
@@ -142,6 +141,7 @@ def test_gpu_blocks_fit_smem_and_cover_the_sms(shape):
         smem_bytes(g, w, ps, pages, splits + 1, dtype) > SMEM_BYTES
         or splits * b * hkv >= kernels.GPU_WAVES * kernels.GPU_SMS
         or splits == -(-p // pages)
+        or splits == kernels.GPU_MAX_SPLITS
     )
 
 
