@@ -168,6 +168,13 @@ XLA = DecodeKernels()
 ACCELERATOR_DEVICES = ("/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*")
 
 
+def gpu_major(device) -> int | None:
+    """The major version of `device`'s compute capability (9: Hopper, 10: Blackwell); None for a
+    device that has none (a CPU or TPU device, or a GPU jax does not describe)."""
+    capability = str(getattr(device, "compute_capability", "") or "")
+    return int(capability.split(".")[0]) if capability else None
+
+
 def canonical(name: str) -> str:
     """jax's name of a platform ("cpu", "gpu", "cuda", "tpu") as one of PLATFORMS ("cuda": "gpu")."""
     name = JAX_NAMES.get(name, name)
@@ -220,8 +227,7 @@ class Platform:
         "auto" stands for itself."""
         if name != "auto":
             return (name,)
-        capability = str(getattr(device, "compute_capability", "") or "")
-        major = int(capability.split(".")[0]) if self.name == "gpu" and capability else None
+        major = gpu_major(device) if self.name == "gpu" else None
         return (*AUTO_GPU_KERNELS.get(major, self.auto_kernels), "xla")
 
     def attention_kernel(self, name: str) -> str:

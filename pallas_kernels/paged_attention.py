@@ -34,7 +34,8 @@ GPU_SMS, GPU_WAVES = 132, 2
 # query heads (compiling Qwen3-30B-A3B's batch-1 step took 53 s at 35 splits, XLA:GPU and ptxas).
 GPU_MAX_SPLITS = 8
 
-KERNELS = ("pallas_tpu", "pallas_gpu", "interpret_gpu")
+GPU_KERNELS = ("pallas_gpu", "interpret_gpu")  # ours on Mosaic GPU, compiled or interpreted
+KERNELS = ("pallas_tpu", *GPU_KERNELS)
 
 
 def combined(name: str) -> bool:
@@ -44,7 +45,7 @@ def combined(name: str) -> bool:
 
 def unavailable(name: str) -> str | None:
     """Why this jax cannot build kernel `name` (None: it can): the Mosaic GPU names ours lacks."""
-    if name in ("pallas_gpu", "interpret_gpu"):
+    if name in GPU_KERNELS:
         from pallas_kernels import paged_attention_mgpu
 
         return paged_attention_mgpu.unavailable()
@@ -58,7 +59,7 @@ def prefills(name: str) -> bool:
 
 def reads_windows(name: str) -> bool:
     """Whether kernel `name` takes sliding windows and attention sinks (the GPU kernel's do)."""
-    return name in ("pallas_gpu", "interpret_gpu")
+    return name in GPU_KERNELS
 
 
 def head_dim(name: str, dh: int, dtype) -> int:
@@ -66,7 +67,7 @@ def head_dim(name: str, dh: int, dtype) -> int:
     lanes, the GPU kernel's whole 32-byte granules (`pool_width`), else dh."""
     if combined(name):
         return -(-dh // LANES) * LANES
-    if name in ("pallas_gpu", "interpret_gpu"):
+    if name in GPU_KERNELS:
         return pool_width(dh, dtype)
     return dh
 

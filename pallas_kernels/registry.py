@@ -10,6 +10,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from moejax.platform import gpu_major
 from moejax.vocab import KERNELS
 from pallas_kernels import epilogue, formats, layered
 
@@ -76,9 +77,9 @@ def _architecture_refusal(name: str, device) -> str | None:
     if name not in ARCHITECTURE:
         return None
     major, what = ARCHITECTURE[name]
-    capability = str(getattr(device or jax.devices()[0], "compute_capability", "") or "")
-    if capability and int(capability.split(".")[0]) != major:
-        return f"needs an NVIDIA {what} GPU; this one is sm_{capability.replace('.', '')}"
+    device = device or jax.devices()[0]
+    if gpu_major(device) not in (None, major):
+        return f"needs an NVIDIA {what} GPU; this one is sm_{str(device.compute_capability).replace('.', '')}"
     return None
 
 
@@ -128,7 +129,7 @@ def for_kernel(q: formats.QuantizedArray, kernel: str):
 
 def is_blackwell(device=None) -> bool:
     """Whether `device` (default: this machine's first) is an sm_100 GPU (B200 / B300)."""
-    return str(getattr(device or jax.devices()[0], "compute_capability", "")).startswith("10.")
+    return gpu_major(device or jax.devices()[0]) == ARCHITECTURE["blackwell"][0]
 
 
 def _load(module: str, name: str):

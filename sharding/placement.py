@@ -257,9 +257,10 @@ def gemm_kernel(config: Config, platform: Platform, tp: int, device=None) -> str
     named for what it cannot run is refused with the reason."""
     dtype = platform.run_dtype(config.engine.dtype)
     fmt = config.weights.expert_format
+    shapes = expert_shapes(config.model, tp)
     for name in platform.gemm_candidates(config.kernel, device):
         refusal = platform.refusal(name, GEMM_KERNEL_NEEDS) or pallas_kernels.unavailable(name, fmt, dtype, device)
-        if refusal is None and (refusal := pallas_kernels.shape_refusal(name, expert_shapes(config.model, tp), fmt)):
+        if refusal is None and (refusal := pallas_kernels.shape_refusal(name, shapes, fmt)):
             refusal += "; these experts multiply through XLA (--kernel xla or auto)"
         if refusal is None:
             return name
