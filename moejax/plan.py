@@ -117,7 +117,8 @@ def compile_program(jitted, args, persist: bool = True) -> tuple:
     was = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", was and persist)
     try:
-        compiled = jitted.lower(*args).compile()
+        with targets.lowering(*args):
+            compiled = jitted.lower(*args).compile()
     except Exception as e:  # whether it compiles is the answer; the reason is the report
         return None, time.perf_counter() - t0, (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
     finally:

@@ -16,6 +16,7 @@ published or estimated figures, marked as such where they are set.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -229,3 +230,18 @@ def devices(name: str, n: int) -> tuple:
         platform="cuda", topology_name="", target_config=gpu_target_config(t), topology=f"1x{hosts}x{per_host}"
     )
     return tuple(topo.devices)
+
+
+def lowering(*args):
+    """A context in which jax lowers a program over `args` for the GPU their (compile-only) devices
+    are: Pallas's Triton lowering asks jax's default device which GPU it writes for (jax 0.11 on;
+    0.10.2 asked the program's devices), and off a GPU host that is the CPU, which it refuses
+    ("No supported GPU devices found"). Elsewhere (a CPU's or a TPU's arrays) nothing changes."""
+    import jax
+
+    for leaf in jax.tree.leaves(args):
+        sharding = getattr(leaf, "sharding", None)
+        device = next(iter(sharding.device_set), None) if sharding is not None else None
+        if device is not None and device.platform == "gpu":
+            return jax.default_device(device)
+    return contextlib.nullcontext()

@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import decode, epilogue, formats, layered, metadata, tiling
+from pallas_kernels import decode, epilogue, formats, layered, metadata, mgpu_api, tiling
 from pallas_kernels.gmm_blackwell import store_group_rows
 
 TN = 128  # weight columns a CTA decodes per column set: the MMA's M with A in TMEM
@@ -177,7 +177,7 @@ def _kernel(
                                 plgpu.tcgen05_mma(
                                     acc_tmem.at[i],
                                     a_tmem.at[(slot * 2 + h) * pairs + i],
-                                    plgpu.transpose_ref(x_smem.at[slot, h], (1, 0)),
+                                    x_smem.at[slot, h].transpose((1, 0)),
                                     consumed_bar.at[slot] if last else None,
                                     accumulate=(ki > 0) if h == 0 else True,
                                 )
@@ -200,15 +200,12 @@ def _kernel(
 
                 for i in range(pairs):
                     # Thread n reads weight column n: bytes [TKB, TN] (column set i) read transposed.
-                    w = plgpu.transpose_ref(w_smem.at[slot].reshape(TKB, TN, pairs).at[:, :, i], (1, 0))
+                    w = w_smem.at[slot].reshape(TKB, TN, pairs).at[:, :, i].transpose((1, 0))
                     for b in range(sb):
-                        byte_cols = plgpu.load(w.at[:, pl.ds(b * block, block)], (), layout=ROWS1, optimized=False)
+                        byte_cols = mgpu_api.load(w.at[:, pl.ds(b * block, block)], ROWS1, optimized=False)
                         scales = [
-                            plgpu.load(
-                                s_smem.at[slot, h, b].reshape(TN, pairs),
-                                (slice(None), i),
-                                layout=ROWS.reduce(1),
-                                optimized=False,
+                            mgpu_api.load(
+                                s_smem.at[slot, h, b].reshape(TN, pairs).at[:, i], ROWS.reduce(1), optimized=False
                             )
                             for h in range(2)
                         ]
@@ -226,7 +223,7 @@ def _kernel(
                 [
                     None
                     if table is None
-                    else plgpu.load(table.at[local, out_cols, i], (), layout=ROWS.reduce(1), optimized=False)
+                    else mgpu_api.load(table.at[local, out_cols, i], ROWS.reduce(1), optimized=False)
                     for table in (cols_gmem, bias_gmem)
                 ]
                 for i in range(pairs)
@@ -242,7 +239,7 @@ def _kernel(
                     ys.append(epilogue.finish(acc, out_smem.dtype, scale, None if bias is None else spread(bias)))
                 # The activation's math is f32, as the Triton kernel's.
                 y = ys[0] if act is None else epilogue.glu(*(y.astype(jnp.float32) for y in ys), act)
-                out_rows = plgpu.transpose_ref(out_smem.at[pl.ds(c * EPILOGUE_ROWS, EPILOGUE_ROWS)], (1, 0))
+                out_rows = out_smem.at[pl.ds(c * EPILOGUE_ROWS, EPILOGUE_ROWS)].transpose((1, 0))
                 out_rows[...] = plgpu.layout_cast(y.astype(out_smem.dtype), ROWS1)
             plgpu.commit_smem()
             store_group_rows(out_smem, out_gmem.at[:, out_cols], offsets, g, m_tile, tm)

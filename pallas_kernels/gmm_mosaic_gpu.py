@@ -56,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import decode, epilogue, formats, layered, metadata, tiling
+from pallas_kernels import decode, epilogue, formats, layered, metadata, mgpu_api, tiling
 
 try:  # jax's Mosaic GPU interpreter (jax >= 0.10.2) is not exported; only the tests run it
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -153,11 +153,7 @@ def _kernel(
     # The interpreter has no register layouts (a layout cast has no CPU lowering there).
     cast = (lambda x, _: x) if interpret else plgpu.layout_cast
     # A load from GMEM into a layout is per element (`optimized=False`): only shared memory has vector plans.
-    load = (
-        (lambda ref, *_: ref[...])
-        if interpret
-        else lambda ref, layout, optimized=True: plgpu.load(ref, (), layout=layout, optimized=optimized)
-    )
+    load = (lambda ref, *_: ref[...]) if interpret else mgpu_api.load
     t, n_i = lax.axis_index("t"), lax.axis_index("n")
 
     @pl.when(t < num_tiles[0])

@@ -329,10 +329,9 @@ def _kernel(*refs, config):
     init = tuple((jnp.float32(-jnp.inf), jnp.float32(0.0)) for _ in range(c.groups))
     stats = lax.fori_loop(start, stop, step, init)
     # This split's normalized output and log-sum-exp per head (0 and -inf where it saw no key).
-    outs = [
-        jnp.where(total > 0, c.cast(acc_smem[i], COL) / jnp.maximum(total, TINY), 0.0)
-        for i, (_, total) in enumerate(stats)
-    ]
+    # A head that saw no key has total 0 and its sum 0: 0 / TINY. (Not a select on `total > 0`: Mosaic
+    # GPU's warpgroup lowering (jax 0.11 on) has no select of a [W] by a scalar.)
+    outs = [c.cast(acc_smem[i], COL) / jnp.maximum(total, TINY) for i, (_, total) in enumerate(stats)]
     lses = [jnp.where(total > 0, top + jnp.log(jnp.maximum(total, TINY)), -jnp.inf) for top, total in stats]
     col = c.iota(width, COL)
 
@@ -392,4 +391,4 @@ def _merge(terms, sink):
     weights = [jnp.exp(logit - base) for logit in logits]
     num = functools.reduce(operator.add, [w * o for w, (_, o) in zip(weights, terms)])
     den = functools.reduce(operator.add, weights)
-    return jnp.where(den > 0, num / jnp.maximum(den, TINY), 0.0)
+    return num / jnp.maximum(den, TINY)  # no key and no sink: every weight 0, so num 0 (no scalar select)

@@ -40,7 +40,7 @@ ARCHITECTURE["blackwell_bf16"] = ARCHITECTURE["blackwell"]
 # The Mosaic GPU names the Blackwell kernels build on beyond the Hopper one's (jax 0.10.2 to 0.12 have
 # them), checked before their modules are imported (which build tcgen05 layouts at import).
 BLACKWELL_API = ("tcgen05_mma", "tcgen05_commit_arrive", "TMEM", "TMEMLayout", "commit_tmem", "warp_map")
-BLACKWELL_API += ("async_load_tmem", "async_store_tmem", "wait_load_tmem", "async_copy_scales_to_tmem", "transpose_ref")
+BLACKWELL_API += ("async_load_tmem", "async_store_tmem", "wait_load_tmem", "async_copy_scales_to_tmem")
 # The kernels written for Pallas's Triton backend, which jax 0.11 deprecated: a jax without it has none.
 TRITON = ("pallas_gpu", "interpret_gpu")
 

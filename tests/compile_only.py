@@ -14,3 +14,10 @@ def on(target: str, shape, dtype) -> jax.ShapeDtypeStruct:
 def on_h100(shape, dtype) -> jax.ShapeDtypeStruct:
     """An abstract array on a compile-only H100."""
     return on("h100", shape, dtype)
+
+
+def lower(jitted, *args, **kwargs):
+    """`jitted` lowered over `args` (abstract arrays on a target's compile-only devices) for that
+    target (`targets.lowering`: the GPU Pallas's Triton lowering writes for)."""
+    with targets.lowering(*args):
+        return jitted.lower(*args, **kwargs)

@@ -62,7 +62,8 @@ def products(dtype: str) -> dict:
         model=model, layout=LayoutConfig(devices=1), engine=EngineConfig(dtype=dtype), kernel="auto"
     ).validate()
     placement, step, args = decode_program(config, 8, 64, "cuda", devices=list(targets.devices("h100", 1)))
-    lowered = jit_program(step, dtype, placement.platform, decode=True, donate_argnums=1).lower(*args)
+    with targets.lowering(*args):
+        lowered = jit_program(step, dtype, placement.platform, decode=True, donate_argnums=1).lower(*args)
     hlo = lowered.compile().as_text()
     lines = hlo.splitlines()
     dots = [precision(r"operand_precision=\{([a-z,]+)\}", line) for line in lines if " dot(" in line]

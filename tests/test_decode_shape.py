@@ -15,6 +15,7 @@ import dataclasses
 import functools
 
 import pytest
+from compile_only import lower
 
 from moejax import plan, targets
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
@@ -39,7 +40,7 @@ def step(batch: int, fmt: str, layers: int) -> dict:
     placement, programs = plan.programs(config, batch, 4096, 512, "cuda", devices, 16)
     jitted, args = programs["decode"]
     assert placement.decode.fuses(batch)  # the decode kernels, as a GPU's run takes them
-    return plan.decode_kernels(jitted.lower(*args).compile().as_text(), args[0], layers)
+    return plan.decode_kernels(lower(jitted, *args).compile().as_text(), args[0], layers)
 
 
 def per_layer(batch: int, fmt: str) -> dict[str, float]:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from compile_only import on, on_h100
+from compile_only import lower, on, on_h100
 from gemm_cases import (
     GLU_ACTS,
     GLU_CASES,
@@ -127,7 +127,8 @@ def test_gpu_kernel_compiles_for_h100_at_any_width(k, n, fmt, act):
         )
     )
     text = (
-        f.lower(
+        lower(
+            f,
             on_h100((12, k), jnp.bfloat16),
             w,
             on_h100((8,), jnp.int32),
@@ -213,7 +214,7 @@ def target_gemm(target: str, fmt: str, m: int = 256, k: int = 2048, n: int = 512
     w = jax.tree.map(lambda a: on(target, a.shape, a.dtype), w)
     bias = jnp.zeros((8, n), jnp.bfloat16) if act is not None else None
     f = jax.jit(lambda l, w, s, o: pk.grouped_gemm(l, w, s, group_offset=o, backend=backend, bias=bias, act=act))
-    return f.lower(on(target, (m, k), jnp.bfloat16), w, on(target, (32,), jnp.int32), on(target, (), jnp.int32))
+    return lower(f, on(target, (m, k), jnp.bfloat16), w, on(target, (32,), jnp.int32), on(target, (), jnp.int32))
 
 
 @pytest.mark.parametrize("target", list(TARGET_KERNELS))

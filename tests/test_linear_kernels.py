@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from compile_only import on_h100
+from compile_only import lower, on_h100
 
 from moejax.config import preset
 from moejax.model.layers import apply_rope, interleave_gate_up, rms_norm, silu_glu
@@ -369,7 +369,7 @@ def test_router_twins_are_route(scoring):
 def compiled_h100(f, *args) -> list[tuple[str, int]]:
     """f compiled for a compile-only H100 over abstract args: (opcode or custom call target,
     elements written) of each instruction."""
-    text = jax.jit(f).lower(*args).compile().as_text()
+    text = lower(jax.jit(f), *args).compile().as_text()
     ops = []
     for shape, opcode, rest in re.findall(r"^\s*(?:ROOT )?%\S+ = (\(.*?\)|\S+) ([\w-]+)\((.*)$", text, re.M):
         target = re.search(r'custom_call_target="([^"]+)"', rest)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from compile_only import on_h100
+from compile_only import lower, on_h100
 
 from moejax import hlo
 from moejax.model import attention, paged
@@ -184,7 +184,7 @@ def h100_program(splits: int) -> str:
     )
     pool = on_h100((64, hkv, ps, dh), jnp.bfloat16)
     args = (on_h100((b, h, dh), jnp.bfloat16), pool, pool, on_h100((b, p), jnp.int32), on_h100((b,), jnp.int32))
-    return step.lower(*args, on_h100((), jnp.int32), on_h100((h,), jnp.float32)).compile().as_text()
+    return lower(step, *args, on_h100((), jnp.int32), on_h100((h,), jnp.float32)).compile().as_text()
 
 
 @pytest.mark.parametrize("splits,launches", [(1, ["custom-call"]), (8, ["fusion", "custom-call"])])

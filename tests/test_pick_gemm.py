@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from compile_only import on_h100
+from compile_only import lower, on_h100
 from h100_precision import triton_dots
 from test_kernels import tolerance
 
@@ -237,7 +237,8 @@ def h100_moe(fmt: str, tokens: int):
         h = pick_gemm(x, LayerOf(up, layer), ids, epilogue=(None, bias, silu_glu), **common)  # [T*k, F]
         return pick_gemm(h, LayerOf(down, layer), ids, rows_are_picks=True, **common)  # [T*k, D]
 
-    lowered = jax.jit(moe).lower(
+    lowered = lower(
+        jax.jit(moe),
         on_h100((tokens, D), dtype),
         on_h100((tokens * K,), jnp.int32),
         up,

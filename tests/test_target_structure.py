@@ -11,7 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from compile_only import on
+from compile_only import lower, on
 
 import pallas_kernels as pk
 from moejax import hlo, plan, platform, targets
@@ -57,7 +57,7 @@ def program(target: str, kernel: str, page_size: int):
         config, BATCH, CONTEXT, BATCH, targets.target(target).platform, list(targets.devices(target, 1)), page_size
     )
     jitted, args = progs["decode block"]
-    compiled = jitted.lower(*args).compile()
+    compiled = lower(jitted, *args).compile()
     return compiled.as_text(), *args[:2], compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -134,7 +134,8 @@ def test_the_xla_grouped_gemm_loops_a_known_number_of_times_on_a_gpu(fmt, rows):
         w = jax.eval_shape(lambda a: pk.quantize_experts(a, fmt), w)
     f = jax.jit(lambda l, w, s: pk.grouped_gemm(l, w, s, backend="xla", gemm_rows=platform.resolve("cuda").gemm_rows))
     text = (
-        f.lower(
+        lower(
+            f,
             on("h100", (rows, 256), jnp.bfloat16),
             jax.tree.map(lambda a: on("h100", a.shape, a.dtype), w),
             on("h100", (16,), jnp.int32),
