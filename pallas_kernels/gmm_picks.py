@@ -148,16 +148,22 @@ def pick_gemm(
         has=(ts is not None, columns is not None, bias is not None),
         act=act,
     )
+    operands = (ids, jnp.asarray(group_offset, jnp.int32).reshape(1), first, lhs, *weights, *scales, *tables)
+    # ids as one block of the power of two covering P (Triton's blocks are powers of two; the tail
+    # masked), the rest whole.
+    whole = pl.BlockSpec()
     return pl.pallas_call(
         kernel,
         out_shape=metadata.varying_struct((p, n // pairs), out_dtype, lhs, rhs, ids, group_offset),
         grid=(g_local + 1, pl.cdiv(n, tiles.tn)),
+        in_specs=[pl.BlockSpec((pl.next_power_of_2(p),), lambda g, j: (0,))] + [whole] * (len(operands) - 1),
+        out_specs=whole,
         compiler_params=pl_triton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         cost_estimate=tiling.cost_estimate(
             jax.ShapeDtypeStruct((p, kdim), lhs.dtype), layer, p, out_dtype, act is not None
         ),
-    )(ids, jnp.asarray(group_offset, jnp.int32).reshape(1), first, lhs, *weights, *scales, *tables)
+    )(*operands)
 
 
 def _kernel(
@@ -182,20 +188,20 @@ def _kernel(
     act,
 ):
     """Program (g, j): expert g's picks (g = g_local: the picks of no local expert) times column
-    tile j. Refs are whole arrays in HBM: ids [P], offset [1], first [1] (the layer's first expert
-    in the stack's [G', ..]), x [P / rows_per_x, K], the weights ([G', K, N/p, p], or 4-bit bytes
-    [G', K/2, N/p, p] and scale bits [G', K/B, N/p, p]; p = `pairs`: 2 with act, the gate and up
-    columns), then where `has` says: the tensor scales ([G'], or `per_column` [G', 1, N/p, p]),
-    the epilogue's column scales and bias [G, 1, N/p, p]; out [P, N/p]."""
+    tile j. Refs are whole arrays in HBM but ids, [P_pad] (a block past P); offset [1], first [1]
+    (the layer's first expert in the stack's [G', ..]), x [P / rows_per_x, K], the weights
+    ([G', K, N/p, p], or 4-bit bytes [G', K/2, N/p, p] and scale bits [G', K/B, N/p, p]; p = `pairs`:
+    2 with act, the gate and up columns), then where `has` says: the tensor scales ([G'], or
+    `per_column` [G', 1, N/p, p]), the epilogue's column scales and bias [G, 1, N/p, p]; out [P, N/p]."""
     *ins, out_ref = refs
     n_weights = 1 if fmt is None else 2
     w_refs, extras = ins[:n_weights], iter(ins[n_weights:])
     tscale_ref, cols_ref, bias_ref = (next(extras) if present else None for present in has)
     g, n_i = pl.program_id(0), pl.program_id(1)  # read outside pl.when: interpret mode wants it
     tm, width, out_cols = tiles.tm, tiles.tn // pairs, n // pairs
-    p_pad = pl.next_power_of_2(p)  # Triton blocks are powers of two
+    p_pad = ids_ref.shape[0]  # the power of two covering P
     in_p = lax.iota(jnp.int32, p_pad) < p
-    local = load(ids_ref.at[pl.ds(0, p_pad)], None if p_pad == p else in_p) - offset_ref[0]  # [P_pad]
+    local = load(ids_ref, None if p_pad == p else in_p) - offset_ref[0]  # [P_pad]
     cols = iota(width, 1, n_i * width)  # [1, width]: the output columns (column pairs) of this program
     in_n = None if out_cols % width == 0 else cols < out_cols
     at = first_ref[0] + g  # the expert's weights in the stack

@@ -150,15 +150,15 @@ def _linear_kernel(*refs, tree, n_in, segments, m, k, tm, tk, eps, precision, ac
         if seg.head_norm:  # the head's statistic over its pieces (masked columns are zeros)
             yf = [y.astype(jnp.float32) for y in ys]
             head_rstd = lax.rsqrt(sum(jnp.sum(f * f, axis=1, keepdims=True) for f in yf) / seg.tile + eps)
-            # A piece's head norm columns from its first column's place in the head (traced: a
-            # static start is checked against the ref's width, which a masked block passes).
+            # A piece's head norm columns from its first column's place in the head (traced: jax
+            # checks a slice whose start it knows against the ref's width, which a masked block fails).
             ys = [
                 normalize(f, head_rstd, load(refs["head_norm"].at[:, pl.ds(c % seg.tile, b)], keep), y.dtype)
                 for f, y, (c, b, keep) in zip(yf, ys, pieces)
             ]
         if seg.rotate:  # pieces 0 and 1: the rotated halves
-            _, b, keep = pieces[0]
-            cos, sin = (load(a.at[rows, pl.ds(0, b)], in_m, keep) for a in ins["rope"])
+            c, b, keep = pieces[0]  # cos and sin's columns: the rotated half's in its head
+            cos, sin = (load(a.at[rows, pl.ds(c % seg.tile, b)], in_m, keep) for a in ins["rope"])
             ys[:2] = (y.astype(seg.out_dtype) for y in rotate_half(*(y.astype(jnp.float32) for y in ys[:2]), cos, sin))
         for (c, b, keep), y in zip(pieces, ys):
             if ins["residual"] is not None:

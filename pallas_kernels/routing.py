@@ -79,10 +79,9 @@ def topk_route_xla(
 
 
 def _route_kernel(*refs, m, e, k, tm, scoring, norm_topk_prob, scale):
-    """Program r: rows [r * tm, (r + 1) * tm). Refs: logits [M, E], bias [1, E] (where given),
-    ids [M, k], weights [M, k]; blocks [tm, E'] and [tm, k'] (powers of two, masked)."""
+    """Program r: rows [r * tm, (r + 1) * tm). Refs, its blocks (powers of two, the tails past M,
+    E and k masked): logits [tm, E'], bias [1, E'] (where given), ids [tm, k'], weights [tm, k']."""
     logits_ref, *bias_ref, ids_ref, weights_ref = refs
-    rows = pl.ds(pl.program_id(0) * tm, tm)
     e_block, k_block = pow2(e), pow2(k)
     in_m = None if m % tm == 0 else iota(tm, 0, pl.program_id(0) * tm) < m  # [tm, 1]
     experts, picks = iota(e_block, 1), iota(k_block, 1)  # [1, E'], [1, k']
@@ -97,8 +96,8 @@ def _route_kernel(*refs, m, e, k, tm, scoring, norm_topk_prob, scale):
         unnormalized = jnp.exp(x - jnp.max(x, axis=1, keepdims=True))
         return unnormalized / jnp.sum(unnormalized, axis=1, keepdims=True)
 
-    logits = load(logits_ref.at[rows, pl.ds(0, e_block)], in_m, in_e)
-    bias = load(bias_ref[0].at[:, pl.ds(0, e_block)], in_e) if bias_ref else None
+    logits = load(logits_ref, in_m, in_e)
+    bias = load(bias_ref[0], in_e) if bias_ref else None
     scores, choice = _scores(logits, scoring, bias, functools.partial(softmax, mask=in_e))
     # Picks in top_k's order: the best score not taken yet, the lowest index among equals.
     taken = jnp.zeros((tm, e_block), jnp.bool_) if in_e is None else jnp.broadcast_to(~in_e, (tm, e_block))
@@ -123,8 +122,8 @@ def _route_kernel(*refs, m, e, k, tm, scoring, norm_topk_prob, scale):
         if in_m is None and in_k is None
         else functools.reduce(jnp.logical_and, [x for x in (in_m, in_k) if x is not None])
     )
-    pl_triton.store(ids_ref.at[rows, pl.ds(0, k_block)], ids, mask=mask)
-    pl_triton.store(weights_ref.at[rows, pl.ds(0, k_block)], weights, mask=mask)
+    pl_triton.store(ids_ref, ids, mask=mask)
+    pl_triton.store(weights_ref, weights, mask=mask)
 
 
 def topk_route(
@@ -166,6 +165,9 @@ def topk_route(
             metadata.varying_struct((m, k), jnp.float32, *operands),
         ),
         grid=(pl.cdiv(m, tm),),
+        in_specs=[pl.BlockSpec((tm, pow2(e)), lambda r: (r, 0))]
+        + [pl.BlockSpec((1, pow2(e)), lambda r: (0, 0))] * (bias is not None),
+        out_specs=[pl.BlockSpec((tm, pow2(k)), lambda r: (r, 0))] * 2,
         compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         cost_estimate=pl.CostEstimate(
