@@ -21,6 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import moejax  # noqa: F401  (before jax: it starts jax on this host's platform, quietly)
+
+# isort: split
 import jax
 import jax.numpy as jnp
 import numpy as np

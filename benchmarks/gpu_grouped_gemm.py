@@ -17,6 +17,9 @@ from __future__ import annotations
 import argparse
 import time
 
+import moejax  # noqa: F401  (before jax: it starts jax on this host's platform, quietly)
+
+# isort: split
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -25,6 +25,9 @@ import argparse  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 
+import moejax  # noqa: E402, F401  (before jax: it starts jax on this host's platform, quietly)
+
+# isort: split
 import jax.numpy as jnp  # noqa: E402
 
 from moejax.config import PRESETS, Config, EngineConfig, LayoutConfig  # noqa: E402

@@ -72,3 +72,29 @@ def test_numpy_buffers_take_small_pages_unless_the_environment_asks(env, huge, m
         assert multiarray._set_madvise_hugepage(True) is huge  # returns the setting it replaces
     finally:
         multiarray._set_madvise_hugepage(before)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# (arguments, what its stdout shows): the devices it ran on, the benchmark's usage
+STARTS = {
+    "a script importing moejax": (
+        ["-c", "import moejax, jax; jax.numpy.zeros(1).block_until_ready(); print(jax.devices())"],
+        "CpuDevice",
+    ),
+    "a benchmark": ([os.path.join(ROOT, "benchmarks", "grouped_gemm_cpu.py"), "--help"], "usage:"),
+}
+
+
+@pytest.mark.slow  # starts processes
+@pytest.mark.parametrize("start", list(STARTS))
+def test_a_script_starts_jax_quietly_on_the_cpu(start):
+    """Outside the CLI, on this host without an accelerator (and no JAX_PLATFORMS of the user's),
+    jax starts on the CPU without a line on stderr: not the CUDA plugin's missing driver (the
+    `targets` extra's compile-only plugin), nor libtpu's missing TPU."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    argv, shows = STARTS[start]
+    proc = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    assert shows in proc.stdout
