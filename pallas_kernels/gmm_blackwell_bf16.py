@@ -93,13 +93,10 @@ def dequantize_block(byte_cols: jax.Array, scale_lo: jax.Array, scale_hi: jax.Ar
     values [LANES, B] bf16, without the tensor scale (exact: e2m1 times a scale has at most 6
     significant bits)."""
     codes = byte_cols.astype(jnp.int32)
-    halves = []
-    for nibbles, bits in ((codes & 15, scale_lo), (codes >> 4, scale_hi)):
-        scale = decode.scale_to_f32(bits.astype(jnp.int32), fmt)  # [LANES]
-        halves.append(
-            (decode.e2m1_to_f32(nibbles) * lax.broadcast_in_dim(scale, codes.shape, (0,))).astype(jnp.bfloat16)
-        )
-    return halves
+    spread = lambda bits: lax.broadcast_in_dim(decode.scale_to_f32(bits.astype(jnp.int32), fmt), codes.shape, (0,))
+    return [
+        decode.half_values(codes, h, spread(bits)).astype(jnp.bfloat16) for h, bits in enumerate((scale_lo, scale_hi))
+    ]
 
 
 def _kernel(

@@ -58,6 +58,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import decode, epilogue, formats, layered, metadata, tiling
+from pallas_kernels.mgpu_blocks import store_group_rows
 from pallas_kernels.tiles import round_up
 
 try:  # jax's Mosaic GPU interpreter (jax >= 0.10.2) is not exported; only the tests run it
@@ -128,7 +129,7 @@ def _decoded_tiles(w_ref, s_refs, *, pairs, fmt, block, cast, load):
             for b, bits in enumerate(scale_rows):
                 s = lax.broadcast_in_dim(decode.scale_to_f32((bits >> (8 * i)) & 255, fmt), (rows, width), (1,))
                 scale = s if scale is None else jnp.where(row >= b * block, s, scale)
-            tiles[i, h] = decode.e2m1_to_f32((words >> (8 * i + 4 * h)) & 15) * scale
+            tiles[i, h] = decode.half_values(words, h, scale, byte=i)
     return tiles
 
 
@@ -246,23 +247,10 @@ def _kernel(
         # The activation's math is f32, as the Triton twin's (whose bf16 has no division).
         y = ys[0] if act is None else epilogue.glu(*(y.astype(jnp.float32) for y in ys), act).astype(out_gmem.dtype)
 
-        def store(out_smem):
+        def store(out_smem):  # only this group's rows of the tile
             out_smem[...] = y
             plgpu.commit_smem()
-            # Only this group's rows of the tile, [first, first + size), as power-of-two pieces.
-            m0 = m_tile * tm
-            first = jnp.maximum(offsets[g], m0) - m0
-            size = jnp.minimum(offsets[g + 1], m0 + tm) - m0 - first
-            piece, pos = tm, first
-            while piece >= 1:
-
-                @pl.when((size & piece) != 0)
-                def _(piece=piece, pos=pos):
-                    plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(pos, piece)], out_gmem.at[pl.ds(m0 + pos, piece), cols])
-
-                pos = pos + (size & piece)
-                piece //= 2
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            store_group_rows(out_smem, out_gmem.at[:, cols], offsets, g, m_tile, tm, read_only_wait=True)
 
         pl.run_scoped(store, plgpu.SMEM((tm, width), out_gmem.dtype))
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from moejax.platform import gpu_major
 from moejax.vocab import KERNELS
-from pallas_kernels import epilogue, formats, layered
+from pallas_kernels import epilogue, formats, layered, tiles
 
 # The names are moejax.vocab.KERNELS (but "auto", which the caller resolves: `moejax.platform`): the
 # module of pallas_kernels holding the backend (a function of the module's name), its keyword
@@ -102,8 +102,6 @@ def shape_refusal(name: str, shapes: list[tuple[int, int, bool]], expert_format:
     if name == "pallas_tpu" and quantized:
         return _load("gmm_pallas_tpu", "width_refusal")(sorted({k for k, _, _ in shapes}))
     if name == "blackwell_bf16":
-        from pallas_kernels import tiles
-
         chosen = _load("gmm_blackwell_bf16", "Tiles")(**tiles.lookup("blackwell_bf16"))
         refusals = (_load("gmm_blackwell_bf16", "shape_refusal")(k, n, chosen, gated) for k, n, gated in shapes)
         return next((r for r in refusals if r), None)
@@ -150,8 +148,6 @@ def gemm_tiles(backend: str, rows: int, rhs, gated: bool = False, device: tuple[
     """The tiles (its module's `Tiles`) `backend`'s kernel takes for `rows` rows of rhs [G, K, N] (`gated`:
     its epilogue halves a gate|up product) on `device` (device kind, SMs), from the table
     (`tiles.lookup`, keyed by the kernel's module: gmm_<key>); None for a kernel that takes none."""
-    from pallas_kernels import tiles  # the table's module loads the kernels' tiling: where they run
-
     module = _IMPLS[_known(backend)][0]
     kind = getattr(_module(backend), "Tiles", None)
     if kind is None:
@@ -284,7 +280,7 @@ def pick_gemm(
     decode table gives its shape on `device` (device kind, SMs: `tiles.py`): out [P, N] (with act:
     [P, N/2]) of each pick's row times its expert; picks of experts outside the local ones are zero.
     bias: [G_local, N]; act, precision: as `grouped_gemm`'s."""
-    from pallas_kernels import gmm_picks, tiles
+    from pallas_kernels import gmm_picks
 
     if backend not in PICK_BACKENDS:
         raise ValueError(
