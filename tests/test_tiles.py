@@ -65,3 +65,14 @@ def test_rules_resolve_against_the_shape():
     assert tiles.lookup("pallas_tpu", rows=70, k=256, n=256, fmt="nvfp4", block=16) == dict(tm=80, tk=256, tn=256)
     assert tiles.lookup("pallas_tpu", rows=70, k=8192, n=512, fmt="mxfp4", block=32)["tk"] == 2048
     assert tiles.lookup("mosaic_gpu", rows=70, k=256, n=256, fmt="nvfp4", gated=True)["tn"] == 128
+
+
+def test_attention_splits_follow_the_devices_sms():
+    """The GPU attention's splits cover the device's SMs (not a constant's): more SMs, more splits,
+    up to the table's most; a device of unknown SMs takes the most the table's blocks allow."""
+    from pallas_kernels.paged_attention import gpu_blocks
+
+    shape = (4, 8, 8, 64, 16, 512, "bfloat16")  # 32 (request, kv head) CTAs a split
+    splits = {sms: gpu_blocks(*shape, ("a GPU", sms))[1] for sms in (16, 64, 132)}
+    assert splits == {16: 1, 64: 4, 132: 8}
+    assert gpu_blocks(*shape, ("", 0))[1] == tiles.lookup("paged_attention_mgpu")["max_splits"]
