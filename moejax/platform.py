@@ -175,6 +175,13 @@ def gpu_major(device) -> int | None:
     return int(capability.split(".")[0]) if capability else None
 
 
+def tile_device(device) -> tuple[str, int]:
+    """(device kind, SMs or cores) of `device` (this machine's, or a compile target's: its record's
+    cores, `moejax/targets.py`), what the kernels' tiles are looked up for (`pallas_kernels/tiles.py`);
+    0 cores where jax describes none."""
+    return device.device_kind, getattr(device, "core_count", 0) or 0
+
+
 def canonical(name: str) -> str:
     """jax's name of a platform ("cpu", "gpu", "cuda", "tpu") as one of PLATFORMS ("cuda": "gpu")."""
     name = JAX_NAMES.get(name, name)
@@ -309,9 +316,8 @@ class Platform:
             kernel = "pallas_gpu"
         else:
             return XLA
-        cores = getattr(device, "core_count", 0) or 0
         precision = self.matmul_precision(dtype)
-        return DecodeKernels(kernel, DECODE_KERNEL_ROWS, precision, (device.device_kind, cores), dense)
+        return DecodeKernels(kernel, DECODE_KERNEL_ROWS, precision, tile_device(device), dense)
 
     def kv_cache_bytes(self, devices: list) -> int:
         """The page pool's default bytes over `devices` where the platform sizes it by memory

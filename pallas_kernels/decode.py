@@ -45,12 +45,12 @@ def scale_to_f32(bits: jax.Array, fmt: str) -> jax.Array:
     return e4m3_to_f32(bits) if fmt == "nvfp4" else e8m0_to_f32(bits)
 
 
-def decode_half(codes: jax.Array, scale_bits: jax.Array, block: int, fmt: str) -> jax.Array:
-    """codes [kh, n] int32 with scale bits [kh/block, n] int32 -> [kh, n] f32 (no tensor scale)."""
-    kh, n = codes.shape
-    s = scale_to_f32(scale_bits, fmt)  # [kh/block, n]
-    v = e2m1_to_f32(codes).reshape(kh // block, block, n) * s[:, None, :]
-    return v.reshape(kh, n)
+def half_values(codes: jax.Array, half: int, scale: jax.Array, byte: int = 0) -> jax.Array:
+    """K-half `half`'s values (f32) of packed 4-bit codes (int32): byte `byte` of each holds two e2m1
+    codes, K-half 0's in its low nibble and K-half 1's in its high one (`formats`' half-split
+    packing), each times `scale` (f32, broadcast against codes: its block's scale). Every kernel's
+    decode of a tile is this, over its own layout of codes and scales."""
+    return e2m1_to_f32((codes >> (8 * byte + 4 * half)) & 15) * scale
 
 
 def decode_tile(
@@ -61,8 +61,9 @@ def decode_tile(
     scales_lo/hi: uint8 [kh/block, n], the scales of those halves. Multiply by the tensor
     scale (nvfp4) after the dot, where it costs [rows, n] instead of [kh, n] multiplies.
     """
-    v = values.astype(jnp.int32)
-    return (
-        decode_half(v & 15, scales_lo.astype(jnp.int32), block, fmt),
-        decode_half(v >> 4, scales_hi.astype(jnp.int32), block, fmt),
+    kh, n = values.shape
+    blocks = values.astype(jnp.int32).reshape(kh // block, block, n)  # a scale row [n] each block
+    return tuple(
+        half_values(blocks, h, scale_to_f32(s.astype(jnp.int32), fmt)[:, None, :]).reshape(kh, n)
+        for h, s in enumerate((scales_lo, scales_hi))
     )

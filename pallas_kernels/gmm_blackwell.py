@@ -11,7 +11,7 @@ active tiles exit at once, so untouched groups' weights are never loaded.
 Operands must be K-major for 4-bit MMA and the scales in the tiling tcgen05 block scaling reads
 from TMEM, so the weights are converted once by `prepare_weights` (at load time), never per call;
 one layer of a run's stack of them is read where it lies (`layered.flat`). Warp 0 issues the TMA
-loads, warp 1 the MMAs (a `steps`-deep ring), warpgroup 1 stores.
+loads, warp 1 the MMAs (a `steps`-deep ring: `mgpu_blocks.warp_pipeline`), warpgroup 1 stores.
 
 Status: compiled for a compile-only B200 (tests/test_blackwell.py: XLA:GPU's compile runs Mosaic
 GPU's, to PTX for sm_100a and through ptxas); never run: no Blackwell GPU was available, and JAX
@@ -20,6 +20,7 @@ GPU's, to PTX for sm_100a and through ptxas); never run: no Blackwell GPU was av
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.struct
@@ -30,8 +31,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import formats, layered, metadata, tiling
+from pallas_kernels.mgpu_blocks import store_group_rows, warp_pipeline
+from pallas_kernels.tiles import round_up
 
-TM = TN = TK = 128  # one 128-lane TMEM tile of rows; TK holds 4 * block-scale groups
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """A call's tiles (`tiles.lookup("blackwell", ..)`): tm rows and tn columns of a CTA (a 128-lane
+    TMEM tile each), tk of K a step (4 * 32 values: whole block-scale tiles of the MMA's scale
+    layout), `steps` stages of the TMA / MMA ring. K and N are multiples of tk and tn."""
+
+    tm: int
+    tn: int
+    tk: int
+    steps: int
 
 
 @flax.struct.dataclass
@@ -128,6 +141,9 @@ def _kernel(
     k_iters: int,
     steps: int,
     block: int,
+    tm: int,
+    tn: int,
+    tk: int,
 ):
     t, n_i, wg = lax.axis_index("t"), lax.axis_index("n"), lax.axis_index("wg")
 
@@ -136,56 +152,33 @@ def _kernel(
         g = group_ids[t]
         local, m_tile = g - offset[0], m_tile_ids[t]
         at = first[0] + local  # the group's weights
-        rows, cols = pl.ds(m_tile * TM, TM), pl.ds(n_i * TN, TN)
-        sc_k = TK // block // 4  # scale tiles per K step
+        rows, cols = pl.ds(m_tile * tm, tm), pl.ds(n_i * tn, tn)
+        sc_k = tk // block // 4  # scale tiles per K step
+
+        def load(ki, slot):
+            ks, kss = pl.ds(ki * tk, tk), pl.ds(ki * sc_k, sc_k)
+            plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_smem.at[slot], tma_barrier.at[slot])
+            plgpu.copy_gmem_to_smem(b_gmem.at[at, cols, ks], b_smem.at[slot], tma_barrier.at[slot])
+            plgpu.copy_gmem_to_smem(a_sc_gmem.at[pl.ds(m_tile, 1), kss], a_sc_smem.at[slot], tma_barrier.at[slot])
+            plgpu.copy_gmem_to_smem(b_sc_gmem.at[at, pl.ds(n_i, 1), kss], b_sc_smem.at[slot], tma_barrier.at[slot])
+
+        def mma(ki, slot):
+            plgpu.barrier_wait(tma_barrier.at[slot])
+            plgpu.async_copy_scales_to_tmem(a_sc_smem.at[slot], a_sc_tmem)
+            plgpu.async_copy_scales_to_tmem(b_sc_smem.at[slot], b_sc_tmem)
+            plgpu.tcgen05_mma(
+                acc_tmem,
+                a_smem.at[slot],
+                b_smem.at[slot].transpose((1, 0)),
+                consumed_barrier.at[slot],
+                a_scale=a_sc_tmem,
+                b_scale=b_sc_tmem,
+                accumulate=ki > 0,
+            )
 
         @pl.when(wg == 0)
         def _():
-            @plgpu.warp_map
-            def _(warp):
-                @pl.when(warp == 0)
-                def _tma():
-                    def load(ki, _):
-                        slot = lax.rem(ki, steps)
-
-                        @pl.when(ki >= steps)
-                        def _():
-                            plgpu.barrier_wait(consumed_barrier.at[slot])
-
-                        ks, kss = pl.ds(ki * TK, TK), pl.ds(ki * sc_k, sc_k)
-                        plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_smem.at[slot], tma_barrier.at[slot])
-                        plgpu.copy_gmem_to_smem(b_gmem.at[at, cols, ks], b_smem.at[slot], tma_barrier.at[slot])
-                        plgpu.copy_gmem_to_smem(
-                            a_sc_gmem.at[pl.ds(m_tile, 1), kss], a_sc_smem.at[slot], tma_barrier.at[slot]
-                        )
-                        plgpu.copy_gmem_to_smem(
-                            b_sc_gmem.at[at, pl.ds(n_i, 1), kss], b_sc_smem.at[slot], tma_barrier.at[slot]
-                        )
-
-                    lax.fori_loop(0, k_iters, load, None)
-
-                @pl.when(warp == 1)
-                def _mma():
-                    def step(ki, _):
-                        slot = lax.rem(ki, steps)
-                        plgpu.barrier_wait(tma_barrier.at[slot])
-                        plgpu.async_copy_scales_to_tmem(a_sc_smem.at[slot], a_sc_tmem)
-                        plgpu.async_copy_scales_to_tmem(b_sc_smem.at[slot], b_sc_tmem)
-                        plgpu.tcgen05_mma(
-                            acc_tmem,
-                            a_smem.at[slot],
-                            b_smem.at[slot].transpose((1, 0)),
-                            consumed_barrier.at[slot],
-                            a_scale=a_sc_tmem,
-                            b_scale=b_sc_tmem,
-                            accumulate=ki > 0,
-                        )
-
-                        @pl.when(ki == k_iters - 1)
-                        def _():
-                            plgpu.tcgen05_commit_arrive(mma_done_barrier)
-
-                    lax.fori_loop(0, k_iters, step, None)
+            warp_pipeline(k_iters, steps, consumed_barrier, mma_done_barrier, load, mma)
 
         @pl.when(wg == 1)
         def _store():
@@ -194,30 +187,12 @@ def _kernel(
             out_smem[...] = acc.astype(out_smem.dtype)
             plgpu.wait_load_tmem()
             plgpu.commit_smem()
-            store_group_rows(out_smem, out_gmem.at[:, cols], offsets, g, m_tile, TM)
+            store_group_rows(out_smem, out_gmem.at[:, cols], offsets, g, m_tile, tm)
 
 
-def store_group_rows(tile_smem, out_gmem, offsets, g, m_tile, tm: int):
-    """Stores group g's rows of row tile m_tile, tile_smem [tm, N'] (committed), into out_gmem
-    [M_pad, N']: rows [offsets[g], offsets[g + 1]) of the tile's, as power-of-two pieces (a TMA
-    store is a static shape), so rows of the tile's other groups are never written."""
-    first = jnp.maximum(offsets[g], m_tile * tm) - m_tile * tm
-    size = jnp.minimum(offsets[g + 1], (m_tile + 1) * tm) - m_tile * tm - first
-    piece, pos = tm, first
-    while piece >= 1:
-
-        @pl.when((size & piece) != 0)
-        def _(piece=piece, pos=pos):
-            plgpu.copy_smem_to_gmem(tile_smem.at[pl.ds(pos, piece)], out_gmem.at[pl.ds(m_tile * tm + pos, piece)])
-
-        pos = pos + (size & piece)
-        piece //= 2
-    plgpu.wait_smem_to_gmem(0)
-
-
-def gmm_blackwell(lhs, rhs, group_sizes, group_offset, out_dtype, *, steps: int = 2):
+def gmm_blackwell(lhs, rhs, group_sizes, group_offset, out_dtype, *, tiles: Tiles):
     """lhs [M, K] (quantized here to rhs.fmt), rhs from `prepare_weights`, or one layer of a
-    stack of them (`layered.LayerOf`, read where it lies: `layered.flat`) -> [M, N].
+    stack of them (`layered.LayerOf`, read where it lies: `layered.flat`) -> [M, N]; tiles: `Tiles`.
 
     A QuantizedArray rhs is converted on every call (a full pass over the weights): prepare
     it once instead.
@@ -232,31 +207,32 @@ def gmm_blackwell(lhs, rhs, group_sizes, group_offset, out_dtype, *, steps: int 
     if rhs.tensor_scale is not None and rhs.tensor_scale.ndim > 1:
         raise ValueError("column-wise tensor scales [G, N] are applied by grouped_gemm, after the blackwell kernel")
     block = formats.FORMATS[rhs.fmt].block
-    if k % TK or n % TN:
-        raise ValueError(f"blackwell: K={k} and N={n} must be multiples of {TK} and {TN}")
-    m_pad = tiling.round_up(m, TM)
+    tm, tn, tk, steps = tiles.tm, tiles.tn, tiles.tk, tiles.steps
+    if k % tk or n % tn:
+        raise ValueError(f"blackwell: K={k} and N={n} must be multiples of {tk} and {tn}")
+    m_pad = round_up(m, tm)
     a, a_sc, x_scale = _prepare_rows(lhs, rhs.fmt, m_pad)
-    offset, (offsets, group_ids, m_tile_ids), num_tiles = tiling.schedule(group_sizes, group_offset, g_local, m_pad, TM)
+    offset, (offsets, group_ids, m_tile_ids), num_tiles = tiling.schedule(group_sizes, group_offset, g_local, m_pad, tm)
     f4, scale_dtype = jnp.float4_e2m1fn, formats.FORMATS[rhs.fmt].scale_dtype
-    swizzle = plgpu.find_swizzle(TK * 4)  # 4-bit elements
+    swizzle = plgpu.find_swizzle(tk * 4)  # 4-bit elements
     transforms = (plgpu.TilingTransform((8, 8 * swizzle // 4)), plgpu.SwizzleTransform(swizzle))
     scratch = dict(
-        a_smem=plgpu.SMEM((steps, TM, TK), f4, transforms=transforms),
-        b_smem=plgpu.SMEM((steps, TN, TK), f4, transforms=transforms),
-        a_sc_smem=plgpu.SMEM((steps, 1, TK // block // 4, 32, 16), scale_dtype),
-        b_sc_smem=plgpu.SMEM((steps, 1, TK // block // 4, 32, 16), scale_dtype),
-        out_smem=plgpu.SMEM((TM, TN), out_dtype),
-        a_sc_tmem=plgpu.TMEM((TM, TK // block), scale_dtype, layout=plgpu.TMEMLayout.SCALES_LAYOUT),
-        b_sc_tmem=plgpu.TMEM((TN, TK // block), scale_dtype, layout=plgpu.TMEMLayout.SCALES_LAYOUT),
-        acc_tmem=plgpu.TMEM((TM, TN), jnp.float32),
+        a_smem=plgpu.SMEM((steps, tm, tk), f4, transforms=transforms),
+        b_smem=plgpu.SMEM((steps, tn, tk), f4, transforms=transforms),
+        a_sc_smem=plgpu.SMEM((steps, 1, tk // block // 4, 32, 16), scale_dtype),
+        b_sc_smem=plgpu.SMEM((steps, 1, tk // block // 4, 32, 16), scale_dtype),
+        out_smem=plgpu.SMEM((tm, tn), out_dtype),
+        a_sc_tmem=plgpu.TMEM((tm, tk // block), scale_dtype, layout=plgpu.TMEMLayout.SCALES_LAYOUT),
+        b_sc_tmem=plgpu.TMEM((tn, tk // block), scale_dtype, layout=plgpu.TMEMLayout.SCALES_LAYOUT),
+        acc_tmem=plgpu.TMEM((tm, tn), jnp.float32),
         tma_barrier=plgpu.Barrier(num_arrivals=4, num_barriers=steps),
         consumed_barrier=plgpu.Barrier(num_arrivals=1, num_barriers=steps, orders_tensor_core=True),
         mma_done_barrier=plgpu.Barrier(orders_tensor_core=True),
     )
     call = plgpu.kernel(
-        functools.partial(_kernel, k_iters=k // TK, steps=steps, block=block),
+        functools.partial(_kernel, k_iters=k // tk, steps=steps, block=block, tm=tm, tn=tn, tk=tk),
         out_type=metadata.varying_struct((m_pad, n), out_dtype, lhs, rhs, group_sizes, group_offset),
-        grid=(group_ids.shape[0], n // TN),
+        grid=(group_ids.shape[0], n // tn),
         grid_names=("t", "n"),
         num_threads=2,
         thread_name="wg",

@@ -2,28 +2,29 @@
 
 The rows are not quantized: each weight tile is decoded to bf16 on its way to the tensor core.
 A CTA computes one (active row tile, N tile) of the product transposed, acc[n, m] = sum_k
-w[k, n] x[m, k] in TMEM ("swap AB"): the decoded weights are the MMA's A operand, [TN, TKB]
+w[k, n] x[m, k] in TMEM ("swap AB"): the decoded weights are the MMA's A operand, [LANES, tkb]
 in tensor memory, where tcgen05 reads A and where thread n of a warpgroup writes row n (its
-TMEM lane); the rows are its B operand [TKB, tm], K-major in shared memory as TMA loads them.
+TMEM lane); the rows are its B operand [tkb, tm], K-major in shared memory as TMA loads them.
 The MMA's M is the weights' 128 columns, so a tile of rows (the MMA's N) is 16 to 128 rows,
 which a decode step's few rows per expert fill.
 
 Weights are read as they are stored (`formats.QuantizedArray`: bytes [G, K/2, N], half-split
 packing along K, block scales [G, K/B, N]), or one layer of a stack where it lies
-(`layered.flat`). A K step loads TKB byte rows: their low nibbles are K-half 0's rows
-k0 + [0, TKB), their high nibbles K-half 1's rows K/2 + k0 + [0, TKB); thread n decodes its
+(`layered.flat`). A K step loads tkb byte rows (`Tiles`): their low nibbles are K-half 0's rows
+k0 + [0, tkb), their high nibbles K-half 1's rows K/2 + k0 + [0, tkb); thread n decodes its
 weight column (`decode.py`, integer ops: no conversion that Mosaic lowers for sm_100 only)
 into both halves, and the step is two MMAs, against the rows' columns of each half.
 
-With a gated activation (`epilogue`), a CTA decodes TN gate and TN up columns (the stack's
+With a gated activation (`epilogue`), a CTA decodes LANES gate and LANES up columns (the stack's
 [.., N/2, 2] column pairs, a reshape) into two accumulators, so thread n holds gate and up of
 output column n; the epilogue applies the tensor scale, the column scales and the bias, then
-act(gate, up), and writes [tm, TN] of [M, N/2]. The transposed tile goes through shared memory
+act(gate, up), and writes [tm, LANES] of [M, N/2]. The transposed tile goes through shared memory
 (thread n writes column n) and only its group's rows are stored.
 
-Warp 0 issues the TMA loads, warp 1 the MMAs, warpgroup 1 decodes (a `steps`-deep ring) and runs
-the epilogue. The tile schedule is megablox's, as in the other kernels; CTAs past the traced
-number of active tiles exit at once, so untouched groups' weights are never loaded.
+Warp 0 issues the TMA loads, warp 1 the MMAs (`mgpu_blocks.warp_pipeline`), warpgroup 1 decodes (a
+`steps`-deep ring) and runs the epilogue. The tile schedule is megablox's, as in the other kernels;
+CTAs past the traced number of active tiles exit at once, so untouched groups' weights are never
+loaded.
 
 Status: compiled for a compile-only B200 (tests/test_blackwell.py), its decode checked on the CPU
 against `formats.dequantize`; never run: no Blackwell GPU was available (tests/test_gpu.py runs it
@@ -32,6 +33,7 @@ on one), and JAX 0.10.2's Mosaic GPU interpreter has no tcgen05 / TMEM rules.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -41,46 +43,60 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import decode, epilogue, formats, layered, metadata, mgpu_api, tiling
-from pallas_kernels.gmm_blackwell import store_group_rows
+from pallas_kernels.mgpu_blocks import store_group_rows, warp_pipeline
+from pallas_kernels.tiles import round_up
 
-TN = 128  # weight columns a CTA decodes per column set: the MMA's M with A in TMEM
-TKB = 64  # byte rows a K step loads: 2 * TKB of K, and the rows' 64 bf16 columns of each half (128 B, one swizzle)
+# Weight columns a CTA decodes per column set: TMEM's lanes, the MMA's M with A in TMEM, where thread n
+# of the decoding warpgroup writes lane n (not a tile to choose: the layout has one thread a lane).
+LANES = 128
 # Thread n holds row n. Loads from shared memory (the weights' column n, the transposed out
 # tile's column n) move one element a thread; arithmetic and TMEM stores take pairs.
 ROWS1 = plgpu.Layout.TCGEN05_TMEM_NATIVE(1)
 ROWS = plgpu.Layout.TCGEN05_TMEM_NATIVE(2)
-EPILOGUE_ROWS = 16  # rows of a tile the epilogue finishes at a time (the least tile)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """A call's tiles (`tiles.lookup("blackwell_bf16", ..)`): tm rows a tile (the MMA's N: 16 to 128, a
+    multiple of 16), tkb byte rows a K step loads (2 * tkb of K; the rows' tkb bf16 columns of each
+    half, 128 bytes at 64: one swizzle), `steps` stages of the TMA / decode / MMA ring, and the
+    epilogue's rows at a time (two [128, tm] f32 would fill the registers)."""
+
+    tm: int
+    tkb: int
+    steps: int
+    epilogue_rows: int
 
 
 def fuses_glu(m: int, n: int, rhs) -> bool:
-    """Whether the epilogue can halve a gate|up product of N columns (`shape_refusal`, gated)."""
-    return shape_refusal(rhs.shape[1], n, gated=True) is None
+    """Whether the epilogue can halve a gate|up product of N columns (`shape_refusal`'s N, gated;
+    its K is the kernel's to refuse, fused or not)."""
+    return n % 16 == 0 and n >= 2 * LANES
 
 
-def shape_refusal(k: int, n: int, gated: bool = False) -> str | None:
-    """Why [K, N] experts cannot be multiplied here, or None. TMA copies rows of whole 16-byte units
-    (the weights' rows of N bytes; the output's of N/2 bf16 with the activation) and reads zeros past
-    an edge (a last K step, a last CTA's columns: any K and N), but an array holds one tile at least."""
-    if n % 16 or n < TN * (2 if gated else 1) or k < 2 * TKB:
-        least = f"K of at least {2 * TKB} and N of at least {TN * (2 if gated else 1)}, a multiple of 16"
+def shape_refusal(k: int, n: int, tiles: Tiles, gated: bool = False) -> str | None:
+    """Why [K, N] experts cannot be multiplied here in `tiles`, or None. TMA copies rows of whole
+    16-byte units (the weights' rows of N bytes; the output's of N/2 bf16 with the activation) and
+    reads zeros past an edge (a last K step, a last CTA's columns: any K and N), but an array holds
+    one tile at least."""
+    lanes = LANES * (2 if gated else 1)
+    if n % 16 or n < lanes or k < 2 * tiles.tkb:
+        least = f"K of at least {2 * tiles.tkb} and N of at least {lanes}, a multiple of 16"
         return f"the Blackwell bf16 x 4-bit kernel needs {least}; got K={k}, N={n}"
     return None
 
 
 def dequantize_block(byte_cols: jax.Array, scale_lo: jax.Array, scale_hi: jax.Array, fmt: str):
-    """byte_cols: uint8 [TN, B], one scale block's bytes of each of TN weight columns (a row a
+    """byte_cols: uint8 [LANES, B], one scale block's bytes of each of LANES weight columns (a row a
     column: the half-split packing's low nibbles K-half 0's values, high nibbles K-half 1's);
-    scale_lo / scale_hi: uint8 [TN], the block's scale bits in each K-half -> the two halves'
-    values [TN, B] bf16, without the tensor scale (exact: e2m1 times a scale has at most 6
+    scale_lo / scale_hi: uint8 [LANES], the block's scale bits in each K-half -> the two halves'
+    values [LANES, B] bf16, without the tensor scale (exact: e2m1 times a scale has at most 6
     significant bits)."""
     codes = byte_cols.astype(jnp.int32)
-    halves = []
-    for nibbles, bits in ((codes & 15, scale_lo), (codes >> 4, scale_hi)):
-        scale = decode.scale_to_f32(bits.astype(jnp.int32), fmt)  # [TN]
-        halves.append(
-            (decode.e2m1_to_f32(nibbles) * lax.broadcast_in_dim(scale, codes.shape, (0,))).astype(jnp.bfloat16)
-        )
-    return halves
+    spread = lambda bits: lax.broadcast_in_dim(decode.scale_to_f32(bits.astype(jnp.int32), fmt), codes.shape, (0,))
+    return [
+        decode.half_values(codes, h, spread(bits)).astype(jnp.bfloat16) for h, bits in enumerate((scale_lo, scale_hi))
+    ]
 
 
 def _kernel(
@@ -108,6 +124,8 @@ def _kernel(
     fmt: str,
     block: int,
     tm: int,
+    tkb: int,
+    epilogue_rows: int,
     half_k: int,
     pairs: int,
     steps: int,
@@ -116,77 +134,54 @@ def _kernel(
 ):
     """One (active row tile t, N tile) CTA. x_gmem [M_pad, K] bf16; w_gmem bytes [G', K/2, N],
     s_gmem scale bits [G', K/B, N] (G': a stack's every layer's groups, the local ones first[0] +
-    [0, G_local)); a CTA reads TN * p columns (p = `pairs`: 2 with act, TN (gate, up) pairs) and
+    [0, G_local)); a CTA reads LANES * p columns (p = `pairs`: 2 with act, LANES (gate, up) pairs) and
     decodes column set i of them (the gate ones, the up ones) into A tiles and accumulator i; the
     epilogue's column scales and bias [G_local, N/p, p] where `tables` says so; out_gmem [M_pad, N/p]."""
     *tables_gmem, out_gmem = refs
     cols_gmem = tables_gmem.pop(0) if tables[0] else None
     bias_gmem = tables_gmem.pop(0) if tables[1] else None
     t, n_i, wg = lax.axis_index("t"), lax.axis_index("n"), lax.axis_index("wg")
-    sb = TKB // block  # scale rows of a K step, per half
+    sb = tkb // block  # scale rows of a K step, per half
     # K steps: the last one's rows past K/2 are TMA's zeros (its rows' columns, multiplied by them, are
     # in K-half 1 or zeros too), as are the columns past N of a last CTA, whose stores TMA skips.
-    k_iters = pl.cdiv(half_k, TKB)
+    k_iters = pl.cdiv(half_k, tkb)
 
     @pl.when(t < num_tiles[0])
     def _():
         g = group_ids[t]
         local, m_tile = g - offset[0], m_tile_ids[t]
         at = first[0] + local  # the group's weights
-        rows, cols = pl.ds(m_tile * tm, tm), pl.ds(n_i * TN * pairs, TN * pairs)  # the weights' columns
-        out_cols = pl.ds(n_i * TN, TN)
+        rows, cols = pl.ds(m_tile * tm, tm), pl.ds(n_i * LANES * pairs, LANES * pairs)  # the weights' columns
+        out_cols = pl.ds(n_i * LANES, LANES)
+
+        def load(ki, slot):
+            for h in range(2):
+                k0 = h * half_k + ki * tkb
+                plgpu.copy_gmem_to_smem(x_gmem.at[rows, pl.ds(k0, tkb)], x_smem.at[slot, h], tma_bar.at[slot])
+                plgpu.copy_gmem_to_smem(
+                    s_gmem.at[at, pl.ds(h * (half_k // block) + ki * sb, sb), cols],
+                    s_smem.at[slot, h],
+                    tma_bar.at[slot],
+                )
+            plgpu.copy_gmem_to_smem(w_gmem.at[at, pl.ds(ki * tkb, tkb), cols], w_smem.at[slot], tma_bar.at[slot])
+
+        def mma(ki, slot):
+            plgpu.barrier_wait(tma_bar.at[slot])  # the rows' tiles
+            plgpu.barrier_wait(dec_bar.at[slot])  # the weights' tiles, decoded into TMEM
+            for h in range(2):
+                for i in range(pairs):
+                    last = h == 1 and i == pairs - 1  # its commit tracks the step's every MMA
+                    plgpu.tcgen05_mma(
+                        acc_tmem.at[i],
+                        a_tmem.at[(slot * 2 + h) * pairs + i],
+                        x_smem.at[slot, h].transpose((1, 0)),
+                        consumed_bar.at[slot] if last else None,
+                        accumulate=(ki > 0) if h == 0 else True,
+                    )
 
         @pl.when(wg == 0)
         def _():
-            @plgpu.warp_map
-            def _(warp):
-                @pl.when(warp == 0)
-                def _tma():
-                    def load(ki, _):
-                        slot = lax.rem(ki, steps)
-
-                        @pl.when(ki >= steps)
-                        def _():
-                            plgpu.barrier_wait(consumed_bar.at[slot])
-
-                        for h in range(2):
-                            k0 = h * half_k + ki * TKB
-                            plgpu.copy_gmem_to_smem(
-                                x_gmem.at[rows, pl.ds(k0, TKB)], x_smem.at[slot, h], tma_bar.at[slot]
-                            )
-                            plgpu.copy_gmem_to_smem(
-                                s_gmem.at[at, pl.ds(h * (half_k // block) + ki * sb, sb), cols],
-                                s_smem.at[slot, h],
-                                tma_bar.at[slot],
-                            )
-                        plgpu.copy_gmem_to_smem(
-                            w_gmem.at[at, pl.ds(ki * TKB, TKB), cols], w_smem.at[slot], tma_bar.at[slot]
-                        )
-
-                    lax.fori_loop(0, k_iters, load, None)
-
-                @pl.when(warp == 1)
-                def _mma():
-                    def step(ki, _):
-                        slot = lax.rem(ki, steps)
-                        plgpu.barrier_wait(tma_bar.at[slot])  # the rows' tiles
-                        plgpu.barrier_wait(dec_bar.at[slot])  # the weights' tiles, decoded into TMEM
-                        for h in range(2):
-                            for i in range(pairs):
-                                last = h == 1 and i == pairs - 1  # its commit tracks the step's every MMA
-                                plgpu.tcgen05_mma(
-                                    acc_tmem.at[i],
-                                    a_tmem.at[(slot * 2 + h) * pairs + i],
-                                    x_smem.at[slot, h].transpose((1, 0)),
-                                    consumed_bar.at[slot] if last else None,
-                                    accumulate=(ki > 0) if h == 0 else True,
-                                )
-
-                        @pl.when(ki == k_iters - 1)
-                        def _():
-                            plgpu.tcgen05_commit_arrive(done_bar)
-
-                    lax.fori_loop(0, k_iters, step, None)
+            warp_pipeline(k_iters, steps, consumed_bar, done_bar, load, mma)
 
         @pl.when(wg == 1)
         def _():
@@ -199,13 +194,13 @@ def _kernel(
                     plgpu.barrier_wait(consumed_bar.at[slot])
 
                 for i in range(pairs):
-                    # Thread n reads weight column n: bytes [TKB, TN] (column set i) read transposed.
-                    w = w_smem.at[slot].reshape(TKB, TN, pairs).at[:, :, i].transpose((1, 0))
+                    # Thread n reads weight column n: bytes [tkb, LANES] (column set i) read transposed.
+                    w = w_smem.at[slot].reshape(tkb, LANES, pairs).at[:, :, i].transpose((1, 0))
                     for b in range(sb):
                         byte_cols = mgpu_api.load(w.at[:, pl.ds(b * block, block)], ROWS1, optimized=False)
                         scales = [
                             mgpu_api.load(
-                                s_smem.at[slot, h, b].reshape(TN, pairs).at[:, i], ROWS.reduce(1), optimized=False
+                                s_smem.at[slot, h, b].reshape(LANES, pairs).at[:, i], ROWS.reduce(1), optimized=False
                             )
                             for h in range(2)
                         ]
@@ -218,7 +213,7 @@ def _kernel(
 
             lax.fori_loop(0, k_iters, dequantize, None)
             plgpu.barrier_wait(done_bar)
-            # The column tables' [TN] of this CTA, a thread's own column's entry each.
+            # The column tables' [LANES] of this CTA, a thread's own column's entry each.
             tables_rows = [
                 [
                     None
@@ -228,28 +223,28 @@ def _kernel(
                 ]
                 for i in range(pairs)
             ]
-            for c in range(tm // EPILOGUE_ROWS):  # a few rows at a time: two [TN, tm] f32 would fill the registers
+            for c in range(tm // epilogue_rows):  # a few rows at a time: two [LANES, tm] f32 would fill the registers
                 ys = []
                 for i, (col_scale, bias) in enumerate(tables_rows):
                     acc = plgpu.async_load_tmem(
-                        acc_tmem.at[i].at[:, pl.ds(c * EPILOGUE_ROWS, EPILOGUE_ROWS)], layout=ROWS
+                        acc_tmem.at[i].at[:, pl.ds(c * epilogue_rows, epilogue_rows)], layout=ROWS
                     )
-                    spread = lambda v, shape=acc.shape: lax.broadcast_in_dim(v, shape, (0,))  # [TN] -> [TN, rows]
+                    spread = lambda v, shape=acc.shape: lax.broadcast_in_dim(v, shape, (0,))  # [LANES] -> [LANES, rows]
                     scale = tscale[at] if col_scale is None else tscale[at] * spread(col_scale)
                     ys.append(epilogue.finish(acc, out_smem.dtype, scale, None if bias is None else spread(bias)))
                 # The activation's math is f32, as the Triton kernel's.
                 y = ys[0] if act is None else epilogue.glu(*(y.astype(jnp.float32) for y in ys), act)
-                out_rows = out_smem.at[pl.ds(c * EPILOGUE_ROWS, EPILOGUE_ROWS)].transpose((1, 0))
+                out_rows = out_smem.at[pl.ds(c * epilogue_rows, epilogue_rows)].transpose((1, 0))
                 out_rows[...] = plgpu.layout_cast(y.astype(out_smem.dtype), ROWS1)
             plgpu.commit_smem()
             store_group_rows(out_smem, out_gmem.at[:, out_cols], offsets, g, m_tile, tm)
 
 
-def gmm_blackwell_bf16(lhs, rhs, group_sizes, group_offset, out_dtype, *, epilogue=None, tm=None, steps: int = 2):
+def gmm_blackwell_bf16(lhs, rhs, group_sizes, group_offset, out_dtype, *, tiles: Tiles, epilogue=None):
     """lhs [M, K] (bf16: the tensor core's type here), rhs a 4-bit QuantizedArray [G, K, N]
     along K, or one layer of a stack of them (`layered.LayerOf`) -> [M, N], or with `epilogue`
     (column scales, bias: [G_local, N] or None, act) [M, N/2] (`registry.grouped_gemm`).
-    tm: rows a tile (16 to 128; default: the rows' power of two)."""
+    tiles: `Tiles`."""
     m, k = lhs.shape
     g_local, _, n = rhs.shape
     rhs, first = layered.flat(rhs)
@@ -258,28 +253,28 @@ def gmm_blackwell_bf16(lhs, rhs, group_sizes, group_offset, out_dtype, *, epilog
     if not isinstance(rhs, formats.QuantizedArray):
         raise ValueError("the Blackwell bf16 x 4-bit kernel multiplies 4-bit experts (a QuantizedArray along K)")
     tables, has, act = tiling.epilogue_tables(epilogue, g_local)
-    if refusal := shape_refusal(k, n, gated=act is not None):
+    if refusal := shape_refusal(k, n, tiles, gated=act is not None):
         raise ValueError(refusal)
     pairs = 1 if act is None else 2
-    tm = tm or min(128, max(16, 1 << (m - 1).bit_length()))
+    tm, tkb, steps = tiles.tm, tiles.tkb, tiles.steps
     if tm % 16 or not 16 <= tm <= 128:
         raise ValueError(f"a row tile is the MMA's N: 16 to 128 rows, a multiple of 16; got tm={tm}")
     block = rhs.spec.block
     lhs_p, offset, (offsets, group_ids, m_tile_ids), num_tiles = tiling.group_tiles(
         lhs, group_sizes, group_offset, g_local, tm
     )
-    swizzle = plgpu.find_swizzle(TKB * 16)  # a K step's bf16 columns of one half
+    swizzle = plgpu.find_swizzle(tkb * 16)  # a K step's bf16 columns of one half
     x_transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
     out_width = n // pairs
-    width_pad = tiling.round_up(out_width, TN)  # whole CTAs' columns of the column tables, read by plain loads
+    width_pad = round_up(out_width, LANES)  # whole CTAs' columns of the column tables, read by plain loads
     # TMEM: a slot's A tiles (two halves, `pairs` column sets; bf16 two to a 32-bit column), the accumulators.
     scratch = dict(
-        x_smem=plgpu.SMEM((steps, 2, tm, TKB), jnp.bfloat16, transforms=x_transforms),
-        w_smem=plgpu.SMEM((steps, TKB, TN * pairs), jnp.uint8),
-        s_smem=plgpu.SMEM((steps, 2, TKB // block, TN * pairs), jnp.uint8),
-        out_smem=plgpu.SMEM((tm, TN), out_dtype),
-        a_tmem=plgpu.TMEM((steps * 2 * pairs, TN, TKB), jnp.bfloat16, packed=True),
-        acc_tmem=plgpu.TMEM((pairs, TN, tm), jnp.float32),
+        x_smem=plgpu.SMEM((steps, 2, tm, tkb), jnp.bfloat16, transforms=x_transforms),
+        w_smem=plgpu.SMEM((steps, tkb, LANES * pairs), jnp.uint8),
+        s_smem=plgpu.SMEM((steps, 2, tkb // block, LANES * pairs), jnp.uint8),
+        out_smem=plgpu.SMEM((tm, LANES), out_dtype),
+        a_tmem=plgpu.TMEM((steps * 2 * pairs, LANES, tkb), jnp.bfloat16, packed=True),
+        acc_tmem=plgpu.TMEM((pairs, LANES, tm), jnp.float32),
         tma_bar=plgpu.Barrier(num_arrivals=5, num_barriers=steps),  # a step's copies: 2 x, 2 scales, 1 weights
         dec_bar=plgpu.Barrier(num_barriers=steps, orders_tensor_core=True),
         consumed_bar=plgpu.Barrier(num_barriers=steps, orders_tensor_core=True),
@@ -290,6 +285,8 @@ def gmm_blackwell_bf16(lhs, rhs, group_sizes, group_offset, out_dtype, *, epilog
         fmt=rhs.fmt,
         block=block,
         tm=tm,
+        tkb=tkb,
+        epilogue_rows=tiles.epilogue_rows,
         half_k=k // 2,
         pairs=pairs,
         steps=steps,
@@ -299,7 +296,7 @@ def gmm_blackwell_bf16(lhs, rhs, group_sizes, group_offset, out_dtype, *, epilog
     call = plgpu.kernel(
         kernel,
         out_type=metadata.varying_struct((lhs_p.shape[0], out_width), out_dtype, lhs, rhs, group_sizes, group_offset),
-        grid=(group_ids.shape[0], pl.cdiv(out_width, TN)),
+        grid=(group_ids.shape[0], pl.cdiv(out_width, LANES)),
         grid_names=("t", "n"),
         num_threads=2,
         thread_name="wg",

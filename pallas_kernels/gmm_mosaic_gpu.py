@@ -48,6 +48,7 @@ nor its speed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -57,6 +58,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import decode, epilogue, formats, layered, metadata, mgpu_api, tiling
+from pallas_kernels.mgpu_blocks import store_group_rows
+from pallas_kernels.tiles import round_up
 
 try:  # jax's Mosaic GPU interpreter (jax >= 0.10.2) is not exported; only the tests run it
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -66,6 +69,18 @@ except ImportError:  # pragma: no cover - a jax without it runs the compiled ker
 # The Mosaic GPU API the kernel uses (jax 0.10.2 to 0.12 have all of it).
 _API = ("kernel", "emit_pipeline", "BlockSpec", "wgmma", "wgmma_wait", "ACC", "SMEM", "Layout", "layout_cast", "load")
 _API += ("TilingTransform", "SwizzleTransform", "find_swizzle", "commit_smem", "copy_smem_to_gmem", "wait_smem_to_gmem")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """A call's tiles (`tiles.lookup("mosaic_gpu", ..)`; `_check_tiles` says what Hopper takes): tm rows
+    (a multiple of 64), tk of K (bf16: a multiple of 64; 4-bit: of 128, two K-halves of tk/2), tn
+    product columns (tn/2 outputs with act), `steps` pipeline stages."""
+
+    tm: int
+    tk: int
+    tn: int
+    steps: int
 
 
 def refusal(dtype) -> str | None:
@@ -114,7 +129,7 @@ def _decoded_tiles(w_ref, s_refs, *, pairs, fmt, block, cast, load):
             for b, bits in enumerate(scale_rows):
                 s = lax.broadcast_in_dim(decode.scale_to_f32((bits >> (8 * i)) & 255, fmt), (rows, width), (1,))
                 scale = s if scale is None else jnp.where(row >= b * block, s, scale)
-            tiles[i, h] = decode.e2m1_to_f32((words >> (8 * i + 4 * h)) & 15) * scale
+            tiles[i, h] = decode.half_values(words, h, scale, byte=i)
     return tiles
 
 
@@ -228,23 +243,10 @@ def _kernel(
         # The activation's math is f32, as the Triton twin's (whose bf16 has no division).
         y = ys[0] if act is None else epilogue.glu(*(y.astype(jnp.float32) for y in ys), act).astype(out_gmem.dtype)
 
-        def store(out_smem):
+        def store(out_smem):  # only this group's rows of the tile
             out_smem[...] = y
             plgpu.commit_smem()
-            # Only this group's rows of the tile, [first, first + size), as power-of-two pieces.
-            m0 = m_tile * tm
-            first = jnp.maximum(offsets[g], m0) - m0
-            size = jnp.minimum(offsets[g + 1], m0 + tm) - m0 - first
-            piece, pos = tm, first
-            while piece >= 1:
-
-                @pl.when((size & piece) != 0)
-                def _(piece=piece, pos=pos):
-                    plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(pos, piece)], out_gmem.at[pl.ds(m0 + pos, piece), cols])
-
-                pos = pos + (size & piece)
-                piece //= 2
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            store_group_rows(out_smem, out_gmem.at[:, cols], offsets, g, m_tile, tm, read_only_wait=True)
 
         pl.run_scoped(store, plgpu.SMEM((tm, width), out_gmem.dtype))
 
@@ -252,7 +254,7 @@ def _kernel(
 def _pad(a, axis: int, multiple: int):
     """a padded with zeros along `axis` to a multiple of `multiple`."""
     pad = [(0, 0)] * a.ndim
-    pad[axis] = (0, tiling.round_up(a.shape[axis], multiple) - a.shape[axis])
+    pad[axis] = (0, round_up(a.shape[axis], multiple) - a.shape[axis])
     return jnp.pad(a, pad)
 
 
@@ -289,18 +291,13 @@ def gmm_mosaic_gpu(
     group_offset,
     out_dtype,
     *,
+    tiles: Tiles,
     interpret: bool = False,
-    tm: int = 64,
-    tk: int | None = None,
-    tn: int | None = None,
-    steps: int = 3,
     epilogue=None,
 ):
     """The Mosaic GPU twin of `gmm_pallas_gpu`: the same arguments, epilogue and result (rhs may be
-    one layer of a stack, `layered.LayerOf`); bf16 rows only (`refusal`). Tiles: tm rows (a
-    multiple of 64), tk of K (bf16: a multiple of 64; 4-bit: of 128, two K-halves of tk/2), tn
-    product columns (tn/2 outputs with act); `steps` pipeline stages; `interpret`: jax's Mosaic GPU
-    interpreter (on any platform)."""
+    one layer of a stack, `layered.LayerOf`); bf16 rows only (`refusal`). tiles: `Tiles`;
+    `interpret`: jax's Mosaic GPU interpreter (on any platform)."""
     m, k = lhs.shape
     g_local, _, n = rhs.shape
     quantized = isinstance(layered.stored(rhs), formats.QuantizedArray)
@@ -311,8 +308,7 @@ def gmm_mosaic_gpu(
         raise ValueError(f"mosaic_gpu: this jax ({jax.__version__}) has no Mosaic GPU interpreter")
     tables, has, act = tiling.epilogue_tables(epilogue, g_local)
     pairs = 1 if act is None else 2
-    tn = tn or (128 if pairs == 2 else tiling.pick_tile(n, (128, 64), masked=True))
-    tk = tk or (128 if quantized else 64)
+    tm, tk, tn, steps = tiles.tm, tiles.tk, tiles.tn, tiles.steps
     _check_tiles(tm, tk, tn, steps, pairs, quantized, out_dtype)
     width, kt = tn // pairs, tk // 2 if quantized else tk
     # TMA strides: every row a multiple of 16 bytes. Widths that miss it are padded, which copies

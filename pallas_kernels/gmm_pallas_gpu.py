@@ -24,6 +24,7 @@ there, so a scanned decode step copies no layer's experts out of the stack.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -36,6 +37,18 @@ from pallas_kernels import decode, epilogue, formats, layered, metadata, tiling
 from pallas_kernels.triton_blocks import column_pairs as _column_pairs
 from pallas_kernels.triton_blocks import iota as _iota
 from pallas_kernels.triton_blocks import load as _load
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """A call's blocks (powers of two, every dot's dims at least 16; a 4-bit tk / 2 whole scale blocks;
+    with act, tn counts gate and up columns) and launch settings (`tiles.lookup("pallas_gpu", ..)`)."""
+
+    tm: int  # rows of a program
+    tk: int  # K per step of the loop over K
+    tn: int  # weight columns of a program
+    num_warps: int
+    num_stages: int
 
 
 def fuses_glu(m: int, n: int, rhs) -> bool:
@@ -148,13 +161,13 @@ def gmm_pallas_gpu(
     group_offset,
     out_dtype,
     *,
+    tiles: Tiles,
     interpret: bool = False,
-    tk: int | None = None,
     epilogue=None,
     precision=None,
 ):
     """The Triton twin of `gmm_pallas_tpu`: the same arguments, epilogue and result; rhs may also
-    be one layer of a stack (`layered.LayerOf`)."""
+    be one layer of a stack (`layered.LayerOf`). tiles: the blocks and launch settings (`Tiles`)."""
     m, k = lhs.shape
     g_local, _, n = rhs.shape
     # The layer's weights as abstract arrays: what the call reads, for its cost.
@@ -162,11 +175,9 @@ def gmm_pallas_gpu(
     rhs, first = layered.flat(rhs)
     quantized = isinstance(rhs, formats.QuantizedArray)
     # Triton blocks are powers of two, and tl.dot wants every dim >= 16; the edge tiles are masked.
-    tm = min(64, max(16, 1 << (m - 1).bit_length()))
-    tk = tk or tiling.k_tile(k, rhs, (128, 64) if quantized else (64, 32, 16), masked=True)
+    tm, tk, tn = tiles.tm, tiles.tk, tiles.tn
     tables, has, act = tiling.epilogue_tables(epilogue, g_local)
     pairs = 1 if act is None else 2
-    tn = tiling.pick_tile(n, (128, 64, 32) if act is not None else (128, 64, 32, 16), masked=True)
     lhs_p, offset, (offsets, group_ids, m_tile_ids), num_tiles = tiling.group_tiles(
         lhs, group_sizes, group_offset, g_local, tm
     )
@@ -196,7 +207,7 @@ def gmm_pallas_gpu(
         kernel,
         out_shape=metadata.varying_struct((lhs_p.shape[0], n // pairs), out_dtype, lhs, rhs, group_sizes, group_offset),
         grid=(group_ids.shape[0], pl.cdiv(n, tn)),
-        compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=pl_triton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         cost_estimate=tiling.cost_estimate(lhs, layer, lhs_p.shape[0], out_dtype, glu=act is not None),
     )(

@@ -18,6 +18,7 @@ alternate sublanes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -29,6 +30,17 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import decode, epilogue, formats, layered, metadata, tiling
 
 SCALE_SUBLANES = 32  # rows of a Mosaic tile of 8-bit data (the scale bits)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """A call's blocks (`tiles.lookup("pallas_tpu", ..)`): tm rows (128 with act: the transposed
+    tile's scratch [tn, tm] is loaded with a stride), tk of K and tn columns dividing K and N (a 4-bit
+    tk / 2 whole scale blocks; tk = K: one step, its scale rows one block), tn = 256 with act."""
+
+    tm: int
+    tk: int
+    tn: int
 
 
 def fuses_glu(m: int, n: int, rhs) -> bool:
@@ -122,15 +134,15 @@ def gmm_pallas_tpu(
     group_offset,
     out_dtype,
     *,
+    tiles: Tiles,
     interpret: bool = False,
-    tk: int | None = None,
     epilogue=None,
     precision=None,
 ):
     """lhs [M, K], rhs [G_local, K, N] (array or QuantizedArray, or a LayerOf either), group_sizes [G]
     -> [M, N].
 
-    tk overrides the K tile (tests use it to run several K steps on small shapes). epilogue:
+    tiles: the blocks (`Tiles`). epilogue:
     (column scales [G_local, N] or None, bias [G_local, N] or None, act): a gate|up rhs
     (`fuses_glu`), out [M, N/2] = act(gate, up) of the scaled, biased product. precision: jax's
     matmul precision of the products (the run's: "highest" for float32; None: the platform's default).
@@ -142,16 +154,11 @@ def gmm_pallas_tpu(
     rhs, first = layered.flat(rhs)  # the groups the maps index: the layer's from first[0] on
     quantized = isinstance(rhs, formats.QuantizedArray)
     tables, has, act = tiling.epilogue_tables(epilogue, g_local)
-    # The transposed tile's scratch [tn, tm] must be 128 lanes wide to be loaded with a stride.
-    tm = 128 if act is not None else min(128, tiling.round_up(m, 16))
-    # tk / 2 / block scale rows should fill the 32-sublane tile of 8-bit data: tk = 64 * block.
-    # Where no such tile divides K, K is one step and its scale rows one block (the whole axis, which
-    # Mosaic takes at any size), split into the halves' rows in the kernel.
-    chosen = tk
-    tk = tk or tiling.k_tile(k, rhs, (2048, 1024, 512) if quantized else (512, 256, 128))
-    whole_scales = quantized and not chosen and (tk // 2 // rhs.spec.block) % SCALE_SUBLANES != 0
-    tk = k if whole_scales else tk
-    tn = tiling.pick_tile(n, (256,) if act is not None else (256, 128))
+    tm, tk, tn = tiles.tm, tiles.tk, tiles.tn
+    # tk / 2 / block scale rows should fill the 32-sublane tile of 8-bit data. Where they do not, K is
+    # one step and its scale rows one block (the whole axis, which Mosaic takes at any size), split
+    # into the halves' rows in the kernel.
+    whole_scales = quantized and tk == k and (tk // 2 // rhs.spec.block) % SCALE_SUBLANES != 0
     tn_out = tn // 2 if act is not None else tn
     lhs_p, offset, (offsets, group_ids, m_tile_ids), num_tiles = tiling.group_tiles(
         lhs, group_sizes, group_offset, g_local, tm

@@ -39,17 +39,15 @@ from pallas_kernels.triton_blocks import column_pairs, iota, load
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """A pick_gemm's blocks and launch settings (the caller's choice, by rows, K, N, format and
-    device). Blocks are powers of two and every dot's dims at least 16: tm >= 16; tk >= 16 (4-bit:
-    two K-halves of tk / 2 >= 16 values, whole scale blocks); tn >= 16 output columns (with an
-    activation tn / 2, tn counting gate and up columns)."""
+    device: `tiles.lookup("pick_gemm", ..)`). Blocks are powers of two and every dot's dims at least 16:
+    tm >= 16; tk >= 16 (4-bit: two K-halves of tk / 2 >= 16 values, whole scale blocks); tn >= 16
+    output columns (with an activation tn / 2, tn counting gate and up columns)."""
 
-    # Defaults: the blocks of vLLM's tuned fused-MoE table for Qwen3-30B-A3B's experts (E=128,
-    # N=768) at 8 tokens on an H200.
-    tn: int = 64  # weight columns a program writes
-    tk: int = 128  # K per step of the K loop
-    tm: int = 16  # picks per chunk
-    num_warps: int = 4
-    num_stages: int = 3
+    tn: int  # weight columns a program writes
+    tk: int  # K per step of the K loop
+    tm: int  # picks per chunk
+    num_warps: int
+    num_stages: int
 
 
 # A decode step's picks at most: each program compares all P ids with a chunk's tm slots ([tm, P]
@@ -95,7 +93,7 @@ def pick_gemm(
     out_dtype,
     epilogue=None,
     rows_are_picks: bool = False,
-    tiles: Tiles = Tiles(),
+    tiles: Tiles,
     precision=None,
     interpret: bool = False,
 ):

@@ -28,19 +28,21 @@ from jax.experimental.pallas import triton as pl_triton
 
 from pallas_kernels import epilogue, metadata
 from pallas_kernels.linear_segments import PRECISIONS, Segment, block, check_normed, normalize, rotate_half, segments
-from pallas_kernels.triton_blocks import column_pairs, iota, load, pow2
+from pallas_kernels.tiles import pow2
+from pallas_kernels.triton_blocks import column_pairs, iota, load
 
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """A call's blocks and launch shape (blocks and warps powers of two, blocks at least 16). A dim
-    smaller than its block takes the smallest power of two of at least 16 that covers it."""
+    """A call's blocks and launch shape (`tiles.lookup("fused_linear", ..)`; blocks and warps powers of
+    two, blocks at least 16). A dim smaller than its block takes the smallest power of two of at least
+    16 that covers it."""
 
-    n: int = 64  # output columns a program writes (a gate|up segment reads twice as many)
-    k: int = 64  # K rows of a step of the loop over K
-    m: int = 64  # rows a program holds; more rows are a second grid axis
-    num_warps: int = 4
-    num_stages: int = 2
+    n: int  # output columns a program writes (a gate|up segment reads twice as many)
+    k: int  # K rows of a step of the loop over K
+    m: int  # rows a program holds; more rows are a second grid axis
+    num_warps: int
+    num_stages: int
 
 
 def _check_options(tiles: Tiles, precision):
@@ -190,7 +192,7 @@ def fused_linear(
     out_dtype=None,
     normed: bool = False,
     precision: str | None = None,
-    tiles: Tiles = Tiles(),
+    tiles: Tiles,
     interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
     """Rows x [M, K] times each weight segment W_i [K, N_i] (bf16 or f32) in one launch -> one

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import tiling
-from pallas_kernels.triton_blocks import pow2
+from pallas_kernels.tiles import pow2
 
 PRECISIONS = (None, "highest")
 

@@ -10,7 +10,8 @@ kernel (`paged_attention_mgpu`; compiled for an H100 here, never run on a GPU by
 decode steps only, with sliding windows and sinks, from the XLA path's own pools k, v
 [pages, H_kv, page_size, W], W: Dh padded to whole 32-byte granules (`pool_width`: zeros after
 Dh, which add nothing to q.k and are cut from the output). Its compute block and splits are
-chosen here (`gpu_blocks`).
+chosen here (`gpu_blocks`), from the device's SMs and the table's rule (`tiles.lookup`), as are the
+TPU kernel's blocks.
 
 Both take one device's requests and pages (the placement runs them under shard_map) and a
 block table of page ids in [0, pages] (`pages`: none; the TPU kernel reads page 0 there, the
@@ -22,17 +23,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels import tiles
 from pallas_kernels.paged_layout_mgpu import ROWS, SMEM_BYTES, page_rows, pool_width, smem_bytes
 
 LANES = 128  # the TPU kernel's head_dim: its softmax statistics are [.., 128] and broadcast over Dh
-# The TPU kernel's blocks when no tuned size applies (its own defaults on TPU v5 and later).
-TPU_KV_PAGES_PER_BLOCK, TPU_QUERIES_PER_BLOCK = 128, 32
-# The GPU kernel's launch should cover this many SMs (an H100's and an H200's 132) about
-# GPU_WAVES times: a compiled program does not know the GPU it will run on, so it is a constant.
-GPU_SMS, GPU_WAVES = 132, 2
-# The most splits: the last split's CTA combines the others' partials in code unrolled over splits and
-# query heads (compiling Qwen3-30B-A3B's batch-1 step took 53 s at 35 splits, XLA:GPU and ptxas).
-GPU_MAX_SPLITS = 8
 
 GPU_KERNELS = ("pallas_gpu", "interpret_gpu")  # ours on Mosaic GPU, compiled or interpreted
 KERNELS = ("pallas_tpu", *GPU_KERNELS)
@@ -72,16 +66,17 @@ def head_dim(name: str, dh: int, dtype) -> int:
     return dh
 
 
-def attend(name: str, q, pool: dict, lens, table, scale: float, window: int = 0, sinks=None):
+def attend(name: str, q, pool: dict, lens, table, scale: float, window: int = 0, sinks=None, device=("", 0)):
     """q: [B, T, H, Dh] queries at each request's last T positions, lens: int32 [B] its positions
     so far (the last query's + 1), table: [B, P], window: the sliding window (0: none), sinks: [H]
-    logits or None (both GPU only: `reads_windows`) -> [B, T, H, Dh]."""
+    logits or None (both GPU only: `reads_windows`), device: (device kind, SMs) the blocks are chosen
+    for (("", 0): unknown) -> [B, T, H, Dh]."""
     if combined(name):
-        return _ragged(q, pool["kv"], lens, table, scale)
-    return _decode(q, pool["k"], pool["v"], lens, table, scale, window, sinks, interpret=name == "interpret_gpu")
+        return _ragged(q, pool["kv"], lens, table, scale, device)
+    return _decode(q, pool["k"], pool["v"], lens, table, scale, window, sinks, name == "interpret_gpu", device)
 
 
-def _ragged(q, kv, lens, table, scale):
+def _ragged(q, kv, lens, table, scale, device):
     """JAX's ragged paged attention: requests of T queries each, concatenated."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
@@ -91,6 +86,7 @@ def _ragged(q, kv, lens, table, scale):
     q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, lanes - dh))).reshape(b * t, h, lanes)
     lens = jnp.clip(lens, t, p * ps)  # a request past its table (writes dropped) reads its last page
     # Block sizes given: its tuned table looks up the device it runs on, which an export has not.
+    blocks = tiles.lookup("ragged_paged_attention", device)
     out = ragged_paged_attention(
         q,
         kv,
@@ -99,23 +95,26 @@ def _ragged(q, kv, lens, table, scale):
         jnp.arange(b + 1, dtype=jnp.int32) * t,
         jnp.full((1,), b, jnp.int32),
         sm_scale=scale,
-        num_kv_pages_per_block=min(p, TPU_KV_PAGES_PER_BLOCK),
-        num_queries_per_block=min(b * t, TPU_QUERIES_PER_BLOCK),
+        num_kv_pages_per_block=min(p, blocks["kv_pages_per_block"]),
+        num_queries_per_block=min(b * t, blocks["queries_per_block"]),
     )
     return out.reshape(b, t, h, lanes)[..., :dh]
 
 
-def gpu_blocks(b: int, hkv: int, groups: int, w: int, page_size: int, p: int, dtype) -> tuple[int, int]:
+def gpu_blocks(b: int, hkv: int, groups: int, w: int, page_size: int, p: int, dtype, device=("", 0)) -> tuple[int, int]:
     """(pages_per_block, splits) of the GPU kernel for b requests of hkv kv heads (`groups` query
-    heads each) over tables of p pages, pools `w` wide in `dtype`. A compute block holds as many
-    pages as fill the register tile's ROWS positions (its rows are padded to them anyway; at least
-    one page, at most the table's); the splits are as many as make splits * b * hkv CTAs cover
-    GPU_SMS about GPU_WAVES times, at most the table's blocks (a split past them reads nothing) and
-    GPU_MAX_SPLITS.
+    heads each) over tables of p pages, pools `w` wide in `dtype`, on `device` (device kind, SMs).
+    A compute block holds as many pages as fill the register tile's ROWS positions (its rows are
+    padded to them anyway; at least one page, at most the table's); the splits are as many as make
+    splits * b * hkv CTAs cover the device's SMs about the table's `waves` times (SMs unknown: no
+    bound), at most the table's blocks (a split past them reads nothing) and its `max_splits`.
     Where their SMEM is over SMEM_BYTES, fewer splits (each holds a partial), then fewer pages;
     a shape that fits in none is the kernel's to refuse."""
+    rule = tiles.lookup("paged_attention_mgpu", device)
+    sms = device[1]
     pages = min(p, max(1, ROWS // page_rows(page_size)))
-    splits = max(1, min(-(-GPU_WAVES * GPU_SMS // (b * hkv)), -(-p // pages), GPU_MAX_SPLITS))
+    covering = -(-rule["waves"] * sms // (b * hkv)) if sms else rule["max_splits"]
+    splits = max(1, min(covering, -(-p // pages), rule["max_splits"]))
     fits = lambda: smem_bytes(groups, w, page_size, pages, splits, dtype) <= SMEM_BYTES
     while not fits() and splits > 1:
         splits -= 1
@@ -124,7 +123,7 @@ def gpu_blocks(b: int, hkv: int, groups: int, w: int, page_size: int, p: int, dt
     return pages, splits
 
 
-def _decode(q, k, v, lens, table, scale, window, sinks, interpret: bool):
+def _decode(q, k, v, lens, table, scale, window, sinks, interpret: bool, device):
     """The Mosaic GPU kernel, one query per request, over the pools k, v [pages, H_kv, ps, W]."""
     from pallas_kernels import paged_attention_mgpu as mgpu  # Mosaic GPU's modules load only where it runs
 
@@ -132,7 +131,7 @@ def _decode(q, k, v, lens, table, scale, window, sinks, interpret: bool):
     if t != 1:
         raise ValueError(f"the GPU paged-attention kernel reads one query per request, got {t}")
     _, hkv, ps, width = k.shape
-    pages_per_block, splits = gpu_blocks(b, hkv, h // hkv, width, ps, table.shape[1], k.dtype)
+    pages_per_block, splits = gpu_blocks(b, hkv, h // hkv, width, ps, table.shape[1], k.dtype, device)
     out = mgpu.paged_attention(
         q[:, 0].astype(k.dtype),
         k,

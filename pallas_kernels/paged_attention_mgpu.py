@@ -58,9 +58,9 @@ from pallas_kernels.paged_layout_mgpu import (
     partial_rows,
     pool_width,
     query_rows,
-    round_up,
     smem_bytes,
 )
+from pallas_kernels.tiles import round_up
 
 SWIZZLES = (128, 64, 32)
 # The kernel's name: its custom call's op_name in a compiled program ends ".../NAME/mpmd_map",

@@ -21,15 +21,13 @@ import math
 
 import jax.numpy as jnp
 
+from pallas_kernels.tiles import round_up
+
 ROWS = 64  # the register tile's rows (the WGMMA layout's): a compute block's positions are padded to it
 TILE_ROWS = 8  # an SMEM tile's rows: each page's copy starts on one
 COPY_BYTES = 128  # a TMA copy's granule: a byte per thread of the warpgroup (Mosaic GPU's lowering)
 GRANULE = 32  # bytes: the least swizzle, so a pool row is whole granules of it
 SMEM_BYTES = 227 * 1024  # an H100 CTA's most shared memory
-
-
-def round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 def pool_width(dh: int, dtype) -> int:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from moejax.platform import gpu_major
 from moejax.vocab import KERNELS
-from pallas_kernels import epilogue, formats, layered
+from pallas_kernels import epilogue, formats, layered, tiles
 
 # The names are moejax.vocab.KERNELS (but "auto", which the caller resolves: `moejax.platform`): the
 # module of pallas_kernels holding the backend (a function of the module's name), its keyword
@@ -102,7 +102,8 @@ def shape_refusal(name: str, shapes: list[tuple[int, int, bool]], expert_format:
     if name == "pallas_tpu" and quantized:
         return _load("gmm_pallas_tpu", "width_refusal")(sorted({k for k, _, _ in shapes}))
     if name == "blackwell_bf16":
-        refusals = (_load("gmm_blackwell_bf16", "shape_refusal")(k, n, gated) for k, n, gated in shapes)
+        chosen = _load("gmm_blackwell_bf16", "Tiles")(**tiles.lookup("blackwell_bf16"))
+        refusals = (_load("gmm_blackwell_bf16", "shape_refusal")(k, n, chosen, gated) for k, n, gated in shapes)
         return next((r for r in refusals if r), None)
     return None
 
@@ -143,13 +144,31 @@ def _backend_fn(name: str, gemm_rows=None, precision=None):
     return functools.partial(_load(module, module), **kwargs, **{k: decisions[k] for k in takes})
 
 
+def gemm_tiles(backend: str, rows: int, rhs, gated: bool = False, device: tuple[str, int] = ("", 0)):
+    """The tiles (its module's `Tiles`) `backend`'s kernel takes for `rows` rows of rhs [G, K, N] (`gated`:
+    its epilogue halves a gate|up product) on `device` (device kind, SMs), from the table
+    (`tiles.lookup`, keyed by the kernel's module: gmm_<key>); None for a kernel that takes none."""
+    module = _IMPLS[_known(backend)][0]
+    kind = getattr(_module(backend), "Tiles", None)
+    if kind is None:
+        return None
+    stack = layered.stored(rhs)
+    fmt = getattr(stack, "fmt", None) or ("f32" if stack.dtype == jnp.float32 else "bf16")
+    block = formats.FORMATS[fmt].block if fmt in formats.FORMATS else 1
+    _, k, n = rhs.shape
+    key = module.removeprefix("gmm_")
+    return kind(**tiles.lookup(key, device, rows=rows, k=k, n=n, fmt=fmt, gated=gated, block=block))
+
+
 def _known(name: str) -> str:
     if name not in _IMPLS:
         raise ValueError(f"unknown grouped_gemm backend {name!r}; expected one of {tuple(_IMPLS)}")
     return name
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "preferred_element_type", "act", "gemm_rows", "precision"))
+@functools.partial(
+    jax.jit, static_argnames=("backend", "preferred_element_type", "act", "gemm_rows", "precision", "device")
+)
 def grouped_gemm(
     lhs,
     rhs,
@@ -164,6 +183,7 @@ def grouped_gemm(
     combine=None,
     gemm_rows=None,
     precision=None,
+    device: tuple[str, int] = ("", 0),
 ):
     """out[r] = lhs[r] @ rhs[g(r) - group_offset] (+ bias[g(r) - group_offset]) for rows r of
     local groups, else 0; with `act`, rhs is a gate|up stack (gate and up interleaved along N)
@@ -187,6 +207,7 @@ def grouped_gemm(
     gemm_rows: gemm_rows(M, 4-bit rhs) -> how the XLA path meets M rows, the platform's choice
     (`moejax.platform.Platform.gemm_rows`; None: its loop over the touched groups). precision:
     jax's matmul precision of the kernels' products (the run's: `Platform.matmul_precision`).
+    device: (device kind, SMs) the kernel's tiles are looked up for (`gemm_tiles`; ("", 0): the rules).
     Returns [M, N] (with act: [M, N/2]) in preferred_element_type (default: lhs.dtype).
     """
     chex.assert_rank([lhs, group_sizes], [2, 1])
@@ -204,14 +225,19 @@ def grouped_gemm(
         lhs, lhs_rows = lhs[lhs_rows], None
     rows = {} if lhs_rows is None else {"lhs_rows": lhs_rows}
     m, n = (lhs if lhs_rows is None else lhs_rows).shape[0], rhs.shape[2]
+
+    def tiled(gated: bool = False):  # the kernel with its tiles for this call (a kernel without: as it is)
+        chosen = gemm_tiles(backend, m, rhs, gated, device)
+        return kernel if chosen is None else functools.partial(kernel, tiles=chosen)
+
     # A placement hands a kernel that reads no layer out of its stack the layer as its own array.
     if backend not in layered.READS_STACK and stack is not rhs:
         raise ValueError(f"the {backend} kernel reads a layer as its own [G, K, N], not as a view of its stack")
     columns = None if getattr(_module(backend), "SCALES_COLUMNS", False) else _column_scales(rhs)
     if combine is not None and columns is None and _fuses(backend, "fuses_combine", m, n, rhs):
-        return kernel(lhs, rhs, group_sizes, group_offset, out_dtype, combine=combine, bias=bias, **rows)
+        return tiled()(lhs, rhs, group_sizes, group_offset, out_dtype, combine=combine, bias=bias, **rows)
     if act is not None and _fuses(backend, "fuses_glu", m, n, rhs):
-        return kernel(
+        return tiled(gated=True)(
             lhs,
             _unit_scales(rhs) if columns is not None else rhs,
             group_sizes,
@@ -221,11 +247,11 @@ def grouped_gemm(
             **rows,
         )
     if columns is None:
-        out = kernel(lhs, rhs, group_sizes, group_offset, out_dtype, **rows)
+        out = tiled()(lhs, rhs, group_sizes, group_offset, out_dtype, **rows)
         scale = None
     else:  # column-wise tensor scales (a gate_up stack's two halves): the kernels scale per group,
         # so they run at scale 1 in f32 and each row takes its group's columns' scales after
-        out = kernel(lhs, _unit_scales(rhs), group_sizes, group_offset, jnp.float32, **rows)
+        out = tiled()(lhs, _unit_scales(rhs), group_sizes, group_offset, jnp.float32, **rows)
         scale = epilogue.group_rows(columns, group_sizes, group_offset, m)
     return epilogue.finish_product(out, out_dtype, scale, bias, group_sizes, group_offset, act, combine)
 
@@ -254,7 +280,7 @@ def pick_gemm(
     decode table gives its shape on `device` (device kind, SMs: `tiles.py`): out [P, N] (with act:
     [P, N/2]) of each pick's row times its expert; picks of experts outside the local ones are zero.
     bias: [G_local, N]; act, precision: as `grouped_gemm`'s."""
-    from pallas_kernels import gmm_picks, tiles
+    from pallas_kernels import gmm_picks
 
     if backend not in PICK_BACKENDS:
         raise ValueError(
@@ -267,7 +293,7 @@ def pick_gemm(
         fmt, tk_floor = ("f32" if stack.dtype == jnp.float32 else "bf16"), 16
     p, (g_local, kdim, n) = ids.shape[0], rhs.shape
     touched = min(g_local, p)  # experts a call can read: the programs that stream weights
-    chosen = tiles.tiles(
+    chosen = tiles.lookup(
         "pick_gemm",
         device,
         rows=p // k,

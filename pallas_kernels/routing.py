@@ -11,6 +11,7 @@ best expert not picked yet, the lowest index among equal scores: `jax.lax.top_k`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -19,7 +20,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from pallas_kernels import metadata
-from pallas_kernels.triton_blocks import iota, load, pow2
+from pallas_kernels.tiles import pow2
+from pallas_kernels.triton_blocks import iota, load
 
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 
@@ -126,6 +128,16 @@ def _route_kernel(*refs, m, e, k, tm, scoring, norm_topk_prob, scale):
     pl_triton.store(weights_ref, weights, mask=mask)
 
 
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """A call's rows a program (a power of two; fewer rows take the power of two covering them) and
+    launch settings (`tiles.lookup("topk_route")`)."""
+
+    rows: int
+    num_warps: int
+    num_stages: int
+
+
 def topk_route(
     logits: jax.Array,
     k: int,
@@ -134,15 +146,14 @@ def topk_route(
     bias: jax.Array | None = None,
     norm_topk_prob: bool = False,
     routed_scaling_factor: float = 1.0,
-    rows: int = 8,
-    num_warps: int = 4,
+    tiles: Tiles,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """`topk_route_xla` in one launch: logits [M, E] f32, bias [E] (sigmoid: added to the scores
-    to choose; topk_softmax: to the logits) -> (ids [M, k] int32, weights [M, k] f32). rows: a
-    program's rows (a power of two; fewer rows take the power of two covering them);
-    interpret: Pallas' interpreter (any platform)."""
+    to choose; topk_softmax: to the logits) -> (ids [M, k] int32, weights [M, k] f32). tiles: a
+    program's rows and launch settings (`Tiles`); interpret: Pallas' interpreter (any platform)."""
     _check(logits, k, scoring, bias)
+    rows, num_warps = tiles.rows, tiles.num_warps
     if rows < 1 or rows & (rows - 1) or num_warps < 1 or num_warps & (num_warps - 1):
         raise ValueError(f"topk_route: rows and num_warps must be powers of two, got {rows} and {num_warps}")
     m, e = logits.shape
@@ -168,7 +179,7 @@ def topk_route(
         in_specs=[pl.BlockSpec((tm, pow2(e)), lambda r: (r, 0))]
         + [pl.BlockSpec((1, pow2(e)), lambda r: (0, 0))] * (bias is not None),
         out_specs=[pl.BlockSpec((tm, pow2(k)), lambda r: (r, 0))] * 2,
-        compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         cost_estimate=pl.CostEstimate(
             flops=2 * k * m * e, transcendentals=m * e, bytes_accessed=4 * (m * e + e + 2 * m * k)

@@ -1,10 +1,15 @@
-"""The decode kernels' tiles, as data: `decode_tiles.json`, by kernel, device and shape.
+"""Every kernel's tiles, as data: `tiles.json`, by kernel, device and shape; `lookup` is the one way in.
 
-A decode step's products are a few rows against a whole weight, so a kernel's speed is how many of
-the device's SMs its programs keep streaming. The table holds published tuned configurations of the
-same shapes (until a device's own sweep replaces them); `tiles` takes the entry nearest a call's
-shape and then narrows its N tile while the call's active programs would fill the SMs less than
-twice over (a program streams one tile of weight columns; fewer, wider programs leave SMs idle).
+A kernel takes its tiles as an argument (its module's `Tiles`, or a dict of them); the registry and
+the attention entry look them up here and hand them on. The table's entries say where they come
+from: a device's own timing, a published tuned table, or a rule of the call's shape (the sizes
+kernels once fixed in code, with the reason for them). A rule's fields are resolved against the
+call's shape by `_resolve`.
+
+A decode step's products are a few rows against a whole weight, so a decode kernel's speed is how
+many of the device's SMs its programs keep streaming: given `programs`, `lookup` narrows the entry's
+N tile while the call's active programs would fill the SMs less than FILL times over (a program
+streams one tile of weight columns; fewer, wider programs leave SMs idle).
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-TABLE = Path(__file__).with_name("decode_tiles.json")
-FILL = 2  # programs per SM a call aims for
+TABLE = Path(__file__).with_name("tiles.json")
+FILL = 2  # programs per SM a decode call aims for
+ANY = "any device"  # a kernel's list of entries for every device (rules)
 
 
 @functools.cache
@@ -23,38 +29,93 @@ def _table() -> dict:
     return json.loads(TABLE.read_text())
 
 
-def _entry(kernel: str, device_kind: str, rows: int, k: int, n: int, fmt: str) -> dict:
-    """The table's tiles for the shape: same K, N and format, else same format, else the default;
-    among those, the least row count at or above `rows`, else the largest."""
+def round_up(x: int, to: int) -> int:
+    return -(-x // to) * to
+
+
+def pow2(n: int) -> int:
+    """The power of two at least n (1 for n <= 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def pick_tile(dim: int, candidates: tuple[int, ...], multiple_of: int = 1, masked: bool = False) -> int:
+    """The largest candidate dividing dim (and a multiple of `multiple_of`), else dim whole; or,
+    `masked` (a kernel whose blocks must be candidates, e.g. Triton's powers of two, and that
+    masks the tile past dim's end), the smallest candidate covering dim, else the largest."""
+    fits = [c for c in candidates if c % multiple_of == 0]
+    for c in fits:
+        if dim % c == 0:
+            return c
+    if not masked:
+        return dim
+    return min((c for c in fits if c >= dim), default=max(fits))
+
+
+def _matches(entry: dict, fmt: str, gated: bool) -> bool:
+    fmts = entry.get("fmt", fmt)
+    return fmt in (fmts if isinstance(fmts, list) else [fmts]) and entry.get("gated", gated) == gated
+
+
+def _entry(kernel: str, device_kind: str, rows: int, k: int, n: int, fmt: str, gated: bool) -> dict:
+    """The table's entry for the shape: among the device's entries, then every device's, those of the
+    same K and N (and format and gating), else of the same format and gating; among those, the least
+    row count at or above `rows` (an entry without rows: any), else the largest; else the default."""
     table = _table()[kernel]
-    entries = table.get(device_kind, [])
-    for same in (lambda e: (e["k"], e["n"], e["fmt"]) == (k, n, fmt), lambda e: e["fmt"] == fmt):
-        found = [e for e in entries if same(e)]
-        if found:
-            above = [e for e in found if e["rows"] >= rows]
-            return min(above, key=lambda e: e["rows"]) if above else max(found, key=lambda e: e["rows"])
+    for entries in (table.get(device_kind, []), table.get(ANY, [])):
+        for same in (lambda e: (e.get("k"), e.get("n")) == (k, n), lambda e: True):
+            found = [e for e in entries if same(e) and _matches(e, fmt, gated)]
+            if found:
+                size = lambda e: e.get("rows", float("inf"))
+                above = [e for e in found if size(e) >= rows]
+                return min(above, key=size) if above else max(found, key=size)
     return table["default"]
 
 
-def tiles(
+def _resolve(field, *, rows: int, k: int, n: int, block: int) -> int:
+    """A field's size for the call: a size as it stands, or a rule of the call's shape:
+    {"rows": [lo, hi]}: the rows' power of two, lo to hi; {"rows_by": [step, hi]}: the rows in whole
+    steps, at most hi; {"of": "k" or "n", "tiles": [..]}: `pick_tile` of that width ("masked": the
+    kernel masks an edge tile; a K tile of 4-bit weights of scale block B is a multiple of 2B, two
+    K-halves of whole blocks), and with "scale_sublanes": s, K whole where a tile's tk/2/B scale rows
+    are no whole multiple of s (a Mosaic TPU tile of 8-bit data)."""
+    if isinstance(field, int):
+        return field
+    if "rows" in field:
+        lo, hi = field["rows"]
+        return min(hi, max(lo, pow2(rows)))
+    if "rows_by" in field:
+        step, hi = field["rows_by"]
+        return min(hi, round_up(rows, step))
+    dim = {"k": k, "n": n}[field["of"]]
+    multiple = 2 * block if field["of"] == "k" else 1
+    tile = pick_tile(dim, tuple(field["tiles"]), multiple, field.get("masked", False))
+    if "scale_sublanes" in field and block > 1 and (tile // 2 // block) % field["scale_sublanes"]:
+        return k
+    return tile
+
+
+def lookup(
     kernel: str,
-    device: tuple[str, int],
+    device: tuple[str, int] = ("", 0),
     *,
-    rows: int,
-    k: int,
-    n: int,
-    fmt: str,
-    programs: Callable[[int], int],
+    rows: int = 0,
+    k: int = 0,
+    n: int = 0,
+    fmt: str = "bf16",
+    gated: bool = False,
+    block: int = 1,
+    programs: Callable[[int], int] | None = None,
     tn_floor: int = 16,
     n_field: str = "tn",
 ) -> dict:
     """`kernel`'s tiles (a dict of its Tiles' fields) for `rows` rows of a [K, N] product with weights
-    in `fmt` ("bf16", "f32", "nvfp4", "mxfp4") on `device`: (device kind, SMs; ("", 0): the
-    defaults, unnarrowed). `programs(tn)`: the programs a call with N tile tn keeps busy; the N
-    tile (the field `n_field`) halves, down to `tn_floor`, until they fill every SM FILL times over."""
+    in `fmt` ("bf16", "f32", "nvfp4", "mxfp4"; 4-bit of scale block `block`), `gated`: a gate|up
+    product whose epilogue halves it, on `device`: (device kind, SMs; ("", 0): the rules, unnarrowed).
+    `programs(tn)`: a decode kernel's programs at N tile tn; the N tile (the field `n_field`) halves,
+    down to `tn_floor`, until they fill every SM FILL times over."""
     kind, cores = device
-    entry = _entry(kernel, kind, rows, k, n, fmt)
-    out = dict(entry.get("tiles", entry))
-    while cores and out[n_field] > tn_floor and programs(out[n_field]) < FILL * cores:
+    entry = _entry(kernel, kind, rows, k, n, fmt, gated)
+    out = {name: _resolve(v, rows=rows, k=k, n=n, block=block) for name, v in entry["tiles"].items()}
+    while programs and cores and out[n_field] > tn_floor and programs(out[n_field]) < FILL * cores:
         out[n_field] //= 2
     return out

@@ -1,4 +1,5 @@
-"""Tile sizes and operand views shared by the Pallas kernels."""
+"""Tile schedules and operand views shared by the Pallas kernels (which tiles a call takes, and the
+sizes' arithmetic, are `tiles.py`'s)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas.ops.tpu.megablox.gmm import make_group_metadata
 
 from pallas_kernels import formats
+from pallas_kernels.tiles import round_up
 
 
 def cost_estimate(lhs, rhs, out_rows: int, out_dtype, glu: bool = False) -> pl.CostEstimate:
@@ -24,29 +26,6 @@ def cost_estimate(lhs, rhs, out_rows: int, out_dtype, glu: bool = False) -> pl.C
         transcendentals=m * out_cols if glu else 0,
         bytes_accessed=formats.nbytes(lhs) + formats.nbytes(rhs) + out_bytes,
     )
-
-
-def round_up(x: int, to: int) -> int:
-    return -(-x // to) * to
-
-
-def pick_tile(dim: int, candidates: tuple[int, ...], multiple_of: int = 1, masked: bool = False) -> int:
-    """The largest candidate dividing dim (and a multiple of `multiple_of`), else dim whole; or,
-    `masked` (a kernel whose blocks must be candidates, e.g. Triton's powers of two, and that
-    masks the tile past dim's end), the smallest candidate covering dim, else the largest."""
-    fits = [c for c in candidates if c % multiple_of == 0]
-    for c in fits:
-        if dim % c == 0:
-            return c
-    if not masked:
-        return dim
-    return min((c for c in fits if c >= dim), default=max(fits))
-
-
-def k_tile(k: int, rhs, candidates: tuple[int, ...], masked: bool = False) -> int:
-    """K tile; a 4-bit rhs also needs tk / 2 to cover whole scale blocks."""
-    block = rhs.spec.block if isinstance(rhs, formats.QuantizedArray) else 1
-    return pick_tile(k, candidates, 2 * block, masked)
 
 
 def group_tiles(lhs: jax.Array, group_sizes: jax.Array, group_offset, g_local: int, tm: int):

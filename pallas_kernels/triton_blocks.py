@@ -1,5 +1,5 @@
 """Block helpers the Triton kernels share (`gmm_pallas_gpu`, `gmm_picks`, `linear`, `routing`):
-power-of-two sizes, index ranges, masked loads, and the weights' columns viewed as (gate, up) pairs."""
+index ranges, masked loads, and the weights' columns viewed as (gate, up) pairs."""
 
 from __future__ import annotations
 
@@ -8,11 +8,6 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as pl_triton
-
-
-def pow2(n: int) -> int:
-    """The power of two at least n (1 for n <= 1)."""
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def iota(size: int, axis: int, start=0):

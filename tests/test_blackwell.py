@@ -12,6 +12,7 @@ function its decoding warpgroup runs) against `formats.dequantize`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -30,8 +31,9 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels as pk
 from moejax import targets
 from moejax.model.layers import silu_glu
-from pallas_kernels import epilogue, gmm_blackwell, gmm_blackwell_bf16, layered
+from pallas_kernels import epilogue, gmm_blackwell, gmm_blackwell_bf16, layered, tiles
 from pallas_kernels.layered import LayerOf
+from pallas_kernels.registry import gemm_tiles
 
 # Two stacked layers of 8 experts; 16 tokens of 2 picks. The hidden and expert widths D = F: the
 # fp4 kernel's tiles divide them (it takes no other), the bf16 kernel's do not (its last K step and
@@ -55,6 +57,14 @@ def _fp4_ffn(x, gate_up, down, sizes, order, weights, layer):
     return gmm(h, LayerOf(down, layer), combine=(order, weights))
 
 
+def bf16_kernel(x, rhs, sizes, offset, out_dtype, epilogue=None, **chosen):
+    """`gmm_blackwell_bf16` with the tiles the registry hands it, but the test's `chosen` ones."""
+    kernel_tiles = dataclasses.replace(gemm_tiles("blackwell_bf16", x.shape[0], rhs, epilogue is not None), **chosen)
+    return gmm_blackwell_bf16.gmm_blackwell_bf16(
+        x, rhs, sizes, offset, out_dtype, tiles=kernel_tiles, epilogue=epilogue
+    )
+
+
 def _bf16_ffn(x, gate_up, down, sizes, order, weights, layer):
     """The same through `gmm_blackwell_bf16` with the arguments grouped_gemm hands a kernel that
     fuses the activation: the column scales taken out of the stack into the epilogue, with a bias."""
@@ -62,8 +72,8 @@ def _bf16_ffn(x, gate_up, down, sizes, order, weights, layer):
     bias = jnp.ones((EXPERTS, gate_up.shape[-1]), x.dtype)
     fused = (None if columns is None else columns.reshape(EXPERTS, -1), bias, silu_glu)
     gate_up = LayerOf(gate_up.replace(tensor_scale=None), layer)
-    h = gmm_blackwell_bf16.gmm_blackwell_bf16(x[order // TOP_K], gate_up, sizes, 0, x.dtype, epilogue=fused)
-    y = gmm_blackwell_bf16.gmm_blackwell_bf16(h, LayerOf(down, layer), sizes, 0, x.dtype)
+    h = bf16_kernel(x[order // TOP_K], gate_up, sizes, 0, x.dtype, epilogue=fused)
+    y = bf16_kernel(h, LayerOf(down, layer), sizes, 0, x.dtype)
     return epilogue.combine(y, order, weights)
 
 
@@ -153,9 +163,10 @@ def test_fp4_kernel_leaves_a_gate_up_stacks_column_scales_to_grouped_gemm():
     columns = pk.quantize_experts(w, "nvfp4", gated=True).tensor_scale  # [L, E, 1, N]
     np.testing.assert_array_equal(stack.tensor_scale, columns.reshape(LAYERS, 2, 128))
     with pytest.raises(ValueError, match="column-wise tensor scales"):
-        gmm_blackwell.gmm_blackwell(
-            jnp.zeros((16, 128), jnp.bfloat16), LayerOf(stack, 0), jnp.array([16, 0], jnp.int32), 0, jnp.bfloat16
-        )
+        rhs = LayerOf(stack, 0)
+        rows = jnp.zeros((16, 128), jnp.bfloat16)
+        kernel_tiles = gemm_tiles("blackwell", 16, rhs)
+        gmm_blackwell.gmm_blackwell(rows, rhs, jnp.array([16, 0], jnp.int32), 0, jnp.bfloat16, tiles=kernel_tiles)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -166,7 +177,11 @@ def test_bf16_kernel_decodes_its_tiles_as_the_format(fmt):
     k, n = 256, 128
     q = pk.quantize(3 * jax.random.normal(jax.random.key(3), (k, n)), fmt)
     expected = np.asarray(pk.dequantize(q.replace(tensor_scale=None)))  # [K, N]
-    bits, block, tkb = jax.lax.bitcast_convert_type(q.scales, jnp.uint8), q.spec.block, gmm_blackwell_bf16.TKB
+    bits, block, tkb = (
+        jax.lax.bitcast_convert_type(q.scales, jnp.uint8),
+        q.spec.block,
+        tiles.lookup("blackwell_bf16")["tkb"],
+    )
     decode = jax.jit(functools.partial(gmm_blackwell_bf16.dequantize_block, fmt=fmt))
     for k0 in range(0, k // 2, tkb):  # the K steps
         for b in range(tkb // block):
@@ -177,12 +192,12 @@ def test_bf16_kernel_decodes_its_tiles_as_the_format(fmt):
             np.testing.assert_array_equal(np.asarray(hi, np.float32), expected[k // 2 :][rows].T)
 
 
-def _bf16_call(m=32, k=256, n=256, dtype=jnp.bfloat16, fmt="nvfp4", act=None, tm=None):
+def _bf16_call(m=32, k=256, n=256, dtype=jnp.bfloat16, fmt="nvfp4", act=None, **chosen):
     rhs = pk.quantize_experts(jnp.ones((2, k, n)), fmt) if fmt else jnp.ones((2, k, n), jnp.bfloat16)
     fused = None if act is None else (None, None, act)
     sizes = jnp.array([m // 2, m // 2], jnp.int32)
     x = jnp.ones((m, k), dtype)
-    return lambda: gmm_blackwell_bf16.gmm_blackwell_bf16(x, rhs, sizes, 0, dtype, epilogue=fused, tm=tm)
+    return lambda: bf16_kernel(x, rhs, sizes, 0, dtype, epilogue=fused, **chosen)
 
 
 BAD_BF16_CALLS = {

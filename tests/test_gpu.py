@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import test_paged_attention_mgpu as mgpu_cases
 from hf_reference import FAMILIES
+from test_blackwell import bf16_kernel
 from test_model import GOLDEN, assert_close_relative, make_engine
 from test_mosaic_gpu_kernels import CASES, Case, assert_matches, run
 
 import pallas_kernels as pk
 from moejax.model.layers import silu_glu
 from pallas_kernels import paged_attention_mgpu
-from pallas_kernels.gmm_blackwell_bf16 import gmm_blackwell_bf16
 from pallas_kernels.layered import LayerOf
 from pallas_kernels.registry import is_blackwell
 
@@ -116,11 +116,11 @@ def _blackwell_case(kernel: str, fmt: str, act):
     else:
         ref_rows = np.asarray(rows, np.float64)
         if act is None:
-            out = gmm_blackwell_bf16(rows, LayerOf(stack, 1), sizes, OFFSET, jnp.bfloat16)
+            out = bf16_kernel(rows, LayerOf(stack, 1), sizes, OFFSET, jnp.bfloat16)
         else:  # as grouped_gemm hands a kernel that fuses the activation: column scales in the epilogue
             columns = None if layer.tensor_scale is None else layer.tensor_scale.reshape(LOCAL, -1)
             unit = layer.replace(tensor_scale=None)
-            out = gmm_blackwell_bf16(rows, unit, sizes, OFFSET, jnp.bfloat16, epilogue=(columns, None, act))
+            out = bf16_kernel(rows, unit, sizes, OFFSET, jnp.bfloat16, epilogue=(columns, None, act))
     ref = _float64_product(ref_rows, exact)
     if act is not None:
         gate, up = ref[:, 0::2], ref[:, 1::2]

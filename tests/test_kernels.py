@@ -3,6 +3,7 @@ Pallas kernels (interpreted) against the XLA path. (Compiled programs: `test_ker
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import zlib
 
@@ -27,6 +28,7 @@ import pallas_kernels as pk
 from moejax.model.layers import silu_glu
 from moejax.platform import resolve
 from pallas_kernels.layered import LayerOf
+from pallas_kernels.registry import gemm_tiles
 
 
 @pytest.mark.parametrize("fmt", ["dense", "nvfp4", "mxfp4"])
@@ -180,7 +182,8 @@ def test_column_tensor_scales_of_a_gate_up_stack(backend):
 def test_pallas_kernel_accumulates_over_k_tiles(backend, fmt):
     lhs, rhs, sizes, _ = make_case(4, "ragged", jnp.float32, m=20, k=256, n=128)
     w, w_f32 = weights(rhs, fmt, jnp.float32)
-    out = jax.jit(lambda l, w, s: KERNELS[backend](l, w, s, 0, jnp.float32, tk=64))(lhs, w, sizes)
+    tiles = dataclasses.replace(gemm_tiles(backend, 20, w), tk=64)
+    out = jax.jit(lambda l, w, s: KERNELS[backend](l, w, s, 0, jnp.float32, tiles=tiles))(lhs, w, sizes)
     np.testing.assert_allclose(out, reference(lhs, w_f32, sizes, 0), rtol=1e-5, atol=1e-5)
 
 

@@ -17,10 +17,19 @@ from compile_only import lower, on_h100
 from moejax.config import preset
 from moejax.model.layers import apply_rope, interleave_gate_up, rms_norm, silu_glu
 from moejax.model.router import route
+from pallas_kernels import routing, tiles
 from pallas_kernels.epilogue import gate_up_columns
 from pallas_kernels.linear import Tiles, fused_linear
 from pallas_kernels.linear_xla import fused_linear_xla
 from pallas_kernels.routing import topk_route, topk_route_xla
+
+ROUTE_TILES = routing.Tiles(**tiles.lookup("topk_route"))
+
+
+def tiles_with(**chosen) -> Tiles:
+    """The table's default tiles (`tiles.lookup`), but the test's `chosen` ones."""
+    return Tiles(**{**tiles.lookup("fused_linear"), **chosen})
+
 
 EPS = 1e-6
 TRITON = "__gpu$xla.gpu.triton"
@@ -69,19 +78,25 @@ def linear_case(name: str):
             head_norms=(_array(rng, (24,), dtype, 0.1, 1.0), _array(rng, (24,), dtype, 0.1, 1.0), None),
             rope=cos_sin,
             rotate=(True, True, False),
-            tiles=Tiles(n=16, k=64, m=16),
+            tiles=tiles_with(n=16, k=64, m=16),
         )
         return x, (weight(72), weight(24), weight(24)), kw
     if layout == "full rotary":  # rotary over whole heads of 16, no norms
-        kw = dict(head_dim=16, rope=_rope(rng, m, 8), rotate=(True, True), tiles=Tiles(n=16, k=16))
+        kw = dict(head_dim=16, rope=_rope(rng, m, 8), rotate=(True, True), tiles=tiles_with(n=16, k=16))
         return x, (weight(48), weight(16)), kw
     if layout == "gate_up":  # 36 (gate, up) pairs
-        return x, (weight(72),), dict(norm=norm, biases=(_array(rng, (72,), dtype),), act=silu_glu, tiles=Tiles(n=32))
+        return (
+            x,
+            (weight(72),),
+            dict(norm=norm, biases=(_array(rng, (72,), dtype),), act=silu_glu, tiles=tiles_with(n=32)),
+        )
     if layout == "residual":  # 200 output columns over 4 tiles of 64
-        kw = dict(biases=(_array(rng, (200,), dtype),), residual=_array(rng, (m, 200), dtype), tiles=Tiles(n=64, k=16))
+        kw = dict(
+            biases=(_array(rng, (200,), dtype),), residual=_array(rng, (m, 200), dtype), tiles=tiles_with(n=64, k=16)
+        )
         return x, (weight(200),), kw
     # the router: its logits, and the normed rows the experts read
-    return x, (weight(40, jnp.float32),), dict(norm=norm, normed=True, precision="highest", tiles=Tiles(n=16))
+    return x, (weight(40, jnp.float32),), dict(norm=norm, normed=True, precision="highest", tiles=tiles_with(n=16))
 
 
 def numpy_linear(x, weights, *, norm=None, biases=None, residual=None, head_dim=None, head_norms=None, rope=None,
@@ -311,7 +326,7 @@ def numpy_route(logits, k, *, scoring, bias, norm_topk_prob, routed_scaling_fact
 def route_runs(scoring: str):
     """((ids, weights) of the kernel (interpreted), of the XLA twin) for case `scoring`."""
     logits, k, kw = route_case(scoring)
-    kernel = jax.jit(functools.partial(topk_route, k=k, interpret=True, **kw))
+    kernel = jax.jit(functools.partial(topk_route, k=k, tiles=ROUTE_TILES, interpret=True, **kw))
     return kernel(logits), jax.jit(functools.partial(topk_route_xla, k=k, **kw))(logits)
 
 
@@ -386,17 +401,19 @@ def h100_linear(layout: str, m: int = 4):
     args = [on_h100((m, k), bf16), on_h100((k,), bf16), tuple(on_h100((k, n), wdtype) for n in widths)]
     if layout == "attention":
         args += [(on_h100((32,), bf16),) * 2, (on_h100((m, 8), f32),) * 2]
-        tiles = Tiles(num_warps=8, num_stages=3)  # a K pipeline's depth need be no power of two
+        tiles = tiles_with(num_warps=8, num_stages=3)  # a K pipeline's depth need be no power of two
         call = lambda x, norm, ws, hn, rope: fused_linear(  # noqa: E731
             x, ws, norm=norm, head_dim=32, head_norms=(*hn, None), rope=rope, rotate=(True, True, False), tiles=tiles
         )
     elif layout == "gate_up":
-        call = lambda x, norm, ws: fused_linear(x, ws, norm=norm, act=silu_glu)  # noqa: E731
+        call = lambda x, norm, ws: fused_linear(x, ws, norm=norm, act=silu_glu, tiles=tiles_with())  # noqa: E731
     elif layout == "residual":
         args.append(on_h100((m, 96), bf16))
-        call = lambda x, norm, ws, res: fused_linear(x, ws, residual=res)  # noqa: E731
+        call = lambda x, norm, ws, res: fused_linear(x, ws, residual=res, tiles=tiles_with())  # noqa: E731
     else:
-        call = lambda x, norm, ws: fused_linear(x, ws, norm=norm, normed=True, precision="highest")  # noqa: E731
+        call = lambda x, norm, ws: fused_linear(  # noqa: E731
+            x, ws, norm=norm, normed=True, precision="highest", tiles=tiles_with()
+        )
     return call, args, {k * n for n in widths}
 
 
@@ -414,7 +431,9 @@ def test_fused_linear_compiles_for_h100_to_one_launch(layout):
 def test_topk_route_compiles_for_h100_to_one_launch():
     """At E 512 and k 16 (the largest routers), a biased sigmoid with the weights normalized."""
     ops = compiled_h100(
-        lambda logits, bias: topk_route(logits, 16, scoring="sigmoid", bias=bias, norm_topk_prob=True),
+        lambda logits, bias: topk_route(
+            logits, 16, scoring="sigmoid", bias=bias, norm_topk_prob=True, tiles=ROUTE_TILES
+        ),
         on_h100((16, 512), jnp.float32),
         on_h100((512,), jnp.float32),
     )
@@ -424,7 +443,7 @@ def test_topk_route_compiles_for_h100_to_one_launch():
 
 def _linear_args(**kw):
     x, weights = jnp.zeros((3, 8), jnp.float32), (jnp.zeros((8, 32), jnp.float32),)
-    return {"x": x, "weights": weights, **kw}
+    return {"x": x, "weights": weights, "tiles": tiles_with(), **kw}
 
 
 BAD_LINEAR = {
@@ -440,7 +459,7 @@ BAD_LINEAR = {
     "act over two segments": (_linear_args(weights=(jnp.zeros((8, 32)),) * 2, act=silu_glu), "act takes one"),
     "residual's shape": (_linear_args(residual=jnp.zeros((3, 16))), "a residual goes with one segment"),
     "precision": (_linear_args(precision="high"), "precision must be one of"),
-    "tile not a power of two": (_linear_args(tiles=Tiles(n=24)), "tiles.n must be a power of two"),
+    "tile not a power of two": (_linear_args(tiles=tiles_with(n=24)), "tiles.n must be a power of two"),
 }
 
 
@@ -464,4 +483,4 @@ def test_topk_route_refuses_bad_input_with_one_error(case):
     kw, message = BAD_ROUTE[case]
     kw = {"logits": jnp.zeros((2, 16), jnp.float32), "k": 4, **kw}  # a copy: the case stays
     with pytest.raises(ValueError, match=message):
-        topk_route(kw.pop("logits"), kw.pop("k"), interpret=True, **kw)
+        topk_route(kw.pop("logits"), kw.pop("k"), tiles=ROUTE_TILES, interpret=True, **kw)

@@ -5,7 +5,6 @@ compile-only H100. Its PTX is compiled and run only where a GPU loads it (tests/
 from __future__ import annotations
 
 import dataclasses
-import functools
 import zlib
 
 import jax
@@ -18,6 +17,7 @@ import pallas_kernels as pk
 from moejax.model.layers import ClampedSwiGLU, silu_glu
 from pallas_kernels.gmm_mosaic_gpu import gmm_mosaic_gpu, refusal
 from pallas_kernels.layered import LayerOf
+from pallas_kernels.registry import gemm_tiles
 
 ACTS = {"swiglu": silu_glu, "clamped_swiglu": ClampedSwiGLU(alpha=1.702, limit=7.0)}
 GROUPS, LOCAL, LAYERS, ROWS = 6, 3, 2, 70
@@ -38,6 +38,11 @@ class Case:
     out_dtype: str = "float32"
     tk: int | None = None
     steps: int = 3
+
+
+def tiles(rows: int, rhs, gated: bool = False, **chosen):
+    """The tiles the registry hands the kernel for `rows` rows of rhs, but the case's `chosen` ones."""
+    return dataclasses.replace(gemm_tiles("mosaic_gpu", rows, rhs, gated), **{k: v for k, v in chosen.items() if v})
 
 
 # Every case has rows over two row tiles, groups before the local ones, an empty local group and
@@ -108,8 +113,7 @@ def run(case: Case, interpret: bool) -> tuple[np.ndarray, np.ndarray]:
             offset,
             case.out_dtype,
             interpret=interpret,
-            tk=case.tk,
-            steps=case.steps,
+            tiles=tiles(ROWS, rhs, act is not None, tk=case.tk, steps=case.steps),
             epilogue=tables and (*tables, act),
         )
     )
@@ -151,7 +155,10 @@ def test_compiles_for_h100_as_one_mosaic_gpu_call_per_product():
         return abstract_h100(w)
 
     def step(x, sizes, offset, layer, gate_up, down, odd, bias, odd_bias):
-        kernel = functools.partial(gmm_mosaic_gpu, group_sizes=sizes, group_offset=offset, out_dtype=jnp.bfloat16)
+        def kernel(x, w, epilogue=None):
+            chosen = tiles(x.shape[0], w, epilogue is not None)
+            return gmm_mosaic_gpu(x, w, sizes, offset, jnp.bfloat16, tiles=chosen, epilogue=epilogue)
+
         h = kernel(x, LayerOf(gate_up, layer), epilogue=(None, bias, silu_glu))  # [T, 768]
         y = kernel(h, down)  # [T, 2048]
         return y, kernel(y[:, :128], odd, epilogue=(None, odd_bias, ACTS["clamped_swiglu"]))  # [T, 20]
@@ -184,11 +191,11 @@ def test_refuses_float32_with_its_reason():
     assert "TF32" in refusal(jnp.float32)
     lhs, rhs, sizes, offset, _, _ = make_operands(CASES["bf16"])
     with pytest.raises(ValueError, match="TF32"):
-        gmm_mosaic_gpu(lhs.astype(jnp.float32), rhs, sizes, offset, jnp.float32)
+        gmm_mosaic_gpu(lhs.astype(jnp.float32), rhs, sizes, offset, jnp.float32, tiles=tiles(ROWS, rhs))
 
 
 @pytest.mark.parametrize(
-    "tiles,match",
+    "chosen,match",
     [
         (dict(tm=32), "tm=32"),
         (dict(tk=96), "tk=96"),
@@ -197,7 +204,7 @@ def test_refuses_float32_with_its_reason():
         (dict(steps=1), "steps=1"),
     ],
 )
-def test_rejects_tiles_hopper_cannot_take(tiles, match):
+def test_rejects_tiles_hopper_cannot_take(chosen, match):
     lhs, rhs, sizes, offset, _, _ = make_operands(CASES["bf16"])
     with pytest.raises(ValueError, match=match):
-        gmm_mosaic_gpu(lhs, rhs, sizes, offset, jnp.bfloat16, **tiles)
+        gmm_mosaic_gpu(lhs, rhs, sizes, offset, jnp.bfloat16, tiles=tiles(ROWS, rhs, **chosen))

@@ -27,6 +27,7 @@ from moejax.model import attention, paged
 from moejax.platform import resolve
 from pallas_kernels import paged_attention as kernels
 from pallas_kernels import paged_attention_mgpu as mgpu
+from pallas_kernels import tiles
 from pallas_kernels.paged_layout_mgpu import SMEM_BYTES, smem_bytes
 from sharding import make_placement
 from sharding.placement import Placement
@@ -128,20 +129,24 @@ BLOCKS = {
 }
 
 
+H100 = ("NVIDIA H100 80GB HBM3", 132)  # (device kind, SMs), as `platform.tile_device` gives them
+
+
 @pytest.mark.parametrize("shape", BLOCKS)
 def test_gpu_blocks_fit_smem_and_cover_the_sms(shape):
-    """The GPU kernel's blocks: pages filling the 64-row register tile, as many splits as cover the
-    SMs twice where the table has the blocks and SMEM the partials, and no more (one more split
-    would not fit, or would reach past the SMs' two waves, the table's blocks or GPU_MAX_SPLITS)."""
+    """The GPU kernel's blocks on an H100: pages filling the 64-row register tile, as many splits as
+    cover the SMs twice where the table has the blocks and SMEM the partials, and no more (one more
+    split would not fit, or would reach past the SMs' two waves, the table's blocks or its most)."""
     b, hkv, g, w, ps, p, dtype = shape
-    pages, splits = kernels.gpu_blocks(b, hkv, g, w, ps, p, dtype)
+    pages, splits = kernels.gpu_blocks(b, hkv, g, w, ps, p, dtype, H100)
+    rule = tiles.lookup("paged_attention_mgpu", H100)
     assert (pages, splits) == BLOCKS[shape]
     assert smem_bytes(g, w, ps, pages, splits, dtype) <= SMEM_BYTES
     assert (
         smem_bytes(g, w, ps, pages, splits + 1, dtype) > SMEM_BYTES
-        or splits * b * hkv >= kernels.GPU_WAVES * kernels.GPU_SMS
+        or splits * b * hkv >= rule["waves"] * H100[1]
         or splits == -(-p // pages)
-        or splits == kernels.GPU_MAX_SPLITS
+        or splits == rule["max_splits"]
     )
 
 

@@ -18,11 +18,19 @@ from test_kernels import tolerance
 
 import pallas_kernels as pk
 from moejax.model.layers import silu_glu
+from pallas_kernels import tiles
 from pallas_kernels.gmm_picks import Tiles, pick_gemm, pick_gemm_xla
 from pallas_kernels.layered import LayerOf
 
 EXPERTS, LOCAL, OFFSET = 8, 3, 2  # the local experts [2, 5) of 8: picks of the others come out zero
-TILES = Tiles(tn=32, tk=64, tm=16)
+
+
+def tiles_with(**chosen) -> Tiles:
+    """The table's default tiles (`tiles.lookup`), but the test's `chosen` ones."""
+    return Tiles(**{**tiles.lookup("pick_gemm"), **chosen})
+
+
+TILES = tiles_with(tn=32, tk=64, tm=16)
 
 
 def in_rows_dtype(gemm, **fixed):
@@ -202,16 +210,17 @@ def test_reads_one_layer_of_a_stack(product):
         (dict(lhs=jnp.zeros((2, 64))), "lhs must be \\[P / k, K\\]"),
         (dict(rhs=jnp.zeros((3, 32, 48))), "rhs must be \\[G, K=64, N\\]"),
         (dict(rhs=jnp.zeros((3, 64, 47)), epilogue=(None, None, silu_glu)), "column pairs"),
-        (dict(tiles=Tiles(tm=8)), "tiles.tm=8 must be a power of two of at least 16"),
-        (dict(tiles=Tiles(tk=48)), "tiles.tk=48"),
+        (dict(tiles=tiles_with(tm=8)), "tiles.tm=8 must be a power of two of at least 16"),
+        (dict(tiles=tiles_with(tk=48)), "tiles.tk=48"),
         (
-            dict(rhs=pk.quantize_experts(jnp.zeros((3, 64, 48)), "mxfp4"), tiles=Tiles(tk=32)),
+            dict(rhs=pk.quantize_experts(jnp.zeros((3, 64, 48)), "mxfp4"), tiles=tiles_with(tk=32)),
             "tiles.tk=32 .* at least 64",
         ),
     ],
 )
 def test_bad_input_gets_one_clear_error(change, message):
-    args = {"lhs": jnp.zeros((1, 64)), "rhs": jnp.zeros((3, 64, 48)), "ids": jnp.zeros(8, jnp.int32), **change}
+    args = {"lhs": jnp.zeros((1, 64)), "rhs": jnp.zeros((3, 64, 48)), "ids": jnp.zeros(8, jnp.int32), "tiles": TILES}
+    args.update(change)
     with pytest.raises(ValueError, match=message):
         pick_gemm(args.pop("lhs"), args.pop("rhs"), args.pop("ids"), k=8, group_offset=0, out_dtype=jnp.float32, **args)
 
@@ -233,7 +242,7 @@ def h100_moe(fmt: str, tokens: int):
     precision = "highest" if fmt == "f32" else None
 
     def moe(x, ids, up, down, bias, layer):
-        common = dict(k=K, group_offset=0, out_dtype=x.dtype, tiles=Tiles(tn=64, tk=128), precision=precision)
+        common = dict(k=K, group_offset=0, out_dtype=x.dtype, tiles=tiles_with(tn=64, tk=128), precision=precision)
         h = pick_gemm(x, LayerOf(up, layer), ids, epilogue=(None, bias, silu_glu), **common)  # [T*k, F]
         return pick_gemm(h, LayerOf(down, layer), ids, rows_are_picks=True, **common)  # [T*k, D]
 

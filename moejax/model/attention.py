@@ -18,6 +18,7 @@ from jax import lax
 from moejax.config import ModelConfig
 from moejax.model import dsa, paged, projections
 from moejax.model.layers import apply_rope, rms_norm
+from moejax.platform import tile_device
 from pallas_kernels import paged_attention as kernels
 
 KV_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")  # GQA cache: [B, H_kv, S, Dh]
@@ -166,7 +167,13 @@ def _gqa_kernel(p: dict, q, k, v, positions, cache: dict, c: ModelConfig, placem
         window = c.sliding_window if prefix else 0
     pool = {paged.base(name): a for name, a in cache.items() if paged.in_window(name) == bool(prefix)}
     sinks = p["sinks"] if c.attention_sinks else None
-    attend = functools.partial(paged.store_and_attend, placement.attention_kernel, c.softmax_scale, window)
+    attend = functools.partial(
+        paged.store_and_attend,
+        placement.attention_kernel,
+        c.softmax_scale,
+        window,
+        device=tile_device(placement.first_device),
+    )
     out, pool = placement.on_pages(attend, q, k, v, positions, pages, pool, sinks)
     return out, {**cache, **{prefix + name: a for name, a in pool.items()}}
 

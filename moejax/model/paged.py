@@ -171,13 +171,26 @@ def store(first_page, pool: jax.Array, new: jax.Array, positions: jax.Array, pag
 
 
 def store_and_attend(
-    kernel: str, scale: float, window: int, first_page, q, k, v, positions, pages: LayerPages, pool: dict, sinks=None
+    kernel: str,
+    scale: float,
+    window: int,
+    first_page,
+    q,
+    k,
+    v,
+    positions,
+    pages: LayerPages,
+    pool: dict,
+    sinks=None,
+    *,
+    device: tuple[str, int] = ("", 0),
 ):
     """One device's requests and pages: writes k, v: [B, T, H_kv, Dh] at positions [B, T]
     through `pages` (global page ids; this device holds pages first_page.. of the run's pools
     [layers, n, ...]) and attends q: [B, T, H, Dh] over them with `kernel`, keys older than
     `window` positions masked (0: none) and the device's heads' `sinks` [H] (or None) in the
-    softmax -> (out [B, T, H, Dh], pool)."""
+    softmax, the kernel's blocks chosen for `device` (device kind, SMs; `platform.tile_device`)
+    -> (out [B, T, H, Dh], pool)."""
     shapes = {name: a.shape for name, a in pool.items()}
     layers, n = next(iter(shapes.values()))[:2]
     # The run's pools as one pool of layers * n pages (a bitcast): the kernels read no layer axis.
@@ -193,7 +206,7 @@ def store_and_attend(
             name: write(pool[name], widen(new, pool[name].shape[-1]), positions, table, seq_axis=2)
             for name, new in (("k", k), ("v", v))
         }
-    out = kernels.attend(kernel, q, pool, positions[:, -1] + 1, table, scale, window, sinks)
+    out = kernels.attend(kernel, q, pool, positions[:, -1] + 1, table, scale, window, sinks, device)
     return out, {name: a.reshape(shapes[name]) for name, a in pool.items()}
 
 

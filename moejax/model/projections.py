@@ -37,7 +37,7 @@ def _fused(decode: DecodeKernels, x: jax.Array, weights: tuple, *, heads: int = 
 
     n = sum(w.shape[1] for w in weights)
     head_dim = kw.get("head_dim") or 1
-    chosen = tiles.tiles(
+    chosen = tiles.lookup(
         "fused_linear",
         decode.device,
         rows=x.shape[0],
@@ -116,7 +116,7 @@ def route(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, c: Mode
     if forced is not None or grouped or not decode.fuses_dense(x.shape[0]):
         h = rms_norm(x, norm, c.rms_norm_eps)
         return (h, *xla_route(p, h, c, forced))
-    from pallas_kernels import routing
+    from pallas_kernels import routing, tiles
 
     h, logits = _fused(decode, x, (p["router"],), norm=norm, eps=c.rms_norm_eps, normed=True)
     ids, weights = routing.topk_route(
@@ -126,6 +126,7 @@ def route(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, c: Mode
         bias=p["router_bias"] if c.router_bias else None,
         norm_topk_prob=c.norm_topk_prob,
         routed_scaling_factor=c.routed_scaling_factor,
+        tiles=routing.Tiles(**tiles.lookup("topk_route", decode.device)),
         interpret=decode.interpret,
     )
     return h, ids, weights
