@@ -3,7 +3,9 @@ runs, how many times, which of them are kernel launches, and which write arrays 
 and on a second, its Pallas kernels, products' precision, collectives and host transfers.
 (Its pricing, `hlo_ops.ops`: `test_target_costs.py`; on compiled programs: `test_target_structure.py`.)"""
 
+import ast
 import json
+from pathlib import Path
 
 import pytest
 
@@ -278,3 +280,22 @@ def test_fusion_kinds_of_xla_gpu_and_xla_cpu():
 
 def test_instrs_are_every_computations_fused_ones_included():
     assert {"m", "r", "nm", "rb", "k", "mul"} <= {i.name for i in hlo.parse(program(True)).instrs}
+
+
+def test_tests_read_compiled_programs_through_this_reader():
+    """No other test parses a compiled program's custom calls itself: no string in them names a
+    custom call's target attribute or its op as HLO text prints them, but for hand-written
+    programs ("HloModule ..."), which they hand to this reader. (This file's own strings are the
+    reader's tests and the needles.)"""
+    needles = ("custom_call_target", "custom-call(", "custom-call\\(")
+    found, programs = [], 0
+    paths = sorted(p for p in Path(__file__).parent.glob("*.py") if p.name != Path(__file__).name)
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if node.value.startswith("HloModule"):
+                    programs += 1
+                elif any(n in node.value for n in needles):
+                    found.append(f"{path.name}:{node.lineno}")
+    assert len(paths) > 50 and programs >= 1  # the tests, and test_target_costs' program, looked through
+    assert found == []
