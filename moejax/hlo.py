@@ -3,8 +3,11 @@ computations and the instructions one call runs as ops of their own (`Run`: the 
 bodies and conditions', its conditionals' branches' and called computations', not those fused into
 a fusion), each with how many times it runs. What the project asks of a compiled program is read
 off them: the arrays of given shapes it writes (`writes_of`, `weight_shaped`), its products
-(`products`), its loops and their trip counts (`loops`) and the kernels it launches (`launches`, by
-kind: `by_kind`); `hlo_ops` prices the operations it runs.
+(`products`), its loops and their trip counts (`loops`), the kernels it launches (`launches`, by
+kind: `by_kind`), its Pallas kernels (`pallas_calls`: Triton, Mosaic GPU or Mosaic TPU, each with its
+kernel's name), its collectives (`collectives`) and its transfers to and from the host
+(`host_transfers`); `hlo_ops` prices the operations it runs. Tests read compiled programs through
+these readers alone (test_hlo.py holds them to it).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import math
 import re
 
@@ -61,6 +65,25 @@ FREE = {
 # Ops that run the computations they name (a loop's body and condition, a conditional's branches, a
 # call's callee, an async op's wrapped op): their computations' ops run, not they themselves.
 CONTAINERS = {"while", "conditional", "call", "call-start", "async-start"}
+# The custom-call targets of Pallas kernels, by the compiler that lowered them.
+PALLAS = {
+    "__gpu$xla.gpu.triton": "triton",
+    "mosaic_gpu": "mosaic_gpu",
+    "mosaic_gpu_v2": "mosaic_gpu",
+    "tpu_custom_call": "mosaic_tpu",
+}
+# The ops that move arrays between devices (an async one's start; its done only waits).
+COLLECTIVES = {
+    "all-gather",
+    "all-reduce",
+    "all-to-all",
+    "ragged-all-to-all",
+    "reduce-scatter",
+    "collective-permute",
+    "collective-broadcast",
+}
+# The ops that move arrays between the device and the host, beside a custom call to a Python callback.
+HOST_OPS = {"infeed", "outfeed", "send", "send-done", "recv", "recv-done"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,10 +117,61 @@ class Instr:
         return m.group(1) if m else ""
 
     @property
+    def pallas(self) -> str:
+        """A Pallas kernel's compiler ("triton", "mosaic_gpu", "mosaic_tpu", by its custom call's
+        target: `PALLAS`); else ""."""
+        return PALLAS.get(self.target, "") if self.opcode == "custom-call" else ""
+
+    @property
+    def kernel(self) -> str:
+        """A Pallas kernel's name: the named scope its call was traced under, the one before the
+        call's own in its op_name (".../ragged_paged_attention_kernel/pallas_call",
+        ".../paged_attention_mgpu/mpmd_map"; "jit(grouped_gemm)/pallas_call": "grouped_gemm"); else ""."""
+        scopes = self.scope.split("/")
+        if not self.pallas or len(scopes) < 2:
+            return ""
+        m = re.fullmatch(r"jit\((.*)\)", scopes[-2])
+        return m.group(1) if m else scopes[-2]
+
+    @property
+    def collective(self) -> str:
+        """The collective it is or starts ("all-gather" of an all-gather-start; `COLLECTIVES`); else ""."""
+        op = self.opcode.removesuffix("-start")
+        return op if op in COLLECTIVES else ""
+
+    @property
+    def dtypes(self) -> list[str]:
+        """The element type of each array of its result, in order (as `shapes`)."""
+        return [dtype for dtype, _ in SHAPE.findall(self.type)]
+
+    @property
+    def operand_types(self) -> list[str]:
+        """A custom call's operands' types as its layout constraints state them ("f32[1,2]"), in order."""
+        m = re.search(r"operand_layout_constraints=\{", self.attrs)
+        constraints = self.attrs[m.end() - 1 : _close(self.attrs, m.end() - 1)] if m else ""
+        return [f"{dtype}[{sizes}]" for dtype, sizes in SHAPE.findall(constraints)]
+
+    @property
+    def backend_config(self) -> str:
+        """Its backend config as printed, braces included: JSON for Mosaic TPU's calls and cuBLAS
+        GEMMs; MLIR attributes for Triton's and Mosaic GPU's, with their kernels' IR; else ""."""
+        m = re.search(r"\bbackend_config=\{", self.attrs)
+        return self.attrs[m.end() - 1 : _close(self.attrs, m.end() - 1) + 1] if m else ""
+
+    @property
+    def precision(self) -> tuple[str, ...]:
+        """A product's operands' precision: a dot's `operand_precision`, a cuBLAS GEMM's (its
+        config's), lower case ("highest", "highest"); () where it is the default."""
+        m = re.search(r"operand_precision=\{([a-z,]*)\}", self.attrs) or re.search(
+            r'"operand_precision":\[([^\]]*)\]', self.backend_config
+        )
+        return tuple(p.strip('"').lower() for p in m.group(1).split(",")) if m else ()
+
+    @property
     def fusion_kind(self) -> str:
         """A fusion's kind: kLoop, kInput, kOutput, or a custom fusion's backend (XLA:GPU's Triton
-        fusions: "__triton_nested_gemm_fusion", "__triton"); else ""."""
-        m = re.search(r'"fusion_backend_config":\{"kind":"([^"]+)"', self.attrs) or re.search(
+        fusions: "__triton_nested_gemm_fusion", "__triton"; XLA:CPU's YNNPACK ones: "__ynn_fusion"); else ""."""
+        m = re.search(r'"fusion(?:_backend)?_config":\{"kind":"([^"]+)"', self.attrs) or re.search(
             r"\bkind=(k\w+)", self.attrs
         )
         return m.group(1) if m and self.opcode == "fusion" else ""
@@ -127,11 +201,16 @@ def dims(type_: str) -> list[int]:
 
 
 def _close(text: str, start: int) -> int:
-    """Index of the bracket closing the one at text[start]."""
-    depth, pairs = 0, {"(": ")", "{": "}", "[": "]"}
+    """Index of the bracket closing the one at text[start], brackets in quoted strings aside (a
+    kernel's IR in its backend config: a PTX "{")."""
+    depth, pairs, quoted, escaped = 0, {"(": ")", "{": "}", "[": "]"}, False, False
     opening = text[start]
     for i in range(start, len(text)):
-        if text[i] == opening:
+        if quoted:
+            quoted, escaped = (escaped or text[i] != '"'), (not escaped and text[i] == "\\")
+        elif text[i] == '"':
+            quoted = True
+        elif text[i] == opening:
             depth += 1
         elif text[i] == pairs[opening]:
             depth -= 1
@@ -276,6 +355,11 @@ class Program:
             elif i.opcode in CONTAINERS:  # a call, or an async op's wrapped op
                 self._walk(i.called("to_apply") or i.called("calls"), count, trips, condition_of)
 
+    @property
+    def instrs(self) -> list[Instr]:
+        """Every instruction of every computation, those fused into fusions included."""
+        return list(itertools.chain.from_iterable(self.comps.values()))
+
     def root_of(self, i: Instr) -> Instr:
         """The instruction computing what `i` writes: a fusion's root, any other op itself."""
         return next(f for f in self.comps[i.called("calls")] if f.root) if i.opcode == "fusion" else i
@@ -354,3 +438,23 @@ def by_kind(runs: list[Run]) -> dict[str, float]:
     for r in runs:
         counts[r.instr.kind] += r.count
     return dict(counts.most_common())
+
+
+def pallas_calls(text: str) -> list[Run]:
+    """The Pallas kernels a call launches (`Instr.pallas`: which compiler's; `Instr.kernel`: which kernel)."""
+    return [r for r in launches(text) if r.instr.pallas]
+
+
+def collectives(text: str) -> list[Run]:
+    """The collectives a call runs (`Instr.collective`), in program order."""
+    return [r for r in parse(text).runs if r.instr.collective]
+
+
+def host_transfers(text: str) -> list[Run]:
+    """The ops a call runs that move arrays to or from the host: infeeds, outfeeds, sends and
+    receives, and custom calls to Python callbacks (`jax.debug.callback`, `pure_callback`)."""
+    return [
+        r
+        for r in parse(text).runs
+        if r.instr.opcode in HOST_OPS or (r.instr.opcode == "custom-call" and "callback" in r.instr.target)
+    ]

@@ -1,13 +1,12 @@
 """Compile the tests' tiny DeepSeek-V3 decode step (MLA, a shared expert, the Triton grouped GEMM)
 for a compile-only H100 in each dtype of argv, as the engine jits it, and print the precision of
 its products as one JSON line per dtype:
-{"dtype", "dots": each XLA dot's operand_precision, "cublas": each cuBLAS call's, "triton_dots":
-each Pallas Triton dot (`tt.dot`) as its kernel's IR prints it}.
+{"dtype", "dots": each XLA dot's operand precision ("highest,highest": `hlo.Instr.precision`), "cublas":
+each cuBLAS call's, "triton_dots": each Pallas Triton dot (`tt.dot`) as its kernel's IR prints it}.
 Run as a script, in its own process (test_precision.py): an XLA abort kills the process."""
 
 import json
 import os
-import re
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -17,7 +16,7 @@ from jax._src.lib.mlir import ir  # noqa: E402
 from jax._src.pallas.triton import lowering as triton_lowering  # noqa: E402
 
 from checkpoints.hf_config import from_hf_config  # noqa: E402
-from moejax import targets  # noqa: E402
+from moejax import hlo, targets  # noqa: E402
 from moejax.config import Config, EngineConfig, LayoutConfig  # noqa: E402
 from moejax.engine.programs import jit_program  # noqa: E402
 from moejax.plan import decode_program  # noqa: E402
@@ -51,9 +50,8 @@ def triton_dots(lowered) -> list[str]:
     return dots
 
 
-def precision(pattern: str, line: str) -> str:
-    found = re.search(pattern, line)
-    return found.group(1) if found else "default"
+def precision(product: hlo.Instr) -> str:
+    return ",".join(product.precision) or "default"
 
 
 def products(dtype: str) -> dict:
@@ -64,14 +62,9 @@ def products(dtype: str) -> dict:
     placement, step, args = decode_program(config, 8, 64, "cuda", devices=list(targets.devices("h100", 1)))
     with targets.lowering(*args):
         lowered = jit_program(step, dtype, placement.platform, decode=True, donate_argnums=1).lower(*args)
-    hlo = lowered.compile().as_text()
-    lines = hlo.splitlines()
-    dots = [precision(r"operand_precision=\{([a-z,]+)\}", line) for line in lines if " dot(" in line]
-    cublas = [
-        precision(r'"operand_precision":\[([^\]]*)\]', line)
-        for line in lines
-        if 'custom_call_target="__cublas$gemm"' in line
-    ]
+    instrs = hlo.parse(lowered.compile().as_text()).instrs  # fused dots included
+    dots = [precision(i) for i in instrs if i.opcode == "dot"]
+    cublas = [precision(i) for i in instrs if i.target == "__cublas$gemm"]
     return {"dtype": dtype, "dots": dots, "cublas": cublas, "triton_dots": triton_dots(lowered)}
 
 

@@ -35,11 +35,9 @@ ODD_MLA = (
     ("q_lora_rank", 40),
 )
 TILEABLE = (("hidden_size", 512), ("moe_intermediate_size", 2048))  # tensor-sliced on 8: K 256
-# Custom-call targets of Pallas kernels in an optimized HLO: Mosaic TPU's, Triton's, Mosaic GPU's; and
-# the names the paged-attention kernels have in it: JAX's ragged paged attention (TPU) in its call, and
-# our Mosaic GPU one in its call's op_name (".../paged_attention_mgpu/mpmd_map": its kernel name).
-PALLAS_CALLS = ("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu")
-PAGED_KERNELS = ("ragged_paged_attention_kernel", "/paged_attention_mgpu/")
+# The kernel names of the paged-attention kernels' Pallas calls (`hlo.Instr.kernel`): JAX's ragged paged
+# attention (TPU) and our Mosaic GPU one.
+PAGED_KERNELS = ("ragged_paged_attention_kernel", "paged_attention_mgpu")
 # The modules of Pallas's Triton backend (jax 0.11 deprecated it): a worker asked to compile as a jax
 # without it finds none of them (`_without_triton`), so jax lowers GPU kernels with Mosaic GPU or not at all.
 TRITON_MODULES = ("jax._src.pallas.triton", "jax.experimental.pallas.triton")
@@ -95,8 +93,9 @@ def model_config(case: Case):
 
 
 def compile_case(case: Case) -> dict:
-    """{program: {"compiled", "error", "pallas_calls", "ragged_all_to_all", ...}} of one case."""
-    from moejax import targets
+    """{program: {"compiled", "error", "pallas_calls" (their compilers: `hlo.PALLAS`), "paged_attention",
+    "ragged_all_to_all", ...}} of one case."""
+    from moejax import hlo, targets
     from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig
     from moejax.plan import compile_program, programs
     from sharding import with_placement
@@ -131,7 +130,9 @@ def compile_case(case: Case) -> dict:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             compiled, seconds, error = compile_program(jitted, args, persist=False)
-        hlo = compiled.as_text() if compiled else ""
+        text = compiled.as_text() if compiled else None
+        calls = [r.instr for r in hlo.pallas_calls(text)] if text else []
+        collectives = {r.instr.collective for r in hlo.collectives(text)} if text else set()
         out["programs"][name] = {
             "compiled": compiled is not None,
             "error": error,
@@ -141,9 +142,9 @@ def compile_case(case: Case) -> dict:
                 for w in caught
                 if issubclass(w.category, (DeprecationWarning, FutureWarning))
             ],
-            "pallas_calls": sorted({c for c in PALLAS_CALLS if f'custom_call_target="{c}' in hlo}),
-            "paged_attention": any(name in hlo for name in PAGED_KERNELS),
-            "ragged_all_to_all": "ragged-all-to-all(" in hlo or "ragged-all-to-all-start(" in hlo,
+            "pallas_calls": sorted({c.pallas for c in calls}),
+            "paged_attention": any(c.kernel in PAGED_KERNELS for c in calls),
+            "ragged_all_to_all": "ragged-all-to-all" in collectives,
         }
     return out
 

@@ -1,6 +1,11 @@
 """The HLO reader (`moejax.hlo`) on a hand-written XLA:GPU-like program: the ops one call
-runs, how many times, which of them are kernel launches, and which write arrays of given shapes.
+runs, how many times, which of them are kernel launches, and which write arrays of given shapes;
+and on a second, its Pallas kernels, products' precision, collectives and host transfers.
 (Its pricing, `hlo_ops.ops`: `test_target_costs.py`; on compiled programs: `test_target_structure.py`.)"""
+
+import ast
+import json
+from pathlib import Path
 
 import pytest
 
@@ -200,3 +205,97 @@ def test_writes_of_shapes_any_tuple_element_free_ops_aside(ordered, found):
 def test_products_are_dots_and_gemms_not_a_multiply_and_reduce():
     """The cuBLAS GEMM computes a product; x * w spelled out as a multiply and a reduce does not."""
     assert [r.instr.name for r in hlo.products(program(True))] == ["gemm"]
+
+
+# Pallas kernels of each compiler as XLA prints their calls (op_name, operand layouts, backend
+# configs: Mosaic GPU's holds the kernel's IR, here with a "{" of its own), a cuBLAS GEMM and a dot
+# at HIGHEST, an async all-gather and an all-reduce, a callback and an outfeed; an XLA:CPU YNNPACK fusion.
+KERNELS = r"""HloModule kernels
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (x: bf16[8,32], sinks: f32[2]) -> bf16[64,32] {
+  %x = bf16[8,32]{1,0} parameter(0)
+  %sinks = f32[2]{0} parameter(1)
+  %t = bf16[8,32]{1,0} custom-call(%x), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/jit(grouped_gemm)/pallas_call"}, backend_config={grid_x = 4 : i32, ir = "ML\EFR\22", name = "_kernel", num_warps = 4 : i32}
+  %m = bf16[8,32]{1,0} custom-call(%t, %sinks), custom_call_target="mosaic_gpu_v2", operand_layout_constraints={bf16[8,32]{1,0}, f32[2]{0}}, metadata={op_name="jit(step)/attention/paged_attention_mgpu/mpmd_map"}, backend_config={kernel_hash = "\C4", module = "{ wgmma.mma_async"}
+  %p = bf16[8,32]{1,0} custom-call(%m), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={}}, metadata={op_name="jit(step)/jit(ragged_paged_attention)/ragged_paged_attention_kernel/pallas_call"}, backend_config={"custom_call_config":{"body":"TUzv","cost_estimate":{"flops":"1024"}}}
+  %g = bf16[8,32]{1,0} custom-call(%p, %p), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"precision_config":{"operand_precision":["HIGHEST","HIGHEST"]}}}
+  %d = f32[8,8]{1,0} dot(%g, %g), lhs_contracting_dims={1}, rhs_contracting_dims={1}, operand_precision={highest,highest}
+  %ar = f32[8,8]{1,0} all-reduce(%d), replica_groups={{0,1}}, to_apply=%add
+  %ag = (bf16[8,32]{1,0}, bf16[64,32]{1,0}) all-gather-start(%g), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %gathered = bf16[64,32]{1,0} all-gather-done(%ag)
+  %cb = () custom-call(%ar), custom_call_target="xla_ffi_python_cpu_callback", custom_call_has_side_effect=true
+  %token = token[] after-all()
+  %out = token[] outfeed(%sinks, %token), outfeed_shape=f32[2]{0}
+  %y = f32[8,8]{1,0} fusion(%d), kind=kCustom, calls=%add, backend_config={"fusion_config":{"kind":"__ynn_fusion"}}
+  ROOT %r = bf16[64,32]{1,0} copy(%gathered)
+}
+"""  # noqa: E501
+
+
+def test_pallas_calls_are_each_compilers_kernels_by_name():
+    """Triton's, Mosaic GPU's and Mosaic TPU's calls, by their custom call's target; each kernel's
+    name is the named scope its call was traced under (a jit's name unwrapped). cuBLAS is no Pallas kernel."""
+    calls = [(r.instr.name, r.instr.pallas, r.instr.kernel) for r in hlo.pallas_calls(KERNELS)]
+    assert calls == [
+        ("t", "triton", "grouped_gemm"),
+        ("m", "mosaic_gpu", "paged_attention_mgpu"),
+        ("p", "mosaic_tpu", "ragged_paged_attention_kernel"),
+    ]
+
+
+def test_a_calls_backend_config_operand_types_and_precision():
+    """Backend configs whole, braces in their IR's strings aside; a call's operands' types; a dot's
+    and a cuBLAS GEMM's precision, the default's none."""
+    i = {r.instr.name: r.instr for r in hlo.parse(KERNELS).runs}
+    assert json.loads(i["p"].backend_config)["custom_call_config"]["cost_estimate"] == {"flops": "1024"}
+    assert i["m"].backend_config == '{kernel_hash = "\\C4", module = "{ wgmma.mma_async"}'
+    assert i["t"].backend_config.endswith("num_warps = 4 : i32}")
+    assert i["m"].operand_types == ["bf16[8,32]", "f32[2]"] and i["t"].operand_types == []
+    assert i["g"].precision == i["d"].precision == ("highest", "highest") and i["ar"].precision == ()
+    assert (i["ag"].dtypes, i["x"].dtypes) == (["bf16", "bf16"], ["bf16"])
+
+
+def test_collectives_and_host_transfers():
+    """An async collective once (its start), in program order; a callback's custom call and an outfeed."""
+    assert [(r.instr.name, r.instr.collective) for r in hlo.collectives(KERNELS)] == [
+        ("ar", "all-reduce"),
+        ("ag", "all-gather"),
+    ]
+    assert [r.instr.name for r in hlo.host_transfers(KERNELS)] == ["cb", "out"]
+    assert hlo.host_transfers(PROGRAM.replace("{KNOWN}", "")) == []
+
+
+def test_fusion_kinds_of_xla_gpu_and_xla_cpu():
+    """XLA:CPU's custom fusions' kind is their backend config's (XLA:GPU's: the first test's)."""
+    assert [(r.instr.name, r.instr.kind) for r in hlo.launches(KERNELS) if r.instr.opcode == "fusion"] == [
+        ("y", "fusion __ynn_fusion")
+    ]
+
+
+def test_instrs_are_every_computations_fused_ones_included():
+    assert {"m", "r", "nm", "rb", "k", "mul"} <= {i.name for i in hlo.parse(program(True)).instrs}
+
+
+def test_tests_read_compiled_programs_through_this_reader():
+    """No other test parses a compiled program's custom calls itself: no string in them names a
+    custom call's target attribute or its op as HLO text prints them, but for hand-written
+    programs ("HloModule ..."), which they hand to this reader. (This file's own strings are the
+    reader's tests and the needles.)"""
+    needles = ("custom_call_target", "custom-call(", "custom-call\\(")
+    found, programs = [], 0
+    paths = sorted(p for p in Path(__file__).parent.glob("*.py") if p.name != Path(__file__).name)
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if node.value.startswith("HloModule"):
+                    programs += 1
+                elif any(n in node.value for n in needles):
+                    found.append(f"{path.name}:{node.lineno}")
+    assert len(paths) > 50 and programs >= 1  # the tests, and test_target_costs' program, looked through
+    assert found == []

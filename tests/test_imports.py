@@ -59,11 +59,35 @@ def test_verbs_are_imported_by_the_cli_only():
     assert not wrong, f"modules importing a verb module: {wrong}"
 
 
+def package(module: str) -> str:
+    """The package a module lies in, verbs included (`moejax.serving.commands`: moejax.serving)."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "moejax" and len(parts) > 1 else parts[0]
+
+
 def test_the_package_graph_has_no_cycle():
+    """The verbs sit above every package (`unit`), so a package's verb importing what imports that
+    package back is no cycle here: `test_no_package_imports_back_a_package_whose_verb_imports_it`."""
     graph = {}
     for m, deps in GRAPH.items():
         graph.setdefault(unit(m), set()).update(unit(d) for d in deps if unit(d) != unit(m))
     graphlib.TopologicalSorter(graph).prepare()  # raises CycleError naming the cycle
+
+
+def test_no_package_imports_back_a_package_whose_verb_imports_it():
+    """A verb module in a package (serving's `commands`) imports packages below; none of those imports
+    that package back (serve's verb importing analysis' ranking, which imported serving's types: each
+    package imported the other)."""
+    back = sorted(
+        (verb, m, d)
+        for verb in VERB_MODULES
+        for below in {package(d) for d in GRAPH[verb]} - {package(verb)}
+        for m in MODULES
+        if package(m) == below and m not in VERB_MODULES
+        for d in GRAPH[m]
+        if package(d) == package(verb) != verb and d not in VERB_MODULES
+    )
+    assert not back, f"(verb, module importing its package back, what it imports): {back}"
 
 
 def test_the_trace_format_sits_below_the_engine_and_serving():

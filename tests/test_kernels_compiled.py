@@ -5,7 +5,7 @@ their hardware (Triton for an H100, Mosaic for a v5e)."""
 from __future__ import annotations
 
 import dataclasses
-import re
+import json
 
 import jax
 import jax.numpy as jnp
@@ -33,15 +33,15 @@ from moejax.plan import decode_program
 from pallas_kernels import epilogue
 from pallas_kernels.layered import LayerOf, split
 
-# Each target's grouped-GEMM kernel and the custom call it compiles to.
-TARGET_KERNELS = {"v5e": ("pallas_tpu", "tpu_custom_call"), "h100": ("pallas_gpu", "__gpu$xla.gpu.triton")}
+# Each target's grouped-GEMM kernel and the compiler of the Pallas call it compiles to (`hlo.PALLAS`).
+TARGET_KERNELS = {"v5e": ("pallas_tpu", "mosaic_tpu"), "h100": ("pallas_gpu", "triton")}
 # A stack's groups [G, K, N] (6, 128, 80), dense or 4-bit ([G, K/2, N] packed values).
 GROUPS = [(6, 128, 80), (6, 64, 80)]
 
 
 def kernel_calls(text: str, target: str) -> list[hlo.Run]:
     """The launches of a compiled program calling `target`'s grouped-GEMM kernel (`TARGET_KERNELS`)."""
-    return [r for r in hlo.launches(text) if r.instr.target == TARGET_KERNELS[target][1]]
+    return [r for r in hlo.pallas_calls(text) if r.instr.pallas == TARGET_KERNELS[target][1]]
 
 
 @pytest.mark.parametrize("fmt", ["dense", "nvfp4"])
@@ -254,5 +254,6 @@ def test_tpu_kernel_takes_k_whose_scale_rows_fill_no_tile(fmt, k):
 
 def test_tpu_kernel_tells_xla_its_cost():
     """The pallas_call carries a cost estimate, as megablox's does, so XLA can schedule around it."""
-    config = target_gemm("v5e", "dense", m=256, k=2048, n=512).as_text().replace("\\22", '"').replace("\\0A", "")
-    assert re.search(rf'"cost_estimate": {{[^}}]*"flops":{2 * 256 * 2048 * 512}\b', config)
+    [call] = kernel_calls(target_gemm("v5e", "dense", m=256, k=2048, n=512).compile().as_text(), "v5e")
+    cost = json.loads(call.instr.backend_config)["custom_call_config"]["cost_estimate"]
+    assert int(cost["flops"]) == 2 * 256 * 2048 * 512

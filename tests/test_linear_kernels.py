@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
+import math
 import zlib
 
 import jax
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from compile_only import lower, on_h100
 
+from moejax import hlo
 from moejax.config import preset
 from moejax.model.layers import apply_rope, interleave_gate_up, rms_norm, silu_glu
 from moejax.model.router import route
@@ -32,7 +33,7 @@ def tiles_with(**chosen) -> Tiles:
 
 
 EPS = 1e-6
-TRITON = "__gpu$xla.gpu.triton"
+TRITON = "triton"  # the Pallas compiler of the kernels' calls (`hlo.PALLAS`)
 
 
 def _rng(name: str) -> np.random.Generator:
@@ -382,15 +383,10 @@ def test_router_twins_are_route(scoring):
 
 
 def compiled_h100(f, *args) -> list[tuple[str, int]]:
-    """f compiled for a compile-only H100 over abstract args: (opcode or custom call target,
-    elements written) of each instruction."""
-    text = lower(jax.jit(f), *args).compile().as_text()
-    ops = []
-    for shape, opcode, rest in re.findall(r"^\s*(?:ROOT )?%\S+ = (\(.*?\)|\S+) ([\w-]+)\((.*)$", text, re.M):
-        target = re.search(r'custom_call_target="([^"]+)"', rest)
-        sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"\[([\d,]*)\]", shape)]
-        ops.append((target.group(1) if target else opcode, max(sizes, default=0)))
-    return ops
+    """f compiled for a compile-only H100 over abstract args: (opcode, or a Pallas call's compiler,
+    elements written) of each instruction, those fused into fusions included."""
+    program = hlo.parse(lower(jax.jit(f), *args).compile().as_text())
+    return [(i.pallas or i.opcode, max(map(math.prod, i.shapes), default=0)) for i in program.instrs]
 
 
 def h100_linear(layout: str, m: int = 4):

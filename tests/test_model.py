@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hf_reference import FAMILIES, build_hf_model, hf_greedy, hf_logits
 
+from moejax import hlo
 from moejax.config import Config, EngineConfig
 from moejax.engine.buckets import decode_visible
 from moejax.engine.engine import Engine
@@ -156,8 +157,10 @@ def test_decode_compiles_with_its_platforms_options(tiny_engine):
         static_argnames=("block", "sampling"),
     )
 
-    def ynn_fusions(f) -> int:
-        return f.lower(*args, block=8, sampling=Sampling()).compile().as_text().count("__ynn_fusion")
+    def ynn_fusions(f) -> float:
+        launches = hlo.launches(f.lower(*args, block=8, sampling=Sampling()).compile().as_text())
+        assert launches
+        return hlo.by_kind(launches).get("fusion __ynn_fusion", 0)
 
     assert ynn_fusions(tiny_engine._decode_block) == 0 < ynn_fusions(defaults)
 

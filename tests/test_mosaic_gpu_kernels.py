@@ -14,6 +14,7 @@ import pytest
 from compile_only import on_h100
 
 import pallas_kernels as pk
+from moejax import hlo
 from moejax.model.layers import ClampedSwiGLU, silu_glu
 from pallas_kernels.gmm_mosaic_gpu import gmm_mosaic_gpu, refusal
 from pallas_kernels.layered import LayerOf
@@ -163,7 +164,7 @@ def test_compiles_for_h100_as_one_mosaic_gpu_call_per_product():
         y = kernel(h, down)  # [T, 2048]
         return y, kernel(y[:, :128], odd, epilogue=(None, odd_bias, ACTS["clamped_swiglu"]))  # [T, 20]
 
-    hlo = (
+    text = (
         jax.jit(step)
         .lower(
             on_h100((256, 2048), jnp.bfloat16),
@@ -179,10 +180,12 @@ def test_compiles_for_h100_as_one_mosaic_gpu_call_per_product():
         .compile()
         .as_text()
     )
-    calls = [line for line in hlo.splitlines() if 'custom_call_target="mosaic_gpu' in line]
-    assert len(calls) == 3
-    assert all("wgmma.mma_async.sync.aligned" in c and ".f32.bf16.bf16" in c for c in calls)
-    assert "bf16[256,768]" in hlo and "bf16[256,2048]" in hlo and "bf16[256,20]" in hlo
+    calls = [r.instr for r in hlo.pallas_calls(text)]
+    assert [c.pallas for c in calls] == ["mosaic_gpu"] * 3
+    assert all(
+        "wgmma.mma_async.sync.aligned" in c.backend_config and ".f32.bf16.bf16" in c.backend_config for c in calls
+    )
+    assert all(hlo.writes_of(text, [(256, n)], ordered=True) for n in (768, 2048, 20))
 
 
 def test_refuses_float32_with_its_reason():

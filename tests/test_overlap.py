@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moejax import hlo
 from moejax.config import Config, ConfigError, LayoutConfig, preset
 from moejax.engine.engine import Engine
 from moejax.loading import load_params
@@ -99,23 +100,16 @@ def test_two_batch_overlap_sends_the_bytes_of_the_plain_exchange(name):
     assert accounting.hlo_collective_bytes(tbo) == accounting.hlo_collective_bytes(plain) > 0
 
 
-COLLECTIVE = re.compile(r"\s(all-to-all|all-gather|reduce-scatter|all-reduce)(-start)?\(")
-
-
-def issue_order(hlo: str) -> list[str]:
+def issue_order(text: str) -> list[str]:
     """'microbatch_x/phase' of each collective in the computation that issues them, in schedule
     order (a scheduled module prints each computation's instructions in the order they run)."""
-    for computation in re.split(r"\n(?=\S)", hlo):
-        order = [
-            m.group(1)
-            for line in computation.splitlines()
-            if COLLECTIVE.search(line)
-            for m in [re.search(r'op_name="[^"]*?(microbatch_[ab]/\w+)', line)]
-            if m
-        ]
-        if order:
-            return order
-    return []
+    phases = [
+        (r.computation, m.group(1))
+        for r in hlo.collectives(text)
+        for m in [re.search(r"(microbatch_[ab]/\w+)", r.instr.scope)]
+        if m
+    ]
+    return [phase for computation, phase in phases if computation == phases[0][0]] if phases else []
 
 
 @pytest.mark.parametrize("name", ["expert_sharded", "ragged_a2a"])

@@ -18,7 +18,7 @@ import pytest
 from compile_only import lower, on_h100
 from jax.experimental.pallas.ops.tpu import ragged_paged_attention as tpu_module
 
-from moejax import targets
+from moejax import hlo, targets
 from moejax.config import Config, ConfigError, EngineConfig, LayoutConfig, preset
 from moejax.engine.engine import Engine
 from moejax.engine.kv_cache import init_pool
@@ -196,9 +196,8 @@ def test_gpu_kernel_compiles_for_h100_at_any_width(c, page_size, width):
         donate_argnums=5,
     )
     table = on_h100((b, width), jnp.int32)
-    hlo = lower(step, q, k, v, on_h100((b, 1), jnp.int32), table, pool, sinks).compile().as_text()
-    calls = [line for line in hlo.splitlines() if 'custom_call_target="mosaic_gpu' in line]
-    assert len(calls) == 1 and f"/{mgpu.NAME}/" in calls[0]
+    text = lower(step, q, k, v, on_h100((b, 1), jnp.int32), table, pool, sinks).compile().as_text()
+    assert [(r.instr.pallas, r.instr.kernel) for r in hlo.pallas_calls(text)] == [("mosaic_gpu", mgpu.NAME)]
 
 
 @pytest.mark.parametrize("t", [1, 3], ids=["decode", "prefill_chunk"])
@@ -234,9 +233,9 @@ def test_tp_attention_slices_the_sinks_as_the_heads_on_h100s():
     )
     q, k, v = (on((b, 1, h, c.head_dim)) for h in (c.num_heads, c.num_kv_heads, c.num_kv_heads))
     args = (on((b, 1), jnp.int32), on((b, 8), jnp.int32), pool, on((c.num_heads,), jnp.float32))
-    hlo = lower(step, q, k, v, *args).compile().as_text()
-    [call] = [line for line in hlo.splitlines() if f"/{mgpu.NAME}/" in line and "custom-call(" in line]
-    assert (c.num_kv_heads, c.num_heads) == (2, 4) and "f32[1,2]" in call.split("operand_layout_constraints")[1]
+    text = lower(step, q, k, v, *args).compile().as_text()
+    [call] = [r.instr for r in hlo.pallas_calls(text) if r.instr.kernel == mgpu.NAME]
+    assert (c.num_kv_heads, c.num_heads) == (2, 4) and "f32[1,2]" in call.operand_types
 
 
 MODELS = {"gqa": C, "odd": ODD, "gpt_oss": GPT_OSS}  # by name: a config with dicts is no cache key

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+from moejax import hlo
 from moejax.config import Config, EngineConfig, LayoutConfig, preset
 from moejax.engine.engine import Engine
 from moejax.engine.kv_cache import page_bytes
@@ -30,7 +30,6 @@ from moejax.serving.stopping import Stopper
 from sharding import make_placement
 
 DP4 = LayoutConfig(placement="expert_sharded", devices=4, attention="dp")
-COLLECTIVE = re.compile(r" (all-gather|all-reduce|all-to-all|collective-permute)(-start)?\(")
 PS = 3  # positions per page in the HLO checks: a size no other array ends in
 
 
@@ -41,18 +40,15 @@ def engine_on(model, layout=LayoutConfig(), chunk: int = 0, first: int = 0) -> E
     return Engine(config, load_params(config, placement, seed=1), placement)
 
 
-def moved_pages(hlo: str, pools) -> list[str]:
+def moved_pages(text: str, pools) -> list[str]:
     """Collectives of a compiled program that carry pages: an array ending in a page's positions
     and what each position holds ([.., page_size, R] or [.., page_size, Dh]) (the pool or pages read from it)."""
     tails = {tuple(a.shape[-2:]) for a in jax.tree.leaves(pools)}
-    out = []
-    for line in hlo.splitlines():
-        if COLLECTIVE.search(line):
-            result = line.split(" = ", 1)[1].split(COLLECTIVE.search(line).group(0))[0]
-            shapes = {tuple(int(d) for d in m.split(",") if d) for m in re.findall(r"\w+\[([\d,]*)\]", result)}
-            if any(s[-2:] in tails for s in shapes):
-                out.append(line.strip()[:160])
-    return out
+    return [
+        f"{r.instr.name} = {r.instr.type} {r.instr.opcode}"
+        for r in hlo.collectives(text)
+        if any(s[-2:] in tails for s in r.instr.shapes)
+    ]
 
 
 def tables(n: int, pages: int, ranks: int = 4) -> jax.Array:
@@ -77,7 +73,7 @@ def test_a_gqa_decode_step_under_dp_attention_moves_no_pages(dp_engine):
         functools.partial(decode_slots, c=engine.c, placement=engine.placement, greedy_only=True, extras=False),
         donate_argnums=1,
     )
-    hlo = (
+    text = (
         step.lower(
             engine.params,
             pool,
@@ -89,8 +85,8 @@ def test_a_gqa_decode_step_under_dp_attention_moves_no_pages(dp_engine):
         .compile()
         .as_text()
     )
-    assert COLLECTIVE.search(hlo)  # the step has its MoE exchange
-    moved = moved_pages(hlo, pool)
+    assert hlo.collectives(text)  # the step has its MoE exchange
+    moved = moved_pages(text, pool)
     assert not moved, moved
 
 
@@ -101,7 +97,7 @@ def test_a_speculative_decode_step_on_mla_dsa_and_the_mtp_pool_moves_no_pages():
     pool = engine.new_pool(16, PS)
     mtp_pool = engine.placement.zeros_cache(lambda: [init_mtp_pool(engine.c, 16, PS, engine.dtype)], pool=True)[0]
     step = jax.jit(functools.partial(spec_decode_slots, c=engine.c, placement=engine.placement), donate_argnums=(2, 3))
-    hlo = (
+    text = (
         step.lower(
             engine.params,
             mtp,
@@ -116,7 +112,8 @@ def test_a_speculative_decode_step_on_mla_dsa_and_the_mtp_pool_moves_no_pages():
         .as_text()
     )
     assert any("index_k" in run for run in pool) and "index_k" in mtp_pool
-    moved = moved_pages(hlo, [pool, mtp_pool])
+    assert hlo.collectives(text)  # the steps' MoE exchanges
+    moved = moved_pages(text, [pool, mtp_pool])
     assert not moved, moved
 
 
@@ -124,7 +121,7 @@ def test_forking_samples_under_dp_attention_moves_no_pages(dp_engine):
     pool = dp_engine.new_pool(16, PS)
     step = jax.jit(functools.partial(fork_slots, placement=dp_engine.placement), donate_argnums=0)
     pairs = jnp.asarray([1, 5, 16, 16], jnp.int32), jnp.asarray([2, 6, 16, 16], jnp.int32)  # pages on ranks 0 and 1
-    hlo = (
+    text = (
         step.lower(
             pool,
             *pairs,
@@ -135,7 +132,7 @@ def test_forking_samples_under_dp_attention_moves_no_pages(dp_engine):
         .compile()
         .as_text()
     )
-    moved = moved_pages(hlo, pool)
+    moved = moved_pages(text, pool)
     assert not moved, moved
 
 

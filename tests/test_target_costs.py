@@ -349,7 +349,7 @@ def test_online_eplb_readvises_on_the_live_window_and_logs_a_better_layout():
         return ranked[len(seen) - 1]
 
     choice = layout_choice.LayoutChoice(
-        "h100", {"decode": layout_choice.Ranked("expert_sharded", "expert_sharded", 8, 1, 100.0)}, [], rerank, log
+        "h100", {"decode": serve_ranking.Ranked("expert_sharded", "expert_sharded", 8, 1, 100.0)}, [], rerank, log
     )
     choice.follow(scheduler)
     for _ in range(4):

@@ -1,20 +1,48 @@
-"""advise's ranking of the layouts for `serve --placement auto` (`moejax.serving.layout_choice`):
-on a CPU host its measured table (`advise --target cpu`: decode only, so both phases take its
-first); on an accelerator host the target whose device_kind the devices report
-(`moejax.targets`), priced from the layouts' programs compiled on those devices."""
+"""advise's ranking of the layouts for `serve --placement auto` (`moejax.serving.layout_choice`,
+to which the serve verb hands `rank`; it reads the `Ranking` it returns, so analysis imports nothing
+of serving and serving nothing of analysis but from its verb): on a CPU host its measured table (`advise --target cpu`:
+decode only, so both phases take its first); on an accelerator host the target whose device_kind
+the devices report (`moejax.targets`), priced from the layouts' programs compiled on those devices."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import NamedTuple
+
 from moejax.errors import UsageError
-from moejax.serving.layout_choice import Ranked, Ranking
 from moejax.trace import Trace
 
 
-def rank(args, config, trace: Trace) -> Ranking:
-    """The layouts advise ranks for serve's `args`, `config` and `trace` on this host's devices."""
+@dataclasses.dataclass(frozen=True)
+class Ranked:
+    """One layout as advise ranks it for a phase."""
+
+    layout: str  # advise's label ("hybrid 2x4")
+    placement: str
+    ep: int
+    tp: int
+    us: float  # predicted per call
+
+
+class Ranking(NamedTuple):
+    """advise's layouts for a serve on `devices`, on `target` ("cpu": this host's measured table)."""
+
+    target: str
+    devices: int
+    ranked: dict  # phase -> [Ranked], first the fastest
+    recommended: dict  # phase -> Ranked: advise's choice where both phases are auto
+    rerank: object  # rerank(trace) -> [(layout, us)], or None where it cannot
+    per: str  # what a predicted time covers
+
+
+def rank(args, config, trace: Trace, chunk: int) -> Ranking:
+    """The layouts advise ranks for serve's `args`, `config` and `trace` on this host's devices,
+    its prefill calls of `chunk` rows (serve's prefill chunk times --prefill-rows)."""
     from moejax import platform
 
-    return (on_target if platform.attached_accelerator() else on_cpu)(args, config, trace)
+    if platform.attached_accelerator():
+        return on_target(args, config, trace, chunk)
+    return on_cpu(args, config, trace)
 
 
 def on_cpu(args, config, trace) -> Ranking:
@@ -56,13 +84,12 @@ def on_cpu(args, config, trace) -> Ranking:
     )
 
 
-def on_target(args, config, trace) -> Ranking:
+def on_target(args, config, trace, chunk: int) -> Ranking:
     """advise --target for the attached devices' kind, its layouts compiled on them."""
     import jax
 
     from moejax import targets
     from moejax.analysis import target_ranking
-    from moejax.serving.scheduler import SERVE_PREFILL_CHUNK
     from sharding import registry
 
     kind = jax.devices()[0].device_kind
@@ -71,7 +98,6 @@ def on_target(args, config, trace) -> Ranking:
         raise UsageError(f"no target in moejax.targets describes {kind!r}; name the placements")
     devices = jax.devices()[: args.devices or len(jax.devices())]
     context = args.max_seq_len or min(config.model.max_position_embeddings, 2048)
-    chunk = (config.engine.prefill_chunk or SERVE_PREFILL_CHUNK) * args.prefill_rows
     report, candidates = target_ranking.rank_on_target(config, trace, t, devices, context, chunk, registry.names())
     ranked = {
         phase: [Ranked(r.layout, r.placement, r.ep, r.tp, r.us.step) for r in p.layouts]

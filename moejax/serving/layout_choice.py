@@ -5,7 +5,8 @@ predicted times are logged in one line and exposed in /metrics. With --eplb-onli
 are ranked again on the live window every --eplb-interval steps, and a line says when another
 would win by more than MARGIN (the server keeps its layout).
 
-The ranking is `advise`'s, which the serve verb hands in (`moejax.analysis.serve_ranking`). The
+The ranking is `advise`'s, which the serve verb hands in (`moejax.analysis.serve_ranking`: its
+`Ranking` of `Ranked` layouts; this module reads them and imports nothing of analysis). The
 trace is --eplb's, else an even router: each row k distinct experts uniformly, --slots rows a step.
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from typing import NamedTuple
 
 import numpy as np
 from prometheus_client.core import GaugeMetricFamily
@@ -43,17 +43,6 @@ def even_trace(model, rows: int, steps: int = EVEN_STEPS, seed: int = 0) -> Trac
 
 
 @dataclasses.dataclass(frozen=True)
-class Ranked:
-    """One layout as advise ranks it for a phase."""
-
-    layout: str  # advise's label ("hybrid 2x4")
-    placement: str
-    ep: int
-    tp: int
-    us: float  # predicted per call
-
-
-@dataclasses.dataclass(frozen=True)
 class ServeLayout:
     """The placement flags a serve runs with once "auto" is chosen."""
 
@@ -67,17 +56,6 @@ class ServeLayout:
     def applied(self, args: argparse.Namespace) -> argparse.Namespace:
         """`args` with these flags in place of theirs."""
         return argparse.Namespace(**{**vars(args), **dataclasses.asdict(self)})
-
-
-class Ranking(NamedTuple):
-    """advise's layouts for a serve on `devices`, on `target` ("cpu": this host's measured table)."""
-
-    target: str
-    devices: int
-    ranked: dict  # phase -> [Ranked], first the fastest
-    recommended: dict  # phase -> Ranked: advise's choice where both phases are auto
-    rerank: object  # rerank(trace) -> [(layout, us)], or None where it cannot
-    per: str  # what a predicted time covers
 
 
 class LayoutChoice:
@@ -167,8 +145,8 @@ class LayoutChoice:
 def choose(args, rank, log=None) -> LayoutChoice | None:
     """advise's choice for the "auto" placement flags in `args` (None when none is auto), its
     `layout` the flags to run it: a phase auto on its own takes its own first layout; both auto,
-    advise's recommendation. rank(args, config, trace) -> Ranking: advise's layouts
-    (`moejax.analysis.serve_ranking.rank`)."""
+    advise's recommendation. rank(args, config, trace, chunk) -> Ranking: advise's layouts for
+    prefill calls of `chunk` rows (`moejax.analysis.serve_ranking.rank`)."""
     auto = [
         phase
         for phase in ("decode", "prefill")
@@ -184,12 +162,13 @@ def choose(args, rank, log=None) -> LayoutChoice | None:
         )
     from moejax.flags import config_from_args
     from moejax.loading import with_hf_model
+    from moejax.serving.scheduler import SERVE_PREFILL_CHUNK
     from moejax.trace import load_trace
 
     given = argparse.Namespace(**{**vars(args), "placement": None, "prefill_placement": None, "decode_placement": None})
     config = with_hf_model(config_from_args(given), args.hf, args.checkpoint)
     trace = load_trace(config.layout.eplb) if config.layout.eplb else even_trace(config.model, args.slots)
-    r = rank(args, config, trace)
+    r = rank(args, config, trace, (config.engine.prefill_chunk or SERVE_PREFILL_CHUNK) * args.prefill_rows)
     chosen = {phase: r.recommended[phase] if len(auto) == 2 else r.ranked[phase][0] for phase in auto}
     if len(auto) == 2 and chosen["decode"].layout == chosen["prefill"].layout:
         flags = dict(placement=chosen["decode"].placement)
