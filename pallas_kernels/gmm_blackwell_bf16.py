@@ -301,6 +301,12 @@ def gmm_blackwell_bf16(lhs, rhs, group_sizes, group_offset, out_dtype, *, tiles:
         num_threads=2,
         thread_name="wg",
         scratch_types=scratch,
+        # Lane semantics, jax 0.10.2's default (0.11 made Warpgroup the default): the kernel places
+        # every register array itself (a TMEM lane's row a thread) and reads strided SMEM views (a
+        # column set of the interleaved gate/up pairs, transposed), which Warpgroup's layout
+        # inference refuses (it takes only contiguous SMEM refs), as it refuses the rows' tiling
+        # where the K-halves' TMA offsets (K/2 + k0) are not multiples of its 64 columns.
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
     )
     out = call(
         num_tiles.reshape(1),
