@@ -128,12 +128,13 @@ HOPPER_GEMM_API += ("layout_cast", "load", "TilingTransform", "SwizzleTransform"
 HOPPER_GEMM_API += ("copy_smem_to_gmem", "wait_smem_to_gmem")
 BLACKWELL_API = ("tcgen05_mma", "tcgen05_commit_arrive", "TMEM", "TMEMLayout", "commit_tmem", "warp_map")
 BLACKWELL_API += ("async_load_tmem", "async_store_tmem", "wait_load_tmem", "async_copy_scales_to_tmem", "transpose_ref")
-ATTENTION_API = ((MOSAIC_GPU, ("kernel", "SMEM", "TilingTransform", "SwizzleTransform", "Barrier", "SemaphoreType")),)
-ATTENTION_API += (
-    (MOSAIC_GPU, ("Layout", "layout_cast", "broadcasted_iota", "copy_gmem_to_smem", "copy_smem_to_gmem")),
+ATTENTION_MOSAIC_GPU_API = ("kernel", "SMEM", "TilingTransform", "SwizzleTransform", "Barrier", "SemaphoreType")
+ATTENTION_MOSAIC_GPU_API += ("Layout", "layout_cast", "broadcasted_iota", "copy_gmem_to_smem", "copy_smem_to_gmem")
+ATTENTION_MOSAIC_GPU_API += ("wait_smem_to_gmem", "commit_smem", "barrier_wait")
+ATTENTION_API = (
+    (MOSAIC_GPU, ATTENTION_MOSAIC_GPU_API),
+    (PALLAS, ("get_global", "semaphore_signal", "semaphore_wait", "when", "ds", "cdiv")),
 )
-ATTENTION_API += ((MOSAIC_GPU, ("wait_smem_to_gmem", "commit_smem", "barrier_wait")),)
-ATTENTION_API += ((PALLAS, ("get_global", "semaphore_signal", "semaphore_wait", "when", "ds", "cdiv")),)
 GROUPED = frozenset({"stack", "metadata"})  # a grouped GEMM's reads: rows sorted by group, a layer in its stack
 
 _GEMMS = (
@@ -293,11 +294,6 @@ def gemm(name: str) -> Kernel:
 
 def attention(name: str) -> Kernel:
     return kernel(ATTENTION, name)
-
-
-def reading(role: str, what: str) -> tuple[str, ...]:
-    """The kernels of `role` that read `what` (a word of `Kernel.reads`)."""
-    return tuple(k.name for k in CATALOG.values() if k.role == role and what in k.reads)
 
 
 def interpreted_twins(k: Kernel) -> list[Kernel]:
