@@ -198,7 +198,7 @@ class Platform:
 
     def gemm_candidates(self, name: str, device=None) -> tuple[str, ...]:
         """The grouped GEMMs kernel `name` may stand for on `device` (a GPU's compute capability picks
-        its row of AUTO_GPU_KERNELS), in order: the first the kernel registry finds runnable is the
+        its row of AUTO_GPU_KERNELS), in order: the first whose catalog record finds it runnable is the
         run's (`sharding.placement.gemm_kernel`), else "xla" (the list's last). A name other than
         "auto" stands for itself."""
         if name != "auto":

@@ -1,8 +1,8 @@
 """The closed vocabularies of a run, one tuple each.
 
-Config validation, the CLI's `choices=` and the registries that implement the names (the
-kernel registry in `pallas_kernels.registry`) all read these tuples; `tests/test_vocab.py`
-checks that they agree. Placement names are not here: the placement registry
+Config validation and the CLI's `choices=` read these tuples; the kernels' words are also the
+names of `pallas_kernels.catalog`'s records, which `tests/test_vocab.py` checks they equal (this
+module cannot import the catalog). Placement names are not here: the placement registry
 (`sharding.registry`) is their only list, since each name belongs to the class behind it.
 
 This module imports nothing, so the CLI can build its parser without loading jax.

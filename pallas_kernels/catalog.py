@@ -24,7 +24,8 @@ import importlib
 from moejax.vocab import DTYPES, EXPERT_FORMATS, QUANTIZED_FORMATS
 from pallas_kernels import probes
 
-GEMM, ATTENTION, DECODE = "gemm", "attention", "decode"  # --kernel, --attention-kernel, a decode step's
+# The roles: grouped GEMMs (--kernel), paged attentions (--attention-kernel), a decode step's fused kernels.
+GEMM, ATTENTION, DECODE = "grouped_gemm", "paged_attention", "decode"
 PLATFORM_NAMES = {"tpu": "a TPU", "gpu": "an NVIDIA GPU"}
 MOSAIC_GPU, PALLAS = "jax.experimental.pallas.mosaic_gpu", "jax.experimental.pallas"
 
@@ -284,7 +285,7 @@ def names(role: str) -> tuple[str, ...]:
 def kernel(role: str, name: str) -> Kernel:
     """Kernel `name` of `role`, or a ValueError naming the known ones."""
     if (role, name) not in CATALOG:
-        raise ValueError(f"unknown {role} kernel {name!r}; expected one of {names(role)}")
+        raise ValueError(f"unknown {role} backend {name!r}; expected one of {names(role)}")
     return CATALOG[role, name]
 
 

@@ -253,7 +253,7 @@ def k_slices(spec: ParamSpec, tp: int) -> int:
 def gemm_kernel(config: Config, platform: Platform, tp: int, device=None) -> str:
     """The grouped GEMM of `config.kernel` on `platform`'s `device` (a compile target's, or this
     machine's first) with the experts' per-device widths on `tp` devices: "auto" takes the first of
-    the platform's candidates the kernel registry finds runnable (this jax's backends, the run's
+    the platform's candidates whose catalog record finds it runnable (this jax's backends, the run's
     dtype, the experts' format and widths, the GPU's architecture), else the XLA path; a kernel
     named for what it cannot run is refused with the reason."""
     dtype = platform.run_dtype(config.engine.dtype)
