@@ -51,7 +51,10 @@ class Kernel:
     shape_formats: tuple[str, ...] = EXPERT_FORMATS
     # What it reads: "stack" (a layer's groups in place in its stack, `layered.LayerOf`), "groups"
     # (a layer's experts a buffer each, `layered.Groups`), "rows" (its rows through lhs_rows),
-    # "metadata" (group sizes of rows sorted by group), "picks" (each row's expert ids, unsorted).
+    # "metadata" (group sizes of rows sorted by group), "picks" (each row's expert ids, unsorted);
+    # a paged attention: "kv" (one pool of keys and values interleaved by head, else pools k and v),
+    # "prefill" (a prefill chunk's many positions per request, else one: decode steps), "windows"
+    # (sliding windows and attention sinks).
     reads: frozenset = frozenset()
     scales_columns: bool = False  # applies a 4-bit stack's column-wise tensor scales itself
     prepares: str | None = None  # its module's function taking 4-bit experts to its own layout (once, at load)
@@ -240,7 +243,15 @@ _GEMMS = (
 # The paged attentions, each reading one device's pages of a paged KV cache (`paged_attention.py`;
 # "xla", the gather of `moejax/model/paged.py`, is no kernel of this package).
 _ATTENTIONS = (
-    Kernel("pallas_tpu", ATTENTION, "paged_attention", "mosaic_tpu", "attend", platform="tpu"),
+    Kernel(
+        "pallas_tpu",
+        ATTENTION,
+        "paged_attention",
+        "mosaic_tpu",
+        "attend",
+        platform="tpu",
+        reads=frozenset({"kv", "prefill"}),  # its softmax takes no sinks and masks no window
+    ),
     Kernel(
         "mosaic_gpu",
         ATTENTION,
@@ -249,6 +260,7 @@ _ATTENTIONS = (
         "paged_attention",
         platform="gpu",
         needs="an NVIDIA Hopper or newer GPU (TMA)",
+        reads=frozenset({"windows"}),
         api=ATTENTION_API,
     ),
     Kernel(
@@ -258,6 +270,7 @@ _ATTENTIONS = (
         "mosaic_gpu",
         "paged_attention",
         interpreted=True,
+        reads=frozenset({"windows"}),
         api=ATTENTION_API,
     ),
 )

@@ -41,17 +41,22 @@ GPU_KERNELS = tuple(k for k in KERNELS if catalog.attention(k).backend == "mosai
 
 def combined(name: str) -> bool:
     """Whether kernel `name` reads one interleaved k/v pool ("kv") rather than the pools k and v."""
-    return name == "pallas_tpu"
+    return _reads(name, "kv")
 
 
 def prefills(name: str) -> bool:
     """Whether kernel `name` reads a prefill chunk's many positions per request (else decode only)."""
-    return name == "pallas_tpu"
+    return _reads(name, "prefill")
 
 
 def reads_windows(name: str) -> bool:
     """Whether kernel `name` takes sliding windows and attention sinks (the GPU kernel's do)."""
-    return name in GPU_KERNELS
+    return _reads(name, "windows")
+
+
+def _reads(name: str, what: str) -> bool:
+    """Whether `name` (a kernel, or "xla": the gather of `moejax.model.paged`) reads `what` (its record's `reads`)."""
+    return name != "xla" and what in catalog.attention(name).reads
 
 
 def head_dim(name: str, dh: int, dtype) -> int:

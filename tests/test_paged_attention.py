@@ -278,8 +278,10 @@ def test_a_kernel_named_for_mla_is_refused_with_the_reason(name):
         make_placement(config, platform=resolve({"pallas_tpu": "tpu", "mosaic_gpu": "cuda"}[name]))
 
 
-@pytest.mark.parametrize("platform,kernel", [("tpu", "pallas_tpu"), ("cuda", "mosaic_gpu")])
-def test_auto_reads_what_the_kernels_cannot_through_xla(platform, kernel):
+@pytest.mark.parametrize(
+    "platform,kernel,gemm", [("tpu", "pallas_tpu", "pallas_tpu"), ("cuda", "mosaic_gpu", "triton")]
+)
+def test_auto_reads_what_the_kernels_cannot_through_xla(platform, kernel, gemm):
     """`auto` takes the platform's kernels wherever they read the model (any head width, GQA
     group, expert width; the GPU's sinks and windows too) and reads its pages through XLA where
     they cannot (MLA; the TPU's sinks and windows)."""
@@ -288,7 +290,7 @@ def test_auto_reads_what_the_kernels_cannot_through_xla(platform, kernel):
     assert windows == (kernel if kernels.reads_windows(kernel) else "xla")
     for c in (C, ODD, dataclasses.replace(ODD, hidden_size=40, moe_intermediate_size=24)):
         placement = make_placement(Config(model=c).validate(), platform=resolve(platform))
-        assert (placement.attention_kernel, placement.kernel) == (kernel, kernel)
+        assert (placement.attention_kernel, placement.kernel) == (kernel, gemm)
 
 
 def test_the_tpu_kernel_named_for_sinks_and_windows_is_refused_with_the_reason():
