@@ -1,8 +1,8 @@
 """The GPU grouped GEMMs against `jax.lax.ragged_dot`, at decode and prefill sizes.
 
 One GLM-5.3-like projection per expert ([E, K, N] = [256, 6144, 2048], top-8): for each
-batch, side by side, every grouped GEMM this GPU and this jax run (`pallas_kernels.unavailable`):
-the Triton kernel (`pallas_gpu`, while jax has Pallas's Triton backend), Mosaic GPU's for Hopper
+batch, side by side, every grouped GEMM this GPU and this jax run (`catalog.Kernel.why_not`):
+the Triton kernel (`triton`, while jax has Pallas's Triton backend), Mosaic GPU's for Hopper
 (`mosaic_gpu`) or for Blackwell (`blackwell_bf16`), with bf16, NVFP4 and MXFP4 weights, and
 `jax.lax.ragged_dot` with bf16 weights; on a Blackwell GPU (sm_100) also the `blackwell`
 kernel, whose rows are 4-bit too. Prints time, experts touched, expert bytes read,
@@ -26,7 +26,7 @@ import numpy as np
 
 import pallas_kernels as pk
 from moejax import targets
-from pallas_kernels import gmm_blackwell
+from pallas_kernels import catalog, gmm_blackwell
 from pallas_kernels.registry import is_blackwell
 
 
@@ -60,10 +60,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted kernel, CPU")
     args = p.parse_args(argv)
-    backends = [b for b in ("pallas_gpu", "mosaic_gpu", "blackwell_bf16") if not pk.unavailable(b, "nvfp4")]
+    here = (jax.default_backend(), jax.devices()[0], "bfloat16", "nvfp4")
+    backends = [b for b in ("triton", "mosaic_gpu", "blackwell_bf16") if not catalog.gemm(b).why_not(*here)]
     if args.smoke:
         args.experts, args.hidden, args.inter, args.tokens, args.reps = 8, 256, 128, [1, 16], 2
-        backends = ["interpret_gpu"]
+        backends = ["interpret_triton"]
     kind, hbm, peak = ceilings()
     print(f"{kind}: ceilings {hbm / 1e12:.2f} TB/s, {peak / 1e12:.0f} TFLOP/s bf16 dense")
     print(f"[E, K, N] = [{args.experts}, {args.hidden}, {args.inter}], top-{args.topk}")

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 
-from moejax.config import Config, ConfigError, LayoutConfig, from_dict, load_file, replace_checked
+from moejax.config import Config, ConfigError, LayoutConfig, current_name, from_dict, load_file, replace_checked
 from moejax.errors import UsageError
 from moejax.vocab import (
     ATTENTION_KERNELS,
@@ -43,6 +44,12 @@ def placement_name(text: str) -> str:
         return registry.placement_class(text).name
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def kernel_name(field: str):
+    """The argparse type of a kernel flag of config `field`: an earlier name becomes its current one
+    (`moejax.vocab.ALIASES`, noted once) before the choices are checked."""
+    return functools.partial(current_name, field)
 
 
 def _placements(auto: bool) -> tuple[str, ...]:
@@ -97,9 +104,12 @@ def add_model_args(p: argparse.ArgumentParser, auto: bool = False) -> None:
         help="spare expert slots per MoE layer for replicas of hot experts (a multiple of ep)",
     )
     p.add_argument("--eplb", metavar="TRACE", help="place the experts by EPLB on a `moejax record` trace at load")
-    p.add_argument("--kernel", choices=KERNELS, help="grouped-GEMM backend (auto: by platform)")
+    p.add_argument(
+        "--kernel", type=kernel_name("kernel"), choices=KERNELS, help="grouped-GEMM backend (auto: by platform)"
+    )
     p.add_argument(
         "--attention-kernel",
+        type=kernel_name("attention_kernel"),
         choices=ATTENTION_KERNELS,
         help="how a paged KV cache's GQA attention reads its pages (auto: by platform; MLA, DSA, "
         "sinks and sliding windows read through XLA)",

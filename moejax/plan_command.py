@@ -8,6 +8,7 @@ from moejax import platform, targets
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.errors import UsageError
 from moejax.factory import ensure_devices
+from moejax.flags import kernel_name
 from moejax.plan import GB, OUTPUT_LEN, PAGE_SIZE, PROMPT_LEN, plan_placement
 from moejax.vocab import ATTENTION_KERNELS, ATTENTION_MODES, DTYPES, EXPERT_FORMATS
 from sharding import names, placement_class, with_placement
@@ -197,6 +198,7 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--attention-kernel",
+        type=kernel_name("attention_kernel"),
         choices=ATTENTION_KERNELS,
         default="auto",
         help="the paged attention of the decode step over pages (auto: by the platform it compiles for)",

@@ -35,34 +35,19 @@ UNROLLED_LAYERS = {"cpu": 16, "gpu": sys.maxsize}
 PREFILL_CHUNK = {"cpu": 1024}
 PREFILL_CHUNK_OTHER = 512
 
-# The grouped-GEMM kernels "auto" tries, by platform, in order: the first that the kernel registry
-# finds runnable (its backend in this jax, the run's dtype, the experts' format and widths:
-# `pallas_kernels.unavailable`) is the run's, else the plain XLA loop. A GPU's by its compute
-# capability's major version (AUTO_GPU_KERNELS; other GPUs: "gpu"): Mosaic GPU's kernels first,
-# the Triton one (`pallas_gpu`) only where they cannot run (float32 rows: wgmma multiplies them as
-# TF32; an Ampere GPU) and only while this jax still has Pallas's Triton backend (jax 0.11
+# The grouped-GEMM kernels "auto" tries, by platform, in order: the first whose catalog record finds
+# it runnable (`pallas_kernels.catalog.Kernel.why_not`: its backend in this jax, the run's dtype,
+# the experts' format and widths, the GPU's architecture) is the run's, else the plain XLA loop. A
+# GPU's by its compute capability's major version (AUTO_GPU_KERNELS; other GPUs: "gpu"): Mosaic
+# GPU's kernels first, the Triton one only where they cannot run (float32 rows: wgmma multiplies
+# them as TF32; an Ampere GPU) and only while this jax still has Pallas's Triton backend (jax 0.11
 # deprecated it). On Blackwell the bf16-rows x 4-bit-weights kernel: the 4-bit x 4-bit one
 # (`blackwell`) quantizes the rows too, a change of the run's numbers a user asks for by name.
-AUTO_KERNELS = {"cpu": (), "tpu": ("pallas_tpu",), "gpu": ("pallas_gpu",)}
-AUTO_GPU_KERNELS = {9: ("mosaic_gpu", "pallas_gpu"), 10: ("blackwell_bf16", "pallas_gpu")}
+AUTO_KERNELS = {"cpu": (), "tpu": ("pallas_tpu",), "gpu": ("triton",)}
+AUTO_GPU_KERNELS = {9: ("mosaic_gpu", "triton"), 10: ("blackwell_bf16", "triton")}
 
 # The paged-attention kernel "auto" stands for, by platform (else the XLA gather).
-AUTO_ATTENTION_KERNEL = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
-
-# The platform each Pallas kernel is compiled for (the others run anywhere), as a refusal names
-# it, and where another way runs it: the grouped GEMMs (`--kernel`) and the paged attentions
-# (`--attention-kernel`).
-GEMM_KERNEL_NEEDS = {
-    "pallas_tpu": ("tpu", "a TPU", "kernel interpret runs it interpreted"),
-    "pallas_gpu": ("gpu", "an NVIDIA GPU", "kernel interpret_gpu runs it interpreted"),
-    "mosaic_gpu": ("gpu", "an NVIDIA Hopper (sm_90) GPU", ""),
-    "blackwell": ("gpu", "an NVIDIA Blackwell (sm_100) GPU", ""),
-    "blackwell_bf16": ("gpu", "an NVIDIA Blackwell (sm_100) GPU", ""),
-}
-ATTENTION_KERNEL_NEEDS = {
-    "pallas_tpu": ("tpu", "a TPU", "plan --target v5e compiles for one"),
-    "pallas_gpu": ("gpu", "an NVIDIA Hopper or newer GPU (TMA)", "interpret_gpu runs it interpreted"),
-}
+AUTO_ATTENTION_KERNEL = {"tpu": "pallas_tpu", "gpu": "mosaic_gpu"}
 
 # XLA compiler options of decode programs, by platform. A decode step's dots are small (a few
 # rows per expert, a batch of rows through the LM head): on XLA:CPU its own dot emitter runs them
@@ -124,17 +109,13 @@ COMPILERS = {"cpu": "XLA:CPU", "gpu": "XLA:GPU", "tpu": "the TPU compiler"}
 # reduce, and the MoE's group bookkeeping some twenty small kernels. Up to DECODE_KERNEL_ROWS rows
 # (a serving batch's decode rows); a prefill chunk's rows go through XLA's GEMMs and the grouped GEMM.
 DECODE_KERNEL_ROWS = 128
-# The grouped GEMMs whose runs take the fused decode kernels (Triton kernels, `pallas_gpu`, while this
-# jax has Pallas's Triton backend; else XLA's ops), and the one that takes them interpreted (tests).
-# Not `blackwell`'s: it multiplies 4-bit rows, which a decode step's bf16 picks would not match.
-DECODE_GEMMS = ("pallas_gpu", "mosaic_gpu", "blackwell_bf16")
-DECODE_INTERPRETED = "interpret_gpu"
+# Which grouped GEMMs' runs take them is their catalog records' (`pallas_kernels.catalog`: `decode`).
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeKernels:
     """How a placement runs a decode step's small products: `kernel` "xla", or the fused decode
-    kernels' backend ("pallas_gpu"; "interpret_gpu": the same kernels in Pallas's interpreter) for
+    kernels' backend ("triton"; "interpret_triton": the same kernels in Pallas's interpreter) for
     passes of at most `rows` rows (a layer's dense products here, its experts by pick in
     `sharding/experts.py`); `precision`: the products' matmul precision (None: the platform's
     default); `device`: (device kind, cores) the kernels' tiles are looked up for
@@ -158,7 +139,9 @@ class DecodeKernels:
 
     @property
     def interpret(self) -> bool:
-        return self.kernel == "interpret_gpu"
+        from pallas_kernels import catalog  # loaded with jax: a config's reader loads neither
+
+        return self.kernel != "xla" and catalog.kernel(catalog.DECODE, self.kernel).interpreted
 
 
 XLA = DecodeKernels()
@@ -166,13 +149,6 @@ XLA = DecodeKernels()
 
 # Device files of the accelerators jax's plugins drive: NVIDIA GPUs, TPUs (and their VFIO form).
 ACCELERATOR_DEVICES = ("/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*")
-
-
-def gpu_major(device) -> int | None:
-    """The major version of `device`'s compute capability (9: Hopper, 10: Blackwell); None for a
-    device that has none (a CPU or TPU device, or a GPU jax does not describe)."""
-    capability = str(getattr(device, "compute_capability", "") or "")
-    return int(capability.split(".")[0]) if capability else None
 
 
 def tile_device(device) -> tuple[str, int]:
@@ -229,24 +205,19 @@ class Platform:
 
     def gemm_candidates(self, name: str, device=None) -> tuple[str, ...]:
         """The grouped GEMMs kernel `name` may stand for on `device` (a GPU's compute capability picks
-        its row of AUTO_GPU_KERNELS), in order: the first the kernel registry finds runnable is the
+        its row of AUTO_GPU_KERNELS), in order: the first whose catalog record finds it runnable is the
         run's (`sharding.placement.gemm_kernel`), else "xla" (the list's last). A name other than
         "auto" stands for itself."""
         if name != "auto":
             return (name,)
+        from pallas_kernels.probes import gpu_major  # loaded with jax: a config's reader loads neither
+
         major = gpu_major(device) if self.name == "gpu" else None
         return (*AUTO_GPU_KERNELS.get(major, self.auto_kernels), "xla")
 
     def attention_kernel(self, name: str) -> str:
         """The paged-attention kernel `name` stands for ("auto": the platform's)."""
         return self.auto_attention_kernel if name == "auto" else name
-
-    def refusal(self, kernel: str, needs: dict) -> str | None:
-        """Why `kernel` (of GEMM_KERNEL_NEEDS or ATTENTION_KERNEL_NEEDS: `needs`) cannot run here, or None."""
-        where, what, instead = needs.get(kernel, (self.name, "", ""))
-        if where == self.name:
-            return None
-        return f"needs {what}; this machine's backend is {self.name}" + (f" ({instead})" if instead else "")
 
     def run_dtype(self, dtype: str) -> str:
         """engine.dtype with "auto" resolved: float32 on XLA:CPU (its bf16 dots are slower), else bfloat16."""
@@ -305,16 +276,11 @@ class Platform:
         traced.__name__ = traced.__qualname__ = getattr(fn, "func", fn).__name__
         return traced
 
-    def decode_kernels(self, gemm_kernel: str, dtype, device, dense: bool, triton: bool) -> DecodeKernels:
-        """The decode kernels of a run whose grouped GEMM is `gemm_kernel`, in `dtype`, on `device` (its
-        first device: kind and cores pick the tiles); `dense`: whether its layers' dense weights lie
-        whole on the one device (the fused kernels are one device's programs); `triton`: whether
-        this jax has Pallas's Triton backend, which the fused kernels are written for."""
-        if gemm_kernel == DECODE_INTERPRETED:
-            kernel = DECODE_INTERPRETED
-        elif gemm_kernel in DECODE_GEMMS and triton:
-            kernel = "pallas_gpu"
-        else:
+    def decode_kernels(self, kernel: str | None, dtype, device, dense: bool) -> DecodeKernels:
+        """The decode kernels `kernel` (a decode kernel's name, None: XLA's ops) of a run in `dtype` on
+        `device` (its first device: kind and cores pick the tiles); `dense`: whether its layers' dense
+        weights lie whole on the one device (the fused kernels are one device's programs)."""
+        if kernel is None:
             return XLA
         precision = self.matmul_precision(dtype)
         return DecodeKernels(kernel, DECODE_KERNEL_ROWS, precision, tile_device(device), dense)

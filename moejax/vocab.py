@@ -1,8 +1,8 @@
 """The closed vocabularies of a run, one tuple each.
 
-Config validation, the CLI's `choices=` and the registries that implement the names (the
-kernel registry in `pallas_kernels.registry`) all read these tuples; `tests/test_vocab.py`
-checks that they agree. Placement names are not here: the placement registry
+Config validation and the CLI's `choices=` read these tuples; the kernels' words are also the
+names of `pallas_kernels.catalog`'s records, which `tests/test_vocab.py` checks they equal (this
+module cannot import the catalog). Placement names are not here: the placement registry
 (`sharding.registry`) is their only list, since each name belongs to the class behind it.
 
 This module imports nothing, so the CLI can build its parser without loading jax.
@@ -20,27 +20,37 @@ EXPERT_FORMATS = ("unquantized", "nvfp4", "mxfp4")
 QUANTIZED_FORMATS = EXPERT_FORMATS[1:]
 # What `calc` and `analyze` count a full-size model's expert bytes in (no run dtype there).
 STORAGE_FORMATS = ("bf16", *QUANTIZED_FORMATS)
-# Grouped-GEMM backends: "auto" picks by platform (and a GPU's architecture: `moejax.platform`);
-# "pallas_gpu" is the Triton kernel (any NVIDIA GPU, while jax has Pallas's Triton backend),
-# "mosaic_gpu" the Mosaic GPU one for Hopper (sm_90, bf16 rows); "blackwell" (4-bit rows) and
-# "blackwell_bf16" (bf16 rows) multiply 4-bit experts on an sm_100 GPU; "interpret" runs the TPU
-# kernel in Pallas' interpreter on any platform, "interpret_gpu" the Triton one.
+# Grouped-GEMM backends (`--kernel`), one backend per name, the same as `--attention-kernel`'s where
+# both have it: "auto" picks by platform (and a GPU's architecture: `moejax.platform`); "triton"
+# is Pallas's Triton kernel (any NVIDIA GPU, while jax has Pallas's Triton backend), "mosaic_gpu"
+# the Mosaic GPU one for Hopper (sm_90, bf16 rows); "blackwell" (4-bit rows) and "blackwell_bf16"
+# (bf16 rows) multiply 4-bit experts on an sm_100 GPU; "pallas_tpu" Mosaic TPU's; "interpret_tpu"
+# runs the TPU kernel in Pallas' interpreter on any platform, "interpret_triton" the Triton one.
+# Each is a record of `pallas_kernels.catalog` (tests/test_vocab.py checks they agree).
 KERNELS = (
     "auto",
     "xla",
     "pallas_tpu",
-    "pallas_gpu",
+    "triton",
     "mosaic_gpu",
     "blackwell",
     "blackwell_bf16",
-    "interpret",
-    "interpret_gpu",
+    "interpret_tpu",
+    "interpret_triton",
 )
 # Paged-attention kernels (`--attention-kernel`): "auto" picks by platform (`moejax.platform`);
-# JAX's ragged paged attention (Mosaic TPU) and our Mosaic GPU paged decode attention
-# (`pallas_kernels/paged_attention_mgpu.py`); "interpret_gpu" runs the GPU one in JAX's Mosaic GPU
-# interpreter on any platform. GQA only; the GPU one reads sinks and sliding windows, the TPU one not.
-ATTENTION_KERNELS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "interpret_gpu")
+# JAX's ragged paged attention (Mosaic TPU: "pallas_tpu") and our Mosaic GPU paged decode attention
+# ("mosaic_gpu": `pallas_kernels/paged_attention_mgpu.py`); "interpret_mosaic_gpu" runs the GPU one
+# in JAX's Mosaic GPU interpreter on any platform. GQA only; the GPU one reads sinks and sliding
+# windows, the TPU one not.
+ATTENTION_KERNELS = ("auto", "xla", "pallas_tpu", "mosaic_gpu", "interpret_mosaic_gpu")
+# Earlier names, by config field: old -> new. Config files and the CLI still take them (with a
+# one-line note: `moejax.config.schema.current_name`). "pallas_gpu" meant Triton's grouped GEMM but
+# our Mosaic GPU attention, "interpret_gpu" each of them interpreted; "interpret" the TPU kernel.
+ALIASES = {
+    "kernel": {"pallas_gpu": "triton", "interpret_gpu": "interpret_triton", "interpret": "interpret_tpu"},
+    "attention_kernel": {"pallas_gpu": "mosaic_gpu", "interpret_gpu": "interpret_mosaic_gpu"},
+}
 ATTENTION_MODES = ("dp", "tp")  # data-parallel (requests split over devices) | tensor-parallel (heads)
 SPLIT_MODES = ("tp", "replicated")  # dense layers and the shared expert: sliced or copied
 DISPATCH_DTYPES = ("bf16", "nvfp4")  # how rows travel, where a placement sends rows to their experts

@@ -1,4 +1,5 @@
-"""4-bit expert formats and the grouped GEMM (XLA, Pallas TPU, Pallas GPU backends)."""
+"""4-bit expert formats and the kernels (the grouped GEMMs, the decode kernels, the paged attentions:
+one record each in `catalog`)."""
 
 from pallas_kernels.formats import (
     FORMATS,
@@ -10,15 +11,7 @@ from pallas_kernels.formats import (
     quantize_rows,
     values_nbytes,
 )
-from pallas_kernels.registry import (
-    for_kernel,
-    grouped_gemm,
-    pick_gemm,
-    run_weights,
-    shape_refusal,
-    triton_refusal,
-    unavailable,
-)
+from pallas_kernels.registry import for_kernel, grouped_gemm, pick_gemm, run_weights
 
 __all__ = [
     "FORMATS",
@@ -26,9 +19,6 @@ __all__ = [
     "dequantize",
     "for_kernel",
     "grouped_gemm",
-    "shape_refusal",
-    "triton_refusal",
-    "unavailable",
     "nbytes",
     "pick_gemm",
     "quantize",

@@ -74,7 +74,7 @@ def fuses_glu(m: int, n: int, rhs) -> bool:
     return n % 16 == 0 and n >= 2 * LANES
 
 
-def shape_refusal(k: int, n: int, tiles: Tiles, gated: bool = False) -> str | None:
+def shape_refusal(k: int, n: int, gated: bool, tiles: Tiles) -> str | None:
     """Why [K, N] experts cannot be multiplied here in `tiles`, or None. TMA copies rows of whole
     16-byte units (the weights' rows of N bytes; the output's of N/2 bf16 with the activation) and
     reads zeros past an edge (a last K step, a last CTA's columns: any K and N), but an array holds
@@ -253,7 +253,7 @@ def gmm_blackwell_bf16(lhs, rhs, group_sizes, group_offset, out_dtype, *, tiles:
     if not isinstance(rhs, formats.QuantizedArray):
         raise ValueError("the Blackwell bf16 x 4-bit kernel multiplies 4-bit experts (a QuantizedArray along K)")
     tables, has, act = tiling.epilogue_tables(epilogue, g_local)
-    if refusal := shape_refusal(k, n, tiles, gated=act is not None):
+    if refusal := shape_refusal(k, n, act is not None, tiles):
         raise ValueError(refusal)
     pairs = 1 if act is None else 2
     tm, tkb, steps = tiles.tm, tiles.tkb, tiles.steps

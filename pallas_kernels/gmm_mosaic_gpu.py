@@ -66,10 +66,6 @@ try:  # jax's Mosaic GPU interpreter (jax >= 0.10.2) is not exported; only the t
 except ImportError:  # pragma: no cover - a jax without it runs the compiled kernel only
     InterpretGPUParams = None
 
-# The Mosaic GPU API the kernel uses (jax 0.10.2 to 0.12 have all of it).
-_API = ("kernel", "emit_pipeline", "BlockSpec", "wgmma", "wgmma_wait", "ACC", "SMEM", "Layout", "layout_cast", "load")
-_API += ("TilingTransform", "SwizzleTransform", "find_swizzle", "commit_smem", "copy_smem_to_gmem", "wait_smem_to_gmem")
-
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
@@ -85,14 +81,12 @@ class Tiles:
 
 def refusal(dtype) -> str | None:
     """Why this kernel cannot multiply rows of `dtype` (4-bit experts are decoded to it; bf16
-    experts are the rows' dtype), or None if it can."""
-    missing = [name for name in _API if not hasattr(plgpu, name)]
-    if missing:
-        return f"this jax's Mosaic GPU lacks {', '.join(missing)} (jax {jax.__version__})"
+    experts are the rows' dtype), or None if it can. (The Mosaic GPU names it is built on are its
+    catalog record's to check: `catalog.HOPPER_GEMM_API`.)"""
     if jnp.dtype(dtype) != jnp.bfloat16:
         return (
             f"multiplies bfloat16 rows only, got {jnp.dtype(dtype).name}: Hopper's wgmma multiplies float32 as "
-            "TF32 (10 mantissa bits, ~1e-3 off); pallas_gpu or xla multiply float32 at full precision"
+            "TF32 (10 mantissa bits, ~1e-3 off); triton or xla multiply float32 at full precision"
         )
     return None
 

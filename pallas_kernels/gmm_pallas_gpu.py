@@ -42,7 +42,7 @@ from pallas_kernels.triton_blocks import load as _load
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """A call's blocks (powers of two, every dot's dims at least 16; a 4-bit tk / 2 whole scale blocks;
-    with act, tn counts gate and up columns) and launch settings (`tiles.lookup("pallas_gpu", ..)`)."""
+    with act, tn counts gate and up columns) and launch settings (`tiles.lookup("triton", ..)`)."""
 
     tm: int  # rows of a program
     tk: int  # K per step of the loop over K

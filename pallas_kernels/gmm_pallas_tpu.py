@@ -49,11 +49,11 @@ def fuses_glu(m: int, n: int, rhs) -> bool:
     return n % 256 == 0
 
 
-def width_refusal(widths: list[int]) -> str | None:
-    """Why 4-bit experts of these per-device K cannot be tiled, or None: a tile's two K-halves are
-    blocks of the rows' columns, which Mosaic takes in whole 128-lane blocks (or the whole row)."""
-    narrow = [k for k in widths if k % 256]
-    return f"4-bit experts need a K per device of a multiple of 256, these have {narrow}" if narrow else None
+def shape_refusal(k: int, n: int, gated: bool, tiles: Tiles) -> str | None:
+    """Why 4-bit experts [K, N] (per device) cannot be tiled, or None: a tile's two K-halves are
+    blocks of the rows' columns, which Mosaic takes in whole 128-lane blocks (or the whole row),
+    whatever `tiles`' K tile."""
+    return f"4-bit experts need a K per device of a multiple of 256, these have {k}" if k % 256 else None
 
 
 def _kernel(

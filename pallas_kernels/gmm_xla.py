@@ -108,9 +108,6 @@ def _per_row(lhs, rhs, group_sizes, group_offset, batched: bool, precision) -> j
     return jnp.where(mine[:, None], y[:, 0], 0.0)
 
 
-GATHERS_ROWS = True  # `gmm_xla` reads its rows through lhs_rows itself, a chunk at a time
-SCALES_COLUMNS = True  # and applies a 4-bit stack's column-wise tensor scales itself, as it decodes a group
-SCALES_COLUMNS = True  # and applies a 4-bit stack's column-wise tensor scales itself, as it decodes a group
 TILE_ROWS = 128  # rows per tile of the accelerators' loop over tiles
 
 

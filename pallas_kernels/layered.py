@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels import catalog
+
 
 @flax.struct.dataclass
 class LayerOf:
@@ -58,31 +60,16 @@ class Groups:
         return len(self.shape)
 
 
-# The grouped-GEMM kernels that read a group straight out of a layer stack (a `LayerOf`), and
-# those that take a layer's experts a buffer per group (`Groups`).
-READS_STACK = (
-    "xla",
-    "pallas_gpu",
-    "interpret_gpu",
-    "mosaic_gpu",
-    "pallas_tpu",
-    "interpret",
-    "blackwell",
-    "blackwell_bf16",
-)
-READS_GROUPS = ("xla",)
-
-
 def split(w) -> Groups:
     """A [G, K, N] array or QuantizedArray -> its groups as `Groups` (under jit: a buffer each)."""
     return Groups(tuple(jax.tree.map(lambda a: a[g], w) for g in range(w.shape[0])))
 
 
 def layer_of(stack: dict, i, kernel: str, matrices: tuple) -> dict:
-    """Layer i (may be traced) of a stacked expert tree {name: [L, G, ...]} as `kernel` reads it:
-    the `matrices` left in their stack (`LayerOf`) where the kernel reads groups out of it, every
-    other leaf sliced."""
-    view = kernel in READS_STACK
+    """Layer i (may be traced) of a stacked expert tree {name: [L, G, ...]} as grouped GEMM `kernel`
+    reads it: the `matrices` left in their stack (`LayerOf`) where the kernel reads groups out of it
+    (its catalog record reads "stack"), every other leaf sliced."""
+    view = "stack" in catalog.gemm(kernel).reads
     return {name: LayerOf(a, i) if view and name in matrices else layer_slice(a, i) for name, a in stack.items()}
 
 

@@ -5,7 +5,7 @@ reads prefill chunks and decode steps alike, from one pool holding each position
 values interleaved by head, [pages, page_size, 2 * H_kv, Dh padded to 128 lanes]: the layout
 it wants (a TPU array's last axis is padded to 128 lanes in memory anyway). Its softmax takes
 no attention sinks and masks no sliding window (`reads_windows`).
-`pallas_gpu` (`interpret_gpu`: in JAX's Mosaic GPU interpreter): our Mosaic GPU flash-decoding
+`mosaic_gpu` (`interpret_mosaic_gpu`: in JAX's Mosaic GPU interpreter): our Mosaic GPU flash-decoding
 kernel (`paged_attention_mgpu`; compiled for an H100 here, never run on a GPU by these tests),
 decode steps only, with sliding windows and sinks, from the XLA path's own pools k, v
 [pages, H_kv, page_size, W], W: Dh padded to whole 32-byte granules (`pool_width`: zeros after
@@ -23,37 +23,33 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels import tiles
+from pallas_kernels import catalog, tiles
 from pallas_kernels.paged_layout_mgpu import ROWS, SMEM_BYTES, page_rows, pool_width, smem_bytes
 
 LANES = 128  # the TPU kernel's head_dim: its softmax statistics are [.., 128] and broadcast over Dh
 
-GPU_KERNELS = ("pallas_gpu", "interpret_gpu")  # ours on Mosaic GPU, compiled or interpreted
-KERNELS = ("pallas_tpu", *GPU_KERNELS)
+KERNELS = catalog.names(catalog.ATTENTION)
+GPU_KERNELS = tuple(k for k in KERNELS if catalog.attention(k).backend == "mosaic_gpu")  # ours, compiled or interpreted
 
 
 def combined(name: str) -> bool:
     """Whether kernel `name` reads one interleaved k/v pool ("kv") rather than the pools k and v."""
-    return name == "pallas_tpu"
-
-
-def unavailable(name: str) -> str | None:
-    """Why this jax cannot build kernel `name` (None: it can): the Mosaic GPU names ours lacks."""
-    if name in GPU_KERNELS:
-        from pallas_kernels import paged_attention_mgpu
-
-        return paged_attention_mgpu.unavailable()
-    return None
+    return _reads(name, "kv")
 
 
 def prefills(name: str) -> bool:
     """Whether kernel `name` reads a prefill chunk's many positions per request (else decode only)."""
-    return name == "pallas_tpu"
+    return _reads(name, "prefill")
 
 
 def reads_windows(name: str) -> bool:
     """Whether kernel `name` takes sliding windows and attention sinks (the GPU kernel's do)."""
-    return name in GPU_KERNELS
+    return _reads(name, "windows")
+
+
+def _reads(name: str, what: str) -> bool:
+    """Whether `name` (a kernel, or "xla": the gather of `moejax.model.paged`) reads `what` (its record's `reads`)."""
+    return name != "xla" and what in catalog.attention(name).reads
 
 
 def head_dim(name: str, dh: int, dtype) -> int:
@@ -73,7 +69,8 @@ def attend(name: str, q, pool: dict, lens, table, scale: float, window: int = 0,
     for (("", 0): unknown) -> [B, T, H, Dh]."""
     if combined(name):
         return _ragged(q, pool["kv"], lens, table, scale, device)
-    return _decode(q, pool["k"], pool["v"], lens, table, scale, window, sinks, name == "interpret_gpu", device)
+    interpret = catalog.attention(name).interpreted
+    return _decode(q, pool["k"], pool["v"], lens, table, scale, window, sinks, interpret, device)
 
 
 def _ragged(q, kv, lens, table, scale, device):

@@ -69,36 +69,6 @@ NAME = "paged_attention_mgpu"
 TINY = 1e-30  # a divisor's floor where a sum of weights may be 0 (no key)
 
 
-# The Mosaic GPU and Pallas names the kernel builds on (all in jax 0.10.2 to 0.11).
-APIS = {
-    plgpu: (
-        "kernel",
-        "SMEM",
-        "TilingTransform",
-        "SwizzleTransform",
-        "Barrier",
-        "SemaphoreType",
-        "Layout",
-        "layout_cast",
-        "broadcasted_iota",
-        "copy_gmem_to_smem",
-        "copy_smem_to_gmem",
-        "wait_smem_to_gmem",
-        "commit_smem",
-        "barrier_wait",
-    ),
-    pl: ("get_global", "semaphore_signal", "semaphore_wait", "when", "ds", "cdiv"),
-}
-
-
-def unavailable() -> str | None:
-    """Why this jax cannot build the kernel (None: it can): the names it lacks."""
-    missing = [
-        f"{module.__name__}.{name}" for module, names in APIS.items() for name in names if not hasattr(module, name)
-    ]
-    return f"jax {jax.__version__} lacks {', '.join(missing)}" if missing else None
-
-
 def _interpret_params():
     try:  # jax 0.10.2 to 0.11 (the newest checked) keep the Mosaic GPU interpreter's parameters private
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams

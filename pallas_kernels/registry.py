@@ -3,109 +3,16 @@
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 
 import chex
 import jax
 import jax.numpy as jnp
 
-from moejax.platform import gpu_major
-from moejax.vocab import KERNELS
-from pallas_kernels import epilogue, formats, layered, tiles
+from pallas_kernels import catalog, epilogue, formats, layered, probes, tiles
 
-# The names are moejax.vocab.KERNELS (but "auto", which the caller resolves: `moejax.platform`): the
-# module of pallas_kernels holding the backend (a function of the module's name), its keyword
-# arguments, and the platform's decisions it takes (`grouped_gemm`'s arguments of those names).
-# A backend's module is imported on first use, so a CPU run never loads Mosaic GPU, Triton or
-# Mosaic TPU (~0.3 s of every command's start-up).
-_IMPLS = {
-    "xla": ("gmm_xla", {}, ("gemm_rows", "precision")),
-    "pallas_tpu": ("gmm_pallas_tpu", {}, ("precision",)),
-    "pallas_gpu": ("gmm_pallas_gpu", {}, ("precision",)),  # Triton
-    "mosaic_gpu": ("gmm_mosaic_gpu", {}, ()),  # Hopper: bf16 rows (wgmma)
-    "blackwell": ("gmm_blackwell", {}, ()),  # 4-bit rows x 4-bit weights on sm_100
-    "blackwell_bf16": ("gmm_blackwell_bf16", {}, ()),  # bf16 rows x 4-bit weights on sm_100
-    "interpret": ("gmm_pallas_tpu", {"interpret": True}, ("precision",)),
-    "interpret_gpu": ("gmm_pallas_gpu", {"interpret": True}, ("precision",)),
-}
-if set(KERNELS) != {"auto", *_IMPLS}:
-    raise ImportError("moejax.vocab.KERNELS and the kernel implementations differ")
-
-
-# The GPU architecture (compute capability's major version) each Mosaic GPU kernel is written for:
-# wgmma is Hopper's (sm_90a), tcgen05 Blackwell's (sm_100a); neither runs on the other.
-ARCHITECTURE = {"mosaic_gpu": (9, "Hopper (sm_90)"), "blackwell": (10, "Blackwell (sm_100)")}
-ARCHITECTURE["blackwell_bf16"] = ARCHITECTURE["blackwell"]
-# The Mosaic GPU names the Blackwell kernels build on beyond the Hopper one's (jax 0.10.2 to 0.12 have
-# them), checked before their modules are imported (which build tcgen05 layouts at import).
-BLACKWELL_API = ("tcgen05_mma", "tcgen05_commit_arrive", "TMEM", "TMEMLayout", "commit_tmem", "warp_map")
-BLACKWELL_API += ("async_load_tmem", "async_store_tmem", "wait_load_tmem", "async_copy_scales_to_tmem")
-# The kernels written for Pallas's Triton backend, which jax 0.11 deprecated: a jax without it has none.
-TRITON = ("pallas_gpu", "interpret_gpu")
-
-
-def unavailable(name: str, expert_format: str, dtype="bfloat16", device=None) -> str | None:
-    """Why kernel `name` cannot multiply these experts here, or None if it can: this jax's Pallas
-    backends, the run's `dtype` (rows), the experts' format, and `device`'s GPU architecture (a
-    compile target's device, or this machine's; one without a compute capability: not checked).
-    Which platform a kernel runs on is `moejax.platform.Platform.refusal`'s."""
-    if name in TRITON:
-        return triton_refusal()
-    quantized = expert_format in formats.FORMATS
-    if name == "mosaic_gpu":
-        reason = _load("gmm_mosaic_gpu", "refusal")(dtype)
-    elif name == "blackwell" and not quantized:
-        reason = f"multiplies 4-bit rows by 4-bit experts; choose expert format {' or '.join(formats.FORMATS)}"
-    elif name == "blackwell_bf16" and not (quantized and jnp.dtype(dtype) == jnp.bfloat16):
-        reason = f"multiplies bfloat16 rows by 4-bit experts (expert format {' or '.join(formats.FORMATS)})"
-    else:
-        reason = None
-    return reason or _api_refusal(name) or _architecture_refusal(name, device)
-
-
-def _api_refusal(name: str) -> str | None:
-    if name not in ("blackwell", "blackwell_bf16"):
-        return None
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    missing = [api for api in BLACKWELL_API if not hasattr(plgpu, api)]
-    return f"this jax's Mosaic GPU lacks {', '.join(missing)} (jax {jax.__version__})" if missing else None
-
-
-def _architecture_refusal(name: str, device) -> str | None:
-    if name not in ARCHITECTURE:
-        return None
-    major, what = ARCHITECTURE[name]
-    device = device or jax.devices()[0]
-    if gpu_major(device) not in (None, major):
-        return f"needs an NVIDIA {what} GPU; this one is sm_{str(device.compute_capability).replace('.', '')}"
-    return None
-
-
-@functools.cache
-def triton_refusal() -> str | None:
-    """Why this jax cannot run Pallas's Triton kernels (None: it can): it has no Triton backend.
-    Probed without importing it (an import of a deprecated backend may warn)."""
-    try:
-        found = importlib.util.find_spec("jax.experimental.pallas.triton") is not None
-    except ImportError:
-        found = False
-    if found:
-        return None
-    return f"this jax ({jax.__version__}) has no Pallas Triton backend; mosaic_gpu, blackwell_bf16 or xla run on GPUs"
-
-
-def shape_refusal(name: str, shapes: list[tuple[int, int, bool]], expert_format: str) -> str | None:
-    """Why kernel `name` cannot multiply experts whose per-device (K, N, gated) are `shapes`, or None."""
-    quantized = expert_format in formats.FORMATS
-    if name == "pallas_tpu" and quantized:
-        return _load("gmm_pallas_tpu", "width_refusal")(sorted({k for k, _, _ in shapes}))
-    if name == "blackwell_bf16":
-        chosen = _load("gmm_blackwell_bf16", "Tiles")(**tiles.lookup("blackwell_bf16"))
-        refusals = (_load("gmm_blackwell_bf16", "shape_refusal")(k, n, chosen, gated) for k, n, gated in shapes)
-        return next((r for r in refusals if r), None)
-    return None
+# The backends are the catalog's grouped GEMMs (`catalog.GEMM`; "auto" is the caller's to resolve:
+# `moejax.platform`): each record names its module and function, the platform's decisions it takes
+# (`grouped_gemm`'s arguments of those names), and whether it runs interpreted.
 
 
 def run_weights(w, expert_format: str, k_slices: int = 1, kernel: str = "auto", gated: bool = False):
@@ -120,9 +27,10 @@ def run_weights(w, expert_format: str, k_slices: int = 1, kernel: str = "auto", 
 
 def for_kernel(q: formats.QuantizedArray, kernel: str):
     """4-bit experts [..., E, K, N] in the layout `kernel` reads (converted once, at load)."""
-    if kernel != "blackwell":
+    record = catalog.CATALOG.get((catalog.GEMM, kernel))  # None: "auto" (run_weights' default)
+    if record is None or record.prepares is None:
         return q
-    prepare = _load("gmm_blackwell", "prepare_weights")
+    prepare = getattr(record.kernel_module(), record.prepares)
     for _ in range(q.ndim - 3):  # a run's stacked layers
         prepare = jax.vmap(prepare)
     return prepare(q)
@@ -130,40 +38,30 @@ def for_kernel(q: formats.QuantizedArray, kernel: str):
 
 def is_blackwell(device=None) -> bool:
     """Whether `device` (default: this machine's first) is an sm_100 GPU (B200 / B300)."""
-    return gpu_major(device or jax.devices()[0]) == ARCHITECTURE["blackwell"][0]
+    return probes.gpu_major(device or jax.devices()[0]) in catalog.gemm("blackwell").architectures
 
 
-def _load(module: str, name: str):
-    return getattr(importlib.import_module(f"pallas_kernels.{module}"), name)
-
-
-def _backend_fn(name: str, gemm_rows=None, precision=None):
+def backend_fn(name: str, gemm_rows=None, precision=None):
     """Backend `name`'s grouped GEMM, with those of the platform's decisions it takes (`grouped_gemm`)."""
-    module, kwargs, takes = _IMPLS[_known(name)]
+    record = catalog.gemm(name)
     decisions = {"gemm_rows": gemm_rows, "precision": precision}
-    return functools.partial(_load(module, module), **kwargs, **{k: decisions[k] for k in takes})
+    interpret = {"interpret": True} if record.interpreted else {}
+    return functools.partial(record.load(), **interpret, **{k: decisions[k] for k in record.takes})
 
 
 def gemm_tiles(backend: str, rows: int, rhs, gated: bool = False, device: tuple[str, int] = ("", 0)):
     """The tiles (its module's `Tiles`) `backend`'s kernel takes for `rows` rows of rhs [G, K, N] (`gated`:
-    its epilogue halves a gate|up product) on `device` (device kind, SMs), from the table
-    (`tiles.lookup`, keyed by the kernel's module: gmm_<key>); None for a kernel that takes none."""
-    module = _IMPLS[_known(backend)][0]
-    kind = getattr(_module(backend), "Tiles", None)
-    if kind is None:
+    its epilogue halves a gate|up product) on `device` (device kind, SMs), from the table under its
+    record's key (`tiles.lookup`); None for a kernel that takes none."""
+    record = catalog.gemm(backend)
+    if record.tiles is None:
         return None
     stack = layered.stored(rhs)
     fmt = getattr(stack, "fmt", None) or ("f32" if stack.dtype == jnp.float32 else "bf16")
     block = formats.FORMATS[fmt].block if fmt in formats.FORMATS else 1
     _, k, n = rhs.shape
-    key = module.removeprefix("gmm_")
-    return kind(**tiles.lookup(key, device, rows=rows, k=k, n=n, fmt=fmt, gated=gated, block=block))
-
-
-def _known(name: str) -> str:
-    if name not in _IMPLS:
-        raise ValueError(f"unknown grouped_gemm backend {name!r}; expected one of {tuple(_IMPLS)}")
-    return name
+    chosen = tiles.lookup(record.tiles, device, rows=rows, k=k, n=n, fmt=fmt, gated=gated, block=block)
+    return record.kernel_module().Tiles(**chosen)
 
 
 @functools.partial(
@@ -220,23 +118,24 @@ def grouped_gemm(
     if isinstance(stack, formats.QuantizedArray) and stack.axis != -2:
         raise ValueError("a 4-bit rhs must be quantized along K (axis=-2)")
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
-    kernel = _backend_fn(backend, gemm_rows=gemm_rows, precision=precision)
-    if lhs_rows is not None and not getattr(_module(backend), "GATHERS_ROWS", False):
+    record = catalog.gemm(backend)
+    kernel = backend_fn(backend, gemm_rows=gemm_rows, precision=precision)
+    if lhs_rows is not None and "rows" not in record.reads:
         lhs, lhs_rows = lhs[lhs_rows], None
     rows = {} if lhs_rows is None else {"lhs_rows": lhs_rows}
     m, n = (lhs if lhs_rows is None else lhs_rows).shape[0], rhs.shape[2]
+    # A placement hands a kernel that reads no layer out of its stack the layer as its own array.
+    if "stack" not in record.reads and stack is not rhs:
+        raise ValueError(f"the {backend} kernel reads a layer as its own [G, K, N], not as a view of its stack")
 
     def tiled(gated: bool = False):  # the kernel with its tiles for this call (a kernel without: as it is)
         chosen = gemm_tiles(backend, m, rhs, gated, device)
         return kernel if chosen is None else functools.partial(kernel, tiles=chosen)
 
-    # A placement hands a kernel that reads no layer out of its stack the layer as its own array.
-    if backend not in layered.READS_STACK and stack is not rhs:
-        raise ValueError(f"the {backend} kernel reads a layer as its own [G, K, N], not as a view of its stack")
-    columns = None if getattr(_module(backend), "SCALES_COLUMNS", False) else _column_scales(rhs)
-    if combine is not None and columns is None and _fuses(backend, "fuses_combine", m, n, rhs):
+    columns = None if record.scales_columns else _column_scales(rhs)
+    if combine is not None and columns is None and _fuses(record, "fuses_combine", m, n, rhs):
         return tiled()(lhs, rhs, group_sizes, group_offset, out_dtype, combine=combine, bias=bias, **rows)
-    if act is not None and _fuses(backend, "fuses_glu", m, n, rhs):
+    if act is not None and _fuses(record, "fuses_glu", m, n, rhs):
         return tiled(gated=True)(
             lhs,
             _unit_scales(rhs) if columns is not None else rhs,
@@ -254,11 +153,6 @@ def grouped_gemm(
         out = tiled()(lhs, _unit_scales(rhs), group_sizes, group_offset, jnp.float32, **rows)
         scale = epilogue.group_rows(columns, group_sizes, group_offset, m)
     return epilogue.finish_product(out, out_dtype, scale, bias, group_sizes, group_offset, act, combine)
-
-
-# The backends that multiply a decode step's picks by expert id (`gmm_picks`), and whether they
-# run it interpreted.
-PICK_BACKENDS = {"pallas_gpu": False, "interpret_gpu": True}
 
 
 def pick_gemm(
@@ -282,10 +176,7 @@ def pick_gemm(
     bias: [G_local, N]; act, precision: as `grouped_gemm`'s."""
     from pallas_kernels import gmm_picks
 
-    if backend not in PICK_BACKENDS:
-        raise ValueError(
-            f"no kernel multiplies picks by id on backend {backend!r}; expected one of {list(PICK_BACKENDS)}"
-        )
+    record = catalog.kernel(catalog.DECODE, backend)
     stack = layered.stored(rhs)
     if isinstance(stack, formats.QuantizedArray):
         fmt, tk_floor = stack.fmt, 2 * stack.spec.block
@@ -294,7 +185,7 @@ def pick_gemm(
     p, (g_local, kdim, n) = ids.shape[0], rhs.shape
     touched = min(g_local, p)  # experts a call can read: the programs that stream weights
     chosen = tiles.lookup(
-        "pick_gemm",
+        record.tiles,
         device,
         rows=p // k,
         k=kdim,
@@ -305,7 +196,7 @@ def pick_gemm(
     )
     chosen["tk"] = max(chosen["tk"], tk_floor)
     epilogue = None if bias is None and act is None else (None, bias, act)
-    return gmm_picks.pick_gemm(
+    return record.load()(
         lhs,
         rhs,
         ids,
@@ -316,19 +207,15 @@ def pick_gemm(
         rows_are_picks=rows_are_picks,
         tiles=gmm_picks.Tiles(**chosen),
         precision=precision,
-        interpret=PICK_BACKENDS[backend],
+        interpret=record.interpreted,
     )
 
 
-def _module(backend: str):
-    return importlib.import_module(f"pallas_kernels.{_IMPLS[_known(backend)][0]}")
-
-
-def _fuses(backend: str, probe: str, m: int, n: int, rhs) -> bool:
-    """Whether `backend`'s kernel does a step itself for m rows of rhs (N columns), by its module's
+def _fuses(record: catalog.Kernel, probe: str, m: int, n: int, rhs) -> bool:
+    """Whether `record`'s kernel does a step itself for m rows of rhs (N columns), by its module's
     `probe`: fuses_glu (the gated activation of a gate|up stack), fuses_combine (the sum of each
     token's picks)."""
-    fuses = getattr(_module(backend), probe, None)
+    fuses = getattr(record.kernel_module(), probe, None)
     return bool(fuses and fuses(m, n, rhs))
 
 

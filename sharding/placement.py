@@ -17,14 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels
 from moejax.config import Config, ConfigError
 from moejax.model import paged
 from moejax.model.attention import cache_specs
 from moejax.model.layer_loop import layer_loops
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_specs
-from moejax.platform import GEMM_KERNEL_NEEDS, DecodeKernels, Platform, resolve
-from pallas_kernels import layered, paged_attention
+from moejax.platform import DecodeKernels, Platform, resolve
+from pallas_kernels import catalog, layered
 from sharding import accounting, rules, slots
 from sharding.experts import moe_local
 
@@ -59,7 +58,7 @@ class Placement:
         # own buffers (`pallas_kernels/layered.py`).
         groups = (
             GEMM_WEIGHTS
-            if self.holds_every_expert and self.kernel in layered.READS_GROUPS and self.platform.buffers_apart
+            if self.holds_every_expert and "groups" in catalog.gemm(self.kernel).reads and self.platform.buffers_apart
             else ()
         )
         self.loops = layer_loops(
@@ -73,8 +72,10 @@ class Placement:
         (`moejax/model/projections.py`, `sharding/experts.py`), a layer's dense products among them
         on one device."""
         dtype = self.platform.run_dtype(self.config.engine.dtype)
-        triton = pallas_kernels.triton_refusal() is None
-        return self.platform.decode_kernels(self.kernel, dtype, self.first_device, self.devices == 1, triton)
+        name = catalog.gemm(self.kernel).decode  # None: its runs take none (they would multiply other rows)
+        if name is not None and catalog.kernel(catalog.DECODE, name).why_not(self.platform.name):
+            name = None  # this jax cannot build them (Triton's)
+        return self.platform.decode_kernels(name, dtype, self.first_device, self.devices == 1)
 
     @property
     def first_device(self):
@@ -252,16 +253,14 @@ def k_slices(spec: ParamSpec, tp: int) -> int:
 def gemm_kernel(config: Config, platform: Platform, tp: int, device=None) -> str:
     """The grouped GEMM of `config.kernel` on `platform`'s `device` (a compile target's, or this
     machine's first) with the experts' per-device widths on `tp` devices: "auto" takes the first of
-    the platform's candidates the kernel registry finds runnable (this jax's backends, the run's
+    the platform's candidates whose catalog record finds it runnable (this jax's backends, the run's
     dtype, the experts' format and widths, the GPU's architecture), else the XLA path; a kernel
     named for what it cannot run is refused with the reason."""
     dtype = platform.run_dtype(config.engine.dtype)
     fmt = config.weights.expert_format
     shapes = expert_shapes(config.model, tp)
     for name in platform.gemm_candidates(config.kernel, device):
-        refusal = platform.refusal(name, GEMM_KERNEL_NEEDS) or pallas_kernels.unavailable(name, fmt, dtype, device)
-        if refusal is None and (refusal := pallas_kernels.shape_refusal(name, shapes, fmt)):
-            refusal += "; these experts multiply through XLA (--kernel xla or auto)"
+        refusal = catalog.gemm(name).why_not(platform.name, device or jax.devices()[0], dtype, fmt, shapes)
         if refusal is None:
             return name
         if config.kernel != "auto":
@@ -288,7 +287,11 @@ def paged_kernel(config: Config, platform: Platform) -> str:
     requests hold the rank's own pages, which its kernel reads); a kernel named for a model it
     cannot read is refused with the reason."""
     name = platform.attention_kernel(config.attention_kernel)
-    refusal = None if name == "xla" else paged_attention.unavailable(name) or paged.kernel_refusal(config.model, name)
+    refusal = (
+        None
+        if name == "xla"
+        else catalog.attention(name).why_not(platform.name) or paged.kernel_refusal(config.model, name)
+    )
     if refusal and config.attention_kernel != "auto":
         raise ConfigError(
             f"attention kernel {name}: {refusal}; this model reads its pages through XLA "

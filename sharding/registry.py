@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from moejax.config import Config, ConfigError
-from moejax.platform import ATTENTION_KERNEL_NEEDS, Platform, resolve
+from moejax.platform import Platform, resolve
+from pallas_kernels import catalog
 from sharding import rules
 from sharding.expert_sharded import ExpertSharded
 from sharding.hybrid import Hybrid
@@ -48,7 +49,8 @@ def with_placement(config: Config, name: str, devices: int, ep: int = 0, tp: int
 def check_attention_kernel(config: Config, platform: Platform) -> None:
     """The paged attention can run on `platform`; one clear line otherwise (the grouped GEMM's
     refusals are `sharding.placement.gemm_kernel`'s)."""
-    reason = platform.refusal(platform.attention_kernel(config.attention_kernel), ATTENTION_KERNEL_NEEDS)
+    name = platform.attention_kernel(config.attention_kernel)
+    reason = None if name == "xla" else catalog.attention(name).why_not(platform.name)
     if reason:
         raise ConfigError(f"attention kernel {config.attention_kernel}: {reason}")
 

@@ -60,8 +60,8 @@ ROWS = [70, 12]
 
 
 KERNELS = {
-    "interpret": functools.partial(gmm_pallas_tpu, interpret=True),
-    "interpret_gpu": functools.partial(gmm_pallas_gpu, interpret=True),
+    "interpret_tpu": functools.partial(gmm_pallas_tpu, interpret=True),
+    "interpret_triton": functools.partial(gmm_pallas_gpu, interpret=True),
 }
 
 

@@ -109,7 +109,7 @@ def test_gpu_benchmark_smoke_run_prints_every_kernel_row():
     run = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "FAILED" not in run.stdout, run.stdout
-    rows = [f for f in map(str.split, run.stdout.splitlines()) if f[:1] in (["ragged_dot"], ["interpret_gpu"])]
+    rows = [f for f in map(str.split, run.stdout.splitlines()) if f[:1] in (["ragged_dot"], ["interpret_triton"])]
     # ragged_dot plus bf16 / nvfp4 / mxfp4 kernels at each of the smoke's two batch sizes
     assert [r[1] for r in rows] == ["bf16", "bf16", "nvfp4", "mxfp4"] * 2
     errors = {r[1]: float(r[-1]) for r in rows}

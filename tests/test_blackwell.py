@@ -87,7 +87,7 @@ def b200_ffn(kernel: str, fmt: str) -> str:
     model runs it, inside shard_map (where jax 0.10.2 lowers Mosaic GPU kernels as for an sm_90
     GPU: its abstract device has no compute capability); MXFP4 as a plain jit lowers it on a B200
     (the B200 the default device: lowered as for sm_100)."""
-    weights_kernel = "blackwell" if kernel == "blackwell" else "pallas_gpu"  # the bf16 kernel reads QuantizedArrays
+    weights_kernel = "blackwell" if kernel == "blackwell" else "triton"  # the bf16 kernel reads QuantizedArrays
     width = WIDTHS[kernel]  # D = F
     args = (
         jax.ShapeDtypeStruct((TOKENS, width), jnp.bfloat16),

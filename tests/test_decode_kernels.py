@@ -23,7 +23,7 @@ from sharding import make_placement
 
 # The fused kernels in the interpreter, for every pass of up to 128 rows, a layer's dense weights on
 # its one device; tiles: the table's defaults ("", 0).
-FUSED = DecodeKernels("interpret_gpu", 128, "highest", ("", 0), dense=True)
+FUSED = DecodeKernels("interpret_triton", 128, "highest", ("", 0), dense=True)
 ROWS = 3  # a decode step of three requests
 PRESETS = ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-mixtral"]  # q/k norms; biases and sinks; neither
 
@@ -102,7 +102,7 @@ def test_a_prefills_rows_take_the_xla_ops():
 
 @pytest.mark.parametrize("name,fmt", [("tiny-qwen3-moe", "nvfp4"), ("tiny-gpt-oss", "unquantized")])
 def test_a_run_in_the_decode_kernels_gives_the_xla_runs_tokens(name, fmt):
-    """One device, kernel interpret_gpu (the decode kernels in the interpreter; a prefill's rows
+    """One device, kernel interpret_triton (the decode kernels in the interpreter; a prefill's rows
     through the grouped GEMM) and kernel xla: the same greedy tokens for requests of several lengths."""
 
     def tokens(kernel: str) -> list:
@@ -114,8 +114,8 @@ def test_a_run_in_the_decode_kernels_gives_the_xla_runs_tokens(name, fmt):
             engine=EngineConfig(page_size=4, max_seq_len=32, dtype="float32"),
         ).validate()
         placement = make_placement(config)
-        assert placement.decode.fuses(4) == (kernel == "interpret_gpu")
+        assert placement.decode.fuses(4) == (kernel == "interpret_triton")
         engine = Engine(config, load_params(config, placement, seed=1), placement)
         return engine.generate([[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21, 22]], 4).tokens
 
-    assert tokens("interpret_gpu") == tokens("xla")
+    assert tokens("interpret_triton") == tokens("xla")

@@ -54,7 +54,7 @@ def _golden(family: str) -> dict:
 def test_float32_matches_transformers_on_the_gpu(family, cache):
     golden = _golden(family)
     engine = make_engine(GOLDEN / family, dtype="float32", **ENGINES[cache])
-    assert engine.placement.kernel == "pallas_gpu"
+    assert engine.placement.kernel == "triton"
     assert_close_relative(engine.score([golden["prompt"]])[0], golden["logits"])
     assert engine.generate([golden["prompt"]], 16).tokens[0] == golden["greedy"]
 
@@ -143,7 +143,7 @@ def test_blackwell_kernels_match_float64_products(kernel, fmt, act):
     np.testing.assert_array_equal(out[SIZES.sum() :], 0)  # past the groups
 
 
-# Our Mosaic GPU paged attention (the engine's `pallas_gpu`), compiled for this GPU: its
+# Our Mosaic GPU paged attention (the engine's `mosaic_gpu`), compiled for this GPU: its
 # PTX, and the semaphores that order its splits' combine, which the CPU tests' interpreter lacks.
 @pytest.mark.parametrize("name", mgpu_cases.CASES)
 def test_mosaic_gpu_paged_attention_equals_the_xla_path_on_the_gpu(name):

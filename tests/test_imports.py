@@ -92,3 +92,9 @@ def test_no_package_imports_back_a_package_whose_verb_imports_it():
 
 def test_the_trace_format_sits_below_the_engine_and_serving():
     assert GRAPH["moejax.trace"] <= {"moejax.errors"}
+
+
+def test_the_kernels_import_nothing_of_moejax_but_its_vocabulary():
+    """pallas_kernels sits below moejax: its kernels know the run only by the words of `moejax.vocab`."""
+    found = {d for m, deps in GRAPH.items() if m.startswith("pallas_kernels") for d in deps if d.startswith("moejax")}
+    assert found == {"moejax.vocab"}

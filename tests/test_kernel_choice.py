@@ -8,10 +8,10 @@ import dataclasses
 
 import pytest
 
-import pallas_kernels
 from moejax import targets
 from moejax.config import Config, ConfigError, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.platform import resolve
+from pallas_kernels import probes
 from sharding import make_placement
 
 GPU = resolve("cuda")
@@ -33,9 +33,7 @@ def _placement(target: str, *, dtype="bfloat16", fmt="unquantized", kernel="auto
 
 @pytest.fixture
 def without_triton(monkeypatch):
-    reason = "this jax (simulated) has no Pallas Triton backend"
-    monkeypatch.setattr(pallas_kernels.registry, "triton_refusal", lambda: reason)
-    monkeypatch.setattr(pallas_kernels, "triton_refusal", lambda: reason)
+    monkeypatch.setattr(probes, "has_triton", lambda: False)
 
 
 @pytest.mark.parametrize(
@@ -43,16 +41,16 @@ def without_triton(monkeypatch):
     [
         ("h100", "bfloat16", "unquantized", True, "mosaic_gpu"),
         ("h100", "bfloat16", "nvfp4", False, "mosaic_gpu"),  # any width: padded
-        ("h100", "float32", "unquantized", True, "pallas_gpu"),  # wgmma would multiply float32 as TF32
+        ("h100", "float32", "unquantized", True, "triton"),  # wgmma would multiply float32 as TF32
         ("b200", "bfloat16", "mxfp4", True, "blackwell_bf16"),
-        ("b200", "bfloat16", "nvfp4", False, "pallas_gpu"),  # narrower than the kernel's tiles
-        ("b200", "bfloat16", "unquantized", True, "pallas_gpu"),  # its kernels multiply 4-bit experts
+        ("b200", "bfloat16", "nvfp4", False, "triton"),  # narrower than the kernel's tiles
+        ("b200", "bfloat16", "unquantized", True, "triton"),  # its kernels multiply 4-bit experts
     ],
 )
 def test_auto_picks_the_architectures_mosaic_kernel_where_it_can_run(target, dtype, fmt, wide, kernel):
     placement = _placement(target, dtype=dtype, fmt=fmt, wide=wide)
     assert placement.kernel == kernel
-    assert placement.decode.kernel == "pallas_gpu"  # the fused decode kernels, Triton's
+    assert placement.decode.kernel == "triton"  # the fused decode kernels, Triton's
 
 
 @pytest.mark.parametrize(
@@ -88,18 +86,21 @@ def test_a_kernel_named_for_another_architecture_or_format_is_refused(target, ke
 
 
 def test_without_triton_the_triton_kernel_named_is_refused(without_triton):
-    with pytest.raises(ConfigError, match="kernel pallas_gpu: this jax .* has no Pallas Triton backend"):
-        _placement("h100", kernel="pallas_gpu")
+    with pytest.raises(ConfigError, match="kernel triton: this jax .* has no Pallas Triton backend"):
+        _placement("h100", kernel="triton")
 
 
 def test_this_jax_has_the_triton_backend_it_is_pinned_with():
-    assert pallas_kernels.triton_refusal() is None
+    assert probes.has_triton()
 
 
 def test_a_jax_whose_mosaic_gpu_lacks_blackwells_names_falls_back_to_triton(monkeypatch):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     monkeypatch.delattr(plgpu, "tcgen05_mma")
-    assert _placement("b200", fmt="nvfp4").kernel == "pallas_gpu"
-    with pytest.raises(ConfigError, match=r"kernel blackwell_bf16: this jax's Mosaic GPU lacks tcgen05_mma \(jax "):
+    assert _placement("b200", fmt="nvfp4").kernel == "triton"
+    with pytest.raises(
+        ConfigError,
+        match=r"kernel blackwell_bf16: this jax \(.*\) lacks jax.experimental.pallas.mosaic_gpu.tcgen05_mma",
+    ):
         _placement("b200", fmt="nvfp4", kernel="blackwell_bf16")

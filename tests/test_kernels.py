@@ -74,7 +74,7 @@ def test_gpu_kernel_reads_a_layer_of_a_stack(fmt, act):
     bias = jnp.asarray(np.random.default_rng(3).standard_normal((3, 48)), jnp.float32)
     run = jax.jit(
         lambda w: pk.grouped_gemm(
-            lhs, w, sizes, group_offset=offset, bias=bias, act=GLU_ACTS.get(act), backend="interpret_gpu"
+            lhs, w, sizes, group_offset=offset, bias=bias, act=GLU_ACTS.get(act), backend="interpret_triton"
         )
     )
     np.testing.assert_array_equal(run(LayerOf(w, jnp.int32(1))), run(jax.tree.map(lambda a: a[1], w)))
@@ -236,7 +236,7 @@ def test_gpu_kernel_takes_any_width(k, n, fmt, dtype, act):
     w = rhs.astype(dtype) if fmt == "dense" else pk.quantize_experts(rhs, fmt, gated=act is not None)
     bias = jnp.asarray(np.random.default_rng(2).standard_normal((3, n)), dtype) if act else None
     run = functools.partial(pk.grouped_gemm, lhs, w, sizes, group_offset=offset, bias=bias, act=GLU_ACTS.get(act))
-    out, expected = run(backend="interpret_gpu"), run(backend="xla")
+    out, expected = run(backend="interpret_triton"), run(backend="xla")
     assert out.shape == expected.shape == (70, n // 2 if act else n) and out.dtype == expected.dtype
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32), **tolerance(dtype))
     np.testing.assert_array_equal(np.asarray(out, np.float32)[int(sizes.sum()) :], 0.0)
@@ -260,7 +260,7 @@ def test_tpu_kernel_reads_a_layer_of_a_stack(fmt, dtype, act):
         static_argnames="backend",
     )
     for i in (0, 2):
-        out, expected = (run(lhs, w, sizes, jnp.int32(i), backend=b) for b in ("interpret", "xla"))
+        out, expected = (run(lhs, w, sizes, jnp.int32(i), backend=b) for b in ("interpret_tpu", "xla"))
         assert out.shape == expected.shape and out.dtype == expected.dtype
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32), **tolerance(dtype))
 

@@ -34,7 +34,7 @@ from pallas_kernels import epilogue
 from pallas_kernels.layered import LayerOf, split
 
 # Each target's grouped-GEMM kernel and the compiler of the Pallas call it compiles to (`hlo.PALLAS`).
-TARGET_KERNELS = {"v5e": ("pallas_tpu", "mosaic_tpu"), "h100": ("pallas_gpu", "triton")}
+TARGET_KERNELS = {"v5e": ("pallas_tpu", "mosaic_tpu"), "h100": ("triton", "triton")}
 # A stack's groups [G, K, N] (6, 128, 80), dense or 4-bit ([G, K/2, N] packed values).
 GROUPS = [(6, 128, 80), (6, 64, 80)]
 
@@ -86,7 +86,7 @@ def test_gpu_decode_step_copies_no_layer_of_experts():
     )
     placement, step, args = decode_program(config.validate(), 8, 64, "cuda", devices=list(targets.devices("h100", 1)))
     stacks = [a.shape for run in args[0]["layers"] if "moe" in run for a in run["moe"]["experts"].values()]
-    assert placement.decode.kernel == "pallas_gpu" and max(shape[0] for shape in stacks) == 2
+    assert placement.decode.kernel == "triton" and max(shape[0] for shape in stacks) == 2
     text = jax.jit(step).lower(*args).compile().as_text()
     gemms = [r for r in kernel_calls(text, "h100") if "experts" in r.instr.scope]
     assert sum(r.count for r in gemms) == sum(shape[0] for shape in stacks)  # gate_up and down, each layer
@@ -122,9 +122,7 @@ def test_gpu_kernel_compiles_for_h100_at_any_width(k, n, fmt, act):
             jax.eval_shape(lambda a: pk.quantize_experts(a, fmt, gated=act is not None), w),
         )
     f = jax.jit(
-        lambda l, w, s, o, b: pk.grouped_gemm(
-            l, w, s, group_offset=o, bias=b, act=GLU_ACTS.get(act), backend="pallas_gpu"
-        )
+        lambda l, w, s, o, b: pk.grouped_gemm(l, w, s, group_offset=o, bias=b, act=GLU_ACTS.get(act), backend="triton")
     )
     text = (
         lower(
@@ -245,7 +243,7 @@ def test_tpu_kernel_takes_k_whose_scale_rows_fill_no_tile(fmt, k):
     rhs = pk.quantize_experts(jax.random.normal(jax.random.key(1), (4, k, 256), jnp.float32), fmt)
     sizes = jnp.array([10, 0, 20, 10], jnp.int32)
     np.testing.assert_allclose(
-        pk.grouped_gemm(lhs, rhs, sizes, backend="interpret"),
+        pk.grouped_gemm(lhs, rhs, sizes, backend="interpret_tpu"),
         pk.grouped_gemm(lhs, rhs, sizes, backend="xla"),
         rtol=1e-5,
         atol=1e-4,

@@ -144,8 +144,8 @@ def test_kv_cache_gb_holds_the_pages_its_bytes_hold_in_the_kernels_layout():
             16,
             kv_gb=0.001,
         )
-        for k in ("xla", "pallas_tpu", "pallas_gpu")
+        for k in ("xla", "pallas_tpu", "mosaic_gpu")
     }
     assert pages == {k: 1e6 // page_bytes(c, 16, jnp.bfloat16, k) for k in pages}
-    assert page_bytes(c, 16, jnp.bfloat16, "pallas_gpu") == page_bytes(c, 16, jnp.bfloat16, "xla") * 32 // 24
-    assert pages["pallas_tpu"] < pages["pallas_gpu"] < pages["xla"]
+    assert page_bytes(c, 16, jnp.bfloat16, "mosaic_gpu") == page_bytes(c, 16, jnp.bfloat16, "xla") * 32 // 24
+    assert pages["pallas_tpu"] < pages["mosaic_gpu"] < pages["xla"]

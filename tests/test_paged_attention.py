@@ -100,7 +100,7 @@ def test_gpu_kernel_interpreted_equals_the_xla_path_on_a_decode_step(c, page_siz
     """The Mosaic GPU kernel (interpreted) reads and writes its pools as the XLA path does; at odd
     widths its pools' heads are padded (zeros after each head's Dh: the scores and the kept
     output columns are unchanged, and the softmax scale is the model's)."""
-    (got, got_pool), (want, want_pool) = kernel("interpret_gpu", 1, c, page_size), xla(1, c, page_size)
+    (got, got_pool), (want, want_pool) = kernel("interpret_mosaic_gpu", 1, c, page_size), xla(1, c, page_size)
     assert_close(got, want)
     for name in "kv":
         assert_close(got_pool[name][..., : c.head_dim], want_pool[name])
@@ -111,7 +111,7 @@ def test_gpu_kernel_interpreted_masks_a_window_and_adds_sinks_as_the_xla_path():
     """gpt-oss's attention at odd widths: a window of 5 positions (requests hold up to 12) and a
     sink logit per query head, as the XLA path masks and adds them (each changes the output)."""
     sinks = jax.random.normal(jax.random.PRNGKey(1), (ODD.num_heads,))
-    got, _ = kernel("interpret_gpu", 1, ODD, 6, window=5, sinks=sinks)
+    got, _ = kernel("interpret_mosaic_gpu", 1, ODD, 6, window=5, sinks=sinks)
     assert_close(got, xla(1, ODD, 6, window=5, sinks=sinks)[0])
     for other in (xla(1, ODD, 6, window=5)[0], xla(1, ODD, 6, sinks=sinks)[0]):
         assert np.abs(np.asarray(got - other)).max() > 1e-2
@@ -155,7 +155,7 @@ def test_xla_path_reads_a_kernels_wider_pool(t):
     """A prefill chunk (the XLA path: the GPU kernel reads decode steps only) over the GPU kernel's
     pools, heads padded from 20 to 24: the output the model's own pools give, and zeros after
     each head."""
-    width = kernels.head_dim("pallas_gpu", ODD.head_dim, jnp.float32)
+    width = kernels.head_dim("mosaic_gpu", ODD.head_dim, jnp.float32)
     (got, got_pool), (want, want_pool) = xla(t, ODD, 6, width), xla(t, ODD, 6)
     assert got_pool["k"].shape[-1] == width == 24
     assert_close(got, want)
@@ -173,7 +173,7 @@ def test_gpu_kernel_compiles_for_h100_at_any_width(c, page_size, width):
     """A decode step's paged attention through the Mosaic GPU kernel, over the pools `init_pool`
     makes for it in bf16 (heads of 20 padded to 32; pages of 12 copied as 16 rows; a table of 48
     pages in splits; a window layer's window and sinks), compiles for an H100 into its kernel."""
-    pool = jax.eval_shape(lambda: init_pool(c, PAGES, page_size, jnp.bfloat16, "pallas_gpu", PAGES))[0]
+    pool = jax.eval_shape(lambda: init_pool(c, PAGES, page_size, jnp.bfloat16, "mosaic_gpu", PAGES))[0]
     group = bool(c.sliding_layers)  # gpt-oss: its window layers' own pools
     pool = {paged.base(name): on_h100(a.shape, a.dtype) for name, a in pool.items() if paged.in_window(name) == group}
     b = 4
@@ -181,7 +181,7 @@ def test_gpu_kernel_compiles_for_h100_at_any_width(c, page_size, width):
     sinks = on_h100((c.num_heads,), jnp.float32) if c.attention_sinks else None
     step = jax.jit(
         lambda q, k, v, positions, table, pool, sinks: paged.store_and_attend(
-            "pallas_gpu",
+            "mosaic_gpu",
             c.softmax_scale,
             c.sliding_window,
             0,
@@ -218,14 +218,14 @@ def test_tp_attention_slices_the_sinks_as_the_heads_on_h100s():
     """Under TP attention each device attends its kv head's query heads over its slice of the
     pools: the kernel a device runs gets those heads' sinks, [1 kv head, 2 query heads]."""
     layout = LayoutConfig(placement="tensor_sliced", devices=2, attention="tp")
-    config = Config(model=GPT_OSS, layout=layout, attention_kernel="pallas_gpu").validate()
+    config = Config(model=GPT_OSS, layout=layout, attention_kernel="mosaic_gpu").validate()
     placement = make_placement(config, platform=resolve("cuda"), devices=list(targets.devices("h100", 2)))
     replicated = jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec())
     on = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
     c, b = GPT_OSS, 4
-    pool = jax.eval_shape(lambda: init_pool(c, PAGES, 16, jnp.bfloat16, "pallas_gpu", PAGES))[0]
+    pool = jax.eval_shape(lambda: init_pool(c, PAGES, 16, jnp.bfloat16, "mosaic_gpu", PAGES))[0]
     pool = {paged.base(name): on(a.shape) for name, a in pool.items() if paged.in_window(name)}
-    attend = functools.partial(paged.store_and_attend, "pallas_gpu", c.softmax_scale, c.sliding_window)
+    attend = functools.partial(paged.store_and_attend, "mosaic_gpu", c.softmax_scale, c.sliding_window)
     step = jax.jit(
         lambda q, k, v, positions, table, pool, sinks: placement.on_pages(
             attend, q, k, v, positions, paged.LayerPages(table, 0), pool, sinks
@@ -256,7 +256,7 @@ def test_engine_decoding_through_the_gpu_kernel_at_odd_widths_gives_the_xla_toke
     """GQA's decode steps through the kernel at widths it pads: `init_pool` pads the kernel's pools'
     heads (20 to 24), prefill chunks write and read them through XLA, decode steps through the
     kernel: the XLA path's tokens over its own pools."""
-    assert tokens("interpret_gpu", "odd", page_size=6) == tokens("xla", "odd", page_size=6)
+    assert tokens("interpret_mosaic_gpu", "odd", page_size=6) == tokens("xla", "odd", page_size=6)
 
 
 def test_engine_decoding_gpt_oss_through_the_gpu_kernel_gives_the_xla_tokens(monkeypatch):
@@ -271,19 +271,21 @@ def test_engine_decoding_gpt_oss_through_the_gpu_kernel_gives_the_xla_tokens(mon
         return traced(*args, window=window, sinks=sinks, **kw)
 
     monkeypatch.setattr(mgpu, "paged_attention", spy)
-    assert tokens("interpret_gpu", "gpt_oss") == tokens("xla", "gpt_oss")
+    assert tokens("interpret_mosaic_gpu", "gpt_oss") == tokens("xla", "gpt_oss")
     assert seen == {(0, True), (GPT_OSS.sliding_window, True)}
 
 
-@pytest.mark.parametrize("name", ["pallas_tpu", "pallas_gpu"])
+@pytest.mark.parametrize("name", ["pallas_tpu", "mosaic_gpu"])
 def test_a_kernel_named_for_mla_is_refused_with_the_reason(name):
     config = Config(model=preset("tiny"), attention_kernel=name).validate()
     with pytest.raises(ConfigError, match="MLA and DSA cache one latent"):
-        make_placement(config, platform=resolve({"pallas_tpu": "tpu", "pallas_gpu": "cuda"}[name]))
+        make_placement(config, platform=resolve({"pallas_tpu": "tpu", "mosaic_gpu": "cuda"}[name]))
 
 
-@pytest.mark.parametrize("platform,kernel", [("tpu", "pallas_tpu"), ("cuda", "pallas_gpu")])
-def test_auto_reads_what_the_kernels_cannot_through_xla(platform, kernel):
+@pytest.mark.parametrize(
+    "platform,kernel,gemm", [("tpu", "pallas_tpu", "pallas_tpu"), ("cuda", "mosaic_gpu", "triton")]
+)
+def test_auto_reads_what_the_kernels_cannot_through_xla(platform, kernel, gemm):
     """`auto` takes the platform's kernels wherever they read the model (any head width, GQA
     group, expert width; the GPU's sinks and windows too) and reads its pages through XLA where
     they cannot (MLA; the TPU's sinks and windows)."""
@@ -292,7 +294,7 @@ def test_auto_reads_what_the_kernels_cannot_through_xla(platform, kernel):
     assert windows == (kernel if kernels.reads_windows(kernel) else "xla")
     for c in (C, ODD, dataclasses.replace(ODD, hidden_size=40, moe_intermediate_size=24)):
         placement = make_placement(Config(model=c).validate(), platform=resolve(platform))
-        assert (placement.attention_kernel, placement.kernel) == (kernel, kernel)
+        assert (placement.attention_kernel, placement.kernel) == (kernel, gemm)
 
 
 def test_the_tpu_kernel_named_for_sinks_and_windows_is_refused_with_the_reason():

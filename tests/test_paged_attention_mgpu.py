@@ -21,6 +21,7 @@ from compile_only import lower, on_h100
 
 from moejax import hlo
 from moejax.model import attention, paged
+from pallas_kernels import catalog
 from pallas_kernels import paged_attention_mgpu as mgpu
 
 SCALE = 0.3
@@ -221,6 +222,7 @@ def test_bad_input_is_refused_with_the_reason(change, message):
 
 
 def test_this_jax_has_every_api_the_kernel_uses(monkeypatch):
-    assert mgpu.unavailable() is None
+    record = catalog.attention("mosaic_gpu")
+    assert record.why_not("gpu") is None
     monkeypatch.delattr(mgpu.plgpu, "broadcasted_iota")
-    assert "jax.experimental.pallas.mosaic_gpu.broadcasted_iota" in mgpu.unavailable()
+    assert "jax.experimental.pallas.mosaic_gpu.broadcasted_iota" in record.why_not("gpu")

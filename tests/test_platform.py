@@ -12,6 +12,8 @@ import pytest
 import pallas_kernels as pk
 from moejax import platform
 from moejax.config import Config, EngineConfig, LayoutConfig, preset
+from pallas_kernels import catalog
+from pallas_kernels.catalog import ATTENTION, GEMM
 from sharding import make_placement
 from sharding.placement import GEMM_WEIGHTS
 
@@ -109,23 +111,18 @@ def test_the_cpus_rows_through_the_xla_grouped_gemm_are_the_product():
 
 
 @pytest.mark.parametrize(
-    "needs, kernel, record, refusal",
+    "role, kernel, record, refusal",
     [
-        (platform.GEMM_KERNEL_NEEDS, "pallas_tpu", CPU, "needs a TPU; this machine's backend is cpu (kernel interpret"),
-        (platform.GEMM_KERNEL_NEEDS, "blackwell", TPU, "needs an NVIDIA Blackwell"),
-        (platform.GEMM_KERNEL_NEEDS, "pallas_gpu", GPU, None),
-        (platform.GEMM_KERNEL_NEEDS, "interpret_gpu", CPU, None),
-        (
-            platform.ATTENTION_KERNEL_NEEDS,
-            "pallas_gpu",
-            TPU,
-            "needs an NVIDIA Hopper or newer GPU (TMA); this machine's backend is tpu",
-        ),
-        (platform.ATTENTION_KERNEL_NEEDS, "pallas_tpu", TPU, None),
+        (GEMM, "pallas_tpu", CPU, "needs a TPU; this machine's backend is cpu (kernel interpret_tpu"),
+        (GEMM, "blackwell", TPU, "needs an NVIDIA Blackwell"),
+        (GEMM, "triton", GPU, None),
+        (GEMM, "interpret_triton", CPU, None),
+        (ATTENTION, "mosaic_gpu", TPU, "needs an NVIDIA Hopper or newer GPU (TMA); this machine's backend is tpu"),
+        (ATTENTION, "pallas_tpu", TPU, None),
     ],
 )
-def test_a_kernel_runs_on_the_platform_it_is_compiled_for(needs, kernel, record, refusal):
-    found = record.refusal(kernel, needs)
+def test_a_kernel_runs_on_the_platform_it_is_compiled_for(role, kernel, record, refusal):
+    found = catalog.kernel(role, kernel).why_not(record.name)
     assert found == refusal if refusal is None else found.startswith(refusal)
 
 
@@ -133,7 +130,7 @@ def test_the_page_pool_default_is_positions_on_the_cpu_and_free_memory_on_accele
     assert CPU.kv_cache_tokens == platform.KV_CACHE_TOKENS["cpu"] and GPU.kv_cache_tokens is TPU.kv_cache_tokens is None
 
 
-@pytest.mark.parametrize("target, kernel", [("cpu", "xla"), ("tpu", "pallas_tpu"), ("cuda", "pallas_gpu")])
+@pytest.mark.parametrize("target, kernel", [("cpu", "xla"), ("tpu", "pallas_tpu"), ("cuda", "triton")])
 def test_a_placement_resolves_auto_for_the_platform_it_builds_for(target, kernel):
     """A program compiled for a target (`moejax plan --target`) gets its target's kernel, not this machine's."""
     config = Config(model=preset("tiny"), layout=LayoutConfig(devices=1)).validate()

@@ -244,7 +244,7 @@ def test_the_trace_sets_the_busiest_devices_experts_and_travelling_rows():
         hlo_ops.Op("ragged-all-to-all", "", ragged, 0.0, 2.0),
     ]
     c = target_programs.Candidate(
-        Layout("ragged_a2a", 8, 1), "pallas_gpu", per_expert, 0.0, {"decode": target_programs.Program(tuple(ops), 8)}
+        Layout("ragged_a2a", 8, 1), "triton", per_expert, 0.0, {"decode": target_programs.Program(tuple(ops), 8)}
     )
     price = lambda trace: phase_us(c, "decode", trace, t, TINY.model)
     hot = price(picks(lambda d: [0, 1, 2, 3]))  # every row to devices 0 and 1, which read both their experts

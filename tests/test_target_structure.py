@@ -33,7 +33,7 @@ MODEL = dataclasses.replace(
 )
 BATCH, CONTEXT, PAGE_SIZE = 8, 256, 16
 STEPS = EngineConfig().decode_block  # a decode block's
-KERNELS = ("xla", "auto")  # auto on h100: mosaic_gpu (bf16), pallas_gpu (float32); on v5e: pallas_tpu
+KERNELS = ("xla", "auto")  # auto on h100: mosaic_gpu (bf16), triton (float32); on v5e: pallas_tpu
 
 
 def scoped(text: str, scope: str) -> list[hlo.Run]:

@@ -20,7 +20,7 @@ FIXED_TILE = re.compile(
 ORIGINS = re.compile(r"^(timed on .+, \d{4}-\d{2}-\d{2}|published table of .+|rule: .+)$")
 # The kernels' modules with their tiles' dataclass, by the table's key.
 TILED = {
-    "pallas_gpu": "gmm_pallas_gpu",
+    "triton": "gmm_pallas_gpu",
     "pallas_tpu": "gmm_pallas_tpu",
     "mosaic_gpu": "gmm_mosaic_gpu",
     "blackwell": "gmm_blackwell",
@@ -60,8 +60,8 @@ def test_the_table_gives_every_field_of_a_kernels_tiles(key):
 def test_rules_resolve_against_the_shape():
     """A rule's fields follow the call: the Triton GEMM's rows and masked K and N tiles, the TPU's
     4-bit K whole where a tile's scale rows do not fill a Mosaic tile, a gated product's own entry."""
-    assert tiles.lookup("pallas_gpu", rows=12, k=40, n=24) == dict(tm=16, tk=64, tn=32, num_warps=4, num_stages=2)
-    assert tiles.lookup("pallas_gpu", rows=300, k=256, n=48, gated=True)["tn"] == 64
+    assert tiles.lookup("triton", rows=12, k=40, n=24) == dict(tm=16, tk=64, tn=32, num_warps=4, num_stages=2)
+    assert tiles.lookup("triton", rows=300, k=256, n=48, gated=True)["tn"] == 64
     assert tiles.lookup("pallas_tpu", rows=70, k=256, n=256, fmt="nvfp4", block=16) == dict(tm=80, tk=256, tn=256)
     assert tiles.lookup("pallas_tpu", rows=70, k=8192, n=512, fmt="mxfp4", block=32)["tk"] == 2048
     assert tiles.lookup("mosaic_gpu", rows=70, k=256, n=256, fmt="nvfp4", gated=True)["tn"] == 128

@@ -14,7 +14,7 @@ from moejax import platform, vocab
 from moejax.cli import build_parser
 from moejax.config import Config, ConfigError, EngineConfig, LayoutConfig, WeightsConfig, load_file
 from moejax.flags import config_from_args
-from pallas_kernels import paged_attention, run_weights
+from pallas_kernels import catalog, paged_attention, run_weights
 from pallas_kernels import registry as kernel_registry
 from pallas_kernels.gmm_blackwell import BlackwellWeights
 from sharding import names
@@ -52,7 +52,7 @@ def test_every_kernel_name_is_a_backend_function_on_every_platform(name):
     for target in platform.PLATFORMS:
         for device in [None, *gpus]:
             backends = platform.resolve(target).gemm_candidates(name, device)
-            assert "auto" not in backends and all(callable(kernel_registry._backend_fn(b)) for b in backends)
+            assert "auto" not in backends and all(callable(kernel_registry.backend_fn(b)) for b in backends)
 
 
 @pytest.mark.parametrize(
@@ -85,6 +85,38 @@ def test_every_attention_kernel_name_is_the_xla_path_or_a_kernel_on_every_platfo
     for target in platform.PLATFORMS:
         assert platform.resolve(target).attention_kernel(name) in ("xla", *paged_attention.KERNELS)
     Config(attention_kernel=name).validate()
+
+
+def test_the_kernel_words_are_the_catalogs_names():
+    """vocab imports nothing, so its closed words are checked here against the catalog's records
+    ("auto" resolves to one of them; the attention's "xla" is the gather of `moejax.model.paged`)."""
+    assert vocab.KERNELS == ("auto", *catalog.names(catalog.GEMM))
+    assert vocab.ATTENTION_KERNELS == ("auto", "xla", *catalog.names(catalog.ATTENTION))
+
+
+def test_a_kernel_name_means_one_backend_wherever_it_is_used():
+    backends = {}
+    for kernel in catalog.CATALOG.values():
+        backends.setdefault(kernel.name, set()).add(kernel.backend)
+    assert {name: b for name, b in backends.items() if len(b) > 1} == {}
+
+
+@pytest.mark.parametrize("key", list(catalog.CATALOG), ids="-".join)
+def test_every_catalog_record_names_a_function_of_its_module(key):
+    assert callable(catalog.CATALOG[key].load())
+
+
+@pytest.mark.parametrize(
+    "field, old, new",
+    [(field, old, new) for field, renamed in vocab.ALIASES.items() for old, new in renamed.items()],
+)
+def test_an_earlier_kernel_name_is_read_as_its_current_one_with_a_note(field, old, new, tmp_path, capsys):
+    path = tmp_path / "old.yaml"
+    path.write_text(f"{field}: {old}\n")
+    flag = "--" + field.replace("_", "-")
+    from_flag = config_from_args(build_parser().parse_args(["generate", flag, old]))
+    assert getattr(load_file(path), field) == getattr(from_flag, field) == new
+    assert f"note: {field} {old!r} is now called {new!r}" in capsys.readouterr().err
 
 
 def test_kernel_config_accepts_every_kernel_name():

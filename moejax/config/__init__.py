@@ -7,7 +7,15 @@ from moejax.config.errors import ConfigError
 from moejax.config.files import from_dict, load_file, replace_checked
 from moejax.config.presets import PRESETS, preset
 from moejax.config.rope import Rope, read_rope
-from moejax.config.schema import OLD_EXPERT_FORMAT_NAMES, Config, EngineConfig, LayoutConfig, ModelConfig, WeightsConfig
+from moejax.config.schema import (
+    OLD_EXPERT_FORMAT_NAMES,
+    Config,
+    EngineConfig,
+    LayoutConfig,
+    ModelConfig,
+    WeightsConfig,
+    current_name,
+)
 
 __all__ = [
     "OLD_EXPERT_FORMAT_NAMES",
@@ -22,6 +30,7 @@ __all__ = [
     "from_dict",
     "load_file",
     "preset",
+    "current_name",
     "read_rope",
     "replace_checked",
 ]

@@ -8,10 +8,12 @@ places where the families really differ (attention kind, router scoring, rope la
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 from moejax.config.errors import ConfigError
 from moejax.config.rope import Rope, read_rope
 from moejax.vocab import (
+    ALIASES,
     ATTENTION_KERNELS,
     ATTENTION_MODES,
     DISPATCH_DTYPES,
@@ -283,6 +285,10 @@ class Config:
     kernel: str = "auto"
     attention_kernel: str = "auto"  # ATTENTION_KERNELS: how a paged cache's GQA attention reads its pages
 
+    def __post_init__(self):
+        for field in ALIASES:
+            object.__setattr__(self, field, current_name(field, getattr(self, field)))
+
     def validate(self) -> Config:
         self.model.validate()
         self.layout.validate()
@@ -295,6 +301,16 @@ class Config:
                 f"attention_kernel {self.attention_kernel!r} is not one of {', '.join(ATTENTION_KERNELS)}"
             )
         return self
+
+
+def current_name(field: str, name: str) -> str:
+    """Kernel `name` of config `field` ("kernel", "attention_kernel") under its current word: an earlier
+    one (`moejax.vocab.ALIASES`) is resolved where it is read (a config file, a flag, a `Config`), with
+    a one-line note on stderr."""
+    new = ALIASES[field].get(name, name)
+    if new != name:
+        print(f"note: {field} {name!r} is now called {new!r}", file=sys.stderr)
+    return new
 
 
 def _default_model() -> ModelConfig:
