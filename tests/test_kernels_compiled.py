@@ -87,7 +87,7 @@ def test_gpu_decode_step_copies_no_layer_of_experts():
     placement, step, args = decode_program(config.validate(), 8, 64, "cuda", devices=list(targets.devices("h100", 1)))
     stacks = [a.shape for run in args[0]["layers"] if "moe" in run for a in run["moe"]["experts"].values()]
     assert placement.decode.kernel == "triton" and max(shape[0] for shape in stacks) == 2
-    text = jax.jit(step).lower(*args).compile().as_text()
+    text = lower(jax.jit(step), *args).compile().as_text()
     gemms = [r for r in kernel_calls(text, "h100") if "experts" in r.instr.scope]
     assert sum(r.count for r in gemms) == sum(shape[0] for shape in stacks)  # gate_up and down, each layer
     assert hlo.writes_of(text, [shape[1:] for shape in stacks], ordered=True) == []
