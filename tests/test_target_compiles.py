@@ -162,6 +162,6 @@ def test_the_tpu_kernel_named_for_experts_it_cannot_tile_is_refused_with_the_rea
     with pytest.raises(
         ConfigError,
         match=r"kernel pallas_tpu: 4-bit experts need a K per device of a multiple "
-        r"of 256, these have \[64\]",
+        r"of 256, these have 64; these experts multiply through XLA",
     ):
         gemm_kernel(config, TPU, 8)
