@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from compile_only import on
+from compile_only import lower, on
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
@@ -86,7 +86,7 @@ def b200_ffn(kernel: str, fmt: str) -> str:
     """`kernel`'s expert FFN compiled for a compile-only B200 -> the optimized HLO. NVFP4 as the
     model runs it, inside shard_map (where jax 0.10.2 lowers Mosaic GPU kernels as for an sm_90
     GPU: its abstract device has no compute capability); MXFP4 as a plain jit lowers it on a B200
-    (the B200 the default device: lowered as for sm_100)."""
+    (`targets.lowering`: the B200 the default device, lowered as for sm_100)."""
     weights_kernel = "blackwell" if kernel == "blackwell" else "triton"  # the bf16 kernel reads QuantizedArrays
     width = WIDTHS[kernel]  # D = F
     args = (
@@ -105,8 +105,7 @@ def b200_ffn(kernel: str, fmt: str) -> str:
         f = jax.jit(jax.shard_map(FFNS[kernel], mesh=mesh, in_specs=P(), out_specs=P()))
         lowered = f.lower(*jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args))
     else:
-        with jax.default_device(device):
-            lowered = jax.jit(FFNS[kernel]).lower(*jax.tree.map(lambda a: on("b200", a.shape, a.dtype), args))
+        lowered = lower(jax.jit(FFNS[kernel]), *jax.tree.map(lambda a: on("b200", a.shape, a.dtype), args))
     return lowered.compile().as_text()
 
 
