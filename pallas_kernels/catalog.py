@@ -61,6 +61,9 @@ class Kernel:
     prepares: str | None = None  # its module's function taking 4-bit experts to its own layout (once, at load)
     decode: str | None = None  # the decode kernels (a DECODE record's name) a run of this grouped GEMM takes
     interpreted: bool = False  # runs in Pallas' interpreter (any platform: tests)
+    # Takes operands typed as varying over a shard_map's mesh axes (check_vma). Not the warp-specialized
+    # Mosaic GPU kernels: `plgpu.warp_map` is an mpmd_map, which from jax 0.11 refuses such Refs.
+    varying_operands: bool = True
     tiles: str | None = None  # its key in the tile table (`tiles.py`)
     takes: tuple[str, ...] = ()  # the platform's decisions it takes (`registry.grouped_gemm`'s arguments)
     api: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (jax module, names) it is built on
@@ -208,6 +211,7 @@ _GEMMS = (
         prepares="prepare_weights",
         reads=GROUPED,  # no decode kernels: they multiply bf16 picks, not this kernel's 4-bit rows
         api=((MOSAIC_GPU, BLACKWELL_API),),
+        varying_operands=False,
         tiles="blackwell",
     ),
     Kernel(
@@ -225,6 +229,7 @@ _GEMMS = (
         reads=GROUPED,
         decode="triton",
         api=((MOSAIC_GPU, BLACKWELL_API),),
+        varying_operands=False,
         tiles="blackwell_bf16",
     ),
     Kernel(

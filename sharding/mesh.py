@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from moejax.config import Config, ConfigError, LayoutConfig
 from moejax.model import paged
 from moejax.platform import Platform
-from pallas_kernels import layered
+from pallas_kernels import catalog, layered
 from sharding import rules
 from sharding.placement import Placement
 
@@ -234,6 +234,7 @@ class MeshPlacement(Placement, abc.ABC):
             mesh=self.mesh,
             in_specs=(row, row, row, self.expert_specs(experts, gathered)),
             out_specs=row,
+            check_vma=catalog.gemm(self.kernel).varying_operands,  # off for a kernel that takes no such types
         )(x, ids, weights, experts)
 
     # ------------------------------------------------------------------ accounting

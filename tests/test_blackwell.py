@@ -84,9 +84,10 @@ FMTS = ("nvfp4", "mxfp4")
 
 def b200_ffn(kernel: str, fmt: str) -> str:
     """`kernel`'s expert FFN compiled for a compile-only B200 -> the optimized HLO. NVFP4 as the
-    model runs it, inside shard_map (where jax 0.10.2 lowers Mosaic GPU kernels as for an sm_90
-    GPU: its abstract device has no compute capability); MXFP4 as a plain jit lowers it on a B200
-    (`targets.lowering`: the B200 the default device, lowered as for sm_100)."""
+    model runs it, inside a placement's shard_map, varying-axes checks as the catalog asks (where
+    jax 0.10.2 lowers Mosaic GPU kernels as for an sm_90 GPU: its abstract device has no compute
+    capability); MXFP4 as a plain jit lowers it on a B200 (`targets.lowering`: the B200 the
+    default device, lowered as for sm_100)."""
     weights_kernel = "blackwell" if kernel == "blackwell" else "triton"  # the bf16 kernel reads QuantizedArrays
     width = WIDTHS[kernel]  # D = F
     args = (
@@ -99,11 +100,16 @@ def b200_ffn(kernel: str, fmt: str) -> str:
         jax.ShapeDtypeStruct((), jnp.int32),
     )
     device = targets.devices("b200", 1)[0]
-    if fmt == "nvfp4":
+    if fmt == "nvfp4":  # the rows and picks split over the mesh, as a placement's exchange takes them
         mesh = jax.sharding.Mesh((device,), ("x",))
-        sharding = jax.sharding.NamedSharding(mesh, P())
-        f = jax.jit(jax.shard_map(FFNS[kernel], mesh=mesh, in_specs=P(), out_specs=P()))
-        lowered = f.lower(*jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args))
+        specs = (P("x"), P(), P(), P(), P("x"), P("x"), P())
+        check_vma = pk.catalog.gemm(kernel).varying_operands  # as the placement's `moe` asks
+        f = jax.jit(jax.shard_map(FFNS[kernel], mesh=mesh, in_specs=specs, out_specs=P("x"), check_vma=check_vma))
+        typed = lambda a, spec: jax.tree.map(
+            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=jax.sharding.NamedSharding(mesh, spec)),
+            a,
+        )
+        lowered = f.lower(*map(typed, args, specs))
     else:
         lowered = lower(jax.jit(FFNS[kernel]), *jax.tree.map(lambda a: on("b200", a.shape, a.dtype), args))
     return lowered.compile().as_text()
