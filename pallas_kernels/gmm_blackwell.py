@@ -113,12 +113,7 @@ def _prepare_rows(lhs: jax.Array, fmt: str, m_pad: int):
 
 
 def _kernel(
-    num_tiles,
-    group_ids,
-    m_tile_ids,
-    offsets,
-    offset,
-    first,
+    sched,
     w_scale,
     x_scale,
     a_gmem,
@@ -147,11 +142,9 @@ def _kernel(
 ):
     t, n_i, wg = lax.axis_index("t"), lax.axis_index("n"), lax.axis_index("wg")
 
-    @pl.when(t < num_tiles[0])
+    @pl.when(sched.active(t))
     def _():
-        g = group_ids[t]
-        local, m_tile = g - offset[0], m_tile_ids[t]
-        at = first[0] + local  # the group's weights
+        g, _, m_tile, at = sched.tile(t)  # at: the group's weights
         rows, cols = pl.ds(m_tile * tm, tm), pl.ds(n_i * tn, tn)
         sc_k = tk // block // 4  # scale tiles per K step
 
@@ -187,7 +180,7 @@ def _kernel(
             out_smem[...] = acc.astype(out_smem.dtype)
             plgpu.wait_load_tmem()
             plgpu.commit_smem()
-            store_group_rows(out_smem, out_gmem.at[:, cols], offsets, g, m_tile, tm)
+            store_group_rows(out_smem, out_gmem.at[:, cols], sched.offsets, g, m_tile, tm)
 
 
 def gmm_blackwell(lhs, rhs, group_sizes, group_offset, out_dtype, *, tiles: Tiles):
@@ -212,7 +205,7 @@ def gmm_blackwell(lhs, rhs, group_sizes, group_offset, out_dtype, *, tiles: Tile
         raise ValueError(f"blackwell: K={k} and N={n} must be multiples of {tk} and {tn}")
     m_pad = round_up(m, tm)
     a, a_sc, x_scale = _prepare_rows(lhs, rhs.fmt, m_pad)
-    offset, (offsets, group_ids, m_tile_ids), num_tiles = tiling.schedule(group_sizes, group_offset, g_local, m_pad, tm)
+    sched = tiling.gpu_schedule(group_sizes, group_offset, g_local, m_pad, tm, first)
     f4, scale_dtype = jnp.float4_e2m1fn, formats.FORMATS[rhs.fmt].scale_dtype
     swizzle = plgpu.find_swizzle(tk * 4)  # 4-bit elements
     transforms = (plgpu.TilingTransform((8, 8 * swizzle // 4)), plgpu.SwizzleTransform(swizzle))
@@ -232,19 +225,14 @@ def gmm_blackwell(lhs, rhs, group_sizes, group_offset, out_dtype, *, tiles: Tile
     call = plgpu.kernel(
         functools.partial(_kernel, k_iters=k // tk, steps=steps, block=block, tm=tm, tn=tn, tk=tk),
         out_type=metadata.varying_struct((m_pad, n), out_dtype, lhs, rhs, group_sizes, group_offset),
-        grid=(group_ids.shape[0], n // tn),
+        grid=(sched.group_ids.shape[0], n // tn),
         grid_names=("t", "n"),
         num_threads=2,
         thread_name="wg",
         scratch_types=scratch,
     )
     out = call(
-        num_tiles.reshape(1),
-        group_ids,
-        m_tile_ids,
-        offsets,
-        offset,
-        first,
+        sched,
         rhs.group_scale,
         x_scale.reshape(1),
         a,
@@ -252,4 +240,4 @@ def gmm_blackwell(lhs, rhs, group_sizes, group_offset, out_dtype, *, tiles: Tile
         a_sc,
         rhs.scales,
     )
-    return tiling.zero_foreign_rows(out, offsets, offset[0], g_local, m)
+    return sched.zero_foreign_rows(out, g_local, m)

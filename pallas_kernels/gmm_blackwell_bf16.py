@@ -100,12 +100,7 @@ def dequantize_block(byte_cols: jax.Array, scale_lo: jax.Array, scale_hi: jax.Ar
 
 
 def _kernel(
-    num_tiles,
-    group_ids,
-    m_tile_ids,
-    offsets,
-    offset,
-    first,
+    sched,
     tscale,
     x_gmem,
     w_gmem,
@@ -133,7 +128,7 @@ def _kernel(
     act,
 ):
     """One (active row tile t, N tile) CTA. x_gmem [M_pad, K] bf16; w_gmem bytes [G', K/2, N],
-    s_gmem scale bits [G', K/B, N] (G': a stack's every layer's groups, the local ones first[0] +
+    s_gmem scale bits [G', K/B, N] (G': a stack's every layer's groups, the local ones sched.first[0] +
     [0, G_local)); a CTA reads LANES * p columns (p = `pairs`: 2 with act, LANES (gate, up) pairs) and
     decodes column set i of them (the gate ones, the up ones) into A tiles and accumulator i; the
     epilogue's column scales and bias [G_local, N/p, p] where `tables` says so; out_gmem [M_pad, N/p]."""
@@ -146,11 +141,9 @@ def _kernel(
     # in K-half 1 or zeros too), as are the columns past N of a last CTA, whose stores TMA skips.
     k_iters = pl.cdiv(half_k, tkb)
 
-    @pl.when(t < num_tiles[0])
+    @pl.when(sched.active(t))
     def _():
-        g = group_ids[t]
-        local, m_tile = g - offset[0], m_tile_ids[t]
-        at = first[0] + local  # the group's weights
+        g, local, m_tile, at = sched.tile(t)  # at: the group's weights
         rows, cols = pl.ds(m_tile * tm, tm), pl.ds(n_i * LANES * pairs, LANES * pairs)  # the weights' columns
         out_cols = pl.ds(n_i * LANES, LANES)
 
@@ -237,7 +230,7 @@ def _kernel(
                 out_rows = out_smem.at[pl.ds(c * epilogue_rows, epilogue_rows)].transpose((1, 0))
                 out_rows[...] = plgpu.layout_cast(y.astype(out_smem.dtype), ROWS1)
             plgpu.commit_smem()
-            store_group_rows(out_smem, out_gmem.at[:, out_cols], offsets, g, m_tile, tm)
+            store_group_rows(out_smem, out_gmem.at[:, out_cols], sched.offsets, g, m_tile, tm)
 
 
 def gmm_blackwell_bf16(lhs, rhs, group_sizes, group_offset, out_dtype, *, tiles: Tiles, epilogue=None):
@@ -260,9 +253,8 @@ def gmm_blackwell_bf16(lhs, rhs, group_sizes, group_offset, out_dtype, *, tiles:
     if tm % 16 or not 16 <= tm <= 128:
         raise ValueError(f"a row tile is the MMA's N: 16 to 128 rows, a multiple of 16; got tm={tm}")
     block = rhs.spec.block
-    lhs_p, offset, (offsets, group_ids, m_tile_ids), num_tiles = tiling.group_tiles(
-        lhs, group_sizes, group_offset, g_local, tm
-    )
+    lhs_p = tiling.pad_rows(lhs, tm)
+    sched = tiling.gpu_schedule(group_sizes, group_offset, g_local, lhs_p.shape[0], tm, first)
     swizzle = plgpu.find_swizzle(tkb * 16)  # a K step's bf16 columns of one half
     x_transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
     out_width = n // pairs
@@ -296,7 +288,7 @@ def gmm_blackwell_bf16(lhs, rhs, group_sizes, group_offset, out_dtype, *, tiles:
     call = plgpu.kernel(
         kernel,
         out_type=metadata.varying_struct((lhs_p.shape[0], out_width), out_dtype, lhs, rhs, group_sizes, group_offset),
-        grid=(group_ids.shape[0], pl.cdiv(out_width, LANES)),
+        grid=(sched.group_ids.shape[0], pl.cdiv(out_width, LANES)),
         grid_names=("t", "n"),
         num_threads=2,
         thread_name="wg",
@@ -309,16 +301,11 @@ def gmm_blackwell_bf16(lhs, rhs, group_sizes, group_offset, out_dtype, *, tiles:
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
     )
     out = call(
-        num_tiles.reshape(1),
-        group_ids,
-        m_tile_ids,
-        offsets,
-        offset,
-        first,
+        sched,
         tiling.tensor_scales(rhs),
         lhs_p,
         rhs.values,
         tiling.scale_bits(rhs),
         *(jnp.pad(t.reshape(g_local, out_width, pairs), ((0, 0), (0, width_pad - out_width), (0, 0))) for t in tables),
     )
-    return tiling.zero_foreign_rows(out, offsets, offset[0], g_local, m)
+    return sched.zero_foreign_rows(out, g_local, m)

@@ -128,12 +128,7 @@ def _decoded_tiles(w_ref, s_refs, *, pairs, fmt, block, cast, load):
 
 
 def _kernel(
-    num_tiles,
-    group_ids,
-    m_tile_ids,
-    offsets,
-    offset,
-    first,
+    sched,
     tscale,
     *refs,
     fmt,
@@ -151,7 +146,7 @@ def _kernel(
     """One (active m tile, n tile) CTA; the pipeline loops over K. Refs are whole arrays in GMEM:
     the rows' K-halves (4-bit: x [M_pad, 2, K/2]) or x [M_pad, K]; the weights' words
     [G', K or K/2, N/p] (p = `pairs`: 2 with act, a word holding a (gate, up) pair) and, 4-bit,
-    their scale words [G', K/B, N/p]; tscale [G'], whose local groups are first[0] + [0, G_local)
+    their scale words [G', K/B, N/p]; tscale [G'], whose local groups are sched.first[0] + [0, G_local)
     (G': a stack's every layer's groups); the epilogue's column scales and bias [G_local, p, W]
     where `tables` says so; out [M_pad, W] (W: whole tiles of `width` output columns)."""
     *ins, out_gmem = refs
@@ -165,11 +160,9 @@ def _kernel(
     load = (lambda ref, *_: ref[...]) if interpret else mgpu_api.load
     t, n_i = lax.axis_index("t"), lax.axis_index("n")
 
-    @pl.when(t < num_tiles[0])
+    @pl.when(sched.active(t))
     def _():
-        g = group_ids[t]
-        local, m_tile = g - offset[0], m_tile_ids[t]
-        at = first[0] + local  # the group's weights
+        g, local, m_tile, at = sched.tile(t)  # at: the group's weights
         direct = fmt is None and pairs == 1  # the weight tile goes to wgmma as TMA left it
         swizzle = plgpu.find_swizzle(min(kt, width) * 16)  # the bf16 operands' (x and weight tiles)
         words = _transforms(width, 16, swizzle) if direct else _transforms(width, jnp.dtype(w_gmem.dtype).itemsize * 8)
@@ -240,7 +233,7 @@ def _kernel(
         def store(out_smem):  # only this group's rows of the tile
             out_smem[...] = y
             plgpu.commit_smem()
-            store_group_rows(out_smem, out_gmem.at[:, cols], offsets, g, m_tile, tm, read_only_wait=True)
+            store_group_rows(out_smem, out_gmem.at[:, cols], sched.offsets, g, m_tile, tm, read_only_wait=True)
 
         pl.run_scoped(store, plgpu.SMEM((tm, width), out_gmem.dtype))
 
@@ -315,10 +308,9 @@ def gmm_mosaic_gpu(
         else:
             lhs, rhs = _pad(lhs, 1, lane), _pad(_pad(rhs, 1, lane), 2, lane)
     rhs, first = layered.flat(rhs)
-    lhs_p, offset, (offsets, group_ids, m_tile_ids), num_tiles = tiling.group_tiles(
-        lhs, group_sizes, group_offset, g_local, tm
-    )
+    lhs_p = tiling.pad_rows(lhs, tm)
     m_pad, grid_n = lhs_p.shape[0], pl.cdiv(n, tn)
+    sched = tiling.gpu_schedule(group_sizes, group_offset, g_local, m_pad, tm, first)
     if quantized:
         kh = k // 2
         operands = (
@@ -351,8 +343,8 @@ def gmm_mosaic_gpu(
     out = plgpu.kernel(
         kernel,
         out_type=metadata.varying_struct((m_pad, grid_n * width), out_dtype, lhs, rhs, group_sizes, group_offset),
-        grid=(group_ids.shape[0], grid_n),
+        grid=(sched.group_ids.shape[0], grid_n),
         grid_names=("t", "n"),
         interpret=params,
-    )(num_tiles.reshape(1), group_ids, m_tile_ids, offsets, offset, first, tscale, *operands, *tables)
-    return tiling.zero_foreign_rows(out, offsets, offset[0], g_local, m)[:, : n // pairs]
+    )(sched, tscale, *operands, *tables)
+    return sched.zero_foreign_rows(out, g_local, m)[:, : n // pairs]

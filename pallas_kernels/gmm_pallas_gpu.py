@@ -57,12 +57,7 @@ def fuses_glu(m: int, n: int, rhs) -> bool:
 
 
 def _kernel(
-    num_tiles,
-    group_ids,
-    m_tile_ids,
-    offsets,
-    offset,
-    first,
+    sched,
     tscale,
     *refs,
     quantized,
@@ -82,7 +77,7 @@ def _kernel(
     """One (active m tile, n tile) program; loops over K. Refs are whole arrays in HBM:
     lhs [M_pad, K], rhs (weights [G', K, N/p, p], or bytes [G', K/2, N/p, p] and scale bits
     [G', K/B, N/p, p]; p = `pairs`: 2 with act, the gate and up columns) and tscale [G'], whose
-    local groups are first[0] + [0, G_local) (G': a stack's every layer's groups), the
+    local groups are sched.first[0] + [0, G_local) (G': a stack's every layer's groups), the
     epilogue's column scales and bias [G_local, 1, N/p, p] where `tables` says so, out
     [M_pad, N/p]."""
     *ins, out_ref = refs
@@ -90,11 +85,10 @@ def _kernel(
     bias_ref = ins.pop() if tables[1] else None
     t, n_i = pl.program_id(0), pl.program_id(1)  # read outside pl.when: interpret mode wants it
 
-    @pl.when(t < num_tiles[0])
+    @pl.when(sched.active(t))
     def _():
-        g = group_ids[t]
-        local, m0 = g - offset[0], m_tile_ids[t] * tm
-        at = first[0] + local  # the group's weights
+        g, local, m_tile, at = sched.tile(t)  # at: the group's weights
+        m0 = m_tile * tm
         # a float32 run's products at full precision (Triton's "ieee", not its default TF32)
         dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
         rows = pl.ds(m0, tm)
@@ -150,7 +144,7 @@ def _kernel(
         # Triton has no bf16 division (the sigmoid's): the activation's math is f32.
         y = ys[0] if act is None else epilogue.glu(*(y.astype(jnp.float32) for y in ys), act).astype(out_ref.dtype)
         row_ids = _iota(tm, 0, m0)
-        mine = (row_ids >= offsets[g]) & (row_ids < offsets[g + 1])
+        mine = (row_ids >= sched.offsets[g]) & (row_ids < sched.offsets[g + 1])
         pl_triton.store(out_ref.at[rows, cols], y, mask=mine if in_n is None else mine & in_n)
 
 
@@ -178,9 +172,8 @@ def gmm_pallas_gpu(
     tm, tk, tn = tiles.tm, tiles.tk, tiles.tn
     tables, has, act = tiling.epilogue_tables(epilogue, g_local)
     pairs = 1 if act is None else 2
-    lhs_p, offset, (offsets, group_ids, m_tile_ids), num_tiles = tiling.group_tiles(
-        lhs, group_sizes, group_offset, g_local, tm
-    )
+    lhs_p = tiling.pad_rows(lhs, tm)
+    sched = tiling.gpu_schedule(group_sizes, group_offset, g_local, lhs_p.shape[0], tm, first)
     if quantized:
         operands = (lhs_p, _column_pairs(rhs.values, pairs), _column_pairs(tiling.scale_bits(rhs), pairs))
         tscale, fmt, block = tiling.tensor_scales(rhs), rhs.fmt, rhs.spec.block
@@ -206,19 +199,9 @@ def gmm_pallas_gpu(
     out = pl.pallas_call(
         kernel,
         out_shape=metadata.varying_struct((lhs_p.shape[0], n // pairs), out_dtype, lhs, rhs, group_sizes, group_offset),
-        grid=(group_ids.shape[0], pl.cdiv(n, tn)),
+        grid=(sched.group_ids.shape[0], pl.cdiv(n, tn)),
         compiler_params=pl_triton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         cost_estimate=tiling.cost_estimate(lhs, layer, lhs_p.shape[0], out_dtype, glu=act is not None),
-    )(
-        num_tiles.reshape(1),
-        group_ids,
-        m_tile_ids,
-        offsets,
-        offset,
-        first,
-        tscale,
-        *operands,
-        *(_column_pairs(t, pairs) for t in tables),
-    )
-    return tiling.zero_foreign_rows(out, offsets, offset[0], g_local, m)
+    )(sched, tscale, *operands, *(_column_pairs(t, pairs) for t in tables))
+    return sched.zero_foreign_rows(out, g_local, m)

@@ -3,6 +3,8 @@ sizes' arithmetic, are `tiles.py`'s)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -35,9 +37,45 @@ def group_tiles(lhs: jax.Array, group_sizes: jax.Array, group_offset, g_local: i
     Returns lhs_p [M_pad, K] (pad rows are in no group), offset [1], megablox's
     (offsets [G + 1], group_ids, m_tile_ids) and num_tiles.
     """
-    m_pad = round_up(lhs.shape[0], tm)
-    lhs_p = jnp.pad(lhs, ((0, m_pad - lhs.shape[0]), (0, 0)))
-    return (lhs_p, *schedule(group_sizes, group_offset, g_local, m_pad, tm))
+    lhs_p = pad_rows(lhs, tm)
+    return (lhs_p, *schedule(group_sizes, group_offset, g_local, lhs_p.shape[0], tm))
+
+
+class Schedule(NamedTuple):
+    """A GPU grouped GEMM's walk over its row tiles (`gpu_schedule`), handed to its kernel as one
+    operand: refs inside the kernel, arrays outside. The grid's first axis runs over every tile
+    the schedule may hold; tile t < num_tiles[0] holds rows of group group_ids[t]."""
+
+    num_tiles: jax.Array  # [1] the active tiles
+    group_ids: jax.Array  # [T] each tile's group
+    m_tile_ids: jax.Array  # [T] each tile's row tile
+    offsets: jax.Array  # [G + 1] each group's first row (megablox's)
+    offset: jax.Array  # [1] the first local group
+    first: jax.Array  # [1] where the local groups' weights start in the array read (`layered.flat`)
+
+    def active(self, t):
+        return t < self.num_tiles[0]
+
+    def tile(self, t):
+        """Tile t -> its group g, g's place among the local groups, its row tile, and g's weights'
+        index in the array read."""
+        g = self.group_ids[t]
+        local = g - self.offset[0]
+        return g, local, self.m_tile_ids[t], self.first[0] + local
+
+    def zero_foreign_rows(self, out: jax.Array, g_local: int, m: int) -> jax.Array:
+        return zero_foreign_rows(out, self.offsets, self.offset[0], g_local, m)
+
+
+def gpu_schedule(group_sizes: jax.Array, group_offset, g_local: int, m_pad: int, tm: int, first) -> Schedule:
+    """`schedule` as the GPU kernels take it, with the weights' first local group `first` [1]."""
+    offset, (offsets, group_ids, m_tile_ids), num_tiles = schedule(group_sizes, group_offset, g_local, m_pad, tm)
+    return Schedule(num_tiles.reshape(1), group_ids, m_tile_ids, offsets, offset, first)
+
+
+def pad_rows(lhs: jax.Array, tm: int) -> jax.Array:
+    """lhs [M, K] -> [M_pad, K], M_pad a multiple of tm (pad rows are in no group)."""
+    return jnp.pad(lhs, ((0, round_up(lhs.shape[0], tm) - lhs.shape[0]), (0, 0)))
 
 
 def schedule(group_sizes: jax.Array, group_offset, g_local: int, m_pad: int, tm: int):
