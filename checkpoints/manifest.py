@@ -23,8 +23,8 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from moejax.base.errors import UsageError
 from moejax.config import OLD_EXPERT_FORMAT_NAMES, ConfigError, ModelConfig, replace_checked
-from moejax.errors import UsageError
 
 # 2: a run of identical layers is stored stacked, as the layer scan reads it (1: layer by layer).
 # 3: gate and up stored as one gate_up matrix (2 kept them apart; still read, `legacy.py`).
@@ -37,7 +37,7 @@ MANIFEST = "moejax.json"
 class Manifest:
     model: ModelConfig
     dtype: str  # storage dtype of everything but the float32 router
-    expert_format: str  # moejax.vocab.EXPERT_FORMATS (unquantized: stored as `dtype`)
+    expert_format: str  # moejax.config.vocab.EXPERT_FORMATS (unquantized: stored as `dtype`)
     data: str = ""  # the committed data directory, relative to the checkpoint
     groups: tuple[tuple[str, ...], ...] = ()  # parameter keys of each orbax checkpoint, in order
     # data file (relative to `data`) -> (size, crc32): orbax stores no checksums, and a flipped

@@ -12,7 +12,7 @@ import sys
 
 from moejax.config.errors import ConfigError
 from moejax.config.rope import Rope, read_rope
-from moejax.vocab import (
+from moejax.config.vocab import (
     ALIASES,
     ATTENTION_KERNELS,
     ATTENTION_MODES,
@@ -247,11 +247,11 @@ class WeightsConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    dtype: str = "auto"  # RUN_DTYPES: activations, weights and KV cache ("auto": moejax.platform.run_dtype)
+    dtype: str = "auto"  # RUN_DTYPES: activations, weights and KV cache ("auto": moejax.base.platform.run_dtype)
     prefill_chunk: int = 0  # most prompt positions per prefill call; 0 = the platform's default
     max_seq_len: int = 0  # 0 = sized from the prompts and max_new_tokens
     routing: str = "natural"  # ROUTING_MODES; "even:SEED" seeds even's draws, "replay:TRACE" names the trace
-    layer_loop: str = "auto"  # LAYER_LOOPS ("auto": moejax.platform.Platform.unrolls)
+    layer_loop: str = "auto"  # LAYER_LOOPS ("auto": moejax.base.platform.Platform.unrolls)
     decode_block: int = 8  # decode steps per dispatched program (1: a program per step; see Engine.decode)
     page_size: int = 0  # Engine: the KV cache as pages of this many positions (0: a contiguous row per request)
 
@@ -305,7 +305,7 @@ class Config:
 
 def current_name(field: str, name: str) -> str:
     """Kernel `name` of config `field` ("kernel", "attention_kernel") under its current word: an earlier
-    one (`moejax.vocab.ALIASES`) is resolved where it is read (a config file, a flag, a `Config`), with
+    one (`moejax.config.vocab.ALIASES`) is resolved where it is read (a config file, a flag, a `Config`), with
     a one-line note on stderr."""
     new = ALIASES[field].get(name, name)
     if new != name:

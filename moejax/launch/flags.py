@@ -1,6 +1,6 @@
 """The model flags every verb that runs a model shares, and the `Config` they make.
 
-Parsing only: `moejax.factory` builds engines of the config; the verbs import both.
+Parsing only: `moejax.launch.factory` builds engines of the config; the verbs import both.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import argparse
 import dataclasses
 import functools
 
+from moejax.base.errors import UsageError
 from moejax.config import Config, ConfigError, LayoutConfig, current_name, from_dict, load_file, replace_checked
-from moejax.errors import UsageError
-from moejax.vocab import (
+from moejax.config.vocab import (
     ATTENTION_KERNELS,
     ATTENTION_MODES,
     DISPATCH_DTYPES,
@@ -48,7 +48,7 @@ def placement_name(text: str) -> str:
 
 def kernel_name(field: str):
     """The argparse type of a kernel flag of config `field`: an earlier name becomes its current one
-    (`moejax.vocab.ALIASES`, noted once) before the choices are checked."""
+    (`moejax.config.vocab.ALIASES`, noted once) before the choices are checked."""
     return functools.partial(current_name, field)
 
 
