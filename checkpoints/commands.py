@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from moejax.config.vocab import DTYPES, EXPERT_FORMATS
+from moejax.vocab import DTYPES, EXPERT_FORMATS
 
 
 def cmd_convert(args) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from checkpoints.hf_keys import check_keys
 from moejax.config import ConfigError, ModelConfig, read_rope, replace_checked
 from moejax.config.files import coerce
-from moejax.config.vocab import FAMILIES
+from moejax.vocab import FAMILIES
 
 _INTS = (
     "vocab_size",

@@ -37,7 +37,7 @@ MANIFEST = "moejax.json"
 class Manifest:
     model: ModelConfig
     dtype: str  # storage dtype of everything but the float32 router
-    expert_format: str  # moejax.config.vocab.EXPERT_FORMATS (unquantized: stored as `dtype`)
+    expert_format: str  # moejax.vocab.EXPERT_FORMATS (unquantized: stored as `dtype`)
     data: str = ""  # the committed data directory, relative to the checkpoint
     groups: tuple[tuple[str, ...], ...] = ()  # parameter keys of each orbax checkpoint, in order
     # data file (relative to `data`) -> (size, crc32): orbax stores no checksums, and a flipped

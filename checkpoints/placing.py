@@ -35,8 +35,8 @@ from checkpoints import packing
 from checkpoints.quantization import PackedExperts
 from moejax.base.errors import UsageError
 from moejax.base.platform import host_device
-from moejax.config.vocab import QUANTIZED_FORMATS
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, param_dtype
+from moejax.vocab import QUANTIZED_FORMATS
 
 # Float32 bytes of the experts quantized in one go on the host: bounds the CPU device's
 # temporaries whatever the expert size (an expert of GLM-5.3 is 6144 x 2048: 50 MB).

@@ -5,7 +5,7 @@ names it is built on), what it multiplies (row dtypes, expert formats, shapes), 
 answers the one question of whether it can run here (`Kernel.why_not`). The registry
 (`registry.py`), the layer views (`layered.py`), the paged attention (`paged_attention.py`) and the
 placement's choice (`sharding/placement.py`) read their tables from here; the CLI's closed words
-are `moejax.config.vocab`'s, which tests/test_vocab.py checks are these names. Which kernel "auto" stands
+are `moejax.vocab`'s, which tests/test_vocab.py checks are these names. Which kernel "auto" stands
 for is `moejax.base.platform`'s order of names.
 
 A name means one backend wherever it is used: "mosaic_gpu" is Mosaic GPU as a grouped GEMM and as
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-from moejax.config.vocab import DTYPES, EXPERT_FORMATS, QUANTIZED_FORMATS
+from moejax.vocab import DTYPES, EXPERT_FORMATS, QUANTIZED_FORMATS
 from pallas_kernels import probes, tiles
 
 # The roles: grouped GEMMs (--kernel), paged attentions (--attention-kernel), a decode step's fused kernels.

@@ -111,6 +111,6 @@ def test_the_trace_format_sits_below_the_engine_and_serving():
 
 
 def test_the_kernels_import_nothing_of_moejax_but_its_vocabulary():
-    """pallas_kernels sits below moejax: its kernels know the run only by the words of `moejax.config.vocab`."""
+    """pallas_kernels sits below moejax: its kernels know the run only by the words of `moejax.vocab`."""
     found = {d for m, deps in GRAPH.items() if m.startswith("pallas_kernels") for d in deps if d.startswith("moejax")}
-    assert found == {"moejax.config.vocab"}
+    assert found == {"moejax.vocab"}

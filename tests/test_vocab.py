@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moejax import vocab
 from moejax.base import platform
 from moejax.cli import build_parser
-from moejax.config import Config, ConfigError, EngineConfig, LayoutConfig, WeightsConfig, load_file, vocab
+from moejax.config import Config, ConfigError, EngineConfig, LayoutConfig, WeightsConfig, load_file
 from moejax.launch.flags import config_from_args
 from pallas_kernels import catalog, paged_attention, run_weights
 from pallas_kernels import registry as kernel_registry

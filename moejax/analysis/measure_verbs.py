@@ -10,8 +10,8 @@ from moejax.analysis.verb_args import add_geometry_args, device_counts, emit_jso
 from moejax.base.errors import UsageError
 from moejax.base.trace import load_trace, save_trace
 from moejax.config import ModelConfig
-from moejax.config.vocab import STORAGE_FORMATS
 from moejax.launch.flags import add_model_args, prompt_ids
+from moejax.vocab import STORAGE_FORMATS
 
 GB, MB = 1e9, 1e6
 

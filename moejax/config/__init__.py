@@ -1,7 +1,6 @@
-"""Configuration: the closed vocabularies (`vocab`), the schema (`schema`), the rotary embedding
-read from its many spellings (`rope`), named models (`presets`) and config files with overrides
-(`files`). Reading a transformers `config.json` lives beside the other transformers code, in
-`checkpoints.hf_config`.
+"""Configuration: the schema (`schema`), the rotary embedding read from its many spellings
+(`rope`), named models (`presets`) and config files with overrides (`files`). Reading a
+transformers `config.json` lives beside the other transformers code, in `checkpoints.hf_config`.
 """
 
 from moejax.config.errors import ConfigError

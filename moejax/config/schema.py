@@ -12,7 +12,7 @@ import sys
 
 from moejax.config.errors import ConfigError
 from moejax.config.rope import Rope, read_rope
-from moejax.config.vocab import (
+from moejax.vocab import (
     ALIASES,
     ATTENTION_KERNELS,
     ATTENTION_MODES,
@@ -305,7 +305,7 @@ class Config:
 
 def current_name(field: str, name: str) -> str:
     """Kernel `name` of config `field` ("kernel", "attention_kernel") under its current word: an earlier
-    one (`moejax.config.vocab.ALIASES`) is resolved where it is read (a config file, a flag, a `Config`), with
+    one (`moejax.vocab.ALIASES`) is resolved where it is read (a config file, a flag, a `Config`), with
     a one-line note on stderr."""
     new = ALIASES[field].get(name, name)
     if new != name:

@@ -11,7 +11,7 @@ import functools
 
 from moejax.base.errors import UsageError
 from moejax.config import Config, ConfigError, LayoutConfig, current_name, from_dict, load_file, replace_checked
-from moejax.config.vocab import (
+from moejax.vocab import (
     ATTENTION_KERNELS,
     ATTENTION_MODES,
     DISPATCH_DTYPES,
@@ -48,7 +48,7 @@ def placement_name(text: str) -> str:
 
 def kernel_name(field: str):
     """The argparse type of a kernel flag of config `field`: an earlier name becomes its current one
-    (`moejax.config.vocab.ALIASES`, noted once) before the choices are checked."""
+    (`moejax.vocab.ALIASES`, noted once) before the choices are checked."""
     return functools.partial(current_name, field)
 
 

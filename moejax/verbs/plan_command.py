@@ -8,9 +8,9 @@ from moejax.base import platform, targets
 from moejax.base.errors import UsageError
 from moejax.compiled.plan import GB, OUTPUT_LEN, PAGE_SIZE, PROMPT_LEN, plan_placement
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
-from moejax.config.vocab import ATTENTION_KERNELS, ATTENTION_MODES, DTYPES, EXPERT_FORMATS
 from moejax.launch.factory import ensure_devices
 from moejax.launch.flags import kernel_name
+from moejax.vocab import ATTENTION_KERNELS, ATTENTION_MODES, DTYPES, EXPERT_FORMATS
 from sharding import names, placement_class, with_placement
 
 DEFAULT_HBM_GB = 288.0  # a B300's
