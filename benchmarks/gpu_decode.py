@@ -31,7 +31,7 @@ import numpy as np
 from moejax.analysis import calc
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import Engine
-from moejax.loading import load_params
+from moejax.launch.loading import load_params
 from sharding import make_placement
 
 FORMATS = {"bf16": "unquantized", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}

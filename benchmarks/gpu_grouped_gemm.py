@@ -25,14 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
-from moejax import targets
+from moejax.base import targets
 from pallas_kernels import catalog, gmm_blackwell
 from pallas_kernels.registry import is_blackwell
 
 
 def ceilings() -> tuple[str, float, float]:
     """(device kind, HBM bytes/s, dense bf16 FLOP/s) of this machine's first device, from the
-    targets table (`moejax/targets.py`); nan where the table has no such device."""
+    targets table (`moejax/base/targets.py`); nan where the table has no such device."""
     kind = jax.devices()[0].device_kind
     for t in targets.TARGETS.values():
         if t.device_kind.split()[:2] == kind.split()[:2]:  # "NVIDIA H200", "NVIDIA H100", ...

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
-from moejax import platform
+from moejax.base import platform
 
 # The rows as XLA:CPU's engine meets them (a decode step's few gathered, more in its group loop).
 ROWS = platform.resolve("cpu").gemm_rows

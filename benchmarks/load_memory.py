@@ -104,7 +104,7 @@ LOAD = """
 import json, sys
 import jax
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig
-from moejax.loading import load_params, with_hf_model
+from moejax.launch.loading import load_params, with_hf_model
 from sharding import make_placement
 hf, placement, fmt = sys.argv[1:]
 config = with_hf_model(Config(layout=LayoutConfig(devices=8, placement=placement), weights=WeightsConfig(fmt),

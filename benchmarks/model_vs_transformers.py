@@ -111,7 +111,7 @@ def moejax_engine(directory: str):
     """The engine `moejax generate --hf DIR` builds with no other flag: default settings and this
     host's layout (on a CPU host, one device per core: `factory.host_layout`)."""
     from moejax.config import Config, LayoutConfig
-    from moejax.factory import build_engine
+    from moejax.launch.factory import build_engine
 
     return build_engine(Config(layout=LayoutConfig(devices=0)), directory, seed=0)
 
@@ -149,7 +149,7 @@ def print_settings(experts: list[str], engine) -> None:
     import torch
     import transformers
 
-    from moejax.platform import prefill_chunk
+    from moejax.base.platform import prefill_chunk
 
     layout = engine.config.layout
     loop = "scanned" if engine.loops[-1].stacked else "unrolled"

@@ -17,7 +17,7 @@ import numpy as np
 from moejax.config import Config, preset
 from moejax.engine.engine import Engine
 from moejax.engine.speculative import SpeculativeEngine
-from moejax.loading import load_mtp, load_params
+from moejax.launch.loading import load_mtp, load_params
 from moejax.model.mtp import mirrored_draft
 from sharding import make_placement
 

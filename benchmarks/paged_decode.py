@@ -25,7 +25,7 @@ import numpy as np
 
 from moejax.config import Config, preset
 from moejax.engine.engine import Engine
-from moejax.loading import load_params
+from moejax.launch.loading import load_params
 from moejax.serving.scheduler import Request, Scheduler
 from moejax.serving.stopping import Stopper
 from sharding import make_placement

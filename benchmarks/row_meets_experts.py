@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 
 from moejax.analysis import analyze, calc, synthetic
+from moejax.base.trace import Trace
 from moejax.config import preset
-from moejax.trace import Trace
 
 
 def main(argv: list[str] | None = None) -> None:

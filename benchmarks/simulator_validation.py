@@ -6,7 +6,7 @@
    entries (`moejax.analysis.costs.ensure`), and the non-MoE term, fitted once from the default
    placement's measured step (measured minus its simulated MoE part).
 2. Validation on `moejax compare`'s default prompts: each placement's decode step as `compare`
-   measures it (`moejax.compare.measure`, best of REPEATS runs), against the simulation of the
+   measures it (`moejax.verbs.compare.measure`, best of REPEATS runs), against the simulation of the
    trace recorded from the same prompts. Prints the table and the error per placement (target: within 25%).
 """
 
@@ -25,7 +25,7 @@ REPEATS = 7  # measured steps: the best of this many timed runs each
 def best_steps_ms(runs: dict, steps: int, repeats: int = REPEATS) -> dict:
     """{name: best decode step ms} of runs {name: (engine, prompts)}, timed round-robin so that the
     shared host's load falls on every run alike (the cost table's timings are best-of too)."""
-    from moejax.compare import measure
+    from moejax.verbs.compare import measure
 
     best = dict.fromkeys(runs, float("inf"))
     for _ in range(repeats):
@@ -48,10 +48,10 @@ def main(argv: list[str] | None = None) -> None:
     from moejax.analysis import costs
     from moejax.analysis.record import model_trace
     from moejax.analysis.simulate import layouts, simulate
+    from moejax.base.trace import save_trace
     from moejax.config import Config, preset
-    from moejax.factory import build_engine, ensure_devices
-    from moejax.flags import DEFAULT_PROMPTS
-    from moejax.trace import save_trace
+    from moejax.launch.factory import build_engine, ensure_devices
+    from moejax.launch.flags import DEFAULT_PROMPTS
     from sharding import eplb, registry, with_placement
 
     ensure_devices(args.devices)

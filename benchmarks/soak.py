@@ -33,7 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 from moejax.config import PRESETS, Config, EngineConfig, LayoutConfig  # noqa: E402
 from moejax.engine.engine import MIN_POSITIONS, Engine, bucket  # noqa: E402
 from moejax.engine.sampling import Sampling, sample  # noqa: E402
-from moejax.loading import load_params  # noqa: E402
+from moejax.launch.loading import load_params  # noqa: E402
 from sharding import make_placement, names  # noqa: E402
 
 PROMPT = [3, 17, 45, 2, 88, 61, 9, 30]

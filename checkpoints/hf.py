@@ -29,8 +29,8 @@ from checkpoints.hf_config import from_hf_config
 from checkpoints.placing import Layers, place_tensor
 from checkpoints.quantization import Tensors, read_scheme
 from checkpoints.safetensors_io import SafetensorsDir
+from moejax.base.errors import UsageError
 from moejax.config import ConfigError, ModelConfig
-from moejax.errors import UsageError
 from moejax.model import layer_loop
 from moejax.model.mtp import mtp_specs
 from moejax.model.params import ParamSpec, Run, layer_runs, param_specs

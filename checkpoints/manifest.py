@@ -23,8 +23,8 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from moejax.base.errors import UsageError
 from moejax.config import OLD_EXPERT_FORMAT_NAMES, ConfigError, ModelConfig, replace_checked
-from moejax.errors import UsageError
 
 # 2: a run of identical layers is stored stacked, as the layer scan reads it (1: layer by layer).
 # 3: gate and up stored as one gate_up matrix (2 kept them apart; still read, `legacy.py`).

@@ -31,8 +31,8 @@ from checkpoints.manifest import (
     verify_files,
     warn_leftovers,
 )
-from moejax import platform
-from moejax.errors import UsageError
+from moejax.base import platform
+from moejax.base.errors import UsageError
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_dtype, param_specs
 
 QUANTIZED_LEAVES = ("values", "scales", "tensor_scale")

@@ -33,9 +33,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 import pallas_kernels
 from checkpoints import packing
 from checkpoints.quantization import PackedExperts
-from moejax.errors import UsageError
+from moejax.base.errors import UsageError
+from moejax.base.platform import host_device
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, param_dtype
-from moejax.platform import host_device
 from moejax.vocab import QUANTIZED_FORMATS
 
 # Float32 bytes of the experts quantized in one go on the host: bounds the CPU device's

@@ -33,7 +33,7 @@ import ml_dtypes
 import numpy as np
 
 from checkpoints.safetensors_io import SafetensorsDir
-from moejax.errors import UsageError
+from moejax.base.errors import UsageError
 
 FLOATS = ("F64", "F32", "F16", "BF16")
 METHODS = ("fp8 (block-scaled)", "modelopt (NVFP4)", "mxfp4")

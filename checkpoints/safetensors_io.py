@@ -14,7 +14,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from moejax.errors import UsageError
+from moejax.base.errors import UsageError
 
 DTYPES = {
     "F64": np.float64,

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from moejax.config import ConfigError
-from moejax.startup import (
+from moejax.launch.startup import (
     configure_compile_cache,
     host_pages,
     jax_platforms,
@@ -20,9 +20,9 @@ from moejax.startup import (
 
 # Modules that define `register(subparsers)`; each subparser sets `func(args) -> int`.
 VERB_MODULES = (
-    "moejax.commands",
-    "moejax.compare",
-    "moejax.plan_command",
+    "moejax.verbs.commands",
+    "moejax.verbs.compare",
+    "moejax.verbs.plan_command",
     "moejax.analysis.measure_verbs",
     "moejax.analysis.advise_verb",
     "checkpoints.commands",
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     host_pages()
     args = build_parser().parse_args(argv)
     try:
-        from moejax.factory import init_processes
+        from moejax.launch.factory import init_processes
 
         init_processes(args)
         start_tpu_compiler_quietly(getattr(args, "target", None))

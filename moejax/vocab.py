@@ -21,7 +21,7 @@ QUANTIZED_FORMATS = EXPERT_FORMATS[1:]
 # What `calc` and `analyze` count a full-size model's expert bytes in (no run dtype there).
 STORAGE_FORMATS = ("bf16", *QUANTIZED_FORMATS)
 # Grouped-GEMM backends (`--kernel`), one backend per name, the same as `--attention-kernel`'s where
-# both have it: "auto" picks by platform (and a GPU's architecture: `moejax.platform`); "triton"
+# both have it: "auto" picks by platform (and a GPU's architecture: `moejax.base.platform`); "triton"
 # is Pallas's Triton kernel (any NVIDIA GPU, while jax has Pallas's Triton backend), "mosaic_gpu"
 # the Mosaic GPU one for Hopper (sm_90, bf16 rows); "blackwell" (4-bit rows) and "blackwell_bf16"
 # (bf16 rows) multiply 4-bit experts on an sm_100 GPU; "pallas_tpu" Mosaic TPU's; "interpret_tpu"
@@ -38,7 +38,7 @@ KERNELS = (
     "interpret_tpu",
     "interpret_triton",
 )
-# Paged-attention kernels (`--attention-kernel`): "auto" picks by platform (`moejax.platform`);
+# Paged-attention kernels (`--attention-kernel`): "auto" picks by platform (`moejax.base.platform`);
 # JAX's ragged paged attention (Mosaic TPU: "pallas_tpu") and our Mosaic GPU paged decode attention
 # ("mosaic_gpu": `pallas_kernels/paged_attention_mgpu.py`); "interpret_mosaic_gpu" runs the GPU one
 # in JAX's Mosaic GPU interpreter on any platform. GQA only; the GPU one reads sinks and sliding

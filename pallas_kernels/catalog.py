@@ -6,7 +6,7 @@ answers the one question of whether it can run here (`Kernel.why_not`). The regi
 (`registry.py`), the layer views (`layered.py`), the paged attention (`paged_attention.py`) and the
 placement's choice (`sharding/placement.py`) read their tables from here; the CLI's closed words
 are `moejax.vocab`'s, which tests/test_vocab.py checks are these names. Which kernel "auto" stands
-for is `moejax.platform`'s order of names.
+for is `moejax.base.platform`'s order of names.
 
 A name means one backend wherever it is used: "mosaic_gpu" is Mosaic GPU as a grouped GEMM and as
 a paged attention, "pallas_tpu" Mosaic TPU, "triton" Pallas's Triton backend.

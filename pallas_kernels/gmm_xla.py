@@ -138,7 +138,7 @@ def gmm_xla(
 ):
     """lhs [M, K], rhs [G_local, K, N] (array or QuantizedArray, or a LayerOf either),
     group_sizes [G] -> [M, N], the way gemm_rows(M, 4-bit rhs) gives (a platform's choice,
-    `moejax.platform.Platform.gemm_rows`): "groups", "gather", "rows" or "tiles" (None: "groups");
+    `moejax.base.platform.Platform.gemm_rows`): "groups", "gather", "rows" or "tiles" (None: "groups");
     its products at jax's matmul `precision` (None: the default).
 
     lhs_rows [M] (lhs then [T, K]): row r is lhs[lhs_rows[r]], gathered by each chunk as it

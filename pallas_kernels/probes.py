@@ -4,7 +4,7 @@ deprecated name: the catalog's records (`catalog.Kernel.why_not`) read their ans
 A jax module that deprecates a name serves it through its module `__getattr__`, which warns on
 every access (jax 0.11.2's `plgpu.transpose_ref`), so `hasattr` is no probe: a name counts as
 present when it is in the module's own namespace, or still served by its `_deprecations` table.
-Pure Python at import: `moejax.platform` reads `gpu_major` before jax is loaded.
+Pure Python at import: `moejax.base.platform` reads `gpu_major` before jax is loaded.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from pallas_kernels import catalog, epilogue, formats, layered, probes, tiles
 
 # The backends are the catalog's grouped GEMMs (`catalog.GEMM`; "auto" is the caller's to resolve:
-# `moejax.platform`): each record names its module and function, the platform's decisions it takes
+# `moejax.base.platform`): each record names its module and function, the platform's decisions it takes
 # (`grouped_gemm`'s arguments of those names), and whether it runs interpreted.
 
 
@@ -103,7 +103,7 @@ def grouped_gemm(
     as it goes, in group order, and never writes the [M, N] product).
     backend: a kernel's name (a placement's `kernel`: "auto" resolved for its platform).
     gemm_rows: gemm_rows(M, 4-bit rhs) -> how the XLA path meets M rows, the platform's choice
-    (`moejax.platform.Platform.gemm_rows`; None: its loop over the touched groups). precision:
+    (`moejax.base.platform.Platform.gemm_rows`; None: its loop over the touched groups). precision:
     jax's matmul precision of the kernels' products (the run's: `Platform.matmul_precision`).
     device: (device kind, SMs) the kernel's tiles are looked up for (`gemm_tiles`; ("", 0): the rules).
     Returns [M, N] (with act: [M, N/2]) in preferred_element_type (default: lhs.dtype).

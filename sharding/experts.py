@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from moejax.base.platform import XLA, DecodeKernels, Platform
 from moejax.model.layers import silu_glu
-from moejax.platform import XLA, DecodeKernels, Platform
 
 
 def expert_ffn(

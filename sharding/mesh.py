@@ -13,9 +13,9 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from moejax.base.platform import Platform
 from moejax.config import Config, ConfigError, LayoutConfig
 from moejax.model import paged
-from moejax.platform import Platform
 from pallas_kernels import catalog, layered
 from sharding import rules
 from sharding.placement import Placement

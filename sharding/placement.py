@@ -17,12 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.base.platform import DecodeKernels, Platform, resolve
 from moejax.config import Config, ConfigError
 from moejax.model import paged
 from moejax.model.attention import cache_specs
 from moejax.model.layer_loop import layer_loops
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_specs
-from moejax.platform import DecodeKernels, Platform, resolve
 from pallas_kernels import catalog, layered
 from sharding import accounting, rules, slots
 from sharding.experts import moe_local

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from moejax.platform import XLA, DecodeKernels, Platform
+from moejax.base.platform import XLA, DecodeKernels, Platform
 from sharding import accounting, overlap
 from sharding.experts import moe_local
 from sharding.mesh import MeshPlacement, own_share
@@ -171,7 +171,7 @@ class RaggedA2A(MeshPlacement):
 
     def __init__(self, config, mesh=None, platform: Platform | None = None, use_ragged: bool | None = None):
         super().__init__(config, mesh, platform)
-        # Only the used slots travel where the platform has a ragged all-to-all (`moejax.platform`).
+        # Only the used slots travel where the platform has a ragged all-to-all (`moejax.base.platform`).
         self.use_ragged = self.platform.ragged_all_to_all if use_ragged is None else use_ragged
         if not self.use_ragged:
             self.sent_source = "exchange plan (this backend sends whole buffers)"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from moejax.base.platform import Platform, resolve
 from moejax.config import Config, ConfigError
-from moejax.platform import Platform, resolve
 from pallas_kernels import catalog
 from sharding import rules
 from sharding.expert_sharded import ExpertSharded
@@ -57,7 +57,7 @@ def check_attention_kernel(config: Config, platform: Platform) -> None:
 
 def make_placement(config: Config, platform: Platform | None = None, devices: list | None = None) -> Placement:
     """The placement of `config.layout` (the single-device reference on one device), building
-    programs for `platform` (default: this machine's, `moejax.platform.resolve`), on the machine's
+    programs for `platform` (default: this machine's, `moejax.base.platform.resolve`), on the machine's
     first `layout.devices` devices or on `devices` (a mesh even of one)."""
     if not config.layout.devices:
         raise ConfigError(

@@ -1,7 +1,7 @@
 """Slices: every device holds 1/N of every expert's intermediate dimension (a 1 x N mesh)."""
 
+from moejax.base.platform import Platform
 from moejax.config import ConfigError
-from moejax.platform import Platform
 from sharding.gather_scatter import GatherScatter
 
 

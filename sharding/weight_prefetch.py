@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from moejax.platform import Platform
+from moejax.base.platform import Platform
 from pallas_kernels.layered import layer_slice
 from sharding import accounting
 from sharding.experts import moe_local

@@ -1,9 +1,9 @@
-"""Abstract arrays on a compile-only accelerator (`moejax.targets`): a jit lowered and compiled over
+"""Abstract arrays on a compile-only accelerator (`moejax.base.targets`): a jit lowered and compiled over
 them runs the target's own compiler (XLA:GPU's Triton lowering for an H100), here, without one."""
 
 import jax
 
-from moejax import targets
+from moejax.base import targets
 
 
 def on(target: str, shape, dtype) -> jax.ShapeDtypeStruct:

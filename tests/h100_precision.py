@@ -16,10 +16,11 @@ from jax._src.lib.mlir import ir  # noqa: E402
 from jax._src.pallas.triton import lowering as triton_lowering  # noqa: E402
 
 from checkpoints.hf_config import from_hf_config  # noqa: E402
-from moejax import hlo, targets  # noqa: E402
+from moejax.base import targets  # noqa: E402
+from moejax.compiled import hlo  # noqa: E402
+from moejax.compiled.plan import decode_program  # noqa: E402
 from moejax.config import Config, EngineConfig, LayoutConfig  # noqa: E402
 from moejax.engine.programs import jit_program  # noqa: E402
-from moejax.plan import decode_program  # noqa: E402
 from tests.hf_reference import hf_config  # noqa: E402
 
 TRITON_CALL = "__gpu$xla.gpu.triton"

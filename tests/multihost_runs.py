@@ -9,11 +9,11 @@ import sys
 
 
 def main(cases: list[list]) -> int:
-    from moejax.startup import configure_compile_cache
+    from moejax.launch.startup import configure_compile_cache
 
     configure_compile_cache()  # before the parser's verb modules import jax
     from moejax.cli import build_parser
-    from moejax.factory import init_processes
+    from moejax.launch.factory import init_processes
 
     parsed = [(name, build_parser().parse_args(argv)) for name, argv in cases]
     init_processes(parsed[0][1])  # every case runs on the same processes and devices

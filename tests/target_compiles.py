@@ -1,8 +1,8 @@
 """Compiling the engine's programs for accelerator targets in worker processes.
 
-A case names a model, a target (`moejax.targets`), its device count, a placement, a dtype, the
+A case names a model, a target (`moejax.base.targets`), its device count, a placement, a dtype, the
 kernels and a page size; a worker (`python tests/target_compiles.py CASES.json`) compiles each
-case's programs (`moejax.plan.programs`: decode step, decode block, prefill chunk) with the
+case's programs (`moejax.compiled.plan.programs`: decode step, decode block, prefill chunk) with the
 target's own compiler and prints one JSON line per case. Workers run in parallel, one per core,
 and an XLA abort (a failed check ends the process, no Python error) costs one case, not the run:
 `run_cases` marks the case a dead worker was compiling and starts another worker on the rest.
@@ -72,7 +72,7 @@ class Case:
     def process(self) -> tuple:
         """The cases one worker process may compile together: one GPU architecture (ptxas assembles
         a process's Mosaic GPU kernels for the first it met) and one jax (with or without Triton)."""
-        from moejax import targets
+        from moejax.base import targets
 
         return targets.target(self.target).capability, self.triton
 
@@ -95,9 +95,10 @@ def model_config(case: Case):
 def compile_case(case: Case) -> dict:
     """{program: {"compiled", "error", "pallas_calls" (their compilers: `hlo.PALLAS`), "paged_attention",
     "ragged_all_to_all", ...}} of one case."""
-    from moejax import hlo, targets
+    from moejax.base import targets
+    from moejax.compiled import hlo
+    from moejax.compiled.plan import compile_program, programs
     from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig
-    from moejax.plan import compile_program, programs
     from sharding import with_placement
 
     config = Config(

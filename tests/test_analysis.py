@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from moejax.analysis import metrics, synthetic
+from moejax.base.errors import UsageError
+from moejax.base.trace import Trace, load_trace, save_trace
 from moejax.cli import main
-from moejax.errors import UsageError
-from moejax.trace import Trace, load_trace, save_trace
 from sharding import eplb
 
 

@@ -194,8 +194,8 @@ def test_bad_input_exits_2_without_traceback_from_a_real_process(argv, tmp_path)
 
 def tiny_trace(path: Path) -> str:
     """Two decode steps of 8 rows of the tiny preset, every row picking the first k experts."""
+    from moejax.base.trace import save_trace
     from moejax.config import preset
-    from moejax.trace import save_trace
 
     model = preset("tiny")
     k, layers = model.num_experts_per_tok, len(model.moe_layers)

@@ -29,7 +29,8 @@ from compile_only import lower, on
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
-from moejax import hlo, targets
+from moejax.base import targets
+from moejax.compiled import hlo
 from moejax.model.layers import silu_glu
 from pallas_kernels import epilogue, gmm_blackwell, gmm_blackwell_bf16, layered, tiles
 from pallas_kernels.layered import LayerOf

@@ -19,10 +19,10 @@ from layouts import placement_layouts
 from checkpoints import legacy, orbax_io
 from checkpoints.manifest import FORMAT_VERSION, MANIFEST, Manifest, read_manifest
 from checkpoints.orbax_io import restore_params, save_params
-from moejax import platform
+from moejax.base import platform
 from moejax.cli import main
 from moejax.config import PRESETS, Config, WeightsConfig
-from moejax.loading import load_params, with_hf_model
+from moejax.launch.loading import load_params, with_hf_model
 from pallas_kernels import QuantizedArray
 from sharding import make_placement
 

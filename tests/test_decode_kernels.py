@@ -1,4 +1,4 @@
-"""The fused decode kernels a GPU's decode step runs (`moejax.platform.DecodeKernels`), here in
+"""The fused decode kernels a GPU's decode step runs (`moejax.base.platform.DecodeKernels`), here in
 Pallas's interpreter: a layer's dense products (`moejax.model.projections`: attention's q|k|v and
 output, the router, a dense MLP, with each family's options: q/k norms, biases, a router's bias and
 sigmoid scoring) give the values of the XLA ops every other pass runs, and a whole run (its experts
@@ -13,12 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moejax.base.platform import XLA, DecodeKernels
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import Engine
-from moejax.loading import load_params
+from moejax.launch.loading import load_params
 from moejax.model import projections
 from moejax.model.layers import rope_cos_sin
-from moejax.platform import XLA, DecodeKernels
 from sharding import make_placement
 
 # The fused kernels in the interpreter, for every pass of up to 128 rows, a layer's dense weights on

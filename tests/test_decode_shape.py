@@ -1,8 +1,8 @@
 """The shape of a GPU's decode step at full width: Qwen3-30B-A3B's decode step compiled for a
-compile-only H200 (XLA:GPU's own compiler, `moejax.targets`), at batch 1 and 64, with bf16 and
+compile-only H200 (XLA:GPU's own compiler, `moejax.base.targets`), at batch 1 and 64, with bf16 and
 NVFP4 experts. A layer launches at most LAUNCHES_PER_LAYER kernels and writes no temporary of a
 layer weight's shape (a weight copied, or a product spelled out as a multiply the weight's size
-and a reduce), read off the compiled program by `moejax.hlo`.
+and a reduce), read off the compiled program by `moejax.compiled.hlo`.
 
 A GPU runs every layer unrolled, each layer the same kernels: a layer's figures are the difference
 of the steps of DEPTHS[1] and DEPTHS[0] layers (the embedding, LM head and sampling cancel), so
@@ -17,7 +17,8 @@ import functools
 import pytest
 from compile_only import lower
 
-from moejax import plan, targets
+from moejax.base import targets
+from moejax.compiled import plan
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 
 LAUNCHES_PER_LAYER = 16

@@ -17,8 +17,8 @@ from moejax.config import Config, LayoutConfig, preset
 from moejax.engine.disaggregated import Disaggregated, bytes_moved
 from moejax.engine.engine import Engine, Prefilled
 from moejax.engine.kv_cache import init_cache
-from moejax.factory import pd_engine
-from moejax.loading import load_params
+from moejax.launch.factory import pd_engine
+from moejax.launch.loading import load_params
 from sharding import make_placement, names
 
 # As tests/test_placements.py's runs: a full run compiles the single-device and shared-device programs once.

@@ -13,17 +13,17 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from moejax.analysis.record import model_trace
+from moejax.base.trace import load_trace, save_trace
 from moejax.cli import main
 from moejax.config import Config, LayoutConfig, preset
 from moejax.engine import compile_clock
 from moejax.engine.engine import Engine
 from moejax.engine.expert_placement import place_experts, trace_device_rows
-from moejax.loading import load_params
+from moejax.launch.loading import load_params
 from moejax.serving.metrics import Metrics
 from moejax.serving.online_eplb import OnlineEPLB
 from moejax.serving.scheduler import Request, Scheduler
 from moejax.serving.stopping import Stopper
-from moejax.trace import load_trace, save_trace
 from sharding import make_placement, slots
 
 PROMPTS = [[i, i + 1, i + 2] for i in range(3, 60, 7)]  # 9 requests

@@ -12,7 +12,7 @@ import pytest
 import pallas_kernels
 from moejax.config import Config, WeightsConfig, preset
 from moejax.engine.engine import Engine
-from moejax.loading import load_params
+from moejax.launch.loading import load_params
 from moejax.model.transformer import layer_params
 from sharding import make_placement
 

@@ -14,7 +14,7 @@ import pytest
 
 from moejax.config import Config, ConfigError, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import Engine
-from moejax.loading import load_params, with_hf_model
+from moejax.launch.loading import load_params, with_hf_model
 from sharding import eplb, make_placement, moves, names, slots
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -15,7 +15,7 @@ from hf_reference import GLM5, build_hf_model, hf_greedy
 from checkpoints.hf_config import from_hf_config
 from moejax.config import Config, preset
 from moejax.engine.engine import Engine
-from moejax.loading import load_params, with_hf_model
+from moejax.launch.loading import load_params, with_hf_model
 from sharding import make_placement
 
 PROMPT = [3, 17, 45, 2, 88, 61, 9, 30, 12]

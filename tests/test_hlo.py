@@ -1,4 +1,4 @@
-"""The HLO reader (`moejax.hlo`) on a hand-written XLA:GPU-like program: the ops one call
+"""The HLO reader (`moejax.compiled.hlo`) on a hand-written XLA:GPU-like program: the ops one call
 runs, how many times, which of them are kernel launches, and which write arrays of given shapes;
 and on a second, its Pallas kernels, products' precision, collectives and host transfers.
 (Its pricing, `hlo_ops.ops`: `test_target_costs.py`; on compiled programs: `test_target_structure.py`.)"""
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moejax import hlo
+from moejax.compiled import hlo
 
 # A decode step at batch 1 against a weight w [16, 32] (and a norm's [32]): x * w spelled out as a
 # multiply of w's size and a reduce, an async all-gather, a copy pair, a cuBLAS GEMM over the

@@ -11,8 +11,8 @@ import pytest
 
 from moejax.cli import build_parser, main
 from moejax.config import Config, LayoutConfig, WeightsConfig, preset
-from moejax.factory import host_layout
-from moejax.flags import config_from_args
+from moejax.launch.factory import host_layout
+from moejax.launch.flags import config_from_args
 
 ARGV = ["generate", "--preset", "tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--json"]
 

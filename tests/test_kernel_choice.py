@@ -8,9 +8,9 @@ import dataclasses
 
 import pytest
 
-from moejax import targets
+from moejax.base import targets
+from moejax.base.platform import resolve
 from moejax.config import Config, ConfigError, EngineConfig, LayoutConfig, WeightsConfig, preset
-from moejax.platform import resolve
 from pallas_kernels import probes
 from sharding import make_placement
 

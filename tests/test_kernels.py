@@ -25,8 +25,8 @@ from gemm_cases import (
 )
 
 import pallas_kernels as pk
+from moejax.base.platform import resolve
 from moejax.model.layers import silu_glu
-from moejax.platform import resolve
 from pallas_kernels.layered import LayerOf
 from pallas_kernels.registry import gemm_tiles
 
@@ -89,7 +89,7 @@ def test_xla_decode_and_prefill_chunking():
         np.testing.assert_allclose(out, reference(lhs, rhs, sizes, 0), rtol=1e-4, atol=1e-4)
 
 
-# The XLA path as an accelerator runs it (`moejax.platform.Platform.gemm_rows`): a decode step's few rows a
+# The XLA path as an accelerator runs it (`moejax.base.platform.Platform.gemm_rows`): a decode step's few rows a
 # product each (one gather on a GPU, a slice per row on a TPU), a prefill's many in a loop of tiles.
 ACCELERATORS = ["gpu", "tpu"]
 

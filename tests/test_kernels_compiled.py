@@ -1,5 +1,5 @@
 """grouped_gemm compiled: the XLA path's programs write no copy of a stack's groups and no
-product they finish in the loop (`moejax.hlo` reads them); the Pallas kernels compile for
+product they finish in the loop (`moejax.compiled.hlo` reads them); the Pallas kernels compile for
 their hardware (Triton for an H100, Mosaic for a v5e)."""
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from gemm_cases import (
 )
 
 import pallas_kernels as pk
-from moejax import hlo, targets
+from moejax.base import targets
+from moejax.compiled import hlo
+from moejax.compiled.plan import decode_program
 from moejax.config import Config, EngineConfig, LayoutConfig, preset
 from moejax.model.layers import silu_glu
-from moejax.plan import decode_program
 from pallas_kernels import epilogue
 from pallas_kernels.layered import LayerOf, split
 

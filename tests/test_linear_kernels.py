@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from compile_only import lower, on_h100
 
-from moejax import hlo
+from moejax.compiled import hlo
 from moejax.config import preset
 from moejax.model.layers import apply_rope, interleave_gate_up, rms_norm, silu_glu
 from moejax.model.router import route

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
-from moejax.loading import load_params, random_params
+from moejax.launch.loading import load_params, random_params
 from moejax.model.layer_loop import arrange
 from moejax.model.params import init_params, param_specs
 from sharding import make_placement, names

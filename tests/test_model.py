@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 from hf_reference import FAMILIES, build_hf_model, hf_greedy, hf_logits
 
-from moejax import hlo
+from moejax.compiled import hlo
 from moejax.config import Config, EngineConfig
 from moejax.engine.buckets import decode_visible
 from moejax.engine.engine import Engine
 from moejax.engine.sampling import Sampling
 from moejax.engine.steps import decode_steps
-from moejax.loading import load_params, with_hf_model
+from moejax.launch.loading import load_params, with_hf_model
 from sharding import make_placement
 
 PROMPT = [3, 17, 45, 2, 88, 61, 9, 30, 12]

@@ -14,7 +14,7 @@ import pytest
 from compile_only import on_h100
 
 import pallas_kernels as pk
-from moejax import hlo
+from moejax.compiled import hlo
 from moejax.model.layers import ClampedSwiGLU, silu_glu
 from pallas_kernels.gmm_mosaic_gpu import gmm_mosaic_gpu, refusal
 from pallas_kernels.layered import LayerOf

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from moejax import hlo
 from moejax.cli import main
+from moejax.compiled import hlo
 from moejax.config import Config, EngineConfig, LayoutConfig, preset
 from moejax.engine.disaggregated import Disaggregated
 from moejax.engine.engine import Engine
 from moejax.engine.kv_cache import init_cache
 from moejax.engine.sampling import Sampling, sampling_logits
 from moejax.engine.speculative import SpeculativeEngine, verify
-from moejax.loading import load_mtp, load_params
+from moejax.launch.loading import load_mtp, load_params
 from moejax.model.mtp import init_mtp_cache, mirrored_draft
 from moejax.model.transformer import layer_params
 from sharding import make_placement
@@ -237,7 +237,7 @@ def glm5_dirs(tmp_path_factory):
 
 def test_mtp_weights_load_from_the_layer_after_the_last(glm5_dirs):
     _, with_mtp, extra, n = glm5_dirs
-    from moejax.loading import with_hf_model
+    from moejax.launch.loading import with_hf_model
 
     config = with_hf_model(Config(), str(with_mtp)).validate()
     placement = make_placement(config)

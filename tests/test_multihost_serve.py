@@ -67,12 +67,12 @@ def bodies(case: str) -> list[dict]:
 def one_process(case: str) -> tuple[list[list[int]], dict]:
     """The tokens of `bodies()` through one process's scheduler over all 8 devices, and the router
     picks it records (`picked_rows`) serving them, then the first `AGAIN` again."""
+    from moejax.base.trace import load_trace
     from moejax.cli import build_parser
     from moejax.serving.commands import build_scheduler
     from moejax.serving.metrics import TraceRecorder
     from moejax.serving.request import Request
     from moejax.serving.stopping import Stopper
-    from moejax.trace import load_trace
 
     args = build_parser().parse_args(["serve", *CASES[case], *FLAGS])
     scheduler = build_scheduler(args, progress=False)[0]
@@ -230,7 +230,7 @@ def test_sigterm_on_process_0_finishes_the_requests_in_flight_then_every_process
 
 def test_record_is_written_by_process_0_alone_with_the_picks_one_process_records(gqa):
     """After the SIGTERM test: the server has served the 12 requests, then the first 4 again."""
-    from moejax.trace import load_trace
+    from moejax.base.trace import load_trace
 
     server, (_, picks), _ = gqa
     assert server.proc.wait(timeout=60) == 0

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import hlo
+from moejax.compiled import hlo
 from moejax.config import Config, ConfigError, LayoutConfig, preset
 from moejax.engine.engine import Engine
-from moejax.loading import load_params
+from moejax.launch.loading import load_params
 from moejax.model.transformer import layer_params
 from sharding import accounting, make_placement
 from sharding.overlap import MICROBATCHES

@@ -13,16 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import hlo
+from moejax.base.platform import resolve
 from moejax.cli import build_parser
+from moejax.compiled import hlo
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import Engine
 from moejax.engine.kv_cache import page_bytes
 from moejax.engine.pages import PageAllocator
-from moejax.flags import config_from_args
-from moejax.loading import load_params
+from moejax.launch.flags import config_from_args
+from moejax.launch.loading import load_params
 from moejax.model import paged
-from moejax.platform import resolve
 from moejax.serving.kv_pages import pool_pages
 from moejax.serving.request import sampling_rows
 from moejax.serving.slot_programs import decode_slots

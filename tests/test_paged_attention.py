@@ -18,13 +18,14 @@ import pytest
 from compile_only import lower, on_h100
 from jax.experimental.pallas.ops.tpu import ragged_paged_attention as tpu_module
 
-from moejax import hlo, targets
+from moejax.base import targets
+from moejax.base.platform import resolve
+from moejax.compiled import hlo
 from moejax.config import Config, ConfigError, EngineConfig, LayoutConfig, preset
 from moejax.engine.engine import Engine
 from moejax.engine.kv_cache import init_pool
-from moejax.loading import load_params
+from moejax.launch.loading import load_params
 from moejax.model import attention, paged
-from moejax.platform import resolve
 from pallas_kernels import paged_attention as kernels
 from pallas_kernels import paged_attention_mgpu as mgpu
 from pallas_kernels import tiles

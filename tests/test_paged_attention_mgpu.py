@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from compile_only import lower, on_h100
 
-from moejax import hlo
+from moejax.compiled import hlo
 from moejax.model import attention, paged
 from pallas_kernels import catalog
 from pallas_kernels import paged_attention_mgpu as mgpu

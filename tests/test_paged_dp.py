@@ -12,15 +12,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from moejax import hlo
+from moejax.base.errors import UsageError
+from moejax.base.platform import resolve
+from moejax.compiled import hlo
+from moejax.compiled.plan import kv_pages
 from moejax.config import Config, EngineConfig, LayoutConfig, preset
 from moejax.engine.engine import Engine
 from moejax.engine.kv_cache import page_bytes
-from moejax.errors import UsageError
-from moejax.loading import load_mtp, load_params
+from moejax.launch.loading import load_mtp, load_params
 from moejax.model.mtp import init_mtp_pool
-from moejax.plan import kv_pages
-from moejax.platform import resolve
 from moejax.serving.kv_pages import KVPages
 from moejax.serving.request import Request, sampling_rows
 from moejax.serving.scheduler import Scheduler

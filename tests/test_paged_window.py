@@ -13,14 +13,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from moejax.base.errors import UsageError
+from moejax.base.platform import resolve
+from moejax.compiled.plan import kv_pages
 from moejax.config import Config, EngineConfig, LayoutConfig, preset
 from moejax.engine.engine import Engine
 from moejax.engine.kv_cache import init_pool, page_bytes
 from moejax.engine.pages import pages_for
-from moejax.errors import UsageError
-from moejax.loading import load_mtp, load_params
-from moejax.plan import kv_pages
-from moejax.platform import resolve
+from moejax.launch.loading import load_mtp, load_params
 from moejax.serving.kv_pages import pool_pages, window_held
 from moejax.serving.request import Request
 from moejax.serving.scheduler import Scheduler

@@ -16,7 +16,7 @@ from h100_precision import triton_dots
 from test_kernels import tolerance
 
 import pallas_kernels as pk
-from moejax import hlo
+from moejax.compiled import hlo
 from moejax.model.layers import silu_glu
 from pallas_kernels import tiles
 from pallas_kernels.gmm_picks import Tiles, pick_gemm, pick_gemm_xla

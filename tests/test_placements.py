@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from moejax import hlo
+from moejax.compiled import hlo
 from moejax.config import Config, ConfigError, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import Engine
-from moejax.loading import load_params
+from moejax.launch.loading import load_params
 from moejax.model.transformer import layer_params
 from sharding import accounting, make_placement, names
 from sharding.experts import moe_local

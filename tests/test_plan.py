@@ -9,15 +9,16 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from moejax import plan, plan_command
-from moejax.abstract_arrays import abstract_params, bytes_per_device
 from moejax.analysis import calc
 from moejax.cli import main
-from moejax.compare import param_bytes_per_device
+from moejax.compiled import plan
+from moejax.compiled.abstract_arrays import abstract_params, bytes_per_device
+from moejax.compiled.plan import compile_program, kv_pages, plan_placement
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import Engine
-from moejax.loading import load_params
-from moejax.plan import compile_program, kv_pages, plan_placement
+from moejax.launch.loading import load_params
+from moejax.verbs import plan_command
+from moejax.verbs.compare import param_bytes_per_device
 from sharding import make_placement
 from sharding.ragged_a2a import exchange_buffers
 

@@ -1,4 +1,4 @@
-"""What differs by platform is decided in moejax.platform, for this machine or a named target."""
+"""What differs by platform is decided in moejax.base.platform, for this machine or a named target."""
 
 import functools
 import os
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from moejax import platform
+from moejax.base import platform
 from moejax.config import Config, EngineConfig, LayoutConfig, preset
 from pallas_kernels import catalog
 from pallas_kernels.catalog import ATTENTION, GEMM
@@ -180,7 +180,7 @@ def test_host_cores_without_an_affinity_mask(monkeypatch):
 NAME = r"""["'](?:cpu|gpu|cuda|tpu)["']"""
 COMPARED = re.compile(rf"""(?:[!=]=\s*{NAME}|{NAME}\s*[!=]=|\bin\s*[(\[{{][^)\]}}]*{NAME})""")
 # The two modules that may: the decisions, and the compile targets' own platforms.
-DECIDERS = {"moejax/platform.py", "moejax/targets.py"}
+DECIDERS = {"moejax/base/platform.py", "moejax/base/targets.py"}
 # advise's `--target cpu`: the name of a target (this host's measured cost table), not a platform's.
 TARGET_NAME = re.compile(r'\bargs\.target\s*!=\s*"cpu"')
 
@@ -204,7 +204,7 @@ def test_the_grep_finds_a_platform_name_compared():
 
 
 def test_no_platform_name_is_compared_outside_the_platform_module():
-    """Every platform decision is `moejax.platform`'s: no other module of the project compares a
+    """Every platform decision is `moejax.base.platform`'s: no other module of the project compares a
     platform's name (a placement, kernel or engine asks its `Platform` record instead)."""
     files = sources()
     assert len(files) > 100 and DECIDERS <= set(files)  # what it looked through: every package's modules

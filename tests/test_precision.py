@@ -13,7 +13,7 @@ import pytest
 
 from moejax.config import Config, EngineConfig, LayoutConfig, preset
 from moejax.engine.sampling import Sampling
-from moejax.factory import build_engine
+from moejax.launch.factory import build_engine
 
 HIGHEST = "precision = [HIGHEST, HIGHEST]"
 

@@ -23,7 +23,7 @@ from checkpoints.orbax_io import restore_params
 from moejax.cli import main
 from moejax.config import Config, LayoutConfig, WeightsConfig
 from moejax.engine.engine import Engine
-from moejax.loading import load_params, with_hf_model
+from moejax.launch.loading import load_params, with_hf_model
 from moejax.model.params import param_specs
 from moejax.model.transformer import layer_params
 from sharding import make_placement

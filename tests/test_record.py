@@ -7,9 +7,9 @@ import io
 import numpy as np
 import pytest
 
+from moejax.base.trace import load_trace
 from moejax.cli import main
 from moejax.engine.routing import valid_rows
-from moejax.trace import load_trace
 
 PROMPTS = ["1,2,3", "4,5,6,7,8"]
 

@@ -20,7 +20,7 @@ from checkpoints.hf_config import FAMILY_DEFAULTS, from_hf_config
 from moejax.cli import main
 from moejax.config import Config, ConfigError, ModelConfig, read_rope
 from moejax.engine.engine import Engine
-from moejax.loading import load_params, with_hf_model
+from moejax.launch.loading import load_params, with_hf_model
 from sharding import make_placement, names, with_placement
 
 pytest.importorskip("torch")

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from moejax.analysis import metrics
+from moejax.base.trace import load_trace
 from moejax.cli import main
 from moejax.config import from_dict, replace_checked
-from moejax.factory import build_engine
+from moejax.launch.factory import build_engine
 from moejax.serving.scheduler import Request, Scheduler
 from moejax.serving.stopping import Stopper
-from moejax.trace import load_trace
 
 PROMPTS = ["1,2,3", "4,5,6,7,8"]
 

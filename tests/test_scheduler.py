@@ -7,12 +7,12 @@ import jax
 import pytest
 from text_model import make_text_model
 
-from moejax import platform
+from moejax.base import platform
+from moejax.base.errors import UsageError
 from moejax.config import Config, EngineConfig, LayoutConfig
 from moejax.engine.engine import Engine
 from moejax.engine.kv_cache import init_cache
-from moejax.errors import UsageError
-from moejax.loading import load_params, with_hf_model
+from moejax.launch.loading import load_params, with_hf_model
 from moejax.serving.scheduler import Request, Scheduler
 from moejax.serving.stopping import Stopper
 from moejax.serving.tokenizer import Tokenizer

@@ -8,10 +8,10 @@ import dataclasses
 import numpy as np
 import pytest
 
+from moejax.base.errors import UsageError
 from moejax.config import Config, EngineConfig, preset
 from moejax.engine.engine import Engine
-from moejax.errors import UsageError
-from moejax.loading import load_params
+from moejax.launch.loading import load_params
 from moejax.model.mtp import mirrored_draft
 from moejax.serving.scheduler import Request, Scheduler
 from moejax.serving.speculative import SpecScheduler

@@ -15,7 +15,7 @@ import pytest
 from served import KEY, MAX_LEN, Server
 from text_model import make_text_model
 
-from moejax.trace import load_trace
+from moejax.base.trace import load_trace
 
 pytestmark = pytest.mark.slow  # starts servers
 

@@ -9,9 +9,9 @@ import pytest
 
 from moejax.analysis import costs
 from moejax.analysis.simulate import device_work, layouts, phase_us, simulate
+from moejax.base.trace import Trace, save_trace
 from moejax.cli import main
 from moejax.config import Config, preset
-from moejax.trace import Trace, save_trace
 from sharding import eplb
 
 N, E, K, ROWS = 8, 32, 4, 8  # 8 devices, 32 experts top-4 (4 per device), one 8-row decode step

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from moejax.startup import host_pages
+from moejax.launch.startup import host_pages
 
 ARGV = ["generate", "--preset", "tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--json"]
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from moejax.analysis import step_trace
+from moejax.base.trace import save_trace
 from moejax.cli import main
 from moejax.engine.routing import valid_rows
-from moejax.trace import save_trace
 
 STEPS = 5
 PROMPTS = ["1"] * 8  # one request per device (DP attention); decode steps of 8 rows

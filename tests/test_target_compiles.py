@@ -17,9 +17,9 @@ import pytest
 from hf_reference import FAMILIES
 from target_compiles import ODD_GQA, ODD_MLA, TILEABLE, Case, model_config, run_cases
 
+from moejax.base.platform import resolve
 from moejax.config import Config, ConfigError, LayoutConfig, WeightsConfig
 from moejax.config.presets import PRESETS
-from moejax.platform import resolve
 from sharding import names
 from sharding.placement import gemm_kernel
 

@@ -9,14 +9,14 @@ import json
 import numpy as np
 import pytest
 
-from moejax import targets
 from moejax.analysis import advise_tables, calc, costs, hlo_ops, serve_ranking, target_programs, target_ranking
 from moejax.analysis.simulate import Layout, device_work, layouts
 from moejax.analysis.target_pricing import CATEGORIES, CallTime, category, expert_us, phase_us
+from moejax.base import targets
+from moejax.base.trace import Trace, save_trace
 from moejax.cli import build_parser, main
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.serving import layout_choice
-from moejax.trace import Trace, save_trace
 from sharding import eplb
 
 # A layer loop of 4 trips: a fusion slicing layer i out of a [4, 8, 16] stack (after a layout

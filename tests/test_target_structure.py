@@ -1,4 +1,4 @@
-"""Decode programs as accelerators compile them (compile-only devices, `moejax.targets`): a block
+"""Decode programs as accelerators compile them (compile-only devices, `moejax.base.targets`): a block
 of decode steps (`engine.decode_steps`, what `generate` runs) copies no layer of a run's stacked
 experts or page pool out of its stack, and holds no loop whose trip count the compiler does not
 know (XLA:GPU reads such a loop's condition back to the host on every iteration)."""
@@ -14,7 +14,8 @@ import pytest
 from compile_only import lower, on
 
 import pallas_kernels as pk
-from moejax import hlo, plan, platform, targets
+from moejax.base import platform, targets
+from moejax.compiled import hlo, plan
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 
 # Four scanned MoE layers of distinctive widths, a layer's experts larger than a TPU's on-chip memory

@@ -8,7 +8,7 @@ import json
 import pytest
 from text_model import make_text_model
 
-from moejax.errors import UsageError
+from moejax.base.errors import UsageError
 from moejax.serving.stopping import Stopper
 from moejax.serving.tokenizer import Tokenizer, eos_ids
 

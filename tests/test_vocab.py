@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moejax import platform, vocab
+from moejax import vocab
+from moejax.base import platform
 from moejax.cli import build_parser
 from moejax.config import Config, ConfigError, EngineConfig, LayoutConfig, WeightsConfig, load_file
-from moejax.flags import config_from_args
+from moejax.launch.flags import config_from_args
 from pallas_kernels import catalog, paged_attention, run_weights
 from pallas_kernels import registry as kernel_registry
 from pallas_kernels.gmm_blackwell import BlackwellWeights

@@ -6,18 +6,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moejax import targets
 from moejax.analysis.verb_args import emit_json, positive
-from moejax.errors import UsageError
-from moejax.flags import add_model_args
-from moejax.plan import OUTPUT_LEN, PROMPT_LEN
-from moejax.trace import load_trace
+from moejax.base import targets
+from moejax.base.errors import UsageError
+from moejax.base.trace import load_trace
+from moejax.compiled.plan import OUTPUT_LEN, PROMPT_LEN
+from moejax.launch.flags import add_model_args
 
 
 def run_advise(args) -> int:
     from moejax.analysis import advise_tables, costs, metrics, simulate, step_trace
-    from moejax.flags import config_from_args, natural_routing_only
-    from moejax.loading import with_hf_model
+    from moejax.launch.flags import config_from_args, natural_routing_only
+    from moejax.launch.loading import with_hf_model
 
     n = positive("--devices", args.devices or 8)
     config = with_hf_model(config_from_args(args), args.hf)
@@ -61,8 +61,8 @@ def run_advise(args) -> int:
 
 def run_advise_on_target(args, config, trace, n: int) -> int:
     """`advise --target NAME`: the layouts ranked by the target's own compiled programs (`target_ranking`)."""
-    from moejax import platform
     from moejax.analysis import advise_tables, target_ranking
+    from moejax.base import platform
     from sharding import registry
 
     t = targets.target(args.target)

@@ -12,9 +12,9 @@ import math
 import numpy as np
 
 from moejax.analysis import calc, metrics
+from moejax.base.errors import UsageError
+from moejax.base.trace import Trace
 from moejax.config import ModelConfig
-from moejax.errors import UsageError
-from moejax.trace import Trace
 from sharding import eplb
 
 FIT_FRACTION = 0.6  # steps EPLB is fitted on; it is scored on the remaining ones

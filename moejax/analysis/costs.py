@@ -24,12 +24,12 @@ from pathlib import Path
 import numpy as np
 import scipy.optimize
 
-from moejax import platform
 from moejax.analysis import simulate as simulation
 from moejax.analysis.simulate import Layout, device_work, layouts, padded_rows, phase_us, simulate
+from moejax.base import platform
+from moejax.base.errors import UsageError
+from moejax.base.trace import Trace
 from moejax.config import Config
-from moejax.errors import UsageError
-from moejax.trace import Trace
 from sharding import eplb
 
 COSTS_DIR = Path.home() / ".cache/moejax/costs"
@@ -80,7 +80,7 @@ def measure_and_rank(
 ) -> dict:
     """`simulate.rank_placements`'s report on this machine's table at `path` (default: `default_path`),
     measuring first what the trace needs and the table lacks."""
-    from moejax.factory import ensure_devices
+    from moejax.launch.factory import ensure_devices
 
     ensure_devices(n)  # the exchange is measured on an n-device mesh; before the dtype asks jax for its backend
     path = path or default_path(config)
@@ -212,7 +212,7 @@ def layer_timer(config: Config, layout: Layout, ids: np.ndarray, seed: int = 0):
     import jax
     import jax.numpy as jnp
 
-    from moejax.loading import load_params
+    from moejax.launch.loading import load_params
     from moejax.model.transformer import layer_params
     from sharding import make_placement, with_placement
 

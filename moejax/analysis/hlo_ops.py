@@ -28,7 +28,7 @@ import dataclasses
 import math
 import re
 
-from moejax.hlo import SHAPE, Instr, dims, kernel_flops, parse, shape_bytes, writes_arrays
+from moejax.compiled.hlo import SHAPE, Instr, dims, kernel_flops, parse, shape_bytes, writes_arrays
 
 COLLECTIVES = (
     "all-gather",

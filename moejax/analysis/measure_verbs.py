@@ -7,10 +7,10 @@ from __future__ import annotations
 from moejax.analysis import analyze as analysis
 from moejax.analysis import calc, synthetic
 from moejax.analysis.verb_args import add_geometry_args, device_counts, emit_json, model_geometry, positive
+from moejax.base.errors import UsageError
+from moejax.base.trace import load_trace, save_trace
 from moejax.config import ModelConfig
-from moejax.errors import UsageError
-from moejax.flags import add_model_args, prompt_ids
-from moejax.trace import load_trace, save_trace
+from moejax.launch.flags import add_model_args, prompt_ids
 from moejax.vocab import STORAGE_FORMATS
 
 GB, MB = 1e9, 1e6
@@ -76,8 +76,8 @@ def trace_fields(args) -> dict:
             raise UsageError("--synthetic generates its own picks; drop --preset/--hf/--checkpoint")
         return synthetic.generate(synthetic.SPECS[args.synthetic], steps, positive("--rows", args.rows), args.seed)
     from moejax.analysis.record import model_trace
-    from moejax.factory import build_engine
-    from moejax.flags import config_from_args
+    from moejax.launch.factory import build_engine
+    from moejax.launch.flags import config_from_args
 
     engine = build_engine(config_from_args(args), args.hf, args.seed, args.checkpoint)
     prompts = args.prompt_ids or [[1]]
@@ -167,8 +167,8 @@ def run_analyze(args) -> int:
 
 def run_trace(args) -> int:
     from moejax.analysis import plots, step_trace
-    from moejax.factory import build_engine
-    from moejax.flags import DEFAULT_PROMPTS, config_from_args
+    from moejax.launch.factory import build_engine
+    from moejax.launch.flags import DEFAULT_PROMPTS, config_from_args
 
     steps = positive("--steps", args.steps)
     engine = build_engine(config_from_args(args), args.hf, args.seed, args.checkpoint)

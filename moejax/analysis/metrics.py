@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-from moejax.trace import Trace
+from moejax.base.trace import Trace
 from sharding.eplb import logical_maps
 
 

@@ -2,15 +2,15 @@
 to which the serve verb hands `rank`; it reads the `Ranking` it returns, so analysis imports nothing
 of serving and serving nothing of analysis but from its verb): on a CPU host its measured table (`advise --target cpu`:
 decode only, so both phases take its first); on an accelerator host the target whose device_kind
-the devices report (`moejax.targets`), priced from the layouts' programs compiled on those devices."""
+the devices report (`moejax.base.targets`), priced from the layouts' programs compiled on those devices."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import NamedTuple
 
-from moejax.errors import UsageError
-from moejax.trace import Trace
+from moejax.base.errors import UsageError
+from moejax.base.trace import Trace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Ranking(NamedTuple):
 def rank(args, config, trace: Trace, chunk: int) -> Ranking:
     """The layouts advise ranks for serve's `args`, `config` and `trace` on this host's devices,
     its prefill calls of `chunk` rows (serve's prefill chunk times --prefill-rows)."""
-    from moejax import platform
+    from moejax.base import platform
 
     if platform.attached_accelerator():
         return on_target(args, config, trace, chunk)
@@ -48,8 +48,8 @@ def rank(args, config, trace: Trace, chunk: int) -> Ranking:
 def on_cpu(args, config, trace) -> Ranking:
     """advise --target cpu with this host's cores as devices (or --devices): decode only, both
     phases take its ranking. Times: the decode step's, its MoE part until the table has the rest."""
-    from moejax import platform
     from moejax.analysis import costs, simulate
+    from moejax.base import platform
 
     n = args.devices or platform.host_cores()
 
@@ -88,14 +88,14 @@ def on_target(args, config, trace, chunk: int) -> Ranking:
     """advise --target for the attached devices' kind, its layouts compiled on them."""
     import jax
 
-    from moejax import targets
     from moejax.analysis import target_ranking
+    from moejax.base import targets
     from sharding import registry
 
     kind = jax.devices()[0].device_kind
     t = next((t for t in targets.TARGETS.values() if t.device_kind == kind), None)
     if t is None:
-        raise UsageError(f"no target in moejax.targets describes {kind!r}; name the placements")
+        raise UsageError(f"no target in moejax.base.targets describes {kind!r}; name the placements")
     devices = jax.devices()[: args.devices or len(jax.devices())]
     context = args.max_seq_len or min(config.model.max_position_embeddings, 2048)
     report, candidates = target_ranking.rank_on_target(config, trace, t, devices, context, chunk, registry.names())

@@ -24,8 +24,8 @@ import numpy as np
 
 from moejax.analysis import metrics
 from moejax.analysis.analyze import FIT_FRACTION
+from moejax.base.trace import Trace
 from moejax.config import LayoutConfig
-from moejax.trace import Trace
 from sharding import eplb, registry
 
 

@@ -38,8 +38,8 @@ import jax
 import numpy as np
 from jax.profiler import ProfileData
 
-from moejax import hlo
-from moejax.errors import UsageError
+from moejax.base.errors import UsageError
+from moejax.compiled import hlo
 
 PARTS = ("attention", "dispatch", "experts", "combine")
 

@@ -26,9 +26,9 @@ import numpy as np
 from moejax.analysis import calc, hlo_ops, metrics
 from moejax.analysis.simulate import device_work
 from moejax.analysis.target_programs import Candidate
+from moejax.base.targets import Target
+from moejax.base.trace import Trace
 from moejax.config import ModelConfig
-from moejax.targets import Target
-from moejax.trace import Trace
 from sharding import eplb
 
 CATEGORIES = ("attention", "experts", "exchange", "rest")

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from moejax import abstract_arrays, plan
 from moejax.analysis import hlo_ops
 from moejax.analysis.simulate import Layout
+from moejax.base.targets import Target
+from moejax.compiled import abstract_arrays, plan
 from moejax.config import Config, ConfigError
-from moejax.targets import Target
 from sharding import registry
 
 GB = 1e9

@@ -13,7 +13,6 @@ import dataclasses
 
 import numpy as np
 
-from moejax import platform
 from moejax.analysis.target_pricing import CATEGORIES, CallTime, phase_us
 from moejax.analysis.target_programs import (
     GB,
@@ -24,10 +23,11 @@ from moejax.analysis.target_programs import (
     label,
     layouts,
 )
+from moejax.base import platform
+from moejax.base.errors import UsageError
+from moejax.base.targets import Target
+from moejax.base.trace import Trace
 from moejax.config import Config, ModelConfig
-from moejax.errors import UsageError
-from moejax.targets import Target
-from moejax.trace import Trace
 from sharding.hybrid import Hybrid
 
 MAX_PREFILL_CHUNKS = 8  # chunks of the trace's rows a prefill prices (each of thousands of rows)

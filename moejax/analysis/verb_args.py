@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from checkpoints.hf_config import from_hf_config
+from moejax.base.errors import UsageError
 from moejax.config import ConfigError, ModelConfig, preset
-from moejax.errors import UsageError
 
 
 def device_counts(text: str) -> list[int]:

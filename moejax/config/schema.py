@@ -247,11 +247,11 @@ class WeightsConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    dtype: str = "auto"  # RUN_DTYPES: activations, weights and KV cache ("auto": moejax.platform.run_dtype)
+    dtype: str = "auto"  # RUN_DTYPES: activations, weights and KV cache ("auto": moejax.base.platform.run_dtype)
     prefill_chunk: int = 0  # most prompt positions per prefill call; 0 = the platform's default
     max_seq_len: int = 0  # 0 = sized from the prompts and max_new_tokens
     routing: str = "natural"  # ROUTING_MODES; "even:SEED" seeds even's draws, "replay:TRACE" names the trace
-    layer_loop: str = "auto"  # LAYER_LOOPS ("auto": moejax.platform.Platform.unrolls)
+    layer_loop: str = "auto"  # LAYER_LOOPS ("auto": moejax.base.platform.Platform.unrolls)
     decode_block: int = 8  # decode steps per dispatched program (1: a program per step; see Engine.decode)
     page_size: int = 0  # Engine: the KV cache as pages of this many positions (0: a contiguous row per request)
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.base.errors import UsageError
 from moejax.config import Config
 from moejax.engine import compile_clock
 from moejax.engine.buckets import MIN_POSITIONS, bucket, decode_visible
@@ -21,7 +22,6 @@ from moejax.engine.pages import PageAllocator, pages_for
 from moejax.engine.programs import step_programs
 from moejax.engine.routing import Routing, valid_rows
 from moejax.engine.sampling import Sampling, sample
-from moejax.errors import UsageError
 from moejax.model import paged
 from moejax.model.layer_loop import arrange
 

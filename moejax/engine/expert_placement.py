@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moejax.errors import UsageError
+from moejax.base.errors import UsageError
 from sharding import eplb, moves, slots
 
 

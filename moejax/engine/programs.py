@@ -8,9 +8,9 @@ from typing import NamedTuple
 
 import jax
 
+from moejax.base.platform import Platform
 from moejax.config import ModelConfig
 from moejax.engine.steps import decode_step, decode_steps, prefill
-from moejax.platform import Platform
 
 
 def jit_program(fn, dtype, platform: Platform, *, decode: bool = False, **jit_kwargs):

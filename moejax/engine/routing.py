@@ -22,8 +22,8 @@ import dataclasses
 
 import numpy as np
 
+from moejax.base.errors import UsageError
 from moejax.config import ModelConfig
-from moejax.errors import UsageError
 
 
 def valid_rows(prompt_lens: list[int], batch: int, chunk: int, start: int | None) -> np.ndarray:
@@ -41,7 +41,7 @@ def valid_rows(prompt_lens: list[int], batch: int, chunk: int, start: int | None
 class Routing:
     mode: str = "natural"  # vocab.ROUTING_MODES
     seed: int = 0  # even's draws
-    trace: object = None  # replay: a moejax.trace.Trace
+    trace: object = None  # replay: a moejax.base.trace.Trace
 
     @classmethod
     def parse(cls, text: str, load_trace) -> Routing:

@@ -22,13 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.base.errors import UsageError
 from moejax.engine import compile_clock
 from moejax.engine.buckets import MIN_POSITIONS, bucket
 from moejax.engine.engine import Engine
 from moejax.engine.host import seed_rows, to_host
 from moejax.engine.programs import jit_program
 from moejax.engine.sampling import Sampling, draw, row_keys, sample, sampling_logits
-from moejax.errors import UsageError
 from moejax.model.mtp import init_mtp_cache, mtp_forward
 from moejax.model.transformer import forward, lm_head
 

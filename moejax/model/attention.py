@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from moejax.base.platform import tile_device
 from moejax.config import ModelConfig
 from moejax.model import dsa, paged, projections
 from moejax.model.layers import apply_rope, rms_norm
-from moejax.platform import tile_device
 from pallas_kernels import paged_attention as kernels
 
 KV_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")  # GQA cache: [B, H_kv, S, Dh]

@@ -2,7 +2,7 @@
 [layers, ...] (`Scan`), or a Python loop over one tree per layer (`Unrolled`: each layer's
 arrays their own buffers, where a scan's slice of a weight is a copy on XLA:CPU).
 
-The placement holds one loop per run, chosen once for its platform (`moejax.platform.Platform.unrolls`);
+The placement holds one loop per run, chosen once for its platform (`moejax.base.platform.Platform.unrolls`);
 the engine arranges its parameters by them, and the decoder, the expert moves and whatever reads
 one layer go through them: no code asks which form a run's parameters have.
 """

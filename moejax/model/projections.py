@@ -22,10 +22,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moejax.base.platform import DecodeKernels
 from moejax.config import ModelConfig
 from moejax.model.layers import apply_rope, rms_norm, silu_glu
 from moejax.model.router import route as xla_route
-from moejax.platform import DecodeKernels
 from pallas_kernels.epilogue import gate_up_columns
 
 

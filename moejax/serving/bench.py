@@ -19,7 +19,7 @@ import urllib.parse
 
 import numpy as np
 
-from moejax.errors import UsageError
+from moejax.base.errors import UsageError
 
 
 @dataclasses.dataclass

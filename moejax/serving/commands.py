@@ -7,7 +7,7 @@ import functools
 import os
 import sys
 
-from moejax.errors import UsageError
+from moejax.base.errors import UsageError
 
 
 def add_scheduler_args(p: argparse.ArgumentParser) -> None:
@@ -61,8 +61,8 @@ def build_scheduler(args, progress: bool = True, longest: int = 0):
     tokens of the longest request it will serve, when known (0: any the model takes)."""
     from tqdm import tqdm
 
-    from moejax.factory import build_engine, pd_engines
-    from moejax.flags import config_from_args, natural_routing_only, pd_apart
+    from moejax.launch.factory import build_engine, pd_engines
+    from moejax.launch.flags import config_from_args, natural_routing_only, pd_apart
     from moejax.serving.scheduler import Scheduler
     from moejax.serving.tokenizer import Tokenizer, eos_ids
 
@@ -96,7 +96,7 @@ def build_scheduler(args, progress: bool = True, longest: int = 0):
             engine = build_engine(config, args.hf, args.seed, args.checkpoint)
         bar.update()
         if args.speculative == "mtp":
-            from moejax.loading import load_mtp
+            from moejax.launch.loading import load_mtp
             from moejax.serving.speculative import SpecScheduler
 
             mtp = load_mtp(
@@ -240,7 +240,7 @@ def cmd_bench(args) -> int:
 
 
 def register(sub) -> None:
-    from moejax.flags import add_model_args, add_pd_args
+    from moejax.launch.flags import add_model_args, add_pd_args
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching and Prometheus metrics")
     add_model_args(s, auto=True)

@@ -12,10 +12,10 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from moejax.base.errors import UsageError
 from moejax.engine.buckets import bucket
 from moejax.engine.kv_cache import page_bytes
 from moejax.engine.pages import PageAllocator, pages_for
-from moejax.errors import UsageError
 from moejax.serving.prefix_cache import PrefixCache
 
 PAGE_SIZE = 16  # positions per page (--page-size)

@@ -19,9 +19,9 @@ import sys
 import numpy as np
 from prometheus_client.core import GaugeMetricFamily
 
-from moejax.errors import UsageError
-from moejax.flags import AUTO
-from moejax.trace import Trace
+from moejax.base.errors import UsageError
+from moejax.base.trace import Trace
+from moejax.launch.flags import AUTO
 from sharding.hybrid import Hybrid
 
 EVEN_STEPS = 32  # decode steps of the even router's trace
@@ -160,10 +160,10 @@ def choose(args, rank, log=None) -> LayoutChoice | None:
             "--placement auto chooses the layout for one process on the devices both phases share; "
             "drop --num-processes, --prefill-devices/--decode-devices and --ep/--tp, or name the placements"
         )
-    from moejax.flags import config_from_args
-    from moejax.loading import with_hf_model
+    from moejax.base.trace import load_trace
+    from moejax.launch.flags import config_from_args
+    from moejax.launch.loading import with_hf_model
     from moejax.serving.scheduler import SERVE_PREFILL_CHUNK
-    from moejax.trace import load_trace
 
     given = argparse.Namespace(**{**vars(args), "placement": None, "prefill_placement": None, "decode_placement": None})
     config = with_hf_model(config_from_args(given), args.hf, args.checkpoint)

@@ -13,8 +13,8 @@ import json
 import math
 import random
 
+from moejax.base.errors import UsageError
 from moejax.engine.logprobs import MAX_TOP
-from moejax.errors import UsageError
 from moejax.serving.request import Request
 from moejax.serving.stopping import Stopper
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from moejax.base.errors import UsageError
 from moejax.engine.logprobs import MAX_TOP
-from moejax.errors import UsageError
 from moejax.serving.stopping import Stopper
 
 MAX_BIAS = 512  # biased ids per row and step: logit_bias (at most 300) and, under min_tokens, the stop ids

@@ -45,9 +45,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from moejax.base.errors import UsageError
 from moejax.engine.engine import MIN_POSITIONS, bucket
 from moejax.engine.pages import pages_for
-from moejax.errors import UsageError
 from moejax.serving.kv_pages import PAGE_SIZE, KVPages, pool_pages, window_held, window_pool_pages
 from moejax.serving.program_calls import ProgramCalls
 from moejax.serving.request import Request, check_request

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from moejax.errors import UsageError
+from moejax.base.errors import UsageError
 from moejax.serving import openai, responses
 from moejax.serving.scheduler import Draining, QueueFull
 

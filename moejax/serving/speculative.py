@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.base.errors import UsageError
 from moejax.engine.host import to_host
 from moejax.engine.programs import jit_program
-from moejax.errors import UsageError
 from moejax.model import paged
 from moejax.model.mtp import init_mtp_pool, mtp_forward
 from moejax.model.transformer import forward, lm_head

@@ -9,7 +9,7 @@ exactly the final text.
 
 from __future__ import annotations
 
-from moejax.errors import UsageError
+from moejax.base.errors import UsageError
 
 REPLACEMENT = "\ufffd"  # what a decoder writes for a UTF-8 sequence cut in the middle
 

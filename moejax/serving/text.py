@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from moejax.errors import UsageError
+from moejax.base.errors import UsageError
 from moejax.serving.stopping import Stopper
 from moejax.serving.tokenizer import Tokenizer, eos_ids
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moejax.errors import UsageError
+from moejax.base.errors import UsageError
 
 
 def _read_json(path: Path) -> dict:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from moejax import platform
+from moejax.base import platform
+from moejax.base.errors import UsageError
 from moejax.config import Config, ConfigError
-from moejax.errors import UsageError
 from sharding import registry, rules
 from sharding.mesh import make_mesh
 from sharding.tensor_sliced import TensorSliced
@@ -100,11 +100,11 @@ def build_engine(
     `params`: another engine's, placed and arranged as this placement lays them out, experts in
     slots `phy2log` where the layout places them (else loaded and placed)."""
     # Deferred: orbax, safetensors and the model code load only for the verbs that run a model.
+    from moejax.base.trace import load_trace
     from moejax.engine.engine import Engine
     from moejax.engine.expert_placement import place_experts
     from moejax.engine.routing import Routing
-    from moejax.loading import load_params, with_hf_model
-    from moejax.trace import load_trace
+    from moejax.launch.loading import load_params, with_hf_model
 
     config = host_layout(with_hf_model(config, hf_dir, checkpoint)).validate()
     routing = Routing.parse(config.engine.routing, load_trace)
@@ -160,7 +160,7 @@ def mtp_engine(engine, args, others=()):
     """`engine` with the model's MTP draft module (`--speculative mtp`), placed as its parameters;
     an engine of `others` with the same parameters lends its module."""
     from moejax.engine.speculative import SpeculativeEngine
-    from moejax.loading import load_mtp
+    from moejax.launch.loading import load_mtp
 
     alike = [o for o in others if o.engine.params is engine.params]
     mtp = (

@@ -13,13 +13,13 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 import pallas_kernels
+from moejax.base.platform import run_dtype
 from moejax.config import Config
 from moejax.engine.expert_placement import wants_slots
 from moejax.engine.kv_cache import init_cache, init_pool
 from moejax.model.attention import cache_specs
 from moejax.model.mtp import init_mtp_pool
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_dtype, param_specs
-from moejax.platform import run_dtype
 from sharding import rules
 
 

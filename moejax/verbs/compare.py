@@ -14,10 +14,11 @@ import json
 import jax
 import numpy as np
 
+from moejax.base.errors import UsageError
+from moejax.base.platform import run_dtype
 from moejax.engine.expert_placement import wants_slots
-from moejax.errors import UsageError
-from moejax.factory import build_engine, ensure_devices, pd_devices, pd_engine
-from moejax.flags import (
+from moejax.launch.factory import build_engine, ensure_devices, pd_devices, pd_engine
+from moejax.launch.flags import (
     DEFAULT_PROMPTS,
     add_model_args,
     add_page_args,
@@ -27,7 +28,6 @@ from moejax.flags import (
     prompt_ids,
 )
 from moejax.model.transformer import layer_params
-from moejax.platform import run_dtype
 from sharding import registry
 
 

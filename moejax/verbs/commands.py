@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from moejax.errors import UsageError
-from moejax.factory import build_engine, mtp_engine, pd_engines
-from moejax.flags import (
+from moejax.base.errors import UsageError
+from moejax.launch.factory import build_engine, mtp_engine, pd_engines
+from moejax.launch.flags import (
     add_model_args,
     add_page_args,
     add_pd_args,

@@ -153,7 +153,7 @@ ACCELERATOR_DEVICES = ("/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/vfio/[0-9]
 
 def tile_device(device) -> tuple[str, int]:
     """(device kind, SMs or cores) of `device` (this machine's, or a compile target's: its record's
-    cores, `moejax/targets.py`), what the kernels' tiles are looked up for (`pallas_kernels/tiles.py`);
+    cores, `moejax/base/targets.py`), what the kernels' tiles are looked up for (`pallas_kernels/tiles.py`);
     0 cores where jax describes none."""
     return device.device_kind, getattr(device, "core_count", 0) or 0
 

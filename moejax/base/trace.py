@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moejax.errors import UsageError
+from moejax.base.errors import UsageError
 
 KINDS = ("decode", "prefill")
 

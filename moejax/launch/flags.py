@@ -1,6 +1,6 @@
 """The model flags every verb that runs a model shares, and the `Config` they make.
 
-Parsing only: `moejax.factory` builds engines of the config; the verbs import both.
+Parsing only: `moejax.launch.factory` builds engines of the config; the verbs import both.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import argparse
 import dataclasses
 import functools
 
+from moejax.base.errors import UsageError
 from moejax.config import Config, ConfigError, LayoutConfig, current_name, from_dict, load_file, replace_checked
-from moejax.errors import UsageError
 from moejax.vocab import (
     ATTENTION_KERNELS,
     ATTENTION_MODES,

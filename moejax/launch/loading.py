@@ -13,12 +13,12 @@ from checkpoints.hf import expert_format, has_mtp, load_hf, read_hf_config
 from checkpoints.manifest import read_manifest
 from checkpoints.orbax_io import restore_params
 from checkpoints.placing import Layers, place_tensor
+from moejax.base.errors import UsageError
+from moejax.base.platform import host_device, run_dtype
 from moejax.config import Config
-from moejax.errors import UsageError
 from moejax.model import layer_loop
 from moejax.model.mtp import mtp_specs
 from moejax.model.params import ParamSpec, init_param, param_keys, param_specs
-from moejax.platform import host_device, run_dtype
 
 
 def with_hf_model(config: Config, hf_dir: str | None, checkpoint: str | None = None) -> Config:

@@ -22,7 +22,7 @@ import functools
 import importlib.util
 import os
 
-from moejax.errors import UsageError
+from moejax.base.errors import UsageError
 
 GB = 1e9
 

@@ -1,5 +1,5 @@
 """`moejax plan`: the full-size model on N devices, compiled without the hardware (the verb's
-arguments and tables: `plan_command.py`; its programs serve `advise --target` too).
+arguments and tables: `moejax/verbs/plan_command.py`; its programs serve `advise --target` too).
 
 Lowers and compiles the decode step (a batch of `--batch` requests over a KV cache of
 `--context` positions), a decode block (`engine.decode_block` steps in one program) and one
@@ -9,7 +9,7 @@ placement and device the parameter bytes, the KV-cache bytes and the compiled pr
 temporary bytes (`compiled.memory_analysis()`), their total against the device's memory, whether
 each program compiled, and the compile time.
 
-`--target h100` (`moejax.targets`: h100, h200, b200, v5e, v6e) compiles on compile-only devices
+`--target h100` (`moejax.base.targets`: h100, h200, b200, v5e, v6e) compiles on compile-only devices
 of that accelerator with its own compiler (XLA:GPU and its Triton lowering through jax's CUDA
 plugin, the TPU compiler and Mosaic through libtpu): the programs, kernels, collectives and
 temporaries are the target's. Without one, the programs compile for N virtual CPU devices:
@@ -28,8 +28,11 @@ import time
 import jax
 import jax.numpy as jnp
 
-from moejax import hlo, targets
-from moejax.abstract_arrays import (
+from moejax.base import targets
+from moejax.base.errors import UsageError
+from moejax.base.platform import Platform, resolve, run_dtype
+from moejax.compiled import hlo
+from moejax.compiled.abstract_arrays import (
     abstract_cache,
     abstract_mtp_pool,
     abstract_params,
@@ -44,9 +47,7 @@ from moejax.engine.pages import pages_for
 from moejax.engine.programs import jit_program
 from moejax.engine.sampling import Sampling
 from moejax.engine.steps import decode_step, decode_steps, prefill
-from moejax.errors import UsageError
 from moejax.model import paged
-from moejax.platform import Platform, resolve, run_dtype
 from sharding import make_placement
 
 GB = 1e9
@@ -171,7 +172,7 @@ def decode_program(
     """(placement, the decode step bound to it, its abstract arguments) for `platform` (jax's name:
     a target's "cuda" or "tpu"; default this machine's): over a contiguous cache, or (`page_size`) a
     page pool of the same positions and its block tables; on `devices` (default: this machine's; a
-    target's compile-only devices, `moejax.targets`). The engine's jit of the step is
+    target's compile-only devices, `moejax.base.targets`). The engine's jit of the step is
     `jit_program(step, dtype, placement.platform, decode=True, donate_argnums=1)`: its precision
     and compiler options."""
     record = resolve(platform)

@@ -41,7 +41,7 @@ def configure_compile_cache() -> str:
 def jax_platforms() -> str:
     """JAX_PLATFORMS for this process: the user's, else "cpu" on a host with no accelerator
     attached (`platform.host_alone`), else jax's own choice (""). Before jax's import."""
-    from moejax import platform
+    from moejax.base import platform
 
     if platform.host_alone():
         _load_plugins_quietly()
@@ -89,7 +89,7 @@ def start_tpu_compiler_quietly(target: str | None) -> None:
     host where jax runs on the CPU: there libtpu logs from C++ that it finds no TPU (its
     accelerator type, its hosts) as it starts, before any log setting applies, five lines ahead
     of the verb's own output or its one-line refusal."""
-    from moejax import platform, targets
+    from moejax.base import platform, targets
 
     t = targets.TARGETS.get(target)
     if t is None or not platform.resolve(t.platform).starts_loudly or not platform.host_alone():

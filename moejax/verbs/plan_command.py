@@ -1,15 +1,15 @@
-"""The `plan` verb: arguments and tables; the programs and their bytes are `moejax.plan`'s."""
+"""The `plan` verb: arguments and tables; the programs and their bytes are `moejax.compiled.plan`'s."""
 
 from __future__ import annotations
 
 import json
 
-from moejax import platform, targets
+from moejax.base import platform, targets
+from moejax.base.errors import UsageError
+from moejax.compiled.plan import GB, OUTPUT_LEN, PAGE_SIZE, PROMPT_LEN, plan_placement
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
-from moejax.errors import UsageError
-from moejax.factory import ensure_devices
-from moejax.flags import kernel_name
-from moejax.plan import GB, OUTPUT_LEN, PAGE_SIZE, PROMPT_LEN, plan_placement
+from moejax.launch.factory import ensure_devices
+from moejax.launch.flags import kernel_name
 from moejax.vocab import ATTENTION_KERNELS, ATTENTION_MODES, DTYPES, EXPERT_FORMATS
 from sharding import names, placement_class, with_placement
 
