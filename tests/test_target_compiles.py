@@ -3,8 +3,8 @@
 Every family (the tiny presets, the goldens' transformers models, and models whose widths are no
 power of two) x paged decode step x bfloat16 and float32 (and float32's decode step and prefill
 chunk over a contiguous cache), with the kernels `auto` picks (and the XLA path's in bf16), compile
-for an H100 (XLA:GPU with its Triton and Mosaic GPU lowerings); every family's decode step, decode
-block and prefill chunk compile for an H100 and a B200 as by a jax without Pallas's Triton backend,
+for an H100 (XLA:GPU with its Triton and Mosaic GPU lowerings); every family's decode step and
+prefill chunk compile for an H100 and a B200 as by a jax without Pallas's Triton backend,
 raising no deprecation warning; every placement's decode step and prefill chunk compile for 8 H100s
 and for a v5e slice of 8 chips with the Pallas kernels the target's `auto` picks. The whole matrix
 compiles once, in worker processes running side by side (`target_compiles.py`), so that an XLA
@@ -34,6 +34,7 @@ MODELS = (
     + [("tiny-qwen3-moe", ODD_GQA), ("tiny", ODD_MLA)]
 )
 DTYPES = ("bfloat16", "float32")
+STEP_AND_CHUNK = ("decode", "prefill")
 PAGE_SIZE = 16
 
 # The decode step and the prefill chunk over a contiguous cache (float32), the decode step over pages
@@ -45,21 +46,30 @@ FAMILY_CASES = [
     for model, widths in MODELS
     for dtype in DTYPES
     for case in (
-        *([Case(model, "h100", widths, dtype=dtype, programs=("decode", "prefill"))] if dtype == "float32" else []),
+        *([Case(model, "h100", widths, dtype=dtype, programs=STEP_AND_CHUNK)] if dtype == "float32" else []),
         Case(model, "h100", widths, dtype=dtype, page_size=PAGE_SIZE, programs=("decode",)),
-        *([Case(model, "h100", widths, kernel="xla", programs=("decode", "prefill"))] if dtype == "bfloat16" else []),
+        *([Case(model, "h100", widths, kernel="xla", programs=STEP_AND_CHUNK)] if dtype == "bfloat16" else []),
     )
 ]
-# Every family's decode step, decode block and prefill chunk over pages, as a jax without Pallas's
-# Triton backend compiles them (jax 0.11 deprecated it) for a Hopper and a Blackwell GPU with `auto`;
-# and 4-bit experts wide enough for the Blackwell bf16 x 4-bit kernel.
+# Every family's decode step and prefill chunk over pages, as a jax without Pallas's Triton backend
+# compiles them (jax 0.11 deprecated it) for a Hopper and a Blackwell GPU with `auto`; and 4-bit
+# experts wide enough for the Blackwell bf16 x 4-bit kernel. (A decode block is its step in a loop:
+# `test_target_structure.py` compiles it and reads its loop.)
 GPU_ARCHITECTURES = {"h100": "mosaic_gpu", "b200": "blackwell_bf16"}
 WITHOUT_TRITON = [
-    Case(model, target, widths, page_size=PAGE_SIZE, triton=False)
+    Case(model, target, widths, page_size=PAGE_SIZE, programs=STEP_AND_CHUNK, triton=False)
     for model, widths in MODELS
     for target in GPU_ARCHITECTURES
 ] + [
-    Case("tiny-qwen3-moe", target, TILEABLE, expert_format="nvfp4", page_size=PAGE_SIZE, triton=False)
+    Case(
+        "tiny-qwen3-moe",
+        target,
+        TILEABLE,
+        expert_format="nvfp4",
+        page_size=PAGE_SIZE,
+        programs=STEP_AND_CHUNK,
+        triton=False,
+    )
     for target in GPU_ARCHITECTURES
 ]
 # 4-bit experts on widths the TPU grouped GEMM tiles; pages, for the paged-attention kernels.
@@ -73,7 +83,7 @@ PLACEMENT_CASES = [
         placement=name,
         expert_format="nvfp4",
         page_size=PAGE_SIZE,
-        programs=("decode", "prefill"),
+        programs=STEP_AND_CHUNK,
     )
     for target, n in TARGET_DEVICES.items()
     for name in names()
