@@ -50,7 +50,7 @@ class Placement:
         # one a program is compiled for (`moejax plan --target`); the kernel "auto" stands for, ...
         self.platform = platform or resolve()
         self.kernel = gemm_kernel(config, self.platform, self.tp, self.first_device)
-        self.attention_kernel = paged_kernel(config, self.platform)
+        self.attention_kernel = paged_kernel(config, self.platform, self.first_device)
         # How each run of layers executes there (a scan, or unrolled): the engine arranges its
         # parameters by these, and the decoder runs them so (`moejax/model/layer_loop.py`).
         # Where every device holds every expert and the kernel multiplies a group where it lies (on
@@ -281,16 +281,18 @@ def expert_shapes(model, tp: int) -> list[tuple[int, int, bool]]:
     )
 
 
-def paged_kernel(config: Config, platform: Platform) -> str:
-    """The paged-attention kernel of `config.attention_kernel` on `platform`. "auto" takes the XLA
-    path where this jax cannot build the kernel or it cannot read the model's cache (under DP attention too: each rank's
-    requests hold the rank's own pages, which its kernel reads); a kernel named for a model it
-    cannot read is refused with the reason."""
+def paged_kernel(config: Config, platform: Platform, device=None) -> str:
+    """The paged-attention kernel of `config.attention_kernel` on `platform`'s `device` (a compile
+    target's, or this machine's first). "auto" takes the XLA path where this jax cannot build the
+    kernel, the device cannot run it (an Ampere GPU: no TMA) or it cannot read the model's cache
+    (under DP attention too: each rank's requests hold the rank's own pages, which its kernel
+    reads); a kernel named for what it cannot run is refused with the reason."""
     name = platform.attention_kernel(config.attention_kernel)
     refusal = (
         None
         if name == "xla"
-        else catalog.attention(name).why_not(platform.name) or paged.kernel_refusal(config.model, name)
+        else catalog.attention(name).why_not(platform.name, device or jax.devices()[0])
+        or paged.kernel_refusal(config.model, name)
     )
     if refusal and config.attention_kernel != "auto":
         raise ConfigError(

@@ -1,6 +1,7 @@
-"""Which grouped GEMM a run's `auto` stands for: by platform, GPU architecture, run dtype, expert
-format and widths, and this jax's Pallas backends (a jax without Triton: jax 0.11 deprecated it);
-and a kernel named for what it cannot run, refused in one line. On compile-only devices."""
+"""Which grouped GEMM and paged attention a run's `auto` stands for: by platform, GPU architecture,
+run dtype, expert format and widths, and this jax's Pallas backends (a jax without Triton: jax 0.11
+deprecated it); and a kernel named for what it cannot run, refused in one line. On compile-only
+devices."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from moejax.base import targets
 from moejax.base.platform import resolve
+from moejax.compiled import hlo, plan
 from moejax.config import Config, ConfigError, EngineConfig, LayoutConfig, WeightsConfig, preset
 from pallas_kernels import probes
 from sharding import make_placement
@@ -18,7 +20,7 @@ GPU = resolve("cuda")
 WIDE = {"hidden_size": 512, "moe_intermediate_size": 256}  # the Blackwell bf16 x 4-bit kernel's least tiles
 
 
-def _placement(target: str, *, dtype="bfloat16", fmt="unquantized", kernel="auto", wide=True):
+def _placement(target: str, *, dtype="bfloat16", fmt="unquantized", kernel="auto", wide=True, attention="auto"):
     model = preset("tiny-qwen3-moe")
     model = dataclasses.replace(model, **WIDE) if wide else model
     config = Config(
@@ -27,6 +29,7 @@ def _placement(target: str, *, dtype="bfloat16", fmt="unquantized", kernel="auto
         weights=WeightsConfig(fmt),
         engine=EngineConfig(dtype=dtype),
         kernel=kernel,
+        attention_kernel=attention,
     ).validate()
     return make_placement(config, platform=GPU, devices=list(targets.devices(target, 1)))
 
@@ -45,6 +48,7 @@ def without_triton(monkeypatch):
         ("b200", "bfloat16", "mxfp4", True, "blackwell_bf16"),
         ("b200", "bfloat16", "nvfp4", False, "triton"),  # narrower than the kernel's tiles
         ("b200", "bfloat16", "unquantized", True, "triton"),  # its kernels multiply 4-bit experts
+        ("a100", "bfloat16", "nvfp4", True, "triton"),  # no wgmma, no tcgen05
     ],
 )
 def test_auto_picks_the_architectures_mosaic_kernel_where_it_can_run(target, dtype, fmt, wide, kernel):
@@ -83,6 +87,32 @@ def test_without_triton_auto_never_picks_a_triton_kernel(without_triton, target,
 def test_a_kernel_named_for_another_architecture_or_format_is_refused(target, kernel, fmt, match):
     with pytest.raises(ConfigError, match=match):
         _placement(target, fmt=fmt, kernel=kernel)
+
+
+@pytest.mark.parametrize("target, attention", [("a100", "xla"), ("h100", "mosaic_gpu"), ("b200", "mosaic_gpu")])
+def test_auto_attention_is_mosaic_gpus_where_the_gpu_has_tma(target, attention):
+    assert _placement(target).attention_kernel == attention
+
+
+def test_an_ampere_gpus_paged_decode_step_compiles_reading_pages_through_xla():
+    """The Mosaic GPU attention's TMA copies do not exist on sm_80 (its compile fails there): `auto`
+    leaves an A100's pages to XLA, and the paged step compiles with Triton's kernels only."""
+    config = Config(
+        model=preset("tiny-qwen3-moe"), layout=LayoutConfig(devices=1), engine=EngineConfig(dtype="bfloat16")
+    ).validate()
+    placement, programs = plan.programs(config, 8, 64, 64, "cuda", list(targets.devices("a100", 1)), page_size=16)
+    compiled, _, why = plan.compile_program(*programs["decode"], persist=False)
+    assert why is None and placement.attention_kernel == "xla"
+    calls = hlo.by_kind(hlo.pallas_calls(compiled.as_text()))
+    assert calls and set(calls) == {"custom-call __gpu$xla.gpu.triton"}
+
+
+def test_the_mosaic_gpu_attention_named_for_an_ampere_gpu_is_refused():
+    with pytest.raises(
+        ConfigError,
+        match=r"attention kernel mosaic_gpu: needs an NVIDIA Hopper or Blackwell GPU \(TMA\); this one is sm_80",
+    ):
+        _placement("a100", attention="mosaic_gpu")
 
 
 def test_without_triton_the_triton_kernel_named_is_refused(without_triton):

@@ -94,6 +94,21 @@ def test_plan_for_a_target_counts_its_decode_steps_kernel_launches_a_layer(capsy
     )
 
 
+def test_plan_for_an_ampere_gpu_compiles_every_program_with_tritons_kernels(capsys):
+    """plan --target a100: no wgmma or tcgen05 there, so `auto` runs Triton's grouped GEMM and decode
+    kernels; the decode step, a decode block and a prefill chunk all compile for sm_80, and the
+    decode step calls no Mosaic GPU kernel."""
+    argv = ["plan", "--preset", "tiny", "--devices", "1", "--target", "a100", "--batch", "8", "--context", "64"]
+    assert main([*argv, "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["placements"]
+    assert row["kernel"] == "triton"
+    assert set(row["programs"]) == {"decode", "decode block", "prefill"}
+    assert all(p["compiled"] for p in row["programs"].values()), row["programs"]
+    kinds = row["decode_kernels"]["launch_kinds"]
+    assert kinds.get("custom-call __gpu$xla.gpu.triton", 0) > 0
+    assert not [kind for kind in kinds if "mosaic" in kind]
+
+
 @pytest.mark.parametrize(
     "placement,fmt,devices",
     [("hybrid", "nvfp4", 8), ("expert_sharded", "unquantized", 8), ("expert_sharded", "unquantized", 1)],

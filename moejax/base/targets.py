@@ -69,6 +69,25 @@ ICI_US = 5.0
 TARGETS = {
     t.name: t
     for t in (
+        # A100 80GB SXM: no TMA, wgmma or 4-bit unit, so `auto` runs Triton's kernels and XLA's attention.
+        Target(
+            "a100",
+            "cuda",
+            "NVIDIA A100-SXM4-80GB",
+            80,
+            2.039,
+            312,
+            0,
+            300,
+            GPU_LAUNCH_US,
+            NVLINK_US,
+            (8, 0),
+            108,
+            1.41,
+            40 << 20,
+            167936,
+            166912,
+        ),
         Target(
             "h100",
             "cuda",
@@ -163,7 +182,9 @@ def target(name: str) -> Target:
 def gpu_target_config(t: Target) -> str:
     """XLA's GpuTargetConfig text proto describing GPU `t` to its compiler."""
     major, minor = t.capability
-    # sm_90a / sm_100a: the architecture-specific instructions (wgmma, tcgen05) Triton emits.
+    # sm_90a / sm_100a: the architecture-specific instructions (wgmma, tcgen05) Triton emits; an
+    # Ampere GPU has none (there is no sm_80a).
+    features = "ACCELERATED_FEATURES" if major >= 9 else "NONE"
     return f"""gpu_device_info {{
   threads_per_block_limit: 1024
   threads_per_warp: 32
@@ -180,7 +201,7 @@ def gpu_target_config(t: Target) -> str:
   l2_cache_size: {t.l2_bytes}
   clock_rate_ghz: {t.clock_ghz}
   device_memory_size: {int(t.hbm_gb * GB)}
-  cuda_compute_capability {{ major: {major} minor: {minor} feature_extension: ACCELERATED_FEATURES }}
+  cuda_compute_capability {{ major: {major} minor: {minor} feature_extension: {features} }}
   registers_per_core_limit: 65536
   registers_per_block_limit: 65536
 }}
