@@ -117,7 +117,7 @@ def test_the_cpus_rows_through_the_xla_grouped_gemm_are_the_product():
         (GEMM, "blackwell", TPU, "needs an NVIDIA Blackwell"),
         (GEMM, "triton", GPU, None),
         (GEMM, "interpret_triton", CPU, None),
-        (ATTENTION, "mosaic_gpu", TPU, "needs an NVIDIA Hopper or newer GPU (TMA); this machine's backend is tpu"),
+        (ATTENTION, "mosaic_gpu", TPU, "needs an NVIDIA Hopper or Blackwell GPU (TMA); this machine's backend is tpu"),
         (ATTENTION, "pallas_tpu", TPU, None),
     ],
 )
