@@ -11,12 +11,13 @@ from pallas_kernels.formats import (
     quantize_rows,
     values_nbytes,
 )
-from pallas_kernels.registry import for_kernel, grouped_gemm, pick_gemm, run_weights
+from pallas_kernels.registry import expert_ffn, for_kernel, grouped_gemm, pick_gemm, run_weights
 
 __all__ = [
     "FORMATS",
     "QuantizedArray",
     "dequantize",
+    "expert_ffn",
     "for_kernel",
     "grouped_gemm",
     "nbytes",

@@ -60,6 +60,10 @@ class Kernel:
     scales_columns: bool = False  # applies a 4-bit stack's column-wise tensor scales itself
     prepares: str | None = None  # its module's function taking 4-bit experts to its own layout (once, at load)
     decode: str | None = None  # the decode kernels (a DECODE record's name) a run of this grouped GEMM takes
+    # A decode set: whether its kernels run a layer's dense products too (`linear.py`, `routing.py`), and
+    # whether it runs the experts as one call (gate|up, act, down and the picks' sum), else as two pick GEMMs.
+    dense: bool = False
+    whole_ffn: bool = False
     interpreted: bool = False  # runs in Pallas' interpreter (any platform: tests)
     # Takes operands typed as varying over a shard_map's mesh axes (check_vma). Not the warp-specialized
     # Mosaic GPU kernels: `plgpu.warp_map` is an mpmd_map, which from jax 0.11 refuses such Refs.
@@ -168,6 +172,7 @@ _GEMMS = (
         shape_check="shape_refusal",
         shape_formats=QUANTIZED_FORMATS,  # 4-bit K-halves are tiled in whole 128-lane blocks
         reads=GROUPED,
+        decode="pallas_tpu",
         takes=("precision",),
         tiles="pallas_tpu",
     ),
@@ -241,6 +246,8 @@ _GEMMS = (
         shape_check="shape_refusal",
         shape_formats=QUANTIZED_FORMATS,
         reads=GROUPED,
+        decode="interpret_tpu",
+        varying_operands=False,  # as the interpreted TPU decode set's (below)
         takes=("precision",),
         tiles="pallas_tpu",
     ),
@@ -293,13 +300,53 @@ _ATTENTIONS = (
     ),
 )
 
-# A decode step's fused kernels (`moejax/model/projections.py`, `sharding/experts.py`): the pick GEMM
-# (each row's experts by id, no sort) and the dense projections, Triton's.
+# A decode step's fused kernels (`moejax/model/projections.py`, `sharding/experts.py`): Triton's pick
+# GEMM (each row's experts by id, no sort) and dense projections; Mosaic TPU's experts as one call
+# (each local expert's tiles against every row, an expert no row picked never read).
 PICKS = frozenset({"picks"})
 _DECODES = (
-    Kernel("triton", DECODE, "gmm_picks", "triton", "pick_gemm", platform="gpu", reads=PICKS, tiles="pick_gemm"),
     Kernel(
-        "interpret_triton", DECODE, "gmm_picks", "triton", "pick_gemm", reads=PICKS, interpreted=True, tiles="pick_gemm"
+        "triton", DECODE, "gmm_picks", "triton", "pick_gemm", platform="gpu", reads=PICKS, dense=True, tiles="pick_gemm"
+    ),
+    Kernel(
+        "interpret_triton",
+        DECODE,
+        "gmm_picks",
+        "triton",
+        "pick_gemm",
+        reads=PICKS,
+        dense=True,
+        interpreted=True,
+        tiles="pick_gemm",
+    ),
+    Kernel(
+        "pallas_tpu",
+        DECODE,
+        "expert_ffn_tpu",
+        "mosaic_tpu",
+        platform="tpu",
+        formats=("unquantized",),
+        multiplies="unquantized experts (4-bit ones take the grouped GEMM)",
+        shape_check="shape_refusal",
+        reads=PICKS | {"stack"},
+        whole_ffn=True,
+        tiles="expert_ffn_tpu",
+    ),
+    Kernel(
+        "interpret_tpu",
+        DECODE,
+        "expert_ffn_tpu",
+        "mosaic_tpu",
+        formats=("unquantized",),
+        multiplies="unquantized experts (4-bit ones take the grouped GEMM)",
+        shape_check="shape_refusal",
+        reads=PICKS | {"stack"},
+        whole_ffn=True,
+        interpreted=True,
+        # The interpreter slices its scalar tables, which vary over the mesh, at the grid's indices,
+        # which do not; jax's varying-axes check refuses that slice.
+        varying_operands=False,
+        tiles="expert_ffn_tpu",
     ),
 )
 

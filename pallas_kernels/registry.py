@@ -211,6 +211,42 @@ def pick_gemm(
     )
 
 
+def expert_ffn(
+    x,
+    ids,
+    weights,
+    w: dict,
+    *,
+    group_offset=0,
+    backend: str,
+    act,
+    down_bias=None,
+    precision=None,
+    device: tuple[str, int] = ("", 0),
+):
+    """A decode set's experts as one call (its record's `whole_ffn`): x [T, D], ids and weights [T, k]
+    -> [T, D], the sum of each row's picks' weight * down(act(gate, up)) through w's gate_up and down
+    (and gate_up_bias) of the local experts, with the tiles the table gives their shape on `device`."""
+    record = catalog.kernel(catalog.DECODE, backend)
+    kernel = record.kernel_module()
+    _, k, n = w["gate_up"].shape
+    chosen = tiles.lookup(record.tiles, device, rows=x.shape[0], k=k, n=n, gated=True)
+    return record.load()(
+        x,
+        ids,
+        weights,
+        w["gate_up"],
+        w["down"],
+        group_offset=group_offset,
+        act=act,
+        gate_up_bias=w.get("gate_up_bias"),
+        down_bias=down_bias,
+        tiles=kernel.Tiles(**chosen),
+        precision=precision,
+        interpret=record.interpreted,
+    )
+
+
 def _fuses(record: catalog.Kernel, probe: str, m: int, n: int, rhs) -> bool:
     """Whether `record`'s kernel does a step itself for m rows of rhs (N columns), by its module's
     `probe`: fuses_glu (the gated activation of a gate|up stack), fuses_combine (the sum of each

@@ -59,10 +59,26 @@ def expert_ffn(
 def expert_ffn_by_pick(
     x: jax.Array, ids: jax.Array, weights: jax.Array, w: dict, *, group_offset, first_slice, decode: DecodeKernels
 ) -> jax.Array:
-    """`expert_ffn` of a decode step's few rows, each pick multiplied by its expert where it lies
-    (`pallas_kernels.pick_gemm`: no sort, no group metadata): x: [T, D], ids, weights: [T, k] -> [T, D].
-    The down product's [T*k, D] rows are weighted and summed per token in float32, as `epilogue.combine`
-    sums the sorted products."""
+    """`expert_ffn` of a decode step's few rows, each pick multiplied by its expert where it lies (no
+    sort, no group metadata): x: [T, D], ids, weights: [T, k] -> [T, D]. As one call where the decode
+    set runs the experts whole (`pallas_kernels.expert_ffn`), else two pick GEMMs
+    (`pallas_kernels.pick_gemm`) whose down product's [T*k, D] rows are weighted and summed per token
+    in float32, as `epilogue.combine` sums the sorted products."""
+    down_bias = w.get("down_bias")
+    down_bias = None if down_bias is None else jnp.where(first_slice, down_bias, 0)
+    if decode.whole_ffn:
+        return pallas_kernels.expert_ffn(
+            x,
+            ids,
+            weights,
+            w,
+            group_offset=group_offset,
+            backend=decode.kernel,
+            act=w.get("act", silu_glu),
+            down_bias=down_bias,
+            precision=decode.precision,
+            device=decode.device,
+        )
     t, k = ids.shape
     gemm = functools.partial(
         pallas_kernels.pick_gemm,
@@ -75,10 +91,7 @@ def expert_ffn_by_pick(
         device=decode.device,
     )
     h = gemm(x, w["gate_up"], bias=w.get("gate_up_bias"), act=w.get("act", silu_glu))  # [T*k, F]
-    down_bias = w.get("down_bias")
-    y = gemm(
-        h, w["down"], bias=None if down_bias is None else jnp.where(first_slice, down_bias, 0), rows_are_picks=True
-    )  # [T*k, D]
+    y = gemm(h, w["down"], bias=down_bias, rows_are_picks=True)  # [T*k, D]
     return jnp.einsum("tkd,tk->td", y.reshape(t, k, -1).astype(jnp.float32), weights).astype(x.dtype)
 
 

@@ -227,6 +227,14 @@ class MeshPlacement(Placement, abc.ABC):
         """Inside shard_map, per device: its rows x: [T_local, D] (all T rows when rows are
         replicated), ids/weights: [T_local, k], its experts w -> [T_local, D]."""
 
+    @property
+    def kernels_take_varying_operands(self) -> bool:
+        """Whether the MoE's kernels (its grouped GEMM, and its decode set where it has one) take
+        operands typed as varying over the mesh axes: shard_map's check is off where one does not."""
+        records = [catalog.gemm(self.kernel)]
+        records += [catalog.kernel(catalog.DECODE, self.decode.kernel)] if self.decode.kernel != "xla" else []
+        return all(r.varying_operands for r in records)
+
     def moe(self, x, ids, weights, experts, gathered: bool = False):
         row = self.row_spec(2)
         return jax.shard_map(
@@ -234,7 +242,7 @@ class MeshPlacement(Placement, abc.ABC):
             mesh=self.mesh,
             in_specs=(row, row, row, self.expert_specs(experts, gathered)),
             out_specs=row,
-            check_vma=catalog.gemm(self.kernel).varying_operands,  # off for a kernel that takes no such types
+            check_vma=self.kernels_take_varying_operands,
         )(x, ids, weights, experts)
 
     # ------------------------------------------------------------------ accounting

@@ -68,14 +68,19 @@ class Placement:
 
     @functools.cached_property
     def decode(self) -> DecodeKernels:
-        """How a decode step's small products run: XLA's ops, or the GPU's fused decode kernels
-        (`moejax/model/projections.py`, `sharding/experts.py`), a layer's dense products among them
-        on one device."""
+        """How a decode step's small products run: XLA's ops, or the fused decode kernels its grouped
+        GEMM's record names (`moejax/model/projections.py`, `sharding/experts.py`): a GPU's, a layer's
+        dense products among them on one device; a TPU's experts as one call."""
         dtype = self.platform.run_dtype(self.config.engine.dtype)
         name = catalog.gemm(self.kernel).decode  # None: its runs take none (they would multiply other rows)
-        if name is not None and catalog.kernel(catalog.DECODE, name).why_not(self.platform.name):
-            name = None  # this jax cannot build them (Triton's)
-        return self.platform.decode_kernels(name, dtype, self.first_device, self.devices == 1)
+        record = None if name is None else catalog.kernel(catalog.DECODE, name)
+        fmt, shapes = self.config.weights.expert_format, expert_shapes(self.config.model, self.tp)
+        if record is not None and record.why_not(self.platform.name, self.first_device, dtype, fmt, shapes):
+            record = None  # this jax cannot build them (Triton's), or they do not multiply these experts
+        if record is None:
+            return self.platform.decode_kernels(None, dtype, self.first_device, False)
+        dense = record.dense and self.devices == 1
+        return self.platform.decode_kernels(record.name, dtype, self.first_device, dense, record.whole_ffn)
 
     @property
     def first_device(self):

@@ -164,3 +164,15 @@ def test_a_gpu_decode_block_launches_each_kernel_of_its_steps():
     assert kinds["custom-call __gpu$xla.gpu.triton"] == STEPS * 4 * 6
     assert kinds["custom-call mosaic_gpu_v2"] == STEPS * 4
     assert sum(kinds.values()) == sum(r.count for r in launches)
+
+
+def test_a_tpu_decode_block_runs_each_layers_experts_as_one_kernel():
+    """On a v5e `auto`'s decode steps multiply a layer's experts in one Mosaic call (the decode set's
+    `expert_ffn_tpu`), with nothing sorted, scattered or gathered beside it: the grouped GEMM's
+    path was some sixty ops a layer."""
+    text, *_ = program("v5e", "auto", PAGE_SIZE)
+    experts = scoped(text, "/experts")
+    kernels = [r for r in experts if r.instr.pallas]
+    assert sum(r.count for r in kernels) == STEPS * MODEL.num_layers
+    assert not [r.instr.name for r in experts if r.instr.opcode in ("sort", "scatter", "gather")]
+    assert sum(r.count for r in experts) <= STEPS * MODEL.num_layers * 8  # the kernel and its expert table

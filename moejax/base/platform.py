@@ -115,12 +115,13 @@ DECODE_KERNEL_ROWS = 128
 @dataclasses.dataclass(frozen=True)
 class DecodeKernels:
     """How a placement runs a decode step's small products: `kernel` "xla", or the fused decode
-    kernels' backend ("triton"; "interpret_triton": the same kernels in Pallas's interpreter) for
-    passes of at most `rows` rows (a layer's dense products here, its experts by pick in
-    `sharding/experts.py`); `precision`: the products' matmul precision (None: the platform's
-    default); `device`: (device kind, cores) the kernels' tiles are looked up for
-    (`pallas_kernels/tiles.py`); `dense`: whether a layer's dense products run in them too (its
-    dense weights whole on the one device the kernel is a program of)."""
+    kernels' backend ("triton", "pallas_tpu"; "interpret_triton", "interpret_tpu": the same kernels
+    in Pallas's interpreter) for passes of at most `rows` rows (a layer's dense products here, its
+    experts by pick in `sharding/experts.py`); `precision`: the products' matmul precision (None:
+    the platform's default); `device`: (device kind, cores) the kernels' tiles are looked up for
+    (`pallas_kernels/tiles.py`); `dense`: whether a layer's dense products run in them too (the set
+    has kernels for them, and the dense weights lie whole on the one device the kernel is a program
+    of)."""
 
     kernel: str = "xla"
     rows: int = 0
@@ -128,6 +129,7 @@ class DecodeKernels:
     device: tuple[str, int] = ("", 0)
 
     dense: bool = False
+    whole_ffn: bool = False  # the experts as one call (`pallas_kernels.expert_ffn`), else two pick GEMMs
 
     def fuses(self, rows: int) -> bool:
         """Whether a pass of `rows` rows multiplies its experts by pick."""
@@ -276,14 +278,14 @@ class Platform:
         traced.__name__ = traced.__qualname__ = getattr(fn, "func", fn).__name__
         return traced
 
-    def decode_kernels(self, kernel: str | None, dtype, device, dense: bool) -> DecodeKernels:
+    def decode_kernels(self, kernel: str | None, dtype, device, dense: bool, whole_ffn: bool = False) -> DecodeKernels:
         """The decode kernels `kernel` (a decode kernel's name, None: XLA's ops) of a run in `dtype` on
-        `device` (its first device: kind and cores pick the tiles); `dense`: whether its layers' dense
-        weights lie whole on the one device (the fused kernels are one device's programs)."""
+        `device` (its first device: kind and cores pick the tiles); `dense`: whether they run its
+        layers' dense products (see DecodeKernels); `whole_ffn`: their experts are one call."""
         if kernel is None:
             return XLA
         precision = self.matmul_precision(dtype)
-        return DecodeKernels(kernel, DECODE_KERNEL_ROWS, precision, tile_device(device), dense)
+        return DecodeKernels(kernel, DECODE_KERNEL_ROWS, precision, tile_device(device), dense, whole_ffn)
 
     def kv_cache_bytes(self, devices: list) -> int:
         """The page pool's default bytes over `devices` where the platform sizes it by memory
