@@ -5,6 +5,7 @@ setting, imported into this process (the GPU one interpreted, in a process of it
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -81,7 +82,7 @@ SMALLEST = {
     "soak.py": ["--steps", "2", "--placements", "expert_sharded"],
     "step_parts.py": ["--smoke", "--steps", "2", "--rounds", "1"],
 }
-IN_A_PROCESS = {"gpu_grouped_gemm.py"}
+IN_A_PROCESS = {"gpu_grouped_gemm.py", "tune_tiles.py"}
 # Scripts that run every registered placement, run here with the default one only.
 ONE_PLACEMENT = {"simulator_validation.py"}
 
@@ -114,3 +115,49 @@ def test_gpu_benchmark_smoke_run_prints_every_kernel_row():
     assert [r[1] for r in rows] == ["bf16", "bf16", "nvfp4", "mxfp4"] * 2
     errors = {r[1]: float(r[-1]) for r in rows}
     assert errors["bf16"] < 1e-2  # the bf16 kernel against ragged_dot: same products
+
+
+@pytest.fixture
+def tune_tiles(monkeypatch):
+    monkeypatch.syspath_prepend(str(DIR))  # it imports the GPU benchmarks' pieces, as from its own folder
+    spec = importlib.util.spec_from_file_location("benchmark_tune_tiles", DIR / "tune_tiles.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tune_tiles_refuses_to_write_a_dry_run(tune_tiles, capsys):
+    """A dry run's entries are interpreted timings at tiny shapes: never merged into the table."""
+    with pytest.raises(SystemExit) as refused:
+        tune_tiles.main(["out.json", "--dry-run", "--write"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "tune_tiles: a dry run's entries are not timings; --write and --merge take a GPU run's"
+    ]
+
+
+def test_tune_tiles_merge_replaces_the_devices_entry_of_the_shape(tune_tiles, tmp_path, monkeypatch, capsys):
+    """A GPU run's entry replaces the table's of the same device, rows, K, N and format, and leaves
+    the others; a dry run's file is refused."""
+    table = tmp_path / "tiles.json"
+    table.write_text(tune_tiles.tiles.TABLE.read_text())
+    monkeypatch.setattr(tune_tiles.tiles, "TABLE", table)
+    before = json.loads(table.read_text())["pick_gemm"]["NVIDIA H200"]
+    timed = {
+        "rows": 1,
+        "k": 2048,
+        "n": 1536,
+        "fmt": "bf16",
+        "tiles": {"tm": 16, "tn": 32, "tk": 128, "num_warps": 4, "num_stages": 3},
+        "from": "timed on NVIDIA H200 (gate_up: 9.0 us a call, the fastest of 9 candidates), 2026-12-07",
+    }
+    run = tmp_path / "tuned.json"
+    run.write_text(json.dumps({"dry_run": False, "entries": {"pick_gemm": {"NVIDIA H200": [timed]}}}))
+    tune_tiles.main(["--merge", str(run)])
+    after = json.loads(table.read_text())["pick_gemm"]["NVIDIA H200"]
+    assert after == [e for e in before if (e["rows"], e["k"], e["n"]) != (1, 2048, 1536)] + [timed]
+    run.write_text(json.dumps({"dry_run": True, "entries": {}}))
+    with pytest.raises(SystemExit) as refused:
+        tune_tiles.main(["--merge", str(run)])
+    assert refused.value.code == 2 and "dry run" in capsys.readouterr().err

@@ -84,6 +84,6 @@ def test_a_timed_entry_is_not_narrowed(monkeypatch):
     published = {"tiles": {"tn": 128}, "from": "published table of a test"}
     timed = {"rows": 1, "tiles": {"tn": 128}, "from": "timed on a GPU, 2026-12-07"}
     monkeypatch.setattr(tiles, "_table", lambda: {"k": {"default": published, "a GPU": [timed]}})
-    two_programs = lambda tn: 256 // tn  # noqa: E731
+    two_programs = lambda tn: 256 // tn
     assert tiles.lookup("k", ("another GPU", 8), rows=1, programs=two_programs)["tn"] == 16
     assert tiles.lookup("k", ("a GPU", 8), rows=1, programs=two_programs)["tn"] == 128
