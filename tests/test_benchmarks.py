@@ -1,6 +1,8 @@
 """The benchmark scripts stay runnable: the package imports none of them, and the GPU one is run
 blind on borrowed device time, so a break must show here first. Each runs in its smallest
-setting, imported into this process (the GPU one interpreted, in a process of its own)."""
+setting, imported into this process; the GPU ones interpreted, in processes of their own (the
+grouped GEMMs' smoke run; the lent-GPU script's dry run, which runs the decode benchmark, the
+grouped GEMMs, the tile tuner and `pytest -m gpu`)."""
 
 from __future__ import annotations
 
@@ -82,7 +84,8 @@ SMALLEST = {
     "soak.py": ["--steps", "2", "--placements", "expert_sharded"],
     "step_parts.py": ["--smoke", "--steps", "2", "--rounds", "1"],
 }
-IN_A_PROCESS = {"gpu_grouped_gemm.py", "tune_tiles.py"}
+IN_A_PROCESS = {"gpu_grouped_gemm.py", "lent_gpu.py", "tune_tiles.py"}  # tune_tiles: a part of lent_gpu's dry run
+PARTS = ["decode", "grouped_gemm", "tune_tiles", "pytest"]  # lent_gpu's, in its order
 # Scripts that run every registered placement, run here with the default one only.
 ONE_PLACEMENT = {"simulator_validation.py"}
 
@@ -115,6 +118,35 @@ def test_gpu_benchmark_smoke_run_prints_every_kernel_row():
     assert [r[1] for r in rows] == ["bf16", "bf16", "nvfp4", "mxfp4"] * 2
     errors = {r[1]: float(r[-1]) for r in rows}
     assert errors["bf16"] < 1e-2  # the bf16 kernel against ragged_dot: same products
+
+
+def test_lent_gpu_dry_run_writes_every_part(tmp_path):
+    """The lent-GPU script's dry run: every part ran, its rows in results.json and a table each in
+    results.md; the tuner's entries say they are a dry run's; pytest -m gpu ran and skipped all."""
+    script = DIR / "lent_gpu.py"
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), "--dry-run"], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    parts = results["parts"]
+    assert {name: part["status"] for name, part in parts.items()} == dict.fromkeys(PARTS, "ok"), parts
+    assert [(r["experts"], r["batch"]) for r in parts["decode"]["rows"]] == [("bf16", 1), ("nvfp4", 1)]
+    assert all("error" not in r for part in ("decode", "grouped_gemm") for r in parts[part]["rows"])
+    assert {r["kernel"].split()[0] for r in parts["grouped_gemm"]["rows"]} == {"ragged_dot", "interpret_triton"}
+    assert {(r["kernel"], r["product"]) for r in parts["tune_tiles"]["rows"] if r["best_us"]} == {
+        ("pick_gemm", "gate_up"),
+        ("pick_gemm", "down"),
+        ("fused_linear", "qkv"),
+        ("fused_linear", "out"),
+        ("fused_linear", "router"),
+    }
+    tuned = json.loads((tmp_path / "tiles_tuned.json").read_text())["entries"]
+    assert all(e["from"].startswith("dry-run") for devices in tuned.values() for es in devices.values() for e in es)
+    assert parts["pytest"]["about"]["skipped"] > 0 and set(parts["pytest"]["about"]) == {"skipped", "summary"}
+    markdown = (tmp_path / "results.md").read_text()
+    headings = [line.split(",")[0] for line in markdown.splitlines() if line.startswith("## ")]
+    assert headings == [f"## {p}: ok" for p in PARTS], markdown
 
 
 @pytest.fixture
