@@ -119,9 +119,11 @@ def run(part: str, out: Path, dry_run: bool, budget_s: float) -> dict:
         try:
             code = proc.wait(timeout=budget_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the part's children too (pytest's, the compilers')
-            proc.wait()
             code = None
+        finally:  # over budget, or this script stopped (SIGTERM, `main`): the part's group goes with it
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # its children too (pytest's, the compilers')
+                proc.wait()
     seconds = time.monotonic() - t0
     lines = (out / f"{part}.log").read_text(errors="replace").strip().splitlines()
     if code is None:
@@ -228,6 +230,9 @@ def main(argv: list[str] | None = None) -> None:
         run_part(args.part, args.dry_run, args.rows_to)
         return
     args.out.mkdir(parents=True, exist_ok=True)
+    # A part runs in a session of its own (so that its whole group can be stopped): stopping this
+    # script must stop it too, not leave it holding the GPU.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     deadline = time.monotonic() + args.budget_s - RESERVE_S
     results = {
         "device": "not yet known (the parts report it)",
@@ -242,13 +247,19 @@ def main(argv: list[str] | None = None) -> None:
     for i, name in enumerate(WEIGHTS):
         share = WEIGHTS[name] / sum(list(WEIGHTS.values())[i:])
         budget = share * (deadline - time.monotonic())
-        record = run(name, args.out, args.dry_run, budget) if budget > 1 else {"status": "over budget: not started"}
+        stopped = None
+        try:
+            record = run(name, args.out, args.dry_run, budget) if budget > 1 else {"status": "over budget: not started"}
+        except SystemExit as e:  # this script stopped from outside: the part's rows so far are still written
+            record, stopped = {"status": "stopped: the script was terminated"}, e
         about, rows = rows_of(name, args.out)
         results["parts"][name] = {**record, "about": about, "rows": rows}
         if "device" in about and results["device"].startswith("not yet"):
             results["device"] = about["device"]
         save(results, args.out)
         print(f"{name}: {record['status']}", flush=True)
+        if stopped:
+            raise stopped
 
 
 if __name__ == "__main__":
