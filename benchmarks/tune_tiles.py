@@ -96,11 +96,11 @@ def candidates(shape: Shape, kind: str, small: bool) -> list[dict]:
             dict(tm=16, tn=tn, tk=tk, num_warps=4, num_stages=3)
             for tn, tk in itertools.product((32, 64, 128), (64, 128, 256))
         ]
-    else:  # the rows' block: their power of two, 16 to 64 (`linear_segments.block`)
+    else:  # the rows' block: their power of two, 16 to 64 (`linear_segments.block`); at most 64 columns a
+        # program: 128 leaves the router one program and the output projection 16, on 132 SMs
         m = min(64, max(16, tiles.pow2(shape.rows)))
         grid = [
-            dict(n=n, k=k, m=m, num_warps=4, num_stages=4)
-            for n, k in itertools.product((16, 32, 64, 128), (64, 128, 256))
+            dict(n=n, k=k, m=m, num_warps=4, num_stages=4) for n, k in itertools.product((16, 32, 64), (64, 128, 256))
         ]
     unique = [current] + [t for t in grid if t != current]
     return unique[:2] if small else unique
