@@ -12,8 +12,9 @@ time left (a part that fails, hangs or overruns is stopped and recorded, and the
 4. pytest: `pytest -m gpu`, the goldens and kernels on the GPU.
 
 Writes `results.json` and `results.md` (device, jax, git commit, date, then a table a part) to the
-folder at the start and after every part; each part's rows also go to `NAME.jsonl` as they come,
-its output to `NAME.log`, so a run cut short keeps what it measured.
+folder at the start and after every part; the measured parts' rows also go to `NAME.jsonl` as they
+come, the tuner's to `tiles_tuned.json`, every part's output to `NAME.log`, so a run cut short keeps
+what it measured.
 
     PYTHONPATH=. python benchmarks/lent_gpu.py OUT              # on an H100 / H200: 8 minutes at most
     PYTHONPATH=. python benchmarks/lent_gpu.py OUT --dry-run    # this CPU: interpreted, tiny shapes
@@ -46,6 +47,14 @@ ARGS = {
         ["--smoke", "--formats", "bf16", "nvfp4", "--batches", "1", "--new-tokens", "3", "--prompt-len", "8"],
     ),
     "grouped_gemm": (["--tokens", "1", "8", "64"], ["--smoke"]),
+}
+# Where each part's rows go, removed before it runs: the measured parts' JSON lines, the tuner's run
+# (its entries and timings), pytest's output (a line a test).
+ROWS = {
+    "decode": "decode.jsonl",
+    "grouped_gemm": "grouped_gemm.jsonl",
+    "tune_tiles": "tiles_tuned.json",
+    "pytest": "pytest.log",
 }
 # pytest -v's line of a test: its id (which may hold spaces) and its outcome.
 OUTCOME = re.compile(r"^(\S+::.*?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
@@ -98,9 +107,9 @@ def command(part: str, out: Path, dry_run: bool, budget_s: float) -> list[str]:
         return [sys.executable, "-m", "pytest", "-m", "gpu", "-vv", "-p", "no:cacheprovider", str(REPO / "tests")]
     if part == "tune_tiles":
         # its own budget a little short of the part's, so it ends with its file written, not killed
-        tuner = [sys.executable, str(HERE / "tune_tiles.py"), str(out / "tiles_tuned.json")]
+        tuner = [sys.executable, str(HERE / "tune_tiles.py"), str(out / ROWS[part])]
         return tuner + ["--budget-s", f"{0.8 * budget_s:.0f}"] + (["--dry-run"] if dry_run else [])
-    rows = ["--part", part, "--rows-to", str(out / f"{part}.jsonl")]
+    rows = ["--part", part, "--rows-to", str(out / ROWS[part])]
     return [sys.executable, str(Path(__file__).resolve()), str(out), *rows] + (["--dry-run"] if dry_run else [])
 
 
@@ -113,6 +122,7 @@ def run(part: str, out: Path, dry_run: bool, budget_s: float) -> dict:
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
+    (out / ROWS[part]).unlink(missing_ok=True)  # an earlier run's, in a folder used again
     t0 = time.monotonic()
     with (out / f"{part}.log").open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
@@ -137,9 +147,12 @@ def run(part: str, out: Path, dry_run: bool, budget_s: float) -> dict:
 
 def rows_of(part: str, out: Path) -> tuple[dict, list[dict]]:
     """(about, rows) of a part's files in `out`, as far as they were written."""
+    path = out / ROWS[part]
+    if not path.exists():
+        return {}, []
     if part == "pytest":
         outcomes, summary = {}, "none (stopped before the end)"
-        for line in (out / "pytest.log").read_text(errors="replace").splitlines():
+        for line in path.read_text(errors="replace").splitlines():
             if found := OUTCOME.match(line):
                 outcomes[found[1]] = found[2].lower()
             elif found := SUMMARY.match(line):
@@ -148,9 +161,6 @@ def rows_of(part: str, out: Path) -> tuple[dict, list[dict]]:
         bad = [{"test": t, "outcome": o} for t, o in outcomes.items() if o in ("failed", "error")]
         return {**counts, "summary": summary}, bad
     if part == "tune_tiles":
-        path = out / "tiles_tuned.json"
-        if not path.exists():
-            return {}, []
         tuned = json.loads(path.read_text())
         rows = []
         for s in tuned["shapes"]:
@@ -168,9 +178,8 @@ def rows_of(part: str, out: Path) -> tuple[dict, list[dict]]:
                     "note": s.get("over_budget", ""),
                 }
             )
-        return {"device": tuned["device"], "entries": "tiles_tuned.json"}, rows
-    path = out / f"{part}.jsonl"
-    lines = [row for line in path.read_text().splitlines() if (row := json_line(line))] if path.exists() else []
+        return {"device": tuned["device"], "entries": ROWS[part]}, rows
+    lines = [row for line in path.read_text().splitlines() if (row := json_line(line))]
     about = next((line["about"] for line in lines if "about" in line), {})
     return about, [line for line in lines if "about" not in line]
 
@@ -184,6 +193,7 @@ def json_line(line: str) -> dict | None:
 
 
 def cell(v) -> str:
+    """A value in a markdown table: floats to 3 significant figures or so, None empty."""
     if isinstance(v, float):
         return f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 1 else f"{v:.3f}"
     return "" if v is None else str(v)
@@ -197,7 +207,7 @@ def markdown(results: dict) -> str:
         text += [f"## {name}: {part['status']}" + (f", {part['seconds']} s" if "seconds" in part else ""), ""]
         if part.get("about"):
             text += [", ".join(f"{k} {cell(v)}" for k, v in part["about"].items()), ""]
-        columns = list(dict.fromkeys(k for row in part.get("rows", []) for k in row if k != "top_kernels"))
+        columns = list(dict.fromkeys(k for row in part.get("rows", []) for k in row))
         if columns:
             text += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
             text += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in part["rows"]]
