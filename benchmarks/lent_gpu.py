@@ -221,9 +221,15 @@ def save(results: dict, out: Path) -> None:
 
 
 def commit() -> str:
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    return git.stdout.strip() + (" (with uncommitted changes)" if dirty else "") if git.returncode == 0 else "unknown"
+    """The checkout's commit; "unknown" where the copy has no git history or the machine no git."""
+    try:
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        status = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True)
+    except FileNotFoundError:
+        return "unknown"
+    if git.returncode != 0:
+        return "unknown"
+    return git.stdout.strip() + (" (with uncommitted changes)" if status.stdout.strip() else "")
 
 
 def main(argv: list[str] | None = None) -> None:
