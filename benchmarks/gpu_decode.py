@@ -19,6 +19,7 @@ import collections
 import dataclasses
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import moejax  # noqa: F401  (before jax: it starts jax on this host's platform, quietly)
@@ -102,7 +103,8 @@ def top_kernels(engine: Engine, prompts: list[list[int]], new_tokens: int, n: in
     return [(name, ms, count[name]) for name, ms in total.most_common(n)]
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The run's settings; `--smoke` replaces the model with a small one (`SMOKE`)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
@@ -120,22 +122,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", action="store_true", help="the ten largest kernels of one generate")
     p.add_argument("--smoke", action="store_true", help="a small model on this machine's first device (CI)")
     args = p.parse_args(argv)
-    model = dataclasses.replace(preset("qwen3-moe-30b-a3b"), num_layers=args.layers)
     if args.smoke:
-        model = dataclasses.replace(model, **SMOKE, dense_layers=())
         args.copy_mb = min(args.copy_mb, 64)
-    bandwidth = copy_bandwidth(args.copy_mb << 20)
-    device = jax.devices()[0]
-    print(
-        f"{device.device_kind}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; {model.family} {model.num_layers} layers, "
-        f"{model.num_experts} experts top-{model.num_experts_per_tok}, hidden {model.hidden_size}; prompt "
-        f"{args.prompt_len}, {args.new_tokens} new tokens, kernel {args.kernel}, "
-        + (f"pages of {args.page_size}" if args.page_size else "contiguous cache")
-    )
-    print(
-        f"{'experts':>8}{'batch':>7}{'prefill ms':>12}{'prefill tok/s':>15}{'decode ms':>11}{'tok/s':>9}"
-        f"{'GB/step':>9}{'bound tok/s':>13}{'% bound':>9}{'load s':>8}"
-    )
+    return args
+
+
+def model_of(args: argparse.Namespace):
+    """The benchmark's model: Qwen3-30B-A3B's shape at `--layers` layers (`--smoke`: `SMOKE`'s sizes)."""
+    model = dataclasses.replace(preset("qwen3-moe-30b-a3b"), num_layers=args.layers)
+    return dataclasses.replace(model, **SMOKE, dense_layers=()) if args.smoke else model
+
+
+def rows(args: argparse.Namespace, bandwidth: float) -> Iterator[dict]:
+    """One dict per expert format and batch, as it is measured: format, batch, prefill ms and tok/s,
+    decode step ms and tok/s, GB one step must read, the tok/s `bandwidth` (bytes/s) allows it, its
+    percentage, the load's seconds; with `--profile`, the first batch's also `top_kernels`: (name,
+    total ms, count) of one generate's ten largest kernels."""
+    model = model_of(args)
     rng = np.random.default_rng(0)
     for name in args.formats:
         config = Config(
@@ -157,17 +160,48 @@ def main(argv: list[str] | None = None) -> None:
             need = step_bytes(config, engine.params, batch, args.prompt_len + args.new_tokens // 2)
             bound = batch * bandwidth / need
             tok_s = batch / (run.decode_step_ms / 1e3)
-            print(
-                f"{name:>8}{batch:>7}{run.prefill_ms:>12.1f}{batch * args.prompt_len / (run.prefill_ms / 1e3):>15.0f}"
-                f"{run.decode_step_ms:>11.2f}{tok_s:>9.0f}{need / 1e9:>9.2f}{bound:>13.0f}{100 * tok_s / bound:>9.1f}"
-                f"{load_s:>8.1f}"
-            )
-        if args.profile:
-            prompts = rng.integers(1, model.vocab_size, (args.batches[0], args.prompt_len)).tolist()
-            print(f"-- the ten largest kernels of one generate, {name} batch {args.batches[0]}:")
-            for kernel, ms, count in top_kernels(engine, prompts, args.new_tokens):
-                print(f"   {ms:9.2f} ms  x{count:<6} {kernel}")
+            row = {
+                "experts": name,
+                "batch": batch,
+                "prefill_ms": run.prefill_ms,
+                "prefill_tok_s": batch * args.prompt_len / (run.prefill_ms / 1e3),
+                "decode_ms": run.decode_step_ms,
+                "tok_s": tok_s,
+                "gb_step": need / 1e9,
+                "bound_tok_s": bound,
+                "pct_bound": 100 * tok_s / bound,
+                "load_s": load_s,
+            }
+            if args.profile and batch == args.batches[0]:
+                row["top_kernels"] = top_kernels(engine, prompts, args.new_tokens)
+            yield row
         del engine, params
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    model = model_of(args)
+    bandwidth = copy_bandwidth(args.copy_mb << 20)
+    print(
+        f"{jax.devices()[0].device_kind}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; {model.family} "
+        f"{model.num_layers} layers, {model.num_experts} experts top-{model.num_experts_per_tok}, hidden "
+        f"{model.hidden_size}; prompt {args.prompt_len}, {args.new_tokens} new tokens, kernel {args.kernel}, "
+        + (f"pages of {args.page_size}" if args.page_size else "contiguous cache")
+    )
+    print(
+        f"{'experts':>8}{'batch':>7}{'prefill ms':>12}{'prefill tok/s':>15}{'decode ms':>11}{'tok/s':>9}"
+        f"{'GB/step':>9}{'bound tok/s':>13}{'% bound':>9}{'load s':>8}"
+    )
+    for r in rows(args, bandwidth):
+        print(
+            f"{r['experts']:>8}{r['batch']:>7}{r['prefill_ms']:>12.1f}{r['prefill_tok_s']:>15.0f}"
+            f"{r['decode_ms']:>11.2f}{r['tok_s']:>9.0f}{r['gb_step']:>9.2f}{r['bound_tok_s']:>13.0f}"
+            f"{r['pct_bound']:>9.1f}{r['load_s']:>8.1f}"
+        )
+        if "top_kernels" in r:
+            print(f"-- the ten largest kernels of one generate, {r['experts']} batch {r['batch']}:")
+            for kernel, ms, count in r["top_kernels"]:
+                print(f"   {ms:9.2f} ms  x{count:<6} {kernel}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Iterator
 
 import moejax  # noqa: F401  (before jax: it starts jax on this host's platform, quietly)
 
@@ -50,7 +51,8 @@ def median_seconds(fn, *args, reps: int) -> float:
     return float(np.median(times))
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The run's settings; `--smoke` replaces the shapes with tiny ones for the interpreter."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--hidden", type=int, default=6144)
@@ -60,15 +62,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted kernel, CPU")
     args = p.parse_args(argv)
-    here = (jax.default_backend(), jax.devices()[0], "bfloat16", "nvfp4")
-    backends = [b for b in ("triton", "mosaic_gpu", "blackwell_bf16") if not catalog.gemm(b).why_not(*here)]
     if args.smoke:
         args.experts, args.hidden, args.inter, args.tokens, args.reps = 8, 256, 128, [1, 16], 2
-        backends = ["interpret_triton"]
-    kind, hbm, peak = ceilings()
-    print(f"{kind}: ceilings {hbm / 1e12:.2f} TB/s, {peak / 1e12:.0f} TFLOP/s bf16 dense")
-    print(f"[E, K, N] = [{args.experts}, {args.hidden}, {args.inter}], top-{args.topk}")
+    return args
 
+
+def backends(smoke: bool) -> list[str]:
+    """The grouped GEMMs this GPU and this jax run (`catalog.Kernel.why_not`); the smoke run's: the
+    Triton kernel interpreted."""
+    if smoke:
+        return ["interpret_triton"]
+    here = (jax.default_backend(), jax.devices()[0], "bfloat16", "nvfp4")
+    return [b for b in ("triton", "mosaic_gpu", "blackwell_bf16") if not catalog.gemm(b).why_not(*here)]
+
+
+def rows(args: argparse.Namespace) -> Iterator[dict]:
+    """One dict per kernel and token count, as it is timed: kernel, tokens, experts touched, MB read,
+    microseconds, GB/s, % of HBM, TFLOP/s, % of peak, max error against ragged_dot's bf16 product;
+    a kernel that fails gives its row as kernel, tokens and `error` (one line)."""
+    _, hbm, peak = ceilings()
     rng = np.random.default_rng(0)
     w = jax.random.normal(jax.random.key(0), (args.experts, args.hidden, args.inter), jnp.bfloat16) / args.hidden**0.5
     weights = {"bf16": w, "nvfp4": pk.quantize(w, "nvfp4"), "mxfp4": pk.quantize(w, "mxfp4")}
@@ -77,41 +89,68 @@ def main(argv: list[str] | None = None) -> None:
     prepared = {f: gmm_blackwell.prepare_weights(weights[f]) for f in ("nvfp4", "mxfp4")} if is_blackwell() else {}
     gemm = jax.jit(pk.grouped_gemm, static_argnames=("backend",))
     ragged = jax.jit(lambda x, w, s: jax.lax.ragged_dot(x, w, s))
-
-    print(
-        f"{'kernel':>18} {'tokens':>6} {'touched':>7} {'MB read':>8} {'time us':>9} "
-        f"{'GB/s':>7} {'% HBM':>6} {'TFLOP/s':>8} {'% peak':>6} {'err vs bf16':>11}"
-    )
+    here = backends(args.smoke)
     for tokens in args.tokens:
         ids = np.stack([rng.choice(args.experts, args.topk, replace=False) for _ in range(tokens)])
         sizes = jnp.asarray(np.bincount(ids.ravel(), minlength=args.experts), jnp.int32)
         touched = int((sizes > 0).sum())
-        rows = jax.random.normal(jax.random.key(tokens), (ids.size, args.hidden), jnp.bfloat16)
+        lhs = jax.random.normal(jax.random.key(tokens), (ids.size, args.hidden), jnp.bfloat16)
         flops = 2 * ids.size * args.hidden * args.inter
-        expected = ragged(rows, w, sizes).astype(jnp.float32)
-        runs = [("ragged_dot bf16", "bf16", lambda: ragged(rows, w, sizes))]
+        expected = ragged(lhs, w, sizes).astype(jnp.float32)
+        runs = [("ragged_dot bf16", "bf16", lambda: ragged(lhs, w, sizes))]
         runs += [
-            (f"{b} {f}", f, lambda b=b, f=f: gemm(rows, weights[f], sizes, backend=b))
-            for b in backends
+            (f"{b} {f}", f, lambda b=b, f=f: gemm(lhs, weights[f], sizes, backend=b))
+            for b in here
             for f in weights
             if f != "bf16" or b != "blackwell_bf16"  # its weights are 4-bit
         ]
         runs += [
-            (f"blackwell {f}", f, lambda f=f: gemm(rows, prepared[f], sizes, backend="blackwell")) for f in prepared
+            (f"blackwell {f}", f, lambda f=f: gemm(lhs, prepared[f], sizes, backend="blackwell")) for f in prepared
         ]
         for name, fmt, fn in runs:
             try:
                 seconds = median_seconds(fn, reps=args.reps)
                 err = float(jnp.max(jnp.abs(fn().astype(jnp.float32) - expected)))
             except Exception as e:  # device time is scarce: one kernel's failure keeps the other rows
-                print(f"{name:>18} {tokens:6d} FAILED {type(e).__name__}: {str(e).strip().splitlines()[0][:160]}")
+                yield {"kernel": name, "tokens": tokens, "error": f"{type(e).__name__}: {one_line(e)}"}
                 continue
             read = touched * expert_bytes[fmt]
-            print(
-                f"{name:>18} {tokens:6d} {touched:7d} {read / 1e6:8.1f} {seconds * 1e6:9.1f} "
-                f"{read / seconds / 1e9:7.1f} {100 * read / seconds / hbm:6.1f} "
-                f"{flops / seconds / 1e12:8.2f} {100 * flops / seconds / peak:6.1f} {err:11.3f}"
-            )
+            yield {
+                "kernel": name,
+                "tokens": tokens,
+                "touched": touched,
+                "mb_read": read / 1e6,
+                "time_us": seconds * 1e6,
+                "gb_s": read / seconds / 1e9,
+                "pct_hbm": 100 * read / seconds / hbm,
+                "tflop_s": flops / seconds / 1e12,
+                "pct_peak": 100 * flops / seconds / peak,
+                "err_vs_bf16": err,
+            }
+
+
+def one_line(e: Exception) -> str:
+    """An exception's first line, cut to 160 characters (XLA's and Mosaic's run to pages)."""
+    return (str(e).strip().splitlines() or [""])[0][:160]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    kind, hbm, peak = ceilings()
+    print(f"{kind}: ceilings {hbm / 1e12:.2f} TB/s, {peak / 1e12:.0f} TFLOP/s bf16 dense")
+    print(f"[E, K, N] = [{args.experts}, {args.hidden}, {args.inter}], top-{args.topk}")
+    print(
+        f"{'kernel':>18} {'tokens':>6} {'touched':>7} {'MB read':>8} {'time us':>9} "
+        f"{'GB/s':>7} {'% HBM':>6} {'TFLOP/s':>8} {'% peak':>6} {'err vs bf16':>11}"
+    )
+    for r in rows(args):
+        if "error" in r:
+            print(f"{r['kernel']:>18} {r['tokens']:6d} FAILED {r['error']}")
+            continue
+        print(
+            f"{r['kernel']:>18} {r['tokens']:6d} {r['touched']:7d} {r['mb_read']:8.1f} {r['time_us']:9.1f} "
+            f"{r['gb_s']:7.1f} {r['pct_hbm']:6.1f} {r['tflop_s']:8.2f} {r['pct_peak']:6.1f} {r['err_vs_bf16']:11.3f}"
+        )
 
 
 if __name__ == "__main__":

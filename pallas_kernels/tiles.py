@@ -9,7 +9,8 @@ call's shape by `_resolve`.
 A decode step's products are a few rows against a whole weight, so a decode kernel's speed is how
 many of the device's SMs its programs keep streaming: given `programs`, `lookup` narrows the entry's
 N tile while the call's active programs would fill the SMs less than FILL times over (a program
-streams one tile of weight columns; fewer, wider programs leave SMs idle).
+streams one tile of weight columns; fewer, wider programs leave SMs idle). An entry timed on its
+device (`benchmarks/tune_tiles.py`) stands as it is: the timing weighed the narrower tiles too.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 TABLE = Path(__file__).with_name("tiles.json")
 FILL = 2  # programs per SM a decode call aims for
 ANY = "any device"  # a kernel's list of entries for every device (rules)
+TIMED = "timed on"  # how a timed entry's "from" begins: "timed on DEVICE ..., DATE"
 
 
 @functools.cache
@@ -112,10 +114,11 @@ def lookup(
     in `fmt` ("bf16", "f32", "nvfp4", "mxfp4"; 4-bit of scale block `block`), `gated`: a gate|up
     product whose epilogue halves it, on `device`: (device kind, SMs; ("", 0): the rules, unnarrowed).
     `programs(tn)`: a decode kernel's programs at N tile tn; the N tile (the field `n_field`) halves,
-    down to `tn_floor`, until they fill every SM FILL times over."""
+    down to `tn_floor`, until they fill every SM FILL times over (not an entry timed on its device)."""
     kind, cores = device
     entry = _entry(kernel, kind, rows, k, n, fmt, gated)
     out = {name: _resolve(v, rows=rows, k=k, n=n, block=block) for name, v in entry["tiles"].items()}
-    while programs and cores and out[n_field] > tn_floor and programs(out[n_field]) < FILL * cores:
+    timed = entry["from"].startswith(TIMED)
+    while programs and cores and not timed and out[n_field] > tn_floor and programs(out[n_field]) < FILL * cores:
         out[n_field] //= 2
     return out

@@ -1,10 +1,13 @@
 """The benchmark scripts stay runnable: the package imports none of them, and the GPU one is run
 blind on borrowed device time, so a break must show here first. Each runs in its smallest
-setting, imported into this process (the GPU one interpreted, in a process of its own)."""
+setting, imported into this process; the GPU ones interpreted, in processes of their own (the
+grouped GEMMs' smoke run; the lent-GPU script's dry run, which runs the decode benchmark, the
+grouped GEMMs, the tile tuner and `pytest -m gpu`)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -81,7 +84,8 @@ SMALLEST = {
     "soak.py": ["--steps", "2", "--placements", "expert_sharded"],
     "step_parts.py": ["--smoke", "--steps", "2", "--rounds", "1"],
 }
-IN_A_PROCESS = {"gpu_grouped_gemm.py"}
+IN_A_PROCESS = {"gpu_grouped_gemm.py", "lent_gpu.py", "tune_tiles.py"}  # tune_tiles: a part of lent_gpu's dry run
+PARTS = ["decode", "grouped_gemm", "tune_tiles", "pytest"]  # lent_gpu's, in its order
 # Scripts that run every registered placement, run here with the default one only.
 ONE_PLACEMENT = {"simulator_validation.py"}
 
@@ -114,3 +118,78 @@ def test_gpu_benchmark_smoke_run_prints_every_kernel_row():
     assert [r[1] for r in rows] == ["bf16", "bf16", "nvfp4", "mxfp4"] * 2
     errors = {r[1]: float(r[-1]) for r in rows}
     assert errors["bf16"] < 1e-2  # the bf16 kernel against ragged_dot: same products
+
+
+def test_lent_gpu_dry_run_writes_every_part(tmp_path):
+    """The lent-GPU script's dry run: every part ran, its rows in results.json and a table each in
+    results.md; the tuner's entries say they are a dry run's; pytest -m gpu ran and skipped all."""
+    script = DIR / "lent_gpu.py"
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), "--dry-run"], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    parts = results["parts"]
+    assert {name: part["status"] for name, part in parts.items()} == dict.fromkeys(PARTS, "ok"), parts
+    assert [(r["experts"], r["batch"]) for r in parts["decode"]["rows"]] == [("bf16", 1), ("nvfp4", 1)]
+    assert all("error" not in r for part in ("decode", "grouped_gemm") for r in parts[part]["rows"])
+    assert {r["kernel"].split()[0] for r in parts["grouped_gemm"]["rows"]} == {"ragged_dot", "interpret_triton"}
+    assert {(r["kernel"], r["product"]) for r in parts["tune_tiles"]["rows"] if r["best_us"]} == {
+        ("pick_gemm", "gate_up"),
+        ("pick_gemm", "down"),
+        ("fused_linear", "qkv"),
+        ("fused_linear", "out"),
+        ("fused_linear", "router"),
+    }
+    tuned = json.loads((tmp_path / "tiles_tuned.json").read_text())["entries"]
+    assert all(e["from"].startswith("dry-run") for devices in tuned.values() for es in devices.values() for e in es)
+    assert parts["pytest"]["about"]["skipped"] > 0 and set(parts["pytest"]["about"]) == {"skipped", "summary"}
+    markdown = (tmp_path / "results.md").read_text()
+    headings = [line.split(",")[0] for line in markdown.splitlines() if line.startswith("## ")]
+    assert headings == [f"## {p}: ok" for p in PARTS], markdown
+
+
+@pytest.fixture
+def tune_tiles(monkeypatch):
+    monkeypatch.syspath_prepend(str(DIR))  # it imports the GPU benchmarks' pieces, as from its own folder
+    spec = importlib.util.spec_from_file_location("benchmark_tune_tiles", DIR / "tune_tiles.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tune_tiles_refuses_to_write_a_dry_run(tune_tiles, capsys):
+    """A dry run's entries are interpreted timings at tiny shapes: never merged into the table."""
+    with pytest.raises(SystemExit) as refused:
+        tune_tiles.main(["out.json", "--dry-run", "--write"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "tune_tiles: a dry run's entries are not timings; --write and --merge take a GPU run's"
+    ]
+
+
+def test_tune_tiles_merge_replaces_the_devices_entry_of_the_shape(tune_tiles, tmp_path, monkeypatch, capsys):
+    """A GPU run's entry replaces the table's of the same device, rows, K, N and format, and leaves
+    the others; a dry run's file is refused."""
+    table = tmp_path / "tiles.json"
+    table.write_text(tune_tiles.tiles.TABLE.read_text())
+    monkeypatch.setattr(tune_tiles.tiles, "TABLE", table)
+    before = json.loads(table.read_text())["pick_gemm"]["NVIDIA H200"]
+    timed = {
+        "rows": 1,
+        "k": 2048,
+        "n": 1536,
+        "fmt": "bf16",
+        "tiles": {"tm": 16, "tn": 32, "tk": 128, "num_warps": 4, "num_stages": 3},
+        "from": "timed on NVIDIA H200 (gate_up: 9.0 us a call, the fastest of 9 candidates), 2026-12-07",
+    }
+    run = tmp_path / "tuned.json"
+    run.write_text(json.dumps({"dry_run": False, "entries": {"pick_gemm": {"NVIDIA H200": [timed]}}}))
+    tune_tiles.main(["--merge", str(run)])
+    after = json.loads(table.read_text())["pick_gemm"]["NVIDIA H200"]
+    assert after == [e for e in before if (e["rows"], e["k"], e["n"]) != (1, 2048, 1536)] + [timed]
+    run.write_text(json.dumps({"dry_run": True, "entries": {}}))
+    with pytest.raises(SystemExit) as refused:
+        tune_tiles.main(["--merge", str(run)])
+    assert refused.value.code == 2 and "dry run" in capsys.readouterr().err

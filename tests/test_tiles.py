@@ -76,3 +76,14 @@ def test_attention_splits_follow_the_devices_sms():
     splits = {sms: gpu_blocks(*shape, ("a GPU", sms))[1] for sms in (16, 64, 132)}
     assert splits == {16: 1, 64: 4, 132: 8}
     assert gpu_blocks(*shape, ("", 0))[1] == tiles.lookup("paged_attention_mgpu")["max_splits"]
+
+
+def test_a_timed_entry_is_not_narrowed(monkeypatch):
+    """The fill rule narrows a rule's or a published table's N tile for a call of too few programs;
+    an entry timed on the device stands: its timing weighed the narrower tiles."""
+    published = {"tiles": {"tn": 128}, "from": "published table of a test"}
+    timed = {"rows": 1, "tiles": {"tn": 128}, "from": "timed on a GPU, 2026-12-07"}
+    monkeypatch.setattr(tiles, "_table", lambda: {"k": {"default": published, "a GPU": [timed]}})
+    two_programs = lambda tn: 256 // tn
+    assert tiles.lookup("k", ("another GPU", 8), rows=1, programs=two_programs)["tn"] == 16
+    assert tiles.lookup("k", ("a GPU", 8), rows=1, programs=two_programs)["tn"] == 128
