@@ -1,7 +1,8 @@
 """The HLO reader (`moejax.compiled.hlo`) on a hand-written XLA:GPU-like program: the ops one call
 runs, how many times, which of them are kernel launches, and which write arrays of given shapes;
-and on a second, its Pallas kernels, products' precision, collectives and host transfers; and a Triton call's programs on a compiled program.
-(Its pricing, `hlo_ops.ops`: `test_target_costs.py`; on compiled programs: `test_target_structure.py`.)"""
+and on a second, its Pallas kernels, products' precision, collectives and host transfers; and a
+compiled Triton call's programs. (Its pricing, `hlo_ops.ops`: `test_target_costs.py`; on compiled
+programs: `test_target_structure.py`.)"""
 
 import ast
 import json

@@ -5,9 +5,9 @@ a fusion), each with how many times it runs. What the project asks of a compiled
 off them: the arrays of given shapes it writes (`writes_of`, `weight_shaped`), its products
 (`products`), its loops and their trip counts (`loops`), the kernels it launches (`launches`, by
 kind: `by_kind`), its Pallas kernels (`pallas_calls`: Triton, Mosaic GPU or Mosaic TPU, each with its
-kernel's name, its programs and the bytes of its operands), its collectives (`collectives`) and its transfers to and from the host
-(`host_transfers`); `hlo_ops` prices the operations it runs. Tests read compiled programs through
-these readers alone (test_hlo.py holds them to it).
+kernel's name, programs and operands' bytes), its collectives (`collectives`) and its transfers to
+and from the host (`host_transfers`); `hlo_ops` prices the operations it runs. Tests read compiled
+programs through these readers alone (test_hlo.py holds them to it).
 """
 
 from __future__ import annotations
