@@ -76,3 +76,22 @@ def test_attention_splits_follow_the_devices_sms():
     splits = {sms: gpu_blocks(*shape, ("a GPU", sms))[1] for sms in (16, 64, 132)}
     assert splits == {16: 1, 64: 4, 132: 8}
     assert gpu_blocks(*shape, ("", 0))[1] == tiles.lookup("paged_attention_mgpu")["max_splits"]
+
+
+def test_a_decode_kernels_tiles_fill_the_sms_narrowing_then_splitting_k():
+    """A decode call of too few column tiles: its N tile halves down to its floor, then its K splits
+    double (whole K tiles each, the K tile halving where they run out) until its programs cover
+    the device's SMs FILL times over, up to the caller's most splits; a device of unknown SMs, none."""
+    cols = lambda n: lambda tn, splits: -(-n // tn) * splits  # noqa: E731
+    lookup = lambda sms, **kw: tiles.lookup(  # noqa: E731
+        "fused_linear", ("a GPU", sms), rows=1, k=4096, n_field="n", k_field="k", tn_floor=64, **kw
+    )
+    # N 2048: 32 tiles of 64 over 132 SMs, so 16 slices of 256 K rows (4 tiles of 64): 512 programs.
+    out = lookup(132, n=2048, programs=cols(2048), max_splits=64)
+    assert (out["n"], out["k"], out["splits"]) == (64, 64, 16)
+    assert lookup(132, n=2048, programs=cols(2048), max_splits=4)["splits"] == 4
+    # N 128: 2 tiles; 64 slices of K tiles of 64 (128 programs), then 128 of 32 (256), the K tile's
+    # floor: short of 264, but all it can.
+    out = lookup(132, n=128, programs=cols(128), max_splits=1024)
+    assert (out["k"], out["splits"]) == (32, 128)
+    assert lookup(0, n=2048, programs=cols(2048), max_splits=64)["splits"] == 1
