@@ -4,7 +4,7 @@ NVFP4 experts. A layer launches at most LAUNCHES_PER_LAYER kernels and writes no
 layer weight's shape (a weight copied, or a product spelled out as a multiply the weight's size
 and a reduce), read off the compiled program by `moejax.compiled.hlo`. At batch 1 on an H100, H200
 and B200, every decode kernel of Qwen3-30B-A3B's and GLM-5.3's steps that streams weights runs at
-least a program per SM (issue 56).
+least a program per SM.
 
 A GPU runs every layer unrolled, each layer the same kernels: a layer's figures are the difference
 of the steps of DEPTHS[1] and DEPTHS[0] layers (the embedding, LM head and sampling cancel), so
@@ -109,7 +109,7 @@ def test_every_decode_kernel_fills_the_gpu_at_batch_1(target, name):
 @pytest.mark.xfail(
     strict=True,
     reason="the paged attention's splits stop at the table's max_splits 8 (its combine is unrolled over "
-    "the splits: a compile-time cost), so batch 1 of 4 kv heads is 32 CTAs; issue 56",
+    "the splits: a compile-time cost), so batch 1 of 4 kv heads is 32 CTAs",
 )
 @pytest.mark.parametrize("target", FILL_TARGETS)
 def test_the_paged_attention_fills_the_gpu_at_batch_1(target):
