@@ -48,7 +48,7 @@ class Tiles:
     m: int  # rows a program holds; more rows are a second grid axis
     num_warps: int
     num_stages: int
-    splits: int  # slices of K, a third grid axis: 1, or the products' f32 partials, their epilogue XLA's
+    splits: int  # slices of K, a third grid axis: 1, or f32 partials summed by a second launch
 
 
 def _check_options(tiles: Tiles, precision):
