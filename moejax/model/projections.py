@@ -53,7 +53,7 @@ def _fused(decode: DecodeKernels, x: jax.Array, weights: tuple, *, heads: int = 
         n=n,
         fmt="f32" if weights[0].dtype == jnp.float32 else "bf16",
         programs=programs,
-        # A program's weight rows at least 128 bytes (a memory transaction), not slivers of one.
+        # The N tile narrows to 128 bytes of a weight row (a memory transaction), no slivers; past that K splits.
         tn_floor=128 // itemsize,
         n_field="n",
         k_field="k",
