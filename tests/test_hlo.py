@@ -264,8 +264,8 @@ def test_a_pallas_calls_programs_function_and_operand_bytes():
 
 def test_a_compiled_triton_calls_programs():
     """On a real compiled program (a compile-only H100's): a fused_linear of 2 rows x [256, 96] in
-    column tiles of 16 and one row tile runs as 96 / 16 = 6 programs, reading x, the weight and the norm."""
-    tiles = linear.Tiles(n=16, k=64, m=16, num_warps=4, num_stages=2)
+    column tiles of 16, one row tile and K whole runs as 96 / 16 = 6 programs, reading x, the weight and the norm."""
+    tiles = linear.Tiles(n=16, k=64, m=16, num_warps=4, num_stages=2, splits=1)
     call = jax.jit(lambda x, w, norm: linear.fused_linear(x, (w,), norm=norm, tiles=tiles))
     args = (on_h100((2, 256), jnp.bfloat16), on_h100((256, 96), jnp.bfloat16), on_h100((256,), jnp.bfloat16))
     (run,) = hlo.pallas_calls(lower(call, *args).compile().as_text())
