@@ -13,6 +13,11 @@ Triton's blocks are powers of two and a dot's dims at least 16: rows, K and colu
 such blocks, masked past the arrays' ends (nothing beyond them is read, nothing written). A
 segment with a head epilogue has a head per program, read as pieces of power-of-two blocks: the
 rotated halves [0, R/2) and [R/2, R), then the columns past R.
+
+A decode step's product of few column tiles (an output projection's N 2048 over 132 SMs, a router's
+128 experts) leaves SMs idle with a program per tile: split over K (`Tiles.splits`), it is two
+launches, the products of each K slice as f32 partials by programs (tile, slice), then their sum
+and the epilogue by a program per tile (the same kernel, `combine`).
 """
 
 from __future__ import annotations
@@ -43,29 +48,35 @@ class Tiles:
     m: int  # rows a program holds; more rows are a second grid axis
     num_warps: int
     num_stages: int
+    splits: int  # slices of K, a third grid axis: 1, or f32 partials summed by a second launch
 
 
 def _check_options(tiles: Tiles, precision):
     if precision not in PRECISIONS:
         raise ValueError(f"fused_linear: precision must be one of {PRECISIONS}, got {precision!r}")
-    for name in ("n", "k", "m", "num_warps"):
+    for name in ("n", "k", "m", "num_warps", "splits"):
         v = getattr(tiles, name)
-        if v < 1 or v & (v - 1) or (name != "num_warps" and v < 16):
+        if v < 1 or v & (v - 1) or (name not in ("num_warps", "splits") and v < 16):
             raise ValueError(f"fused_linear: tiles.{name} must be a power of two (blocks at least 16), got {v}")
     if tiles.num_stages < 1:
         raise ValueError(f"fused_linear: tiles.num_stages must be at least 1, got {tiles.num_stages}")
 
 
-def _linear_kernel(*refs, tree, n_in, segments, m, k, tm, tk, eps, precision, act, normed):
-    """Program (p, r): row tile r of the output tile of whichever segment program p falls in.
-    Refs are whole arrays: x [M, K], norm [1, K], per segment its weight [K, N/p, p] (p: pairs),
-    bias [1, N/p, p] and head norm [1, Dh]; cos, sin [M, R/2]; residual [M, N]; then the outputs:
-    (`normed`: the normed rows [M, K], written by the programs p = 0) [M, N/p], one per segment."""
+def _linear_kernel(*refs, tree, n_in, segments, m, k, tm, tk, splits, combine, eps, precision, act, normed):
+    """Program (p, r, s): row tile r of the output tile of whichever segment program p falls in,
+    over K slice s of `splits`. Refs are whole arrays: x [M, K], norm [1, K], per segment its weight
+    [K, N/p, p] (p: pairs), bias [1, N/p, p] and head norm [1, Dh]; cos, sin [M, R/2]; residual
+    [M, N]; then the outputs: (`normed`: the normed rows [M, K], written by the programs p = s = 0)
+    [M, splits * N/p], one per segment, slice s's columns [s * N/p, (s + 1) * N/p). `combine`: no
+    product, but the sum of a split call's partials, each segment's "weight" [M, combine * N/p, p]
+    f32 (no x, no norm), before the epilogue."""
     ins, outs = jax.tree.unflatten(tree, refs[:n_in]), refs[n_in:]
-    p, r = pl.program_id(0), pl.program_id(1)  # read outside pl.when: interpret mode wants it
+    # read outside pl.when: interpret mode wants it
+    p, r, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = pl.ds(r * tm, tm)
     in_m = None if m % tm == 0 else iota(tm, 0, r * tm) < m  # [tm, 1]
     steps = pl.cdiv(k, tk)
+    per_split = steps // splits  # K steps of a slice (whole: `fused_linear` checks)
     dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
 
     def in_k(k0, axis):  # [tk, 1] or [1, tk]: which of a step's K rows lie in K
@@ -93,7 +104,7 @@ def _linear_kernel(*refs, tree, n_in, segments, m, k, tm, tk, eps, precision, ac
     if normed:  # the normed rows for the products after this one (the router's rows: the experts')
         normed_ref, outs = outs[0], outs[1:]
 
-        @pl.when(p == 0)
+        @pl.when((p == 0) & (s == 0))
         def _():
             def write(k_i, carry):
                 k0 = k_i * tk
@@ -123,7 +134,7 @@ def _linear_kernel(*refs, tree, n_in, segments, m, k, tm, tk, eps, precision, ac
         sets = [jnp.int32(i) for i in range(seg.pairs)]
 
         def step(k_i, accs):  # accs: per piece, per column set, [tm, block] f32
-            k0 = k_i * tk
+            k0 = (s * per_split + k_i) * tk
             h = hblock(k0).astype(seg.cdtype)
             return tuple(
                 tuple(
@@ -134,8 +145,17 @@ def _linear_kernel(*refs, tree, n_in, segments, m, k, tm, tk, eps, precision, ac
                 for (c, b, keep), piece_accs in zip(pieces, accs)
             )
 
+        def add(s_i, accs):  # a split call's slice s_i of partial products, added
+            return tuple(
+                tuple(
+                    acc + load(refs["w"].at[rows, pl.ds(s_i * seg.n + c, b), i], in_m, keep)
+                    for i, acc in zip(sets, piece_accs)
+                )
+                for (c, b, keep), piece_accs in zip(pieces, accs)
+            )
+
         zeros = tuple(tuple(jnp.zeros((tm, b), jnp.float32) for _ in sets) for _, b, _ in pieces)
-        accs = lax.fori_loop(0, steps, step, zeros)
+        accs = lax.fori_loop(0, combine, add, zeros) if combine else lax.fori_loop(0, per_split, step, zeros)
         ys = [
             [
                 epilogue.finish(
@@ -167,7 +187,9 @@ def _linear_kernel(*refs, tree, n_in, segments, m, k, tm, tk, eps, precision, ac
                 y = (load(ins["residual"].at[rows, pl.ds(c, b)], in_m, keep) + y).astype(seg.out_dtype)
             mask = [mk for mk in (in_m, keep) if mk is not None]
             pl_triton.store(
-                out_ref.at[rows, pl.ds(c, b)], y, mask=functools.reduce(jnp.logical_and, mask) if mask else None
+                out_ref.at[rows, pl.ds(s * seg.n + c, b)],
+                y,
+                mask=functools.reduce(jnp.logical_and, mask) if mask else None,
             )
 
     for seg, refs, out_ref in zip(segments, ins["segments"], outs):
@@ -208,25 +230,53 @@ def fused_linear(
     residual [M, N] (one segment): its output is residual + the rounded product. out_dtype: every
     output's (None: each segment's product's, x's or the norm's dtype with the weight's).
     precision: None or "highest" (float32 products at full precision, not TF32). tiles: the
-    blocks and launch shape. interpret: Pallas' interpreter (any platform).
+    blocks and launch shape; with K in `tiles.splits` slices (a decode product of too few column
+    tiles to fill the GPU), a first launch writes each slice's f32 products [M, splits * N_i] and a
+    second sums them and runs the epilogue (a small launch: it reads M * splits * N_i floats).
+    interpret: Pallas' interpreter (any platform).
     """
     _check_options(tiles, precision)
     check_normed(normed, norm)
+    epilogue_args = dict(biases=biases, residual=residual, head_norms=head_norms, rope=rope, act=act)
     laid_out = segments(
+        x, weights, norm=norm, head_dim=head_dim, rotate=rotate, out_dtype=out_dtype, tn=tiles.n, **epilogue_args
+    )
+    m, k = x.shape
+    tk = block(k, tiles.k)
+    if pl.cdiv(k, tk) % tiles.splits:
+        raise ValueError(f"fused_linear: {tiles.splits} splits of K={k} in steps of {tk} are no whole steps each")
+    call = functools.partial(
+        _call, x, weights, norm=norm, eps=eps, normed=normed, precision=precision, tiles=tiles, interpret=interpret
+    )
+    if tiles.splits == 1:
+        return call(laid_out, **epilogue_args)
+    # The products alone, each K slice's f32 partials [M, splits * N_i]; then their sum's epilogue.
+    products = segments(
         x,
         weights,
         norm=norm,
-        biases=biases,
-        residual=residual,
-        head_dim=head_dim,
-        head_norms=head_norms,
-        rope=rope,
-        rotate=rotate,
-        act=act,
-        out_dtype=out_dtype,
+        head_dim=None,
+        rotate=None,
+        out_dtype=jnp.float32,
         tn=tiles.n,
+        **dict.fromkeys(epilogue_args),
     )
-    m, k = x.shape
+    results = call(products)
+    h, parts = (results[0], results[1:]) if normed else (None, results)
+    outs = _call(None, parts, laid_out, norm=None, eps=eps, normed=False, precision=precision, tiles=tiles,
+                 interpret=interpret, combine=tiles.splits, **epilogue_args)  # fmt: skip
+    return (h, *outs) if normed else outs
+
+
+def _call(
+    x, weights, laid_out, *, norm, eps, normed, precision, tiles, interpret, combine=0, biases=None, residual=None,
+    head_norms=None, rope=None, act=None
+) -> tuple[jax.Array, ...]:  # fmt: skip
+    """The kernel's call over segments `laid_out` (`fused_linear`'s arguments, checked): per segment
+    [M, tiles.splits * N_i], after the normed rows [M, K] where `normed`; or, `combine`, per segment
+    [M, N_i] of the sums of a split call's partials `weights` [M, combine * N_i] (x None)."""
+    m, k = (weights[0].shape[0], 0) if combine else x.shape
+    splits = 1 if combine else tiles.splits
     tm, tk = block(m, tiles.m), block(k, tiles.k)
     ins = {
         "x": x,
@@ -245,7 +295,7 @@ def fused_linear(
         "residual": residual,
     }
     flat, tree = jax.tree.flatten(ins)
-    outs = [metadata.varying_struct((m, seg.n), seg.out_dtype, *flat) for seg in laid_out]
+    outs = [metadata.varying_struct((m, splits * seg.n), seg.out_dtype, *flat) for seg in laid_out]
     if normed:
         outs.insert(0, metadata.varying_struct((m, k), jnp.result_type(norm.dtype, x.dtype), *flat))
     out_cols = sum(seg.n for seg in laid_out)
@@ -258,6 +308,8 @@ def fused_linear(
         k=k,
         tm=tm,
         tk=tk,
+        splits=splits,
+        combine=combine,
         eps=eps,
         precision=precision,
         act=act,
@@ -267,14 +319,14 @@ def fused_linear(
         pl.pallas_call(
             kernel,
             out_shape=outs,
-            grid=(laid_out[-1].first + laid_out[-1].count, pl.cdiv(m, tm)),
+            grid=(laid_out[-1].first + laid_out[-1].count, pl.cdiv(m, tm), splits),
             compiler_params=pl_triton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
             interpret=interpret,
             cost_estimate=pl.CostEstimate(
-                flops=2 * m * k * sum(w.shape[1] for w in weights),
+                flops=m * sum(w.shape[1] for w in weights) * (1 if combine else 2 * k),
                 transcendentals=m * out_cols if act is not None else 0,
                 bytes_accessed=sum(a.size * a.dtype.itemsize for a in flat)
-                + sum(m * seg.n * seg.out_dtype.itemsize for seg in laid_out),
+                + sum(m * splits * seg.n * seg.out_dtype.itemsize for seg in laid_out),
             ),
         )(*flat)
     )

@@ -164,19 +164,22 @@ def paged_attention(
             interpret=interpret,
         ),
     )
-    outs = plgpu.kernel(
-        kernel,
-        out_type=out_type,
-        scratch_types=scratch,
-        grid=(splits, n),
-        grid_names=("split", "seq"),
-        kernel_name=NAME,
-        interpret=_interpret_params() if interpret else None,
-        # Lane semantics, jax 0.10.2's default (0.11 made Warpgroup the default): the kernel places its
-        # register arrays itself, and Warpgroup's layout inference finds no layouts for some page sizes
-        # (pages of 12 on an H100 at jax 0.11.2).
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-    )(*operands)
+    # The grid as a named scope around the call: a compiled Mosaic GPU call holds its module as
+    # bytecode, and what reads the compiled program (its programs against the SMs) reads it here.
+    with jax.named_scope(f"grid_{splits}x{n}"):
+        outs = plgpu.kernel(
+            kernel,
+            out_type=out_type,
+            scratch_types=scratch,
+            grid=(splits, n),
+            grid_names=("split", "seq"),
+            kernel_name=NAME,
+            interpret=_interpret_params() if interpret else None,
+            # Lane semantics, jax 0.10.2's default (0.11 made Warpgroup the default): the kernel places its
+            # register arrays itself, and Warpgroup's layout inference finds no layouts for some page sizes
+            # (pages of 12 on an H100 at jax 0.11.2).
+            compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        )(*operands)
     return outs[0][:, :g, :dh].reshape(b, h, dh)
 
 

@@ -191,7 +191,7 @@ def pick_gemm(
         k=kdim,
         n=n,
         fmt=fmt,
-        programs=lambda tn: touched * -(-n // tn),
+        programs=lambda tn, splits: touched * -(-n // tn),
         tn_floor=32 if act is not None else 16,
     )
     chosen["tk"] = max(chosen["tk"], tk_floor)

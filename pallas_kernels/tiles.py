@@ -9,8 +9,12 @@ call's shape by `_resolve`.
 A decode step's products are a few rows against a whole weight, so a decode kernel's speed is how
 many of the device's SMs its programs keep streaming: given `programs`, `lookup` narrows the entry's
 N tile while the call's active programs would fill the SMs less than FILL times over (a program
-streams one tile of weight columns; fewer, wider programs leave SMs idle). An entry timed on its
-device (`benchmarks/tune_tiles.py`) stands as it is: the timing weighed the narrower tiles too.
+streams one tile of weight columns; fewer, wider programs leave SMs idle), down to a floor (a
+narrower tile reads each weight row in slivers shorter than a memory transaction); where the entry
+splits K (a field "splits"), the splits then double while the programs still fall short, up to the
+caller's bound (what the slices' partials cost it), each split whole K tiles (the K tile halving,
+down to its floor, when they run out). An entry timed on its device (`benchmarks/tune_tiles.py`)
+stands as it is: the timing weighed the narrower tiles and the splits too.
 """
 
 from __future__ import annotations
@@ -106,19 +110,34 @@ def lookup(
     fmt: str = "bf16",
     gated: bool = False,
     block: int = 1,
-    programs: Callable[[int], int] | None = None,
+    programs: Callable[[int, int], int] | None = None,
     tn_floor: int = 16,
     n_field: str = "tn",
+    tk_floor: int = 32,
+    k_field: str = "tk",
+    max_splits: int = 1,
 ) -> dict:
     """`kernel`'s tiles (a dict of its Tiles' fields) for `rows` rows of a [K, N] product with weights
     in `fmt` ("bf16", "f32", "nvfp4", "mxfp4"; 4-bit of scale block `block`), `gated`: a gate|up
     product whose epilogue halves it, on `device`: (device kind, SMs; ("", 0): the rules, unnarrowed).
-    `programs(tn)`: a decode kernel's programs at N tile tn; the N tile (the field `n_field`) halves,
-    down to `tn_floor`, until they fill every SM FILL times over (not an entry timed on its device)."""
+    `programs(tn, splits)`: a decode kernel's programs at N tile tn and K in `splits` slices; the N
+    tile (the field `n_field`) halves, down to `tn_floor`, until they fill every SM FILL times over;
+    then an entry's "splits" double, up to `max_splits`, each slice whole K tiles (the field
+    `k_field`, halving down to `tk_floor` where they run out). Not an entry timed on its device."""
     kind, cores = device
     entry = _entry(kernel, kind, rows, k, n, fmt, gated)
     out = {name: _resolve(v, rows=rows, k=k, n=n, block=block) for name, v in entry["tiles"].items()}
     timed = entry["from"].startswith(TIMED)
-    while programs and cores and not timed and out[n_field] > tn_floor and programs(out[n_field]) < FILL * cores:
+    short = lambda: (  # noqa: E731
+        programs and cores and not timed and programs(out[n_field], out.get("splits", 1)) < FILL * cores
+    )
+    while short() and out[n_field] > tn_floor:
         out[n_field] //= 2
+    while short() and "splits" in out and 2 * out["splits"] <= max_splits:
+        if k % (out[k_field] * 2 * out["splits"]) == 0:
+            out["splits"] *= 2
+        elif out[k_field] > tk_floor:
+            out[k_field] //= 2
+        else:
+            break
     return out

@@ -2,7 +2,9 @@
 compile-only H200 (XLA:GPU's own compiler, `moejax.base.targets`), at batch 1 and 64, with bf16 and
 NVFP4 experts. A layer launches at most LAUNCHES_PER_LAYER kernels and writes no temporary of a
 layer weight's shape (a weight copied, or a product spelled out as a multiply the weight's size
-and a reduce), read off the compiled program by `moejax.compiled.hlo`.
+and a reduce), read off the compiled program by `moejax.compiled.hlo`. At batch 1 on an H100, H200
+and B200, every decode kernel of Qwen3-30B-A3B's and GLM-5.3's steps that streams weights runs at
+least a program per SM.
 
 A GPU runs every layer unrolled, each layer the same kernels: a layer's figures are the difference
 of the steps of DEPTHS[1] and DEPTHS[0] layers (the embedding, LM head and sampling cancel), so
@@ -27,26 +29,35 @@ BATCHES = (1, 64)
 FORMATS = ("unquantized", "nvfp4")
 
 
+FILL_TARGETS = ("h100", "h200", "b200")
+QWEN = "qwen3-moe-30b-a3b"
+FILL_MODELS = (QWEN, "glm-5.3")  # GLM-5.3's attention is XLA's: its MLPs, router and experts
+
+
 @functools.cache
-def step(batch: int, fmt: str, layers: int) -> dict:
-    """`plan.decode_kernels` of Qwen3-30B-A3B's decode step (`layers` deep) over pages of 16 for one H200."""
-    model = dataclasses.replace(preset("qwen3-moe-30b-a3b"), num_layers=layers)
+def step(batch: int, fmt: str, layers: int, target: str, name: str) -> dict:
+    """`plan.decode_kernels` of model `name`'s decode step (`layers` deep: its first dense layer, if it
+    has any, then MoE layers) over pages of 16 for one `target` device, and each Pallas kernel's
+    figures (`plan.pallas_figures`) under "kernels"."""
+    whole = preset(name)
+    model = dataclasses.replace(whole, num_layers=layers, dense_layers=whole.dense_layers[:1])
     config = Config(
         model=model,
         layout=LayoutConfig(devices=1),
         weights=WeightsConfig(fmt),
         engine=EngineConfig(dtype="bfloat16"),
     ).validate()
-    devices = list(targets.devices("h200", 1))
+    devices = list(targets.devices(target, 1))
     placement, programs = plan.programs(config, batch, 4096, 512, "cuda", devices, 16)
     jitted, args = programs["decode"]
     assert placement.decode.fuses(batch)  # the decode kernels, as a GPU's run takes them
-    return plan.decode_kernels(lower(jitted, *args).compile().as_text(), args[0], layers)
+    text = lower(jitted, *args).compile().as_text()
+    return {**plan.decode_kernels(text, args[0], layers), "kernels": plan.pallas_figures(text, targets.target(target))}
 
 
 def per_layer(batch: int, fmt: str) -> dict[str, float]:
     """A layer's launches by kind: the deeper step's less the shallower's."""
-    shallow, deep = (step(batch, fmt, n)["launch_kinds"] for n in DEPTHS)
+    shallow, deep = (step(batch, fmt, n, "h200", QWEN)["launch_kinds"] for n in DEPTHS)
     kinds = {kind: (deep.get(kind, 0) - shallow.get(kind, 0)) / (DEPTHS[1] - DEPTHS[0]) for kind in deep | shallow}
     return {kind: n for kind, n in kinds.items() if n}
 
@@ -70,6 +81,38 @@ def test_a_decode_step_writes_no_temporary_of_a_weights_shape(batch, fmt):
     """No op of the step writes an array of a layer weight's shape, whatever the depth; the launches
     it looked through are the step's."""
     for layers in DEPTHS:
-        kernels = step(batch, fmt, layers)
+        kernels = step(batch, fmt, layers, "h200", QWEN)
         assert kernels["launches"] > 5 * layers  # each layer's kernels
         assert kernels["weight_shaped"] == 0, kernels
+
+
+def launch_bound(f: dict, target: str) -> bool:
+    """Whether a kernel's programs read their bytes (`plan.pallas_figures`'s figures `f`) within a
+    launch gap even at one SM's share of the bandwidth each: short of the SMs, it idles none for
+    long (a top-k over a row of logits, the sum of a split product's partials)."""
+    t = targets.target(target)
+    return f["bytes"] / (f["programs"] * t.hbm_tb_s * 1e12 / t.cores) * 1e6 < t.launch_us
+
+
+@pytest.mark.parametrize("name", FILL_MODELS)
+@pytest.mark.parametrize("target", FILL_TARGETS)
+def test_every_decode_kernel_fills_the_gpu_at_batch_1(target, name):
+    """At batch 1 each Triton decode kernel runs at least as many programs as the target has SMs
+    (`Target.cores`), but those that are launch-bound: q|k|v, the output projection and the router
+    split K where their column tiles are too few. A grid does not depend on depth: the shallow step's."""
+    figures = [f for f in step(1, "unquantized", DEPTHS[0], target, name)["kernels"] if "mgpu" not in f["kernel"]]
+    wanted = {"qkv", "out", "router", "experts"} if name == QWEN else {"mlp", "router", "experts"}
+    assert wanted <= {f["kernel"].split()[0] for f in figures}, figures
+    assert [f for f in figures if f["programs"] < f["sms"] and not launch_bound(f, target)] == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the paged attention's splits stop at the table's max_splits 8 (its combine is unrolled over "
+    "the splits: a compile-time cost), so batch 1 of 4 kv heads is 32 CTAs",
+)
+@pytest.mark.parametrize("target", FILL_TARGETS)
+def test_the_paged_attention_fills_the_gpu_at_batch_1(target):
+    """Qwen3-30B-A3B's paged attention at batch 1 (4 kv heads): at least a CTA per SM."""
+    (attention,) = [f for f in step(1, "unquantized", DEPTHS[0], target, QWEN)["kernels"] if "mgpu" in f["kernel"]]
+    assert attention["programs"] >= attention["sms"], attention

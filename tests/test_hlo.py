@@ -1,15 +1,20 @@
 """The HLO reader (`moejax.compiled.hlo`) on a hand-written XLA:GPU-like program: the ops one call
 runs, how many times, which of them are kernel launches, and which write arrays of given shapes;
-and on a second, its Pallas kernels, products' precision, collectives and host transfers.
-(Its pricing, `hlo_ops.ops`: `test_target_costs.py`; on compiled programs: `test_target_structure.py`.)"""
+and on a second, its Pallas kernels, products' precision, collectives and host transfers; and a
+compiled Triton call's programs. (Its pricing, `hlo_ops.ops`: `test_target_costs.py`; on compiled
+programs: `test_target_structure.py`.)"""
 
 import ast
 import json
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
+from compile_only import lower, on_h100
 
 from moejax.compiled import hlo
+from pallas_kernels import linear
 
 # A decode step at batch 1 against a weight w [16, 32] (and a norm's [32]): x * w spelled out as a
 # multiply of w's size and a reduce, an async all-gather, a copy pair, a cuBLAS GEMM over the
@@ -222,7 +227,7 @@ ENTRY %main (x: bf16[8,32], sinks: f32[2]) -> bf16[64,32] {
   %x = bf16[8,32]{1,0} parameter(0)
   %sinks = f32[2]{0} parameter(1)
   %t = bf16[8,32]{1,0} custom-call(%x), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/jit(grouped_gemm)/pallas_call"}, backend_config={grid_x = 4 : i32, ir = "ML\EFR\22", name = "_kernel", num_warps = 4 : i32}
-  %m = bf16[8,32]{1,0} custom-call(%t, %sinks), custom_call_target="mosaic_gpu_v2", operand_layout_constraints={bf16[8,32]{1,0}, f32[2]{0}}, metadata={op_name="jit(step)/attention/paged_attention_mgpu/mpmd_map"}, backend_config={kernel_hash = "\C4", module = "{ wgmma.mma_async"}
+  %m = bf16[8,32]{1,0} custom-call(%t, %sinks), custom_call_target="mosaic_gpu_v2", operand_layout_constraints={bf16[8,32]{1,0}, f32[2]{0}}, metadata={op_name="jit(step)/attention/grid_8x4/paged_attention_mgpu/mpmd_map"}, backend_config={kernel_hash = "\C4", module = "{ wgmma.mma_async"}
   %p = bf16[8,32]{1,0} custom-call(%m), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={}}, metadata={op_name="jit(step)/jit(ragged_paged_attention)/ragged_paged_attention_kernel/pallas_call"}, backend_config={"custom_call_config":{"body":"TUzv","cost_estimate":{"flops":"1024"}}}
   %g = bf16[8,32]{1,0} custom-call(%p, %p), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"precision_config":{"operand_precision":["HIGHEST","HIGHEST"]}}}
   %d = f32[8,8]{1,0} dot(%g, %g), lhs_contracting_dims={1}, rhs_contracting_dims={1}, operand_precision={highest,highest}
@@ -247,6 +252,25 @@ def test_pallas_calls_are_each_compilers_kernels_by_name():
         ("m", "mosaic_gpu", "paged_attention_mgpu"),
         ("p", "mosaic_tpu", "ragged_paged_attention_kernel"),
     ]
+
+
+def test_a_pallas_calls_programs_function_and_operand_bytes():
+    """A Triton call's programs are its config's grid; a Mosaic GPU call's, its grid scope's; a
+    call's operand bytes, its layout constraints' arrays'."""
+    i = {r.instr.name: r.instr for r in hlo.parse(KERNELS).runs}
+    assert [(i[n].programs, i[n].function) for n in "tmpg"] == [(4, "_kernel"), (32, ""), (0, ""), (0, "")]
+    assert i["m"].operand_bytes == 8 * 32 * 2 + 2 * 4
+
+
+def test_a_compiled_triton_calls_programs():
+    """On a real compiled program (a compile-only H100's): a fused_linear of 2 rows x [256, 96] in
+    column tiles of 16, one row tile and K whole runs as 96 / 16 = 6 programs, reading x, the weight and the norm."""
+    tiles = linear.Tiles(n=16, k=64, m=16, num_warps=4, num_stages=2, splits=1)
+    call = jax.jit(lambda x, w, norm: linear.fused_linear(x, (w,), norm=norm, tiles=tiles))
+    args = (on_h100((2, 256), jnp.bfloat16), on_h100((256, 96), jnp.bfloat16), on_h100((256,), jnp.bfloat16))
+    (run,) = hlo.pallas_calls(lower(call, *args).compile().as_text())
+    assert (run.instr.programs, run.instr.function) == (6, "_linear_kernel")
+    assert run.instr.operand_bytes == (2 * 256 + 256 * 96 + 256) * 2
 
 
 def test_a_calls_backend_config_operand_types_and_precision():

@@ -59,12 +59,28 @@ LINEAR_CASES = {
     "gate_up act bf16 M5": (jnp.bfloat16, 5, 200, "gate_up"),
     "residual bf16 M64": (jnp.bfloat16, 64, 72, "residual"),
     "router f32 weights bf16 M5": (jnp.bfloat16, 5, 200, "router"),
+    "attention split-K bf16 M1": (jnp.bfloat16, 1, 200, "attention"),
+    "gate_up split-K bf16 M5": (jnp.bfloat16, 5, 200, "gate_up"),
+    "residual split-K bf16 M3": (jnp.bfloat16, 3, 64, "residual"),
+    "router split-K f32 weights bf16 M5": (jnp.bfloat16, 5, 200, "router"),
+}
+# The cases whose kernel splits K (f32 partials, the epilogue on their sum): their K steps in slices.
+SPLITS = {
+    "attention split-K bf16 M1": 2,
+    "gate_up split-K bf16 M5": 4,
+    "residual split-K bf16 M3": 4,
+    "router split-K f32 weights bf16 M5": 4,
 }
 
 
 @functools.cache
 def linear_case(name: str):
-    """(x [M, K], weights, fused_linear's keyword arguments) of case `name`."""
+    """(x [M, K], weights, fused_linear's keyword arguments) of case `name`, K split in `SPLITS`'s slices."""
+    x, weights, kw = _linear_case(name)
+    return x, weights, {**kw, "tiles": dataclasses.replace(kw["tiles"], splits=SPLITS.get(name, 1))}
+
+
+def _linear_case(name: str):
     dtype, m, k, layout = LINEAR_CASES[name]
     rng = _rng(name)
     x = _array(rng, (m, k), dtype)

@@ -69,8 +69,9 @@ def test_plan_of_one_device_reports_it_once(capsys):
 def test_plan_for_a_target_counts_its_decode_steps_kernel_launches_a_layer(capsys, monkeypatch):
     """plan --target h100: its decode step's kernel launches (the Triton kernels among them, at least
     gate_up and down a MoE layer), by kind, over the model's layers, and the temporaries it writes
-    of a layer weight's shape (none at 8 rows: every product a GEMM reading its weight in place);
-    the table prints them. (Only the decode step compiles here: the figures are its.)"""
+    of a layer weight's shape (none at 8 rows: every product a GEMM reading its weight in place),
+    and each Pallas kernel's programs, bytes read and time at the datasheet bandwidth; the table
+    prints them. (Only the decode step compiles here: the figures are its.)"""
     every = plan.programs
 
     def decode_only(*args, **kwargs):
@@ -87,11 +88,22 @@ def test_plan_for_a_target_counts_its_decode_steps_kernel_launches_a_layer(capsy
     assert kernels["launches"] == pytest.approx(sum(kernels["launch_kinds"].values()))
     assert kernels["launches_per_layer"] == pytest.approx(kernels["launches"] / c.num_layers, abs=0.05)
     assert kernels["weight_shaped"] == 0
+    # Each Pallas kernel: its programs against the H100's 132 SMs, its operands' bytes and their
+    # time at 3.35 TB/s; a MoE layer's gate_up and down among them, every layer's calls counted.
+    figures = kernels["kernels"]
+    assert "experts _kernel" in {f["kernel"] for f in figures}, figures
+    assert sum(f["calls"] for f in figures) == kernels["launch_kinds"]["custom-call __gpu$xla.gpu.triton"] + (
+        kernels["launch_kinds"].get("custom-call mosaic_gpu_v2", 0)
+    )
+    for f in figures:
+        assert f["programs"] > 0 and f["sms"] == 132 and f["bytes"] > 0, f
+        assert f["us"] == pytest.approx(f["bytes"] / 3.35e6, abs=0.01)
     monkeypatch.setattr(plan_command, "plan_placement", lambda *a, **k: row)
     assert main(argv) == 0
-    assert f"decode step, per layer (of {c.num_layers}): {kernels['launches_per_layer']:.1f} kernel launches" in (
-        capsys.readouterr().out
-    )
+    out = capsys.readouterr().out
+    assert f"decode step, per layer (of {c.num_layers}): {kernels['launches_per_layer']:.1f} kernel launches" in out
+    f = figures[0]
+    assert f"{f['kernel']:<28}{f['programs']:>9}{132:>5}{f['bytes'] / 1e6:>9.2f}{f['us']:>16.2f}" in out
 
 
 def test_plan_for_an_ampere_gpu_compiles_every_program_with_tritons_kernels(capsys):

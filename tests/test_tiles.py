@@ -84,6 +84,25 @@ def test_a_timed_entry_is_not_narrowed(monkeypatch):
     published = {"tiles": {"tn": 128}, "from": "published table of a test"}
     timed = {"rows": 1, "tiles": {"tn": 128}, "from": "timed on a GPU, 2026-12-07"}
     monkeypatch.setattr(tiles, "_table", lambda: {"k": {"default": published, "a GPU": [timed]}})
-    two_programs = lambda tn: 256 // tn
+    two_programs = lambda tn, splits: 256 // tn * splits
     assert tiles.lookup("k", ("another GPU", 8), rows=1, programs=two_programs)["tn"] == 16
     assert tiles.lookup("k", ("a GPU", 8), rows=1, programs=two_programs)["tn"] == 128
+
+
+def test_a_decode_kernels_tiles_fill_the_sms_narrowing_then_splitting_k():
+    """A decode call of too few column tiles: its N tile halves down to its floor, then its K splits
+    double (whole K tiles each, the K tile halving where they run out) until its programs cover
+    the device's SMs FILL times over, up to the caller's most splits; a device of unknown SMs, none."""
+    cols = lambda n: lambda tn, splits: -(-n // tn) * splits  # noqa: E731
+    lookup = lambda sms, **kw: tiles.lookup(  # noqa: E731
+        "fused_linear", ("a GPU", sms), rows=1, k=4096, n_field="n", k_field="k", tn_floor=64, **kw
+    )
+    # N 2048: 32 tiles of 64 over 132 SMs, so 16 slices of 256 K rows (4 tiles of 64): 512 programs.
+    out = lookup(132, n=2048, programs=cols(2048), max_splits=64)
+    assert (out["n"], out["k"], out["splits"]) == (64, 64, 16)
+    assert lookup(132, n=2048, programs=cols(2048), max_splits=4)["splits"] == 4
+    # N 128: 2 tiles; 64 slices of K tiles of 64 (128 programs), then 128 of 32 (256), the K tile's
+    # floor: short of 264, but all it can.
+    out = lookup(132, n=128, programs=cols(128), max_splits=1024)
+    assert (out["k"], out["splits"]) == (32, 128)
+    assert lookup(0, n=2048, programs=cols(2048), max_splits=64)["splits"] == 1

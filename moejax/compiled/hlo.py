@@ -5,9 +5,9 @@ a fusion), each with how many times it runs. What the project asks of a compiled
 off them: the arrays of given shapes it writes (`writes_of`, `weight_shaped`), its products
 (`products`), its loops and their trip counts (`loops`), the kernels it launches (`launches`, by
 kind: `by_kind`), its Pallas kernels (`pallas_calls`: Triton, Mosaic GPU or Mosaic TPU, each with its
-kernel's name), its collectives (`collectives`) and its transfers to and from the host
-(`host_transfers`); `hlo_ops` prices the operations it runs. Tests read compiled programs through
-these readers alone (test_hlo.py holds them to it).
+kernel's name, programs and operands' bytes), its collectives (`collectives`) and its transfers to
+and from the host (`host_transfers`); `hlo_ops` prices the operations it runs. Tests read compiled
+programs through these readers alone (test_hlo.py holds them to it).
 """
 
 from __future__ import annotations
@@ -132,6 +132,29 @@ class Instr:
             return ""
         m = re.fullmatch(r"jit\((.*)\)", scopes[-2])
         return m.group(1) if m else scopes[-2]
+
+    @property
+    def programs(self) -> int:
+        """A Pallas GPU call's programs, its grid's product: a Triton call's backend config states its
+        grid (grid_x, grid_y, grid_z); a Mosaic GPU call's holds its module as bytecode, so its kernel
+        traces it under a named scope "grid_AxB" (`pallas_kernels.paged_attention_mgpu`); 0 where
+        neither says."""
+        stated = re.findall(r"\bgrid_[xyz] = (\d+) : i32", self.backend_config)
+        scoped = re.search(r"(?:^|/)grid_(\d+(?:x\d+)*)(?:/|$)", self.scope)
+        sizes = stated or (scoped.group(1).split("x") if scoped else [])
+        return math.prod(int(d) for d in sizes) if sizes and self.pallas else 0
+
+    @property
+    def function(self) -> str:
+        """The kernel function a Triton call's backend config names ("_linear_kernel"); else ""."""
+        m = re.search(r'\bname = "([^"]*)"', self.backend_config)
+        return m.group(1) if m and self.pallas == "triton" else ""
+
+    @property
+    def operand_bytes(self) -> float:
+        """A custom call's operands' bytes (`operand_types`): what it reads, or at most that where it
+        reads part of an operand (a page pool's pages, the picked experts of a layer's)."""
+        return sum(shape_bytes(t) for t in self.operand_types)
 
     @property
     def collective(self) -> str:

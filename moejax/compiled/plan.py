@@ -161,6 +161,32 @@ def decode_kernels(text: str, params: dict, layers: int) -> dict:
     }
 
 
+def pallas_figures(text: str, t: targets.Target) -> list[dict]:
+    """Each distinct Pallas kernel call of a compiled program on target `t` (a layer's kernels repeat
+    in every layer: `calls` counts a call's runs): its name (the named scope it was traced under and
+    a Triton call's kernel function), its programs against the target's SMs, the bytes of its
+    operands (what it reads, or at most that: `hlo.Instr.operand_bytes`) and their time at the
+    datasheet bandwidth. A decode kernel streaming its weights fills the GPU with a program or more
+    per SM; fewer leave SMs idle for the whole call."""
+    sms = (targets.target(t.compiles_as) if t.compiles_as else t).cores
+    found = {}
+    for r in hlo.pallas_calls(text):
+        i = r.instr
+        name = " ".join(n for n in (i.kernel, i.function) if n)
+        key = (name, i.programs, i.operand_bytes)
+        if key not in found:
+            found[key] = {
+                "kernel": name,
+                "programs": i.programs,
+                "sms": sms,
+                "bytes": int(i.operand_bytes),
+                "us": round(i.operand_bytes / (t.hbm_tb_s * 1e12) * 1e6, 2),
+                "calls": 0,
+            }
+        found[key]["calls"] += r.count
+    return list(found.values())
+
+
 def decode_program(
     config: Config,
     batch: int,
@@ -260,7 +286,8 @@ def plan_placement(
     """One placement's per-device bytes and compile times (`config.layout` names it), for
     `target`'s compile-only devices (else this machine's), the page pool of `page_size`
     positions the memory left after the weights and temporaries holds (`kv_pages`), and on a
-    target, its decode step's kernels (`decode_kernels`; None on this machine's XLA:CPU)."""
+    target, its decode step's kernels (`decode_kernels`, and each Pallas kernel's figures under
+    "kernels": `pallas_figures`; None on this machine's XLA:CPU)."""
     t = targets.target(target) if target else None
     devices = list(targets.devices(t.name, config.layout.devices)) if t else None
     placement, progs = programs(config, batch, context, prefill_chunk, t and t.platform, devices)
@@ -269,7 +296,8 @@ def plan_placement(
     for name, (jitted, args) in progs.items():
         program, seconds, error = compile_program(jitted, args, persist=t is None)
         if name == "decode" and program is not None and t:  # XLA:CPU's kernels are not a target's
-            kernels = decode_kernels(program.as_text(), params, config.model.num_layers)
+            text = program.as_text()
+            kernels = {**decode_kernels(text, params, config.model.num_layers), "kernels": pallas_figures(text, t)}
         compiled[name] = {
             "compiled": program is not None,
             "compile_s": round(seconds, 1),

@@ -32,11 +32,19 @@ from pallas_kernels.epilogue import gate_up_columns
 def _fused(decode: DecodeKernels, x: jax.Array, weights: tuple, *, heads: int = 0, **kw) -> tuple:
     """`linear.fused_linear` of rows x [M, K] and weight segments, its tiles from the decode table for
     the call's shape on the run's device; `heads`: the columns of the segments with a head epilogue,
-    a program each per head (the rest take the table's column tile)."""
+    a program each per head (the rest take the table's column tile), unless K splits (then every
+    column takes the tile, in each slice: the epilogue runs on the slices' sum)."""
     from pallas_kernels import linear, tiles  # the kernels' modules, loaded where they run
 
     n = sum(w.shape[1] for w in weights)
     head_dim = kw.get("head_dim") or 1
+    itemsize = weights[0].dtype.itemsize
+
+    def programs(tn: int, splits: int) -> int:  # the kernel's layout: a head a program, unless K splits
+        if splits > 1:
+            return sum(-(-w.shape[1] // tn) for w in weights) * splits
+        return heads // head_dim + -(-(n - heads) // tn)
+
     chosen = tiles.lookup(
         "fused_linear",
         decode.device,
@@ -44,8 +52,14 @@ def _fused(decode: DecodeKernels, x: jax.Array, weights: tuple, *, heads: int = 
         k=x.shape[1],
         n=n,
         fmt="f32" if weights[0].dtype == jnp.float32 else "bf16",
-        programs=lambda tn: heads // head_dim + -(-(n - heads) // tn),
+        programs=programs,
+        # The N tile narrows to 128 bytes of a weight row (a memory transaction), no slivers; past that K splits.
+        tn_floor=128 // itemsize,
         n_field="n",
+        k_field="k",
+        # The slices' f32 partials, written and read back (8 bytes a row and column a slice), at most
+        # an eighth of the weight's bytes: splits at batch 1, few or none at 64 rows.
+        max_splits=max(1, x.shape[1] * itemsize // (64 * x.shape[0])),
     )
     return linear.fused_linear(
         x, weights, tiles=linear.Tiles(**chosen), precision=decode.precision, interpret=decode.interpret, **kw

@@ -119,6 +119,14 @@ def cmd_plan(args) -> int:
                 f"{r['name']} decode step, per layer (of {model.num_layers}): {k['launches_per_layer']:.1f} kernel "
                 f"launches ({kinds}, ...), {k['weight_shaped_per_layer']:g} temporaries of a layer weight's shape"
             )
+            bandwidth = f"us at {target.hbm_tb_s:g} TB/s"
+            print(f"{'kernel':<28}{'programs':>9}{'SMs':>5}{'MB read':>9}{bandwidth:>16}{'calls':>7}")
+            for f in k["kernels"]:
+                short = " (fewer programs than SMs)" if f["programs"] < f["sms"] else ""
+                print(
+                    f"{f['kernel']:<28}{f['programs']:>9}{f['sms']:>5}{f['bytes'] / 1e6:>9.2f}{f['us']:>16.2f}"
+                    f"{f['calls']:>7g}{short}"
+                )
     if not target:
         print("kernel launches: counted on a --target's program (XLA:CPU's is not the one an accelerator launches)")
     for r in rows:
