@@ -26,6 +26,7 @@ import argparse
 import datetime
 import importlib.metadata
 import json
+import math
 import os
 import re
 import signal
@@ -64,6 +65,15 @@ RESERVE_S = 5.0  # of the budget, kept for writing the results after the last pa
 MEMORY = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
 
 
+def finite(value):
+    """value with its NaNs (a figure this device's record lacks) as None: results.json is strict JSON."""
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite(v) for v in value]
+    return None if isinstance(value, float) and math.isnan(value) else value
+
+
 def run_part(part: str, dry_run: bool, rows_to: Path) -> None:
     """In a part's own process: its rows, one JSON line each, to `rows_to` as they are measured; the
     first line is {"about": ...}, the run's setting. A format of the decode that fails (memory, a
@@ -77,7 +87,7 @@ def run_part(part: str, dry_run: bool, rows_to: Path) -> None:
     with rows_to.open("w") as out:
 
         def write(row: dict) -> None:
-            out.write(json.dumps(row) + "\n")
+            out.write(json.dumps(finite(row)) + "\n")
             out.flush()
 
         if part == "grouped_gemm":
@@ -216,7 +226,7 @@ def markdown(results: dict) -> str:
 
 
 def save(results: dict, out: Path) -> None:
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "results.json").write_text(json.dumps(finite(results), indent=2, allow_nan=False) + "\n")
     (out / "results.md").write_text(markdown(results))
 
 

@@ -97,10 +97,13 @@ def candidates(shape: Shape, kind: str, small: bool) -> list[dict]:
             for tn, tk in itertools.product((32, 64, 128), (64, 128, 256))
         ]
     else:  # the rows' block: their power of two, 16 to 64 (`linear_segments.block`); at most 64 columns a
-        # program: 128 leaves the router one program and the output projection 16, on 132 SMs
+        # program: 128 leaves the router one program and the output projection 16, on 132 SMs; K whole
+        # or split in 4 or 16 slices of whole K tiles (the split-K that fills the SMs at batch 1)
         m = min(64, max(16, tiles.pow2(shape.rows)))
         grid = [
-            dict(n=n, k=k, m=m, num_warps=4, num_stages=4) for n, k in itertools.product((16, 32, 64), (64, 128, 256))
+            dict(n=n, k=k, m=m, num_warps=4, num_stages=4, splits=splits)
+            for n, k, splits in itertools.product((16, 32, 64), (64, 128, 256), (1, 4, 16))
+            if shape.k % (k * splits) == 0
         ]
     unique = [current] + [t for t in grid if t != current]
     return unique[:2] if small else unique
