@@ -22,7 +22,8 @@ from pallas_kernels import routing, tiles
 from pallas_kernels.epilogue import gate_up_columns
 from pallas_kernels.linear import Tiles, fused_linear
 from pallas_kernels.linear_xla import fused_linear_xla
-from pallas_kernels.routing import topk_route, topk_route_xla
+from pallas_kernels.routing import topk_route
+from pallas_kernels.topk import topk_route_xla
 
 ROUTE_TILES = routing.Tiles(**tiles.lookup("topk_route"))
 
