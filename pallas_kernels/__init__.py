@@ -11,7 +11,7 @@ from pallas_kernels.formats import (
     quantize_rows,
     values_nbytes,
 )
-from pallas_kernels.registry import expert_ffn, for_kernel, grouped_gemm, pick_gemm, run_weights
+from pallas_kernels.registry import expert_ffn, for_kernel, grouped_gemm, pick_gemm, route, run_weights
 
 __all__ = [
     "FORMATS",
@@ -25,6 +25,7 @@ __all__ = [
     "quantize",
     "quantize_experts",
     "quantize_rows",
+    "route",
     "run_weights",
     "values_nbytes",
 ]

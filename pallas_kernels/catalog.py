@@ -64,6 +64,7 @@ class Kernel:
     # whether it runs the experts as one call (gate|up, act, down and the picks' sum), else as two pick GEMMs.
     dense: bool = False
     whole_ffn: bool = False
+    router: str | None = None  # a decode set's router kernel (a DECODE record's name): norm, logits and top-k in one
     interpreted: bool = False  # runs in Pallas' interpreter (any platform: tests)
     # Takes operands typed as varying over a shard_map's mesh axes (check_vma). Not the warp-specialized
     # Mosaic GPU kernels: `plgpu.warp_map` is an mpmd_map, which from jax 0.11 refuses such Refs.
@@ -302,7 +303,7 @@ _ATTENTIONS = (
 
 # A decode step's fused kernels (`moejax/model/projections.py`, `sharding/experts.py`): Triton's pick
 # GEMM (each row's experts by id, no sort) and dense projections; Mosaic TPU's experts as one call
-# (each local expert's tiles against every row, an expert no row picked never read).
+# (each local expert's tiles against every row, an expert no row picked never read) and its router.
 PICKS = frozenset({"picks"})
 _DECODES = (
     Kernel(
@@ -330,6 +331,7 @@ _DECODES = (
         shape_check="shape_refusal",
         reads=PICKS | {"stack"},
         whole_ffn=True,
+        router="pallas_tpu_router",
         tiles="expert_ffn_tpu",
     ),
     Kernel(
@@ -342,12 +344,15 @@ _DECODES = (
         shape_check="shape_refusal",
         reads=PICKS | {"stack"},
         whole_ffn=True,
+        router="interpret_tpu_router",
         interpreted=True,
         # The interpreter slices its scalar tables, which vary over the mesh, at the grid's indices,
         # which do not; jax's varying-axes check refuses that slice.
         varying_operands=False,
         tiles="expert_ffn_tpu",
     ),
+    Kernel("pallas_tpu_router", DECODE, "route_tpu", "mosaic_tpu", platform="tpu"),
+    Kernel("interpret_tpu_router", DECODE, "route_tpu", "mosaic_tpu", interpreted=True),
 )
 
 CATALOG = {(k.role, k.name): k for k in (*_GEMMS, *_ATTENTIONS, *_DECODES)}

@@ -247,6 +247,16 @@ def expert_ffn(
     )
 
 
+def route(x, norm, router, *, backend: str, k: int, eps: float, scoring: str, bias=None, **weighing):
+    """A decode set's router as one call (its record's `router`): x [T, D], the MoE's norm [D], router
+    [D, E] f32 -> (h [T, D] normed, ids [T, k] int32, weights [T, k] f32). weighing: norm_topk_prob,
+    routed_scaling_factor, precision."""
+    record = catalog.kernel(catalog.DECODE, backend)
+    return record.load()(
+        x, norm, router, k=k, eps=eps, scoring=scoring, bias=bias, interpret=record.interpreted, **weighing
+    )
+
+
 def _fuses(record: catalog.Kernel, probe: str, m: int, n: int, rhs) -> bool:
     """Whether `record`'s kernel does a step itself for m rows of rhs (N columns), by its module's
     `probe`: fuses_glu (the gated activation of a gate|up stack), fuses_combine (the sum of each

@@ -70,7 +70,7 @@ class Placement:
     def decode(self) -> DecodeKernels:
         """How a decode step's small products run: XLA's ops, or the fused decode kernels its grouped
         GEMM's record names (`moejax/model/projections.py`, `sharding/experts.py`): a GPU's, a layer's
-        dense products among them on one device; a TPU's experts as one call."""
+        dense products among them on one device; a TPU's experts as one call, and its router."""
         dtype = self.platform.run_dtype(self.config.engine.dtype)
         name = catalog.gemm(self.kernel).decode  # None: its runs take none (they would multiply other rows)
         record = None if name is None else catalog.kernel(catalog.DECODE, name)
@@ -80,7 +80,13 @@ class Placement:
         if record is None:
             return self.platform.decode_kernels(None, dtype, self.first_device, False)
         dense = record.dense and self.devices == 1
-        return self.platform.decode_kernels(record.name, dtype, self.first_device, dense, record.whole_ffn)
+        # The router kernel, as the dense ones, on one device: a pallas_call outside shard_map is one
+        # device's program, which XLA would feed by gathering sharded rows.
+        router = record.router and self.devices == 1 and catalog.kernel(catalog.DECODE, record.router)
+        router = router and not router.why_not(self.platform.name, self.first_device, dtype) and router.name
+        return self.platform.decode_kernels(
+            record.name, dtype, self.first_device, dense, record.whole_ffn, router or None
+        )
 
     @property
     def first_device(self):

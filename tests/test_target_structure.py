@@ -167,13 +167,15 @@ def test_a_gpu_decode_block_launches_each_kernel_of_its_steps():
     assert sum(kinds.values()) == sum(r.count for r in launches)
 
 
-def test_a_tpu_decode_block_runs_each_layers_experts_as_one_kernel():
-    """On a v5e `auto`'s decode steps multiply a layer's experts in one Mosaic call (the decode set's
-    `expert_ffn_tpu`), with nothing sorted, scattered or gathered beside it: the grouped GEMM's
-    path was some sixty ops a layer."""
+def test_a_tpu_decode_block_runs_each_layers_router_and_experts_as_a_kernel_each():
+    """On one v5e `auto`'s decode steps run a layer's MoE as two Mosaic calls of its decode set, the
+    router (`route_tpu`: norm, logits, top-k and weights) and the experts (`expert_ffn_tpu`), with
+    nothing sorted, scattered or gathered beside them: XLA's router and the grouped GEMM's path were
+    some ninety ops a layer."""
     text, *_ = program("v5e", "auto", PAGE_SIZE)
-    experts = scoped(text, "/experts")
-    kernels = [r for r in experts if r.instr.pallas]
-    assert sum(r.count for r in kernels) == STEPS * MODEL.num_layers
-    assert not [r.instr.name for r in experts if r.instr.opcode in ("sort", "scatter", "gather")]
-    assert sum(r.count for r in experts) <= STEPS * MODEL.num_layers * 8  # the kernel and its expert table
+    moe = scoped(text, "/moe/")
+    for part in ("/router", "/experts"):
+        kernels = [r for r in moe if part in r.instr.scope and r.instr.pallas]
+        assert sum(r.count for r in kernels) == STEPS * MODEL.num_layers, part
+    assert not [r.instr.name for r in moe if r.instr.opcode in ("sort", "scatter", "gather")]
+    assert sum(r.count for r in moe) <= STEPS * MODEL.num_layers * 10  # the two, and the experts' slot table's 8

@@ -1,6 +1,8 @@
-"""expert_ffn_tpu, a TPU decode step's experts as one Mosaic TPU kernel: interpreted, against float64
-numpy; an expert no row picked is never fetched; compiled for a v5e at Qwen3-30B-A3B's widths, one
-kernel reading a layer in its stack; and a run's decode steps through it give the XLA run's tokens."""
+"""A TPU's decode kernels: the experts as one Mosaic TPU kernel (`expert_ffn_tpu`) and the router as
+another (`route_tpu`). Interpreted, against float64 numpy and the XLA ops they replace; an expert no
+row picked is never fetched; compiled for a v5e at Qwen3-30B-A3B's widths, one kernel each, the
+experts read in their stack, nothing sorted; and a run's decode steps through them give the XLA
+run's tokens."""
 
 from __future__ import annotations
 
@@ -18,10 +20,12 @@ from moejax.compiled import hlo
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import Engine
 from moejax.launch.loading import load_params
-from moejax.model.layers import silu_glu
+from moejax.model.layers import rms_norm, silu_glu
+from moejax.model.router import route
 from pallas_kernels import catalog
 from pallas_kernels.expert_ffn_tpu import Tiles, expert_ffn_tpu, expert_slots
 from pallas_kernels.layered import LayerOf
+from pallas_kernels.route_tpu import route_tpu
 from sharding import make_placement
 
 EXPERTS, LOCAL, OFFSET, K = 12, 8, 2, 2  # local experts [2, 10) of 12: picks of the others add nothing
@@ -138,6 +142,50 @@ def test_compiled_for_a_v5e_it_is_one_kernel_reading_the_layer_in_its_stack(rows
     assert compiled.memory_analysis().temp_size_in_bytes < 768 * 2048 * 2  # less than one expert's down matrix
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-glm4-moe"])  # softmax, topk_softmax, sigmoid
+def test_the_router_kernel_gives_the_normed_rows_picks_and_weights_of_the_xla_router(name):
+    c = preset(name)
+    x, norm = normal(1, (5, c.hidden_size), jnp.float32), 1 + normal(2, (c.hidden_size,), jnp.float32, 0.1)
+    p = {"router": normal(3, (c.hidden_size, c.num_experts), jnp.float32)}
+    if c.router_bias:
+        p["router_bias"] = normal(4, (c.num_experts,), jnp.float32)
+    h, ids, weights = route_tpu(
+        x,
+        norm,
+        p["router"],
+        k=c.num_experts_per_tok,
+        eps=c.rms_norm_eps,
+        scoring=c.router_scoring,
+        bias=p.get("router_bias"),
+        norm_topk_prob=c.norm_topk_prob,
+        routed_scaling_factor=c.routed_scaling_factor,
+        precision="highest",
+        interpret=True,
+    )
+    with jax.default_matmul_precision("highest"):
+        want_h = rms_norm(x, norm, c.rms_norm_eps)
+        want_ids, want_weights = route(p, want_h, c)
+    np.testing.assert_array_equal(np.asarray(h), np.asarray(want_h))
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), **tolerance(jnp.float32))
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_compiled_for_a_v5e_the_router_is_one_kernel_with_no_sort(rows):
+    """Qwen3-30B-A3B's router (hidden 2,048, 128 experts, top-8 softmax) on a v5e."""
+
+    def router(x, norm, w):
+        return route_tpu(x, norm, w, k=8, eps=1e-6, scoring="softmax", norm_topk_prob=True)
+
+    args = (
+        on("v5e", (rows, 2048), jnp.bfloat16),
+        on("v5e", (2048,), jnp.bfloat16),
+        on("v5e", (2048, 128), jnp.float32),
+    )
+    kinds = hlo.by_kind(hlo.launches(jax.jit(router).lower(*args).compile().as_text()))
+    assert kinds.get("custom-call tpu_custom_call") == 1 and "sort" not in kinds, kinds
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "unquantized"])
 def test_a_tpu_decode_set_takes_unquantized_experts_a_whole_number_of_tiles_wide(fmt):
     """kernel interpret_tpu: its decode steps' experts run as one call where the set multiplies the
@@ -148,7 +196,9 @@ def test_a_tpu_decode_set_takes_unquantized_experts_a_whole_number_of_tiles_wide
         model=model, layout=LayoutConfig(devices=1), weights=WeightsConfig(fmt), kernel="interpret_tpu"
     ).validate()
     decode = make_placement(config).decode
-    assert (decode.kernel, decode.whole_ffn) == (("interpret_tpu", True) if fmt == "unquantized" else ("xla", False))
+    unquantized = fmt == "unquantized"
+    assert (decode.kernel, decode.whole_ffn) == (("interpret_tpu", True) if unquantized else ("xla", False))
+    assert decode.router == ("interpret_tpu_router" if unquantized else None)
     narrow = dataclasses.replace(config, model=preset("tiny-qwen3-moe"), weights=WeightsConfig())  # gate|up 64 wide
     assert make_placement(narrow).decode.kernel == "xla"
     assert "a gate|up width of 64" in catalog.kernel(catalog.DECODE, "interpret_tpu").why_not(
@@ -156,20 +206,22 @@ def test_a_tpu_decode_set_takes_unquantized_experts_a_whole_number_of_tiles_wide
     )
 
 
-@pytest.mark.parametrize("devices, placement", [(1, "expert_sharded"), (8, "expert_sharded")])
-def test_a_run_whose_decode_steps_take_the_tpu_kernel_gives_the_xla_runs_tokens(devices, placement):
-    """tiny-mixtral, kernel interpret_tpu (each pass of up to 128 rows through the one-call experts,
-    under a mesh each device its local experts) and kernel xla: the same greedy tokens."""
+@pytest.mark.parametrize("name, devices", [("tiny-mixtral", 1), ("tiny-gpt-oss", 1), ("tiny-mixtral", 8)])
+def test_a_run_whose_decode_steps_take_the_tpu_kernels_gives_the_xla_runs_tokens(name, devices):
+    """Kernel interpret_tpu (each pass of up to 128 rows through the one-call experts, under a mesh
+    each device its local experts; on one device the router kernel too) and kernel xla: the same
+    greedy tokens. gpt-oss: biases, clamped SwiGLU, top-k softmax over biased logits."""
 
     def tokens(kernel: str) -> list:
         config = Config(
-            model=preset("tiny-mixtral"),
-            layout=LayoutConfig(devices=devices, placement=placement),
+            model=preset(name),
+            layout=LayoutConfig(devices=devices, placement="expert_sharded"),
             kernel=kernel,
             engine=EngineConfig(page_size=4, max_seq_len=32, dtype="float32"),
         ).validate()
         run = make_placement(config)
         assert run.decode.whole_ffn == (kernel == "interpret_tpu")
+        assert (run.decode.router is not None) == (kernel == "interpret_tpu" and devices == 1)
         engine = Engine(config, load_params(config, run, seed=1), run)
         return engine.generate([[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21, 22]], 4).tokens
 

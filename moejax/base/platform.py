@@ -130,10 +130,15 @@ class DecodeKernels:
 
     dense: bool = False
     whole_ffn: bool = False  # the experts as one call (`pallas_kernels.expert_ffn`), else two pick GEMMs
+    router: str | None = None  # the router as one call (a DECODE record's name: `pallas_kernels.route`)
 
     def fuses(self, rows: int) -> bool:
         """Whether a pass of `rows` rows multiplies its experts by pick."""
         return self.kernel != "xla" and rows <= self.rows
+
+    def routes(self, rows: int) -> bool:
+        """Whether a pass of `rows` rows runs the MoE's norm and router as one kernel."""
+        return self.router is not None and self.fuses(rows)
 
     def fuses_dense(self, rows: int) -> bool:
         """Whether a pass of `rows` rows runs a layer's dense products in the fused kernels."""
@@ -278,14 +283,17 @@ class Platform:
         traced.__name__ = traced.__qualname__ = getattr(fn, "func", fn).__name__
         return traced
 
-    def decode_kernels(self, kernel: str | None, dtype, device, dense: bool, whole_ffn: bool = False) -> DecodeKernels:
+    def decode_kernels(
+        self, kernel: str | None, dtype, device, dense: bool, whole_ffn: bool = False, router: str | None = None
+    ) -> DecodeKernels:
         """The decode kernels `kernel` (a decode kernel's name, None: XLA's ops) of a run in `dtype` on
         `device` (its first device: kind and cores pick the tiles); `dense`: whether they run its
-        layers' dense products (see DecodeKernels); `whole_ffn`: their experts are one call."""
+        layers' dense products (see DecodeKernels); `whole_ffn`: their experts are one call;
+        `router`: their router kernel."""
         if kernel is None:
             return XLA
         precision = self.matmul_precision(dtype)
-        return DecodeKernels(kernel, DECODE_KERNEL_ROWS, precision, tile_device(device), dense, whole_ffn)
+        return DecodeKernels(kernel, DECODE_KERNEL_ROWS, precision, tile_device(device), dense, whole_ffn, router)
 
     def kv_cache_bytes(self, devices: list) -> int:
         """The page pool's default bytes over `devices` where the platform sizes it by memory

@@ -13,6 +13,9 @@ of products is one kernel (`pallas_kernels/linear.py`) that reads its weights on
 - the router: the MoE's input RMSNorm and the logits, then top-k and the picks' weights (`route`);
 - a dense MLP (or shared expert): gate|up with the gated activation, then down with the residual add.
 
+A TPU's decode set has the router alone as one kernel (`pallas_kernels/route_tpu.py`: the norm, the
+logits, top-k and the weights; `DecodeKernels.routes`), on one device.
+
 Both paths compute the same values (`tests/test_decode_kernels.py`); the kernels round where the XLA
 ops do.
 """
@@ -127,6 +130,22 @@ def route(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, c: Mode
     rows the experts multiply, ids int32 [T, k], weights float32 [T, k]) as `router.route` picks.
     The kernels take no routing override (`forced`) nor DeepSeek's group stage: XLA does."""
     grouped = c.n_group > 1 and c.topk_group < c.n_group
+    if forced is None and not grouped and decode.routes(x.shape[0]):
+        import pallas_kernels  # the kernels, loaded where they run
+
+        return pallas_kernels.route(
+            x,
+            norm,
+            p["router"],
+            backend=decode.router,
+            k=c.num_experts_per_tok,
+            eps=c.rms_norm_eps,
+            scoring=c.router_scoring,
+            bias=p["router_bias"] if c.router_bias else None,
+            norm_topk_prob=c.norm_topk_prob,
+            routed_scaling_factor=c.routed_scaling_factor,
+            precision=decode.precision,
+        )
     if forced is not None or grouped or not decode.fuses_dense(x.shape[0]):
         h = rms_norm(x, norm, c.rms_norm_eps)
         return (h, *xla_route(p, h, c, forced))

@@ -1,0 +1,102 @@
+"""A TPU decode step's router as one Mosaic TPU kernel: the MoE's RMSNorm, the router's logits, each
+row's top-k picks and their weights, with no sort and no scatter.
+
+A TPU core runs a program's ops one after another; XLA's router was some fifteen of them a layer
+(the norm's, the logits' product, a sort for top-k, gathers of the picks' scores, the weights'
+sums). Here one call holds the rows [T, D], the norm [1, D] and the router's float32 weights [D, E]
+in VMEM: it writes the normed rows h [T, D] (which the experts multiply), then picks each row's k
+experts in `jax.lax.top_k`'s order (`topk.pick`) and weighs them as `moejax.model.router.route`
+does (`topk.scores`, `topk.weigh`). A decode step's rows are few (at most 128): one program.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import metadata, topk
+
+
+def _softmax(x: jax.Array) -> jax.Array:
+    """Over the columns (a block's every column is a row's)."""
+    unnormalized = jnp.exp(x - jnp.max(x, axis=1, keepdims=True))
+    return unnormalized / jnp.sum(unnormalized, axis=1, keepdims=True)
+
+
+def _kernel(x_ref, norm_ref, router_ref, *refs, k, eps, scoring, norm_topk_prob, scale, precision):
+    """Refs: x [T, D], norm [1, D], router [D, E] f32, the bias [1, E] where given; out h [T, D],
+    ids [T, k] int32, weights [T, k] f32."""
+    *bias_ref, h_ref, ids_ref, weights_ref = refs
+    x = x_ref[...]
+    xf = x.astype(jnp.float32)
+    # transformers' RMSNorm (`moejax.model.layers.rms_norm`): statistics in f32, the weight in x's dtype
+    h = norm_ref[...] * (xf * lax.rsqrt(jnp.mean(xf * xf, axis=1, keepdims=True) + eps)).astype(x.dtype)
+    h_ref[...] = h.astype(h_ref.dtype)
+    logits = jnp.dot(h.astype(jnp.float32), router_ref[...], preferred_element_type=jnp.float32, precision=precision)
+    t, e = logits.shape
+    bias = bias_ref[0][...] if bias_ref else None
+    values, choice = topk.scores(logits, scoring, bias, _softmax)
+    experts, picks = (lax.broadcasted_iota(jnp.int32, (1, n), 1) for n in (e, k))
+    ids, weights = topk.pick(values, choice, k, experts, picks, jnp.zeros((t, e), jnp.bool_))
+    ids_ref[...] = ids
+    weights_ref[...] = topk.weigh(
+        weights, scoring, norm_topk_prob, scale, _softmax, functools.partial(jnp.sum, axis=1, keepdims=True)
+    )
+
+
+def route_tpu(
+    x: jax.Array,
+    norm: jax.Array,
+    router: jax.Array,
+    *,
+    k: int,
+    eps: float,
+    scoring: str,
+    bias: jax.Array | None = None,
+    norm_topk_prob: bool = False,
+    routed_scaling_factor: float = 1.0,
+    precision=None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [T, D] the residual stream's rows, norm [D] the MoE's RMSNorm weight, router [D, E] f32, bias
+    [E] (sigmoid: added to the scores to choose; topk_softmax: to the logits) -> (h [T, D] the normed
+    rows, ids [T, k] int32, weights [T, k] f32), as `rms_norm` then `router.route` compute them.
+    precision: the logits' matmul precision (the run's)."""
+    t, d = x.shape
+    e = router.shape[1]
+    topk.check(jax.ShapeDtypeStruct((t, e), jnp.float32), k, scoring, bias)
+    operands = [x, norm.reshape(1, d), router] + ([] if bias is None else [bias.reshape(1, e)])
+    whole = pl.BlockSpec(memory_space=pltpu.VMEM)  # each array whole, in VMEM for the call
+    kernel = functools.partial(
+        _kernel,
+        k=k,
+        eps=eps,
+        scoring=scoring,
+        norm_topk_prob=norm_topk_prob,
+        scale=routed_scaling_factor,
+        precision=precision,
+    )
+    # VMEM: the operands and outputs once each, the [T, E] scores and choice a few times over.
+    vmem = 2 * (2 * x.size * x.dtype.itemsize + router.size * 4) + 16 * t * e * 4 + (4 << 20)
+    return pl.pallas_call(
+        kernel,
+        out_shape=(
+            metadata.varying_struct((t, d), x.dtype, *operands),
+            metadata.varying_struct((t, k), jnp.int32, *operands),
+            metadata.varying_struct((t, k), jnp.float32, *operands),
+        ),
+        in_specs=[whole] * len(operands),
+        out_specs=(whole, whole, whole),
+        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=max(vmem, 16 << 20)),
+        interpret=interpret,
+        cost_estimate=pl.CostEstimate(
+            flops=2 * t * d * e,
+            transcendentals=t * e,
+            bytes_accessed=2 * x.size * x.dtype.itemsize + router.size * 4 + 8 * t * k,
+        ),
+    )(*operands)
