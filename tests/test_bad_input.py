@@ -102,8 +102,8 @@ BAD_INPUT = {
         "drop --speculative or --record",
     ),
     "a target plan does not know": (
-        ["plan", "--preset", "tiny", "--target", "a100"],
-        "argument --target: invalid choice: 'a100'",
+        ["plan", "--preset", "tiny", "--target", "mi300x"],
+        "argument --target: invalid choice: 'mi300x'",
     ),
     "a TPU slice of no such size": (
         ["plan", "--preset", "tiny", "--target", "v5e", "--devices", "3"],
