@@ -159,6 +159,14 @@ def expert_ffn_tpu(
         e, tile = step(g, f, slot)
         return first_d[0] + e, tile, 0
 
+    def gu_bias_map(g, f, slot, *_):  # a layer's own biases [G_local, 1, N]: no first group
+        e, tile = step(g, f, slot)
+        return e, 0, tile
+
+    def d_bias_map(g, f, slot, *_):
+        e, _ = step(g, f, slot)
+        return e, 0, 0
+
     whole = pl.BlockSpec(memory_space=pltpu.VMEM)  # the array, in VMEM for the whole call
     in_specs = [
         whole,
@@ -172,10 +180,7 @@ def expert_ffn_tpu(
         gu_b = jnp.zeros((g_local, f2), x.dtype) if gate_up_bias is None else gate_up_bias
         d_b = jnp.zeros((g_local, d), x.dtype) if down_bias is None else down_bias
         operands += [gu_b.reshape(g_local, 1, f2), d_b.reshape(g_local, 1, d)]
-        in_specs += [
-            pl.BlockSpec((None, 1, 2 * tf), lambda g, f, slot, *_: (step(g, f, slot)[0], 0, step(g, f, slot)[1])),
-            pl.BlockSpec((None, 1, d), lambda g, f, slot, *_: (step(g, f, slot)[0], 0, 0)),
-        ]
+        in_specs += [pl.BlockSpec((None, 1, 2 * tf), gu_bias_map), pl.BlockSpec((None, 1, d), d_bias_map)]
     kernel = functools.partial(
         _kernel,
         tiles_f=tiles_f,

@@ -79,13 +79,17 @@ class Placement:
             record = None  # this jax cannot build them (Triton's), or they do not multiply these experts
         if record is None:
             return self.platform.decode_kernels(None, dtype, self.first_device, False)
-        dense = record.dense and self.devices == 1
-        # The router kernel, as the dense ones, on one device: a pallas_call outside shard_map is one
-        # device's program, which XLA would feed by gathering sharded rows.
-        router = record.router and self.devices == 1 and catalog.kernel(catalog.DECODE, record.router)
-        router = router and not router.why_not(self.platform.name, self.first_device, dtype) and router.name
+        # The dense kernels and the router kernel (the set's own backend: it runs where the set does)
+        # on one device only: a pallas_call outside shard_map is one device's program, which XLA
+        # would feed by gathering sharded rows.
+        one = self.devices == 1
         return self.platform.decode_kernels(
-            record.name, dtype, self.first_device, dense, record.whole_ffn, router or None
+            record.name,
+            dtype,
+            self.first_device,
+            record.dense and one,
+            record.whole_ffn,
+            record.router if one else None,
         )
 
     @property
