@@ -19,8 +19,9 @@ where a tensor core's TF32 would not), then the online softmax and its values' w
 
 The split combine is in the same launch: every split but the last writes its normalized output
 and log-sum-exp per head to a GMEM scratch and signals the request's semaphore; the CTA of the
-last split waits for the others' signals, reads their partials and writes the combined output
-(sinks join there). CTAs are dispatched in grid order, each (request, kv head)'s last split after
+last split waits for the others' signals, then reads their partials a chunk of splits a copy and
+merges them one at a time in a loop (the code is one merge at any number of splits), and writes
+the combined output (sinks join there). CTAs are dispatched in grid order, each (request, kv head)'s last split after
 its others, so the waiting CTA never waits on one that cannot start. With splits, XLA zero-fills
 the semaphores first (a fusion of B * H_kv int32): two launches; one without.
 
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +55,7 @@ from pallas_kernels.paged_layout_mgpu import (
     SMEM_BYTES,
     TILE_ROWS,
     page_rows,
-    partial_rows,
+    partials_chunk,
     pool_width,
     query_rows,
     smem_bytes,
@@ -130,7 +130,6 @@ def paged_attention(
     flat = lambda pool: pool.reshape(pages * hkv * ps, w)
     swizzle = next(s for s in SWIZZLES if w * k.dtype.itemsize % s == 0)
     tiled = (plgpu.TilingTransform((TILE_ROWS, swizzle // k.dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
-    part_rows = partial_rows(g, w)
     combine = splits > 1
 
     operands = [qs, flat(k), flat(v), table.astype(jnp.int32), lens.astype(jnp.int32)]
@@ -138,14 +137,15 @@ def paged_attention(
     if sinks is not None:
         operands.append(sinks.astype(jnp.float32).reshape(hkv, g))
     out_type = [jax.ShapeDtypeStruct((n, gq, w), q.dtype)]
-    if combine:
-        out_type.append(jax.ShapeDtypeStruct((n, splits - 1, part_rows, w), jnp.float32))
+    chunk = partials_chunk(splits)
+    if combine:  # the other splits' partials, in whole chunks (the last one's tail never written nor read)
+        out_type.append(jax.ShapeDtypeStruct((n, round_up(splits - 1, chunk), 2, gq, w), jnp.float32))
     scratch = [
         plgpu.SMEM((2, block, w), k.dtype, transforms=tiled),  # k: two slots
         plgpu.SMEM((2, block, w), k.dtype, transforms=tiled),  # v
         plgpu.SMEM((gq, w), q.dtype),  # the queries, then the outputs
         plgpu.SMEM((gq, w), jnp.float32),  # the heads' weighted values
-        plgpu.SMEM((max(splits - 1, 1), part_rows, w), jnp.float32),  # partials
+        plgpu.SMEM((chunk, 2, gq, w), jnp.float32),  # partials: this split's, then a chunk of the others'
         plgpu.Barrier(num_arrivals=2 * pages_per_block, num_barriers=2),  # a slot's copies
         plgpu.Barrier(num_barriers=2),  # q, partials
     ]
@@ -305,67 +305,63 @@ def _kernel(*refs, config):
 
     init = tuple((jnp.float32(-jnp.inf), jnp.float32(0.0)) for _ in range(c.groups))
     stats = lax.fori_loop(start, stop, step, init)
-    # This split's normalized output and log-sum-exp per head (0 and -inf where it saw no key).
-    # A head that saw no key has total 0 and its sum 0: 0 / TINY. (Not a select on `total > 0`: Mosaic
-    # GPU's warpgroup lowering (jax 0.11 on) has no select of a [W] by a scalar.)
-    outs = [c.cast(acc_smem[i], COL) / jnp.maximum(total, TINY) for i, (_, total) in enumerate(stats)]
-    lses = [jnp.where(total > 0, top + jnp.log(jnp.maximum(total, TINY)), -jnp.inf) for top, total in stats]
-    col = c.iota(width, COL)
-
-    def lse_row(k):
-        """Row groups + k of a partial: the log-sum-exps of heads k * W .. at their columns."""
-        row = jnp.zeros((width,), jnp.float32)
-        for i in range(k * width, min((k + 1) * width, c.groups)):
-            row = jnp.where(col == i % width, lses[i], row)
-        return row
+    # This split's partial in part_smem[0]: per head its normalized output, and its log-sum-exp
+    # across a row (0 and -inf where it saw no key). A head that saw no key has total 0 and its sum
+    # 0: 0 / TINY. (Not a select on `total > 0`: Mosaic GPU's warpgroup lowering (jax 0.11 on) has
+    # no select of a [W] by a scalar.)
+    zeros = c.cast(jnp.zeros((width,), jnp.float32), COL)
+    for i, (top, total) in enumerate(stats):
+        part_smem[0, 0, i] = c.cast(acc_smem[i], COL) / jnp.maximum(total, TINY)
+        part_smem[0, 1, i] = zeros + jnp.where(total > 0, top + jnp.log(jnp.maximum(total, TINY)), -jnp.inf)
+    plgpu.commit_smem()
 
     last = split == c.splits - 1
     if c.splits > 1:
 
         @pl.when(~last)
         def _():
-            for i in range(c.groups):
-                part_smem[0, i] = outs[i]
-            for k in range(-(-c.groups // width)):
-                part_smem[0, c.groups + k] = lse_row(k)
-            plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(part_smem.at[0], part_ref.at[seq, split])
             plgpu.wait_smem_to_gmem(0)
             if semaphores is not None:
                 pl.semaphore_signal(semaphores.at[seq])
 
+    def merge(s, running):
+        """The running (max log-sum-exp, sum of the weights under it, weighted outputs' sum), each
+        [gq, W] in registers, with the partial in part_smem[s]: elementwise, every head at once
+        (padded heads' rows hold what SMEM held: apart, never written out)."""
+        top, total, acc = running
+        out, lse = part_smem[s, 0], part_smem[s, 1]
+        new_top = jnp.maximum(top, lse)
+        base = jnp.where(new_top == -jnp.inf, 0.0, new_top)  # nothing seen yet
+        kept, weight = jnp.exp(top - base), jnp.exp(lse - base)
+        return new_top, total * kept + weight, acc * kept + out * weight
+
     @pl.when(last)
     def _():
-        terms = [list(zip(lses, outs))]
+        running = merge(0, (-jnp.inf, 0.0, 0.0))  # this split's own
         if c.splits > 1:
             if semaphores is not None:
                 pl.semaphore_wait(semaphores.at[seq], c.splits - 1)
-            plgpu.copy_gmem_to_smem(part_ref.at[seq], part_smem, barrier.at[1])
-            plgpu.barrier_wait(barrier.at[1])
-            for s in range(c.splits - 1):
-                lse_rows = [c.cast(part_smem[s, c.groups + k], COL) for k in range(-(-c.groups // width))]
-                terms.append(
-                    [
-                        (jnp.where(col == i % width, lse_rows[i // width], 0.0).sum(), c.cast(part_smem[s, i], COL))
-                        for i in range(c.groups)
-                    ]
-                )
-        for i in range(c.groups):
-            sink = sinks_ref[head, i] if c.sinks else None
-            qo_smem[i] = _merge([split_terms[i] for split_terms in terms], sink).astype(qo_smem.dtype)
+            chunk = part_smem.shape[0]  # the other splits' partials come `chunk` a copy (SMEM holds no more)
+
+            def merge_chunk(t, running):
+                plgpu.commit_smem()  # every read of the last chunk done before the copy overwrites it
+                plgpu.copy_gmem_to_smem(part_ref.at[seq, pl.ds(t * chunk, chunk)], part_smem, barrier.at[1])
+                plgpu.barrier_wait(barrier.at[1])
+                return lax.fori_loop(0, jnp.minimum(chunk, c.splits - 1 - t * chunk), merge, running)
+
+            # A loop: the code is one merge at any number of splits (unrolled, 35 took 53 s to compile).
+            running = lax.fori_loop(0, part_ref.shape[1] // chunk, merge_chunk, running)
+        if c.sinks:  # each head's sink: a partial whose output is 0, its logit in the denominator
+            plgpu.commit_smem()
+            for i in range(c.groups):
+                part_smem[0, 0, i] = zeros
+                part_smem[0, 1, i] = zeros + sinks_ref[head, i]
+            plgpu.commit_smem()
+            running = merge(0, running)
+        _, total, acc = running
+        # No key and no sink: every weight 0, so the sum 0 (no select).
+        qo_smem[...] = (acc / jnp.maximum(total, TINY)).astype(qo_smem.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[seq])
         plgpu.wait_smem_to_gmem(0)
-
-
-def _merge(terms, sink):
-    """sum_s exp(lse_s) o_s / (sum_s exp(lse_s) + exp(sink)) over the splits' (log-sum-exp,
-    normalized output) `terms`: the softmax over all their keys, the sink's logit (or None) in its
-    denominator; 0 where there is neither key nor sink."""
-    logits = [lse for lse, _ in terms] + ([] if sink is None else [sink])
-    top = functools.reduce(jnp.maximum, logits)
-    base = jnp.where(top == -jnp.inf, 0.0, top)
-    weights = [jnp.exp(logit - base) for logit in logits]
-    num = functools.reduce(operator.add, [w * o for w, (_, o) in zip(weights, terms)])
-    den = functools.reduce(operator.add, weights)
-    return num / jnp.maximum(den, TINY)  # no key and no sink: every weight 0, so num 0 (no scalar select)

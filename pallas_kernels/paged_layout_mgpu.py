@@ -11,8 +11,10 @@ Mosaic GPU's shapes, and what is padded or masked:
   columns are returned;
 - a compute block's rows (`pages_per_block * page_rows`) are padded to the register tile's 64
   (rows never written, masked);
-- the query heads per kv head are padded to whole 128-byte copies (`query_rows`); the padded
-  heads are never computed.
+- the query heads per kv head are padded to whole 128-byte copies, and to a tile of whole
+  rounds of the warpgroup's threads (`query_rows`); the padded heads are never computed;
+- a split's partial is [2, query rows, W] f32: its heads' normalized outputs, then their
+  log-sum-exps, each across its head's row (the combine's arithmetic is elementwise).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pallas_kernels.tiles import round_up
 ROWS = 64  # the register tile's rows (the WGMMA layout's): a compute block's positions are padded to it
 TILE_ROWS = 8  # an SMEM tile's rows: each page's copy starts on one
 COPY_BYTES = 128  # a TMA copy's granule: a byte per thread of the warpgroup (Mosaic GPU's lowering)
+WARPGROUP = 128  # threads: a strided register tile's elements are whole rounds of them
 GRANULE = 32  # bytes: the least swizzle, so a pool row is whole granules of it
 SMEM_BYTES = 227 * 1024  # an H100 CTA's most shared memory
 
@@ -46,8 +49,9 @@ def whole_copies(n: int, row_bytes: int) -> int:
 
 
 def query_rows(groups: int, w: int, dtype) -> int:
-    """Query heads per kv head as the kernel holds them: G padded to whole copies of q (dtype)."""
-    return whole_copies(groups, w * jnp.dtype(dtype).itemsize)
+    """Query heads per kv head as the kernel holds them: G padded to whole copies of q (dtype), and
+    to a [rows, W] tile the warpgroup's 128 threads share evenly (the combine's strided layout)."""
+    return math.lcm(whole_copies(groups, w * jnp.dtype(dtype).itemsize), WARPGROUP // math.gcd(WARPGROUP, w))
 
 
 def smem_bytes(groups: int, w: int, page_size: int, pages_per_block: int, splits: int, dtype) -> int:
@@ -56,11 +60,14 @@ def smem_bytes(groups: int, w: int, page_size: int, pages_per_block: int, splits
     gq = query_rows(groups, w, dtype)
     block = round_up(pages_per_block * page_rows(page_size), ROWS)
     kv = 2 * 2 * block * w * itemsize  # k and v, two slots
-    partials = max(splits - 1, 1) * partial_rows(groups, w) * w * 4
+    partials = partials_chunk(splits) * 2 * gq * w * 4  # a split's partial: [2, gq, W] f32
     return kv + gq * w * (itemsize + 4) + partials
 
 
-def partial_rows(groups: int, w: int) -> int:
-    """A split's partial [rows, W] f32: a normalized output row per head, then the heads'
-    log-sum-exps, head h at (groups + h // W, h % W); whole copies."""
-    return whole_copies(groups + -(-groups // w), w * 4)
+# The other splits' partials the combining CTA holds at a time (SMEM holds a few of them, not 60).
+PARTIALS_CHUNK = 8
+
+
+def partials_chunk(splits: int) -> int:
+    """The partials a copy brings to the combining CTA: every other split's, at most PARTIALS_CHUNK."""
+    return min(max(splits - 1, 1), PARTIALS_CHUNK)

@@ -101,11 +101,20 @@ def test_every_decode_kernel_fills_the_gpu_at_batch_1(target, name):
     """At batch 1 each Triton decode kernel runs at least as many programs as the target has SMs
     (`Target.cores`), but those that are launch-bound: q|k|v, the output projection and the router
     split K where their column tiles are too few. A grid does not depend on depth: the shallow step's.
-    Not yet the paged attention, whose pages these steps read through XLA: its splits stop at the
-    table's max_splits of 8 (its combine is unrolled over them), 32 CTAs at batch 1 of 4 kv heads.
-    (Mosaic GPU's ptxas keeps the first architecture a process compiles for: a B200 attention after
-    an H100 one fails in one test process, as `tests/target_compiles.py`'s workers are grouped for.)"""
+    These steps read pages through XLA: Mosaic GPU's ptxas keeps the first architecture a process
+    compiles for (a B200 attention after an H100 one fails in one test process, as
+    `tests/target_compiles.py`'s workers are grouped for); the attention's is the next test's."""
     figures = step(1, "unquantized", DEPTHS[0], target, name, attention="xla")["kernels"]
     wanted = {"qkv", "out", "router", "experts"} if name == QWEN else {"mlp", "router", "experts"}
     assert wanted <= {f["kernel"].split()[0] for f in figures}, figures
     assert [f for f in figures if f["programs"] < f["sms"] and not launch_bound(f, target)] == []
+
+
+def test_the_paged_attention_fills_the_gpu_at_batch_1():
+    """The H200 step's paged attention (our Mosaic GPU kernel, its grid read off the program) at batch
+    1 of 4 kv heads runs a CTA per SM at least: its splits cover the SMs (`gpu_blocks`), the
+    combine a loop over them."""
+    figures = step(1, "unquantized", DEPTHS[0], "h200", QWEN)["kernels"]
+    attention = [f for f in figures if f["kernel"].startswith("paged_attention")]
+    assert len(attention) == 1, figures
+    assert attention[0]["programs"] >= attention[0]["sms"], attention

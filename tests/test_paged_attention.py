@@ -119,13 +119,13 @@ def test_gpu_kernel_interpreted_masks_a_window_and_adds_sinks_as_the_xla_path():
 
 
 # (B, H_kv, G, W, page_size, P, dtype) -> (pages_per_block, splits). Qwen3-30B-A3B in bf16 and f32 at
-# batch 1 (66 splits would cover the SMs twice: GPU_MAX_SPLITS) and 64 (2 splits: 512 CTAs);
-# gpt-oss-120b's heads at batch 1 (33 would: GPU_MAX_SPLITS); a short table (one block: one split).
+# batch 1 (33 splits cover the 132 SMs once) and 64 (one split: 256 CTAs); gpt-oss-120b's heads at
+# batch 1 (17 splits of 8 kv heads); a short table (one block: one split).
 BLOCKS = {
-    (1, 4, 8, 128, 16, 256, "bfloat16"): (4, 8),
-    (64, 4, 8, 128, 16, 256, "bfloat16"): (4, 2),
-    (1, 4, 8, 128, 16, 256, "float32"): (4, 8),
-    (1, 8, 8, 64, 16, 512, "bfloat16"): (4, 8),
+    (1, 4, 8, 128, 16, 256, "bfloat16"): (4, 33),
+    (64, 4, 8, 128, 16, 256, "bfloat16"): (4, 1),
+    (1, 4, 8, 128, 16, 256, "float32"): (4, 33),
+    (1, 8, 8, 64, 16, 512, "bfloat16"): (4, 17),
     (4, 2, 2, 16, 4, 8, "float32"): (8, 1),
 }
 
@@ -136,8 +136,9 @@ H100 = ("NVIDIA H100 80GB HBM3", 132)  # (device kind, SMs), as `platform.tile_d
 @pytest.mark.parametrize("shape", BLOCKS)
 def test_gpu_blocks_fit_smem_and_cover_the_sms(shape):
     """The GPU kernel's blocks on an H100: pages filling the 64-row register tile, as many splits as
-    cover the SMs twice where the table has the blocks and SMEM the partials, and no more (one more
-    split would not fit, or would reach past the SMs' two waves, the table's blocks or its most)."""
+    cover the SMs the table's waves times where the table has the blocks and SMEM the partials, and
+    no more (one more split would not fit, or would reach past the waves, the table's blocks or its
+    most)."""
     b, hkv, g, w, ps, p, dtype = shape
     pages, splits = kernels.gpu_blocks(b, hkv, g, w, ps, p, dtype, H100)
     rule = tiles.lookup("paged_attention_mgpu", H100)

@@ -57,7 +57,11 @@ CASES = {
     "bf16_heads_of_80": Case("bfloat16", 16, 80, 4, 2, 1, 2, False),
     # One split (no partials); heads of 12 in a pool padded to 16; 3 pages of 8 per block of 64 rows.
     "one_split": Case("float32", 8, 12, 2, 1, 3, 1, False),
+    # More splits than the combining CTA holds partials of at a time: a page per split over tables
+    # of every page (`WIDE`), 12 splits, whose partials come in two copies (splits 0-7, then 8-10).
+    "splits_in_chunks": Case("float32", 4, 24, 4, 2, 1, 12, True),
 }
+WIDE = np.array([[3, 1, 4, 0, 9, 2, 6, 5, 8, 7], [7, 0, 2, 9, 4, 10, 1, 3, 5, 6], [5, 8, 10, 10, 2, 0, 1, 3, 4, 6]])
 
 
 def inputs(case: Case, seed: int = 0):
@@ -132,6 +136,17 @@ def test_interpreted_kernel_equals_the_xla_path(name):
     got = run(name)
     assert got.shape == (len(TABLE), CASES[name].heads, CASES[name].head_dim) and got.dtype == CASES[name].dtype
     assert_close(got, xla(name), **tolerance(name))
+
+
+def test_splits_past_a_copy_of_partials_are_merged_chunk_by_chunk():
+    """The last split's CTA reads the other splits' partials PARTIALS_CHUNK at a time, in a loop:
+    request 0's pages 8 and 9 are splits 8 and 9, in the second chunk."""
+    case = CASES["splits_in_chunks"]
+    assert case.splits - 1 > mgpu.partials_chunk(case.splits)
+    lens = np.array([39, 30, 17], np.int32)
+    q, k, v, sinks = inputs(case)
+    got = run("splits_in_chunks", table=WIDE, lens=lens)
+    assert_close(got, reference(q, k, v, WIDE, lens, sinks=np.asarray(sinks)), rtol=1e-5, atol=1e-5)
 
 
 def test_a_sliding_window_masks_the_keys_before_it():
