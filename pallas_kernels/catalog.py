@@ -318,6 +318,7 @@ _DECODES = (
         reads=PICKS,
         dense=True,
         interpreted=True,
+        varying_operands=False,  # as the interpreted TPU set's (below)
         tiles="pick_gemm",
     ),
     Kernel(

@@ -105,6 +105,24 @@ class MeshPlacement(Placement, abc.ABC):
     def constrain(self, x, axes):
         return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape))
 
+    @property
+    def row_shards(self):
+        return self.devices if self.rows_sharded else 1
+
+    def lies_whole(self, group):
+        return all(self.table[axis] is None for axis in rules.DENSE_GROUP_AXES[group])
+
+    def per_device(self, kernel, rows, whole):
+        """kernel(rows, whole) under shard_map: each device its share of the rows [M, ...] (split as
+        the batch is, where M divides; else every row on every device), the weights `whole` as each
+        device holds them (whole: `lies_whole`), the outputs [M, ...] split as the rows."""
+        lead = next(x for x in jax.tree.leaves(rows))
+        split = P(self.spec(("batch",), lead.shape[:1])[0])
+        # check_vma off: a pallas_call's outputs carry no varying-axes types.
+        return jax.shard_map(kernel, mesh=self.mesh, in_specs=(split, P()), out_specs=split, check_vma=False)(
+            rows, whole
+        )
+
     def on_pages(self, fn, q, k, v, positions, pages, pool: dict, sinks=None):
         """Under shard_map: each device its requests (DP attention; their pages are on its rank;
         rows too few to split run on every device, answered by the rank of their pages) or its

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.base.platform import DecodeKernels, Platform, resolve
+from moejax.base.platform import DENSE_GROUPS, DecodeKernels, Platform, resolve
 from moejax.config import Config, ConfigError
 from moejax.model import paged
 from moejax.model.attention import cache_specs
@@ -79,18 +79,24 @@ class Placement:
             record = None  # this jax cannot build them (Triton's), or they do not multiply these experts
         if record is None:
             return self.platform.decode_kernels(None, dtype, self.first_device, False)
-        # The dense kernels and the router kernel (the set's own backend: it runs where the set does)
-        # on one device only: a pallas_call outside shard_map is one device's program, which XLA
-        # would feed by gathering sharded rows.
-        one = self.devices == 1
+        # The dense kernels and the router kernel (the set's own backend: it runs where the set does),
+        # each on its device's rows (`per_device`), for the groups whose weights lie whole on each.
         return self.platform.decode_kernels(
             record.name,
             dtype,
             self.first_device,
-            record.dense and one,
+            frozenset(g for g in DENSE_GROUPS if self.lies_whole(g)) if record.dense else frozenset(),
             record.whole_ffn,
-            record.router if one else None,
+            record.router,
+            None if self.devices == 1 else self.per_device,  # a mesh placement's
+            self.row_shards,
         )
+
+    row_shards = 1  # the devices a pass's rows split over (DP attention on a mesh)
+
+    def lies_whole(self, group: str) -> bool:
+        """Whether the weights of dense group `group` (`platform.DENSE_GROUPS`) lie whole on each device."""
+        return True
 
     @property
     def first_device(self):

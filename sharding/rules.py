@@ -40,6 +40,16 @@ def rules(layout: LayoutConfig) -> dict[str, str | tuple | None]:
     }
 
 
+# The logical axes each dense group's weights slice along (`platform.DENSE_GROUPS`): attention's
+# heads, the MLPs' intermediate columns; the router's slice along none.
+DENSE_GROUP_AXES = {
+    "attention": ("heads", "kv_heads"),
+    "router": (),
+    "mlp": ("mlp",),
+    "shared_mlp": ("shared_mlp",),
+}
+
+
 def leaf_axes(axes: tuple, ndim: int) -> tuple:
     """The logical axes of one array of a parameter with logical `axes`: the same where the ranks
     agree; an array of another rank (the Blackwell kernel's scale tiling) keeps only its leading

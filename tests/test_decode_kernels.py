@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.base.platform import XLA, DecodeKernels
+from moejax.base.platform import DENSE_GROUPS, XLA, DecodeKernels
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.engine.engine import Engine
 from moejax.launch.loading import load_params
@@ -23,7 +23,7 @@ from sharding import make_placement
 
 # The fused kernels in the interpreter, for every pass of up to 128 rows, a layer's dense weights on
 # its one device; tiles: the table's defaults ("", 0).
-FUSED = DecodeKernels("interpret_triton", 128, "highest", ("", 0), dense=True)
+FUSED = DecodeKernels("interpret_triton", 128, "highest", ("", 0), dense=frozenset(DENSE_GROUPS))
 ROWS = 3  # a decode step of three requests
 PRESETS = ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-mixtral"]  # q/k norms; biases and sinks; neither
 
@@ -97,7 +97,8 @@ def test_mlp_is_gate_up_activated_then_down(residual):
 
 def test_a_prefills_rows_take_the_xla_ops():
     """More rows than a decode step's go through XLA's GEMMs: the same function, the same values."""
-    assert FUSED.fuses_dense(ROWS) and not FUSED.fuses_dense(FUSED.rows + 1) and not XLA.fuses_dense(1)
+    assert FUSED.fuses_dense(ROWS, "attention") and not FUSED.fuses_dense(FUSED.rows + 1, "attention")
+    assert not XLA.fuses_dense(1, "attention")
 
 
 @pytest.mark.parametrize("name,fmt", [("tiny-qwen3-moe", "nvfp4"), ("tiny-gpt-oss", "unquantized")])
@@ -119,3 +120,34 @@ def test_a_run_in_the_decode_kernels_gives_the_xla_runs_tokens(name, fmt):
         return engine.generate([[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21, 22]], 4).tokens
 
     assert tokens("interpret_triton") == tokens("xla")
+
+
+def mesh_run(kernel: str, attention: str = "dp"):
+    """tiny-qwen3-moe over 8 devices under expert_sharded: (its placement, an engine's greedy tokens)."""
+    config = Config(
+        model=preset("tiny-qwen3-moe"),
+        layout=LayoutConfig(devices=8, placement="expert_sharded", attention=attention),
+        kernel=kernel,
+        engine=EngineConfig(page_size=4, max_seq_len=32, dtype="float32"),
+    ).validate()
+    placement = make_placement(config)
+    engine = Engine(config, load_params(config, placement, seed=1), placement)
+    return placement, engine.generate([[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21, 22]], 4).tokens
+
+
+@pytest.mark.parametrize("attention,groups", [("dp", {"attention", "router"}), ("tp", {"router"})])
+def test_on_a_mesh_the_groups_whose_weights_lie_whole_run_in_the_kernels(attention, groups):
+    """Each device runs a kernel on its rows by the whole weights it holds: attention's under DP
+    attention (not TP: its heads slice), the router's always; the MLPs slice (layout.dense "tp")."""
+    config = Config(
+        model=preset("tiny-qwen3-moe"), layout=LayoutConfig(devices=8, attention=attention), kernel="interpret_triton"
+    )
+    assert make_placement(config.validate()).decode.dense == groups
+
+
+def test_a_mesh_run_in_the_decode_kernels_gives_the_xla_runs_tokens():
+    """8 devices, expert_sharded, DP attention: q|k|v, the output projection and the router run in
+    the interpreted kernels under shard_map, each device its requests; the tokens of kernel xla."""
+    placement, fused = mesh_run("interpret_triton")
+    assert placement.decode.fuses_dense(4, "attention") and placement.decode.per_device is not None
+    assert fused == mesh_run("xla")[1]

@@ -165,7 +165,9 @@ def test_the_router_kernel_gives_the_normed_rows_picks_and_weights_of_the_xla_ro
     with jax.default_matmul_precision("highest"):
         want_h = rms_norm(x, norm, c.rms_norm_eps)
         want_ids, want_weights = route(p, want_h, c)
-    np.testing.assert_array_equal(np.asarray(h), np.asarray(want_h))
+    # The norm's sum of squares in another order than XLA:CPU's (which varies with the host's vector
+    # width): within an ulp or two.
+    np.testing.assert_allclose(np.asarray(h), np.asarray(want_h), rtol=3e-7, atol=0)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
     np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), **tolerance(jnp.float32))
 
@@ -208,9 +210,9 @@ def test_a_tpu_decode_set_takes_unquantized_experts_a_whole_number_of_tiles_wide
 
 @pytest.mark.parametrize("name, devices", [("tiny-mixtral", 1), ("tiny-gpt-oss", 1), ("tiny-mixtral", 8)])
 def test_a_run_whose_decode_steps_take_the_tpu_kernels_gives_the_xla_runs_tokens(name, devices):
-    """Kernel interpret_tpu (each pass of up to 128 rows through the one-call experts, under a mesh
-    each device its local experts; on one device the router kernel too) and kernel xla: the same
-    greedy tokens. gpt-oss: biases, clamped SwiGLU, top-k softmax over biased logits."""
+    """Kernel interpret_tpu (each pass of up to 128 rows through the one-call experts and the router
+    kernel, under a mesh each device its local experts and its own rows' routing) and kernel xla:
+    the same greedy tokens. gpt-oss: biases, clamped SwiGLU, top-k softmax over biased logits."""
 
     def tokens(kernel: str) -> list:
         config = Config(
@@ -221,7 +223,7 @@ def test_a_run_whose_decode_steps_take_the_tpu_kernels_gives_the_xla_runs_tokens
         ).validate()
         run = make_placement(config)
         assert run.decode.whole_ffn == (kernel == "interpret_tpu")
-        assert (run.decode.router is not None) == (kernel == "interpret_tpu" and devices == 1)
+        assert (run.decode.router is not None) == (kernel == "interpret_tpu")
         engine = Engine(config, load_params(config, run, seed=1), run)
         return engine.generate([[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21, 22]], 4).tokens
 

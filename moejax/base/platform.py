@@ -15,6 +15,7 @@ import functools
 import glob
 import os
 import sys
+from collections.abc import Callable
 
 # One name per platform: jax calls a GPU "gpu" (its backend) or "cuda" (export, topologies).
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -112,6 +113,11 @@ DECODE_KERNEL_ROWS = 128
 # Which grouped GEMMs' runs take them is their catalog records' (`pallas_kernels.catalog`: `decode`).
 
 
+# A layer's dense products by the weights they multiply (`moejax/model/projections.py`): attention's
+# q|k|v and output projection, the router, a dense layer's MLP and the shared experts.
+DENSE_GROUPS = ("attention", "router", "mlp", "shared_mlp")
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeKernels:
     """How a placement runs a decode step's small products: `kernel` "xla", or the fused decode
@@ -119,18 +125,21 @@ class DecodeKernels:
     in Pallas's interpreter) for passes of at most `rows` rows (a layer's dense products here, its
     experts by pick in `sharding/experts.py`); `precision`: the products' matmul precision (None:
     the platform's default); `device`: (device kind, cores) the kernels' tiles are looked up for
-    (`pallas_kernels/tiles.py`); `dense`: whether a layer's dense products run in them too (the set
-    has kernels for them, and the dense weights lie whole on the one device the kernel is a program
-    of)."""
+    (`pallas_kernels/tiles.py`); `dense`: the DENSE_GROUPS whose products run in them too (the set
+    has kernels for them, and their weights lie whole on each device: a kernel multiplies one
+    device's rows by whole weights); `per_device`: on a mesh, how a kernel runs on each device's
+    rows (`Placement.per_device`), None on one device."""
 
     kernel: str = "xla"
     rows: int = 0
     precision: str | None = None
     device: tuple[str, int] = ("", 0)
 
-    dense: bool = False
+    dense: frozenset = frozenset()
     whole_ffn: bool = False  # the experts as one call (`pallas_kernels.expert_ffn`), else two pick GEMMs
     router: str | None = None  # the router as one call (a DECODE record's name: `pallas_kernels.route`)
+    per_device: Callable | None = None
+    row_shards: int = 1
 
     def fuses(self, rows: int) -> bool:
         """Whether a pass of `rows` rows multiplies its experts by pick."""
@@ -138,11 +147,21 @@ class DecodeKernels:
 
     def routes(self, rows: int) -> bool:
         """Whether a pass of `rows` rows runs the MoE's norm and router as one kernel."""
-        return self.router is not None and self.fuses(rows)
+        return self.router is not None and self.fuses(self.local(rows))
 
-    def fuses_dense(self, rows: int) -> bool:
-        """Whether a pass of `rows` rows runs a layer's dense products in the fused kernels."""
-        return self.dense and self.fuses(rows)
+    def fuses_dense(self, rows: int, group: str) -> bool:
+        """Whether a pass of `rows` rows runs the products of `group` (one of DENSE_GROUPS) in the
+        fused kernels, each device's share of them."""
+        return group in self.dense and self.fuses(self.local(rows))
+
+    def local(self, rows: int) -> int:
+        """A device's share of a pass of `rows` rows (every row where they do not divide)."""
+        return rows // self.row_shards if rows % self.row_shards == 0 else rows
+
+    def run(self, kernel: Callable, rows: tuple, whole: tuple):
+        """kernel(rows, whole): rows [M, ...] (or None) and the weights `whole` -> outputs [M, ...],
+        on each device's rows where the run spans a mesh (a Pallas kernel is one device's program)."""
+        return kernel(rows, whole) if self.per_device is None else self.per_device(kernel, rows, whole)
 
     @property
     def interpret(self) -> bool:
@@ -284,16 +303,27 @@ class Platform:
         return traced
 
     def decode_kernels(
-        self, kernel: str | None, dtype, device, dense: bool, whole_ffn: bool = False, router: str | None = None
+        self,
+        kernel: str | None,
+        dtype,
+        device,
+        dense: frozenset = frozenset(),
+        whole_ffn: bool = False,
+        router: str | None = None,
+        per_device: Callable | None = None,
+        row_shards: int = 1,
     ) -> DecodeKernels:
         """The decode kernels `kernel` (a decode kernel's name, None: XLA's ops) of a run in `dtype` on
-        `device` (its first device: kind and cores pick the tiles); `dense`: whether they run its
-        layers' dense products (see DecodeKernels); `whole_ffn`: their experts are one call;
-        `router`: their router kernel."""
+        `device` (its first device: kind and cores pick the tiles); `dense`: the groups of dense
+        products they run (see DecodeKernels); `whole_ffn`: their experts are one call; `router`:
+        their router kernel; `per_device`, `row_shards`: how a kernel runs on each device's rows (a
+        mesh's), and over how many devices they split."""
         if kernel is None:
             return XLA
         precision = self.matmul_precision(dtype)
-        return DecodeKernels(kernel, DECODE_KERNEL_ROWS, precision, tile_device(device), dense, whole_ffn, router)
+        return DecodeKernels(
+            kernel, DECODE_KERNEL_ROWS, precision, tile_device(device), dense, whole_ffn, router, per_device, row_shards
+        )
 
     def kv_cache_bytes(self, devices: list) -> int:
         """The page pool's default bytes over `devices` where the platform sizes it by memory

@@ -33,5 +33,5 @@ def moe_block(
         where = placement.pick_slots(ids, p["slots"]) if "slots" in p else ids
         y = placement.moe(rows, where, weights, experts)
     if c.num_shared_experts:
-        y = y + projections.mlp(placement.decode, p["shared"], rows)
+        y = y + projections.mlp(placement.decode, p["shared"], rows, group="shared_mlp")
     return x + y.reshape(b, t, d), ids

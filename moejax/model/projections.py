@@ -14,7 +14,12 @@ of products is one kernel (`pallas_kernels/linear.py`) that reads its weights on
 - a dense MLP (or shared expert): gate|up with the gated activation, then down with the residual add.
 
 A TPU's decode set has the router alone as one kernel (`pallas_kernels/route_tpu.py`: the norm, the
-logits, top-k and the weights; `DecodeKernels.routes`), on one device.
+logits, top-k and the weights; `DecodeKernels.routes`).
+
+A kernel is one device's program. On a mesh each device runs it on its own rows (`DecodeKernels.run`:
+the placement's shard_map, rows split as the batch is) by the weights it holds, so a group runs in
+the kernels only where its weights lie whole on every device (`DecodeKernels.dense`): attention's
+under DP attention, the router's always, an MLP's where the layout replicates it.
 
 Both paths compute the same values (`tests/test_decode_kernels.py`); the kernels round where the XLA
 ops do.
@@ -32,13 +37,18 @@ from moejax.model.router import route as xla_route
 from pallas_kernels.epilogue import gate_up_columns
 
 
-def _fused(decode: DecodeKernels, x: jax.Array, weights: tuple, *, heads: int = 0, **kw) -> tuple:
-    """`linear.fused_linear` of rows x [M, K] and weight segments, its tiles from the decode table for
-    the call's shape on the run's device; `heads`: the columns of the segments with a head epilogue,
-    a program each per head (the rest take the table's column tile), unless K splits (then every
-    column takes the tile, in each slice: the epilogue runs on the slices' sum)."""
+def _fused(
+    decode: DecodeKernels, x: jax.Array, weights: tuple, *, heads: int = 0, residual=None, rope=None, **kw
+) -> tuple:
+    """`linear.fused_linear` of rows x [M, K] and weight segments, on each device's rows
+    (`DecodeKernels.run`; residual [M, N] and rope's cos, sin [M, R/2] are rows too), its tiles
+    from the decode table for the call's shape on the run's device; `heads`: the columns of the
+    segments with a head epilogue, a program each per head (the rest take the table's column tile),
+    unless K splits (then every column takes the tile, in each slice: the epilogue runs on the
+    slices' sum). kw: the kernel's other arguments, its arrays (norm, biases, head_norms) whole."""
     from pallas_kernels import linear, tiles  # the kernels' modules, loaded where they run
 
+    arrays = {name: kw.pop(name) for name in ("norm", "biases", "head_norms") if name in kw}
     n = sum(w.shape[1] for w in weights)
     head_dim = kw.get("head_dim") or 1
     itemsize = weights[0].dtype.itemsize
@@ -48,25 +58,37 @@ def _fused(decode: DecodeKernels, x: jax.Array, weights: tuple, *, heads: int = 
             return sum(-(-w.shape[1] // tn) for w in weights) * splits
         return heads // head_dim + -(-(n - heads) // tn)
 
-    chosen = tiles.lookup(
-        "fused_linear",
-        decode.device,
-        rows=x.shape[0],
-        k=x.shape[1],
-        n=n,
-        fmt="f32" if weights[0].dtype == jnp.float32 else "bf16",
-        programs=programs,
-        # The N tile narrows to 128 bytes of a weight row (a memory transaction), no slivers; past that K splits.
-        tn_floor=128 // itemsize,
-        n_field="n",
-        k_field="k",
-        # The slices' f32 partials, written and read back (8 bytes a row and column a slice), at most
-        # an eighth of the weight's bytes: splits at batch 1, few or none at 64 rows.
-        max_splits=max(1, x.shape[1] * itemsize // (64 * x.shape[0])),
-    )
-    return linear.fused_linear(
-        x, weights, tiles=linear.Tiles(**chosen), precision=decode.precision, interpret=decode.interpret, **kw
-    )
+    def kernel(rows, whole):  # one device's rows
+        (x, residual, rope), (weights, arrays) = rows, whole
+        chosen = tiles.lookup(
+            "fused_linear",
+            decode.device,
+            rows=x.shape[0],
+            k=x.shape[1],
+            n=n,
+            fmt="f32" if weights[0].dtype == jnp.float32 else "bf16",
+            programs=programs,
+            # The N tile narrows to 128 bytes of a weight row (a memory transaction), no slivers; past that K splits.
+            tn_floor=128 // itemsize,
+            n_field="n",
+            k_field="k",
+            # The slices' f32 partials, written and read back (8 bytes a row and column a slice), at most
+            # an eighth of the weight's bytes: splits at batch 1, few or none at 64 rows.
+            max_splits=max(1, x.shape[1] * itemsize // (64 * x.shape[0])),
+        )
+        return linear.fused_linear(
+            x,
+            weights,
+            residual=residual,
+            rope=rope,
+            tiles=linear.Tiles(**chosen),
+            precision=decode.precision,
+            interpret=decode.interpret,
+            **arrays,
+            **kw,
+        )
+
+    return decode.run(kernel, (x, residual, rope), (weights, arrays))
 
 
 @jax.named_scope("qkv")  # `moejax trace` and the compiled-program checks find its ops
@@ -75,7 +97,7 @@ def qkv(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, cos_sin, 
     k, v [B, T, H_kv, Dh]: normed rows projected, biased, q and k normed per head and rotated."""
     b, t, d = x.shape
     cos, sin = cos_sin
-    if not decode.fuses_dense(b * t):
+    if not decode.fuses_dense(b * t, "attention"):
         h = rms_norm(x, norm, c.rms_norm_eps)
         q = jnp.einsum("btd,dhk->bthk", h, p["q"])
         k = jnp.einsum("btd,dhk->bthk", h, p["k"])
@@ -110,7 +132,7 @@ def qkv(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, cos_sin, 
 def out(decode: DecodeKernels, p: dict, attended: jax.Array, residual: jax.Array, c: ModelConfig) -> jax.Array:
     """attended: [B, T, H, Dh] -> residual + its output projection (+ bias): [B, T, D]."""
     b, t, h, dh = attended.shape
-    if not decode.fuses_dense(b * t):
+    if not decode.fuses_dense(b * t, "attention"):
         y = jnp.einsum("bthk,hkd->btd", attended, p["o"])
         return residual + (y + p["o_bias"] if c.o_bias else y)
     (y,) = _fused(
@@ -130,45 +152,56 @@ def route(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, c: Mode
     rows the experts multiply, ids int32 [T, k], weights float32 [T, k]) as `router.route` picks.
     The kernels take no routing override (`forced`) nor DeepSeek's group stage: XLA does."""
     grouped = c.n_group > 1 and c.topk_group < c.n_group
+    weighing = dict(norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor)
+    bias = p["router_bias"] if c.router_bias else None
     if forced is None and not grouped and decode.routes(x.shape[0]):
         import pallas_kernels  # the kernels, loaded where they run
 
-        return pallas_kernels.route(
-            x,
-            norm,
-            p["router"],
-            backend=decode.router,
-            k=c.num_experts_per_tok,
-            eps=c.rms_norm_eps,
-            scoring=c.router_scoring,
-            bias=p["router_bias"] if c.router_bias else None,
-            norm_topk_prob=c.norm_topk_prob,
-            routed_scaling_factor=c.routed_scaling_factor,
-            precision=decode.precision,
-        )
-    if forced is not None or grouped or not decode.fuses_dense(x.shape[0]):
+        def kernel(rows, whole):  # one device's rows
+            (x,), (norm, router, bias) = rows, whole
+            return pallas_kernels.route(
+                x,
+                norm,
+                router,
+                backend=decode.router,
+                k=c.num_experts_per_tok,
+                eps=c.rms_norm_eps,
+                scoring=c.router_scoring,
+                bias=bias,
+                precision=decode.precision,
+                **weighing,
+            )
+
+        return decode.run(kernel, (x,), (norm, p["router"], bias))
+    if forced is not None or grouped or not decode.fuses_dense(x.shape[0], "router"):
         h = rms_norm(x, norm, c.rms_norm_eps)
         return (h, *xla_route(p, h, c, forced))
     from pallas_kernels import routing, tiles
 
     h, logits = _fused(decode, x, (p["router"],), norm=norm, eps=c.rms_norm_eps, normed=True)
-    ids, weights = routing.topk_route(
-        logits,
-        c.num_experts_per_tok,
-        scoring=c.router_scoring,
-        bias=p["router_bias"] if c.router_bias else None,
-        norm_topk_prob=c.norm_topk_prob,
-        routed_scaling_factor=c.routed_scaling_factor,
-        tiles=routing.Tiles(**tiles.lookup("topk_route", decode.device)),
-        interpret=decode.interpret,
-    )
-    return h, ids, weights
+
+    def top_k(rows, whole):  # one device's rows
+        (logits,), (bias,) = rows, whole
+        return routing.topk_route(
+            logits,
+            c.num_experts_per_tok,
+            scoring=c.router_scoring,
+            bias=bias,
+            tiles=routing.Tiles(**tiles.lookup("topk_route", decode.device)),
+            interpret=decode.interpret,
+            **weighing,
+        )
+
+    return (h, *decode.run(top_k, (logits,), (bias,)))
 
 
 @jax.named_scope("mlp")
-def mlp(decode: DecodeKernels, p: dict, h: jax.Array, residual: jax.Array | None = None) -> jax.Array:
-    """A SwiGLU MLP on normed rows h: [..., D] through gate_up [D, 2F] and down [F, D] (+ residual)."""
-    if not decode.fuses_dense(h.size // h.shape[-1]):
+def mlp(
+    decode: DecodeKernels, p: dict, h: jax.Array, residual: jax.Array | None = None, group: str = "mlp"
+) -> jax.Array:
+    """A SwiGLU MLP on normed rows h: [..., D] through gate_up [D, 2F] and down [F, D] (+ residual);
+    `group`: whose weights they are ("mlp": a dense layer's, "shared_mlp": the shared experts')."""
+    if not decode.fuses_dense(h.size // h.shape[-1], group):
         y = silu_glu(*gate_up_columns(h @ p["gate_up"])) @ p["down"]
         return y if residual is None else residual + y
     rows = h.reshape(-1, h.shape[-1])
