@@ -34,30 +34,55 @@ def dispatch_plan(ids: jax.Array, e_local: int, n: int):
     return goes, slot, goes.sum(0, dtype=jnp.int32)
 
 
-def _exchange(x: jax.Array, sizes: jax.Array, use_ragged: bool) -> jax.Array:
+def _exchange(x: jax.Array, sizes: jax.Array, recv_sizes: jax.Array, use_ragged: bool) -> jax.Array:
     """x: [n, S, ...] block b goes to device b -> [n, S, ...] block b came from device b.
-    `sizes[b]`: used slots of block b (what a ragged exchange sends)."""
+    `sizes[b]`: used slots of block b (what a ragged exchange sends); `recv_sizes[b]`: those of the
+    block device b sends here (the exchange of counts, once a layer)."""
     n, s = x.shape[:2]
     if not use_ragged:
         return jax.lax.all_to_all(x, ALL, 0, 0, tiled=True)
     me = jax.lax.axis_index(ALL)
     flat = x.reshape(n * s, *x.shape[2:])
     offsets = jnp.arange(n, dtype=jnp.int32) * s
-    recv_sizes = jax.lax.all_to_all(sizes, ALL, 0, 0, tiled=True)
     out = jax.lax.ragged_all_to_all(
         flat, jnp.zeros_like(flat), offsets, sizes, jnp.full((n,), me * s, jnp.int32), recv_sizes, axis_name=ALL
     )
     return out.reshape(x.shape)
 
 
-def _exchange_rows(rows: jax.Array, sizes: jax.Array, dispatch_dtype: str, use_ragged: bool) -> jax.Array:
-    """Rows [n, S, D] travel in their own dtype, or as NVFP4 (values, block and row scales)."""
+def _as_columns(a: jax.Array, dtype) -> jax.Array:
+    """int32 or f32 [..., kk] -> [..., kk * 4 / itemsize] of `dtype`, bit for bit: picks riding in a row."""
+    out = jax.lax.bitcast_convert_type(a, dtype)
+    return out.reshape(*a.shape[:-1], -1)
+
+
+def _from_columns(a: jax.Array, dtype, kk: int) -> jax.Array:
+    """`_as_columns`' inverse: [..., kk * 4 / itemsize] -> [..., kk] of `dtype` (int32 or f32)."""
+    ratio = 4 // a.dtype.itemsize
+    return jax.lax.bitcast_convert_type(a.reshape(*a.shape[:-1], kk, ratio) if ratio > 1 else a, dtype)
+
+
+def _dispatch(rows, ids, weights, sizes, recv_sizes, dispatch_dtype: str, use_ragged: bool):
+    """Rows [n, S, D] with their picks' ids and weights [n, S, kk] to the blocks' devices: one
+    exchange, the picks bit for bit in columns after each row's (4-byte ids and weights in a 2-
+    or 4-byte row), or, rows as NVFP4 (values, block and row scales), an exchange per array."""
+    kk = ids.shape[-1]
+    if dispatch_dtype != "nvfp4" and 4 % rows.dtype.itemsize == 0:
+        packed = jnp.concatenate([rows, _as_columns(ids, rows.dtype), _as_columns(weights, rows.dtype)], axis=-1)
+        got = _exchange(packed, sizes, recv_sizes, use_ragged)
+        d, width = rows.shape[-1], (got.shape[-1] - rows.shape[-1]) // 2
+        return (
+            got[..., :d],
+            _from_columns(got[..., d : d + width], ids.dtype, kk),
+            _from_columns(got[..., d + width :], weights.dtype, kk),
+        )
+    exchange = functools.partial(_exchange, sizes=sizes, recv_sizes=recv_sizes, use_ragged=use_ragged)
     if dispatch_dtype != "nvfp4":
-        return _exchange(rows, sizes, use_ragged)
+        return exchange(rows), exchange(ids), exchange(weights)
     q = pallas_kernels.quantize_rows(rows.reshape(-1, rows.shape[-1]).astype(jnp.float32), "nvfp4")
     n, s = rows.shape[:2]
-    q = jax.tree.map(lambda a: _exchange(a.reshape(n, s, *a.shape[1:]), sizes, use_ragged).reshape(a.shape), q)
-    return pallas_kernels.dequantize(q, rows.dtype).reshape(rows.shape)
+    q = jax.tree.map(lambda a: exchange(a.reshape(n, s, *a.shape[1:])).reshape(a.shape), q)
+    return pallas_kernels.dequantize(q, rows.dtype).reshape(rows.shape), exchange(ids), exchange(weights)
 
 
 def local_picks(k: int, e_local: int) -> int:
@@ -125,16 +150,17 @@ def ragged_phases(
         send_ids = jnp.where(take(keep), take(ids[safe]), num_experts)
         send_w = jnp.where(take(keep), take(weights[safe]), 0.0)
 
-        recv_rows = _exchange_rows(x[safe], send_sizes, dispatch_dtype, use_ragged)
-        recv_ids = _exchange(send_ids, send_sizes, use_ragged)
-        recv_w = _exchange(send_w, send_sizes, use_ragged)
+        # The counts' exchange, once a layer: the combine sends back what the dispatch brought.
+        recv_sizes = jax.lax.all_to_all(send_sizes, ALL, 0, 0, tiled=True)
+        recv_rows, recv_ids, recv_w = _dispatch(
+            x[safe], send_ids, send_w, send_sizes, recv_sizes, dispatch_dtype, use_ragged
+        )
         if use_ragged:  # slots past the received sizes were never written: zero ids would be picks
-            recv_sizes = jax.lax.all_to_all(send_sizes, ALL, 0, 0, tiled=True)
             recv_ids = jnp.where(jnp.arange(t)[None, :, None] < recv_sizes[:, None, None], recv_ids, num_experts)
-        return recv_rows, recv_ids, recv_w, send_sizes, row_of_slot
+        return recv_rows, recv_ids, recv_w, (send_sizes, recv_sizes), row_of_slot
 
     def compute(sent):
-        recv_rows, recv_ids, recv_w, send_sizes, row_of_slot = sent  # [n, T, D], [n, T, kk] x 2, [n], [n, T]
+        recv_rows, recv_ids, recv_w, sizes, row_of_slot = sent  # [n, T, D], [n, T, kk] x 2, ([n], [n]), [n, T]
         n, t, kk = recv_ids.shape
         y = moe_local(
             recv_rows.reshape(n * t, -1),
@@ -147,11 +173,11 @@ def ragged_phases(
             platform=platform,
             decode=decode,
         )
-        return y.reshape(n, t, -1), send_sizes, row_of_slot
+        return y.reshape(n, t, -1), sizes, row_of_slot
 
     def combine(done):
-        y, send_sizes, row_of_slot = done
-        back = _exchange(y, jax.lax.all_to_all(send_sizes, ALL, 0, 0, tiled=True), use_ragged)
+        y, (send_sizes, recv_sizes), row_of_slot = done
+        back = _exchange(y, recv_sizes, send_sizes, use_ragged)  # each block back where it came from
         # Sum each row's results from the devices it went to (row T: a slot nobody used, dropped).
         t = row_of_slot.shape[1]
         return (
