@@ -145,8 +145,11 @@ def ragged_phases(
         # them: its kept picks first (stable), then cut to kk, so the receiver computes kk picks
         # per received row and not k.
         kk = local_picks(k, e_local)
-        first = jnp.argsort(~keep, axis=-1, stable=True)[..., :kk]  # [n, T, kk]
-        take = lambda a: jnp.take_along_axis(a, first, axis=-1)
+        if kk < k:
+            first = jnp.argsort(~keep, axis=-1, stable=True)[..., :kk]  # [n, T, kk]
+            take = lambda a: jnp.take_along_axis(a, first, axis=-1)
+        else:  # every pick may be local: none to cut, in any order
+            take = lambda a: a
         send_ids = jnp.where(take(keep), take(ids[safe]), num_experts)
         send_w = jnp.where(take(keep), take(weights[safe]), 0.0)
 
