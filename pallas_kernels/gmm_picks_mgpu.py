@@ -89,9 +89,6 @@ def pick_gemm(
             grid_names=("g", "n"),
             kernel_name=NAME,
             interpret=interpret_params(interpret),
-            # Lane semantics, jax 0.10.2's default (0.11 made Warpgroup the default): the ids' vector
-            # and its reductions are placed in the layout the kernel names.
-            compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         )(ids_p, offset, prep.first, prep.tscale, *prep.operands)
     local = ids - offset[0]
     mine = (local >= 0) & (local < g_local)
