@@ -195,3 +195,14 @@ def test_compiles_for_h100_as_one_mosaic_gpu_call_per_product(tokens):
     # every local expert's CTAs for each N tile: 64 (gate, up) pairs; 64 columns a tile where 8 picks
     # leave the SMs short of two CTAs each, else 128
     assert [c.programs for c in calls] == [128 * 1536 // 128, 128 * 2048 // (64 if tokens == 1 else 128)]
+
+
+def test_an_nvfp4_gate_up_layer_takes_its_own_layers_column_scales():
+    """A layer of a 4-bit gate|up stack: the weights read in place, the tensor scales (per half and
+    layer, each layer's 40x the last's) sliced at the traced layer."""
+    lhs, w, rng = operands("nvfp4 layer", T, k=192, layers=2)
+    w = w * np.array([1.0, 40.0] * (N // 2)) * np.array([1.0, 40.0])[:, None, None, None]
+    q = pk.quantize_experts(w, "nvfp4", gated=True)
+    bias = jnp.asarray(rng.standard_normal((LOCAL, N)), jnp.bfloat16)
+    out = run(lhs, LayerOf(q, jnp.int32(1)), IDS, epilogue=(None, bias, silu_glu))
+    assert_matches(out, expected(lhs, pk.dequantize(q)[1], IDS, bias=bias, act=True), IDS)
