@@ -150,53 +150,6 @@ def test_refuses_float32_rows_with_its_reason():
         run(lhs.astype(jnp.float32), w, IDS, out_dtype=jnp.float32)
 
 
-@pytest.mark.parametrize("tokens", [1, 64])
-def test_compiles_for_h100_as_one_mosaic_gpu_call_per_product(tokens):
-    """Qwen3-30B-A3B's experts (128 of [2048, 1536] gate|up with SwiGLU, [768, 2048] down; 8 picks a
-    token) lower through Mosaic GPU and compile for a compile-only H100: one Mosaic GPU call per
-    product, each a bf16 wgmma, and no Triton call among the program's kernels."""
-    p = tokens * 8
-
-    def step(x, ids, offset, gate_up, down):
-        h = gmm_picks_mgpu.pick_gemm(
-            x,
-            gate_up,
-            ids,
-            k=8,
-            group_offset=offset,
-            out_dtype=jnp.bfloat16,
-            epilogue=(None, None, silu_glu),
-            tiles=choose(tokens, 2048, 1536, gated=True, on=("h100", p, 128)),
-        )  # [P, 768]
-        return gmm_picks_mgpu.pick_gemm(
-            h,
-            down,
-            ids,
-            k=8,
-            group_offset=offset,
-            out_dtype=jnp.bfloat16,
-            rows_are_picks=True,
-            tiles=choose(p, 768, 2048, on=("h100", p, 128)),
-        )  # [P, 2048]
-
-    args = (
-        on_h100((tokens, 2048), jnp.bfloat16),
-        on_h100((p,), jnp.int32),
-        on_h100((), jnp.int32),
-        on_h100((128, 2048, 1536), jnp.bfloat16),
-        on_h100((128, 768, 2048), jnp.bfloat16),
-    )
-    text = jax.jit(step).lower(*args).compile().as_text()
-    launches = hlo.launches(text)
-    calls = [r.instr for r in launches if r.instr.pallas]
-    assert launches and not [r for r in launches if r.instr.pallas == "triton" or "triton" in r.instr.target]
-    assert [(c.pallas, c.kernel) for c in calls] == [("mosaic_gpu", gmm_picks_mgpu.NAME)] * 2
-    assert all(".f32.bf16.bf16" in c.backend_config for c in calls)
-    # every local expert's CTAs for each N tile: 64 (gate, up) pairs; 64 columns a tile where 8 picks
-    # leave the SMs short of two CTAs each, else 128
-    assert [c.programs for c in calls] == [128 * 1536 // 128, 128 * 2048 // (64 if tokens == 1 else 128)]
-
-
 def test_an_nvfp4_gate_up_layer_takes_its_own_layers_column_scales():
     """A layer of a 4-bit gate|up stack: the weights read in place, the tensor scales (per half and
     layer, each layer's 40x the last's) sliced at the traced layer."""
@@ -206,3 +159,64 @@ def test_an_nvfp4_gate_up_layer_takes_its_own_layers_column_scales():
     bias = jnp.asarray(rng.standard_normal((LOCAL, N)), jnp.bfloat16)
     out = run(lhs, LayerOf(q, jnp.int32(1)), IDS, epilogue=(None, bias, silu_glu))
     assert_matches(out, expected(lhs, pk.dequantize(q)[1], IDS, bias=bias, act=True), IDS)
+
+
+def qwen3_step(tokens: int, fmt: str = "bf16"):
+    """The compiled program of Qwen3-30B-A3B's two expert products by pick on a compile-only H100
+    (128 experts, [2048, 1536] gate|up with SwiGLU, one layer of a stack of 4, and [768, 2048] down;
+    8 picks a token), with the tiles the table gives them there -> (its launches, its Pallas calls)."""
+    p = tokens * 8
+
+    def experts(k: int, n: int, gated: bool, lead=()):
+        w = jax.ShapeDtypeStruct((*lead, 128, k, n), jnp.bfloat16)
+        if fmt != "bf16":
+            w = jax.eval_shape(lambda a: pk.quantize_experts(a, fmt, gated=gated), w)
+        return jax.tree.map(lambda a: on_h100(a.shape, a.dtype), w)
+
+    def step(x, ids, offset, layer, gate_up, down):
+        h = gmm_picks_mgpu.pick_gemm(
+            x,
+            LayerOf(gate_up, layer),
+            ids,
+            k=8,
+            group_offset=offset,
+            out_dtype=jnp.bfloat16,
+            epilogue=(None, None, silu_glu),
+            tiles=choose(tokens, 2048, 1536, fmt, gated=True, on=("h100", p, 128)),
+        )  # [P, 768]
+        return gmm_picks_mgpu.pick_gemm(
+            h,
+            down,
+            ids,
+            k=8,
+            group_offset=offset,
+            out_dtype=jnp.bfloat16,
+            rows_are_picks=True,
+            tiles=choose(p, 768, 2048, fmt, on=("h100", p, 128)),
+        )  # [P, 2048]
+
+    scalar = on_h100((), jnp.int32)
+    x, ids = on_h100((tokens, 2048), jnp.bfloat16), on_h100((p,), jnp.int32)
+    text = jax.jit(step).lower(x, ids, scalar, scalar, experts(2048, 1536, True, (4,)), experts(768, 2048, False))
+    launches = hlo.launches(text.compile().as_text())
+    return launches, [r.instr for r in launches if r.instr.pallas]
+
+
+def assert_one_mosaic_gpu_call_per_product(launches, calls) -> None:
+    """Two Mosaic GPU calls of this kernel, each a bf16 wgmma, and no Triton call among the launches."""
+    assert launches and not [r for r in launches if r.instr.pallas == "triton" or "triton" in r.instr.target]
+    assert [(c.pallas, c.kernel) for c in calls] == [("mosaic_gpu", gmm_picks_mgpu.NAME)] * 2
+    assert all(".f32.bf16.bf16" in c.backend_config for c in calls)
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_compiles_for_h100_as_one_mosaic_gpu_call_per_product(tokens):
+    launches, calls = qwen3_step(tokens)
+    assert_one_mosaic_gpu_call_per_product(launches, calls)
+    # every local expert's CTAs for each N tile: 64 (gate, up) pairs; 64 columns a tile where 8 picks
+    # leave the SMs short of two CTAs each, else 128
+    assert [c.programs for c in calls] == [128 * 1536 // 128, 128 * 2048 // (64 if tokens == 1 else 128)]
+
+
+def test_nvfp4_experts_compile_for_h100_as_one_mosaic_gpu_call_per_product():
+    assert_one_mosaic_gpu_call_per_product(*qwen3_step(1, "nvfp4"))
