@@ -1,19 +1,22 @@
 """A decode step's expert GEMM by pick on Hopper (sm_90) as one Mosaic GPU kernel: the twin of
 `gmm_picks.pick_gemm` (jax 0.11 deprecated Pallas's Triton backend), no sort and no group metadata.
 
-The grid is G_local x (N tiles). CTA (g, j) holds the P pick ids in registers and finds expert g's
-picks itself, one at a time, in pick order: the next is the least pick index after the last whose
-id is group_offset + g (a min-reduction over the ids). An expert no pick names finds none and
-exits: its weights are never read. Its picks' rows of lhs (row(p) = p // k, or p with
-`rows_are_picks`) lie in row tiles of tm rows; for each tile holding one of its rows, the CTA runs
-the Hopper grouped GEMM's tile (`gmm_mosaic_gpu.Product`: TMA pipeline over K, wgmma, 4-bit
-weights decoded on the way, the epilogue's scales, bias and act(gate, up)) of that row tile times
-the expert's [K, tn] weight columns, and stores, from shared memory by TMA, one output row per
-pick: out[p] = the tile's row row(p). Rows are few at decode (lhs is [T, K], T <= tm, for gate|up,
-[T*k, K] for down), so the rows go to wgmma as whole row tiles rather than gathered: Hopper's TMA
-has no row gather, and a tile of rows costs the MMA what a tile of 64 gathered picks would.
-With lhs of at most tm rows (gate|up of up to tm tokens; down of up to tm picks) each expert's
-weights are streamed once; with more, once per row tile holding its picks.
+The grid is min(G_local, P) x (N tiles): a row of CTAs for each expert a call can touch. CTA (s, j)
+multiplies expert g's picks by N tile j, where g is local expert s, or, with fewer picks than local
+experts, pick s's expert where s is that expert's first pick (the other CTAs of the row exit at
+once: a decode step of a few tokens launches a few CTAs per N tile, not one per expert). It holds
+the P pick ids in registers and finds g's picks itself, one at a time, in pick order: the next is
+the least pick index after the last whose id is group_offset + g (a min-reduction over the ids). An
+expert no pick names has no CTA that finds a pick: its weights are never read. Its picks' rows of
+lhs (row(p) = p // k, or p with `rows_are_picks`) lie in row tiles of tm rows; for each tile holding
+one of its rows, the CTA runs the Hopper grouped GEMM's tile (`gmm_mosaic_gpu.Product`: TMA pipeline
+over K, wgmma, 4-bit weights decoded on the way, the epilogue's scales, bias and act(gate, up)) of
+that row tile times the expert's [K, tn] weight columns, and stores, from shared memory by TMA, one
+output row per pick: out[p] = the tile's row row(p). Rows are few at decode (lhs is [T, K], T <= tm,
+for gate|up, [T*k, K] for down), so the rows go to wgmma as whole row tiles rather than gathered:
+Hopper's TMA has no row gather, and a tile of rows costs the MMA what a tile of 64 gathered picks
+would. With lhs of at most tm rows (gate|up of up to tm tokens; down of up to tm picks) each
+expert's weights are streamed once; with more, once per row tile holding its picks.
 
 The rows of picks of experts outside [group_offset, group_offset + G_local) (other devices') are
 written by no CTA: one XLA select after the kernel zeroes them (with the slice of the output's
@@ -76,17 +79,23 @@ def pick_gemm(
     offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
     p_pad = round_up(p, 64)  # ROW's vectors are whole 64-row tiles
     ids_p = jnp.pad(ids, (0, p_pad - p), constant_values=-1)  # pad picks past P are never found
+    leads = min(g_local, p)  # experts a call can touch: a row of CTAs each
     kernel = functools.partial(
-        _kernel, product=prep.product, picks=p, rows_per_x=1 if rows_are_picks else k, interpret=interpret
+        _kernel,
+        product=prep.product,
+        picks=p,
+        experts=g_local,
+        rows_per_x=1 if rows_are_picks else k,
+        interpret=interpret,
     )
     # The grid as a named scope around the call (`hlo.Instr.programs`): a compiled Mosaic GPU call
     # holds its module as bytecode.
-    with jax.named_scope(f"grid_{g_local}x{prep.grid_n}"):
+    with jax.named_scope(f"grid_{leads}x{prep.grid_n}"):
         out = plgpu.kernel(
             kernel,
             out_type=metadata.varying_struct((p, prep.grid_n * width), out_dtype, lhs, rhs, ids, group_offset),
-            grid=(g_local, prep.grid_n),
-            grid_names=("g", "n"),
+            grid=(leads, prep.grid_n),
+            grid_names=("s", "n"),
             kernel_name=NAME,
             interpret=interpret_params(interpret),
         )(ids_p, offset, prep.first, prep.tscale, *prep.operands)
@@ -110,23 +119,31 @@ def _column_scales(rhs, columns):
     return (layered.LayerOf(unscaled, rhs.index) if isinstance(rhs, layered.LayerOf) else unscaled), scales
 
 
-def _kernel(ids_ref, offset_ref, first_ref, tscale_ref, *refs, product: Product, picks: int, rows_per_x, interpret):
-    """CTA (g, j): expert g's picks times N tile j. Refs are whole arrays in GMEM: ids [P_pad] (global
-    expert ids, -1 past P), offset [1] (the first local expert), first [1] (its weights in the
-    array read), tscale [G'], `Product`'s operands; out [P, W] (W: whole tiles of the product's
-    `width` output columns)."""
+def _kernel(
+    ids_ref, offset_ref, first_ref, tscale_ref, *refs, product: Product, picks: int, experts: int, rows_per_x, interpret
+):
+    """CTA (s, j): expert g's picks (g: see the module's docstring; `experts`: G_local) times N tile
+    j. Refs are whole arrays in GMEM: ids [P_pad] (global expert ids, -1 past P), offset [1] (the
+    first local expert), first [1] (its weights in the array read), tscale [G'], `Product`'s
+    operands; out [P, W] (W: whole tiles of the product's `width` output columns)."""
     *ins, out_gmem = refs
-    g, n_i = lax.axis_index("g"), lax.axis_index("n")
+    s, n_i = lax.axis_index("s"), lax.axis_index("n")
     tm, width = product.tm, product.width
     p_pad = ids_ref.shape[0]
     if interpret:  # the interpreter has no register layouts
         ids, order = ids_ref[...], lax.broadcasted_iota(jnp.int32, (p_pad,), 0)
     else:
         ids, order = mgpu_api.load(ids_ref, ROW, False), plgpu.broadcasted_iota(jnp.int32, (p_pad,), 0, layout=ROW)
+    # The CTA's expert g: s, or, with fewer picks than experts, pick s's expert where s is its first pick.
+    g = s if picks >= experts else ids_ref[s] - offset_ref[0]
     mine = ids - offset_ref[0] == g
 
     def after(p):  # () int32: expert g's first pick after pick p; `picks` where none is
         return jnp.min(jnp.where(mine & (order > p), order, picks))
+
+    first = after(-1)
+    if picks < experts:  # another CTA leads the picks of g, or g is no local expert
+        first = jnp.where((g >= 0) & (g < experts) & (first == s), first, picks)
 
     def tile_of(p):  # the row tile holding pick p's row of lhs
         return p // rows_per_x // tm
@@ -152,4 +169,4 @@ def _kernel(ids_ref, offset_ref, first_ref, tscale_ref, *refs, product: Product,
 
         return pl.run_scoped(store, plgpu.SMEM((tm, width), out_gmem.dtype))
 
-    lax.while_loop(lambda p: p < picks, row_tile, after(-1))
+    lax.while_loop(lambda p: p < picks, row_tile, first)

@@ -119,6 +119,15 @@ def test_a_layer_of_a_stack_is_read_in_place():
     assert_matches(out, expected(lhs, stack[1], IDS), IDS)
 
 
+def test_fewer_picks_than_experts_each_expert_led_by_its_first_pick():
+    """4 picks of 5 local experts: a row of CTAs per pick, pick 0 leading expert 4's two picks (pick
+    2's CTA exits), pick 1 another device's expert, pick 3 the first local expert."""
+    ids = np.array([6, 0, 6, 2], np.int32)
+    lhs, w, _ = operands("by pick", 2)
+    w = w.astype(jnp.bfloat16)
+    assert_matches(run(lhs, w, ids), expected(lhs, w, ids), ids)
+
+
 def test_down_rows_over_two_row_tiles():
     """A down product of 160 picks (rows): row tiles of 128; expert 4 has picks in both (its weights
     read once per tile) and several in one (a store per pick)."""
@@ -213,9 +222,10 @@ def assert_one_mosaic_gpu_call_per_product(launches, calls) -> None:
 def test_compiles_for_h100_as_one_mosaic_gpu_call_per_product(tokens):
     launches, calls = qwen3_step(tokens)
     assert_one_mosaic_gpu_call_per_product(launches, calls)
-    # every local expert's CTAs for each N tile: 64 (gate, up) pairs; 64 columns a tile where 8 picks
-    # leave the SMs short of two CTAs each, else 128
-    assert [c.programs for c in calls] == [128 * 1536 // 128, 128 * 2048 // (64 if tokens == 1 else 128)]
+    # a row of CTAs per pick (8 picks) or per expert (512 picks of 128), one CTA per N tile of 64
+    # (gate, up) pairs, then of 64 columns where 8 rows of them leave the SMs short of two each, else 128
+    rows = min(8 * tokens, 128)
+    assert [c.programs for c in calls] == [rows * 1536 // 128, rows * 2048 // (64 if tokens == 1 else 128)]
 
 
 def test_nvfp4_experts_compile_for_h100_as_one_mosaic_gpu_call_per_product():
