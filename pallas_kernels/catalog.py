@@ -152,6 +152,10 @@ ATTENTION_API = (
     (MOSAIC_GPU, ATTENTION_MOSAIC_GPU_API),
     (PALLAS, ("get_global", "semaphore_signal", "semaphore_wait", "when", "ds", "cdiv")),
 )
+PICKS_MOSAIC_GPU_API = (
+    *HOPPER_GEMM_API,
+    "broadcasted_iota",
+)  # the pick GEMM's ids as a vector of the wgmma rows' layout
 GROUPED = frozenset({"stack", "metadata"})  # a grouped GEMM's reads: rows sorted by group, a layer in its stack
 
 _GEMMS = (
@@ -302,8 +306,10 @@ _ATTENTIONS = (
 )
 
 # A decode step's fused kernels (`moejax/model/projections.py`, `sharding/experts.py`): Triton's pick
-# GEMM (each row's experts by id, no sort) and dense projections; Mosaic TPU's experts as one call
-# (each local expert's tiles against every row, an expert no row picked never read) and its router.
+# GEMM (each row's experts by id, no sort) and dense projections; Mosaic GPU's pick GEMM on Hopper
+# (no grouped GEMM's decode set names it yet: `registry.pick_gemm` builds Triton's tiles); Mosaic
+# TPU's experts as one call (each local expert's tiles against every row, an expert no row picked
+# never read) and its router.
 PICKS = frozenset({"picks"})
 _DECODES = (
     Kernel(
@@ -320,6 +326,35 @@ _DECODES = (
         interpreted=True,
         varying_operands=False,  # as the interpreted TPU set's (below)
         tiles="pick_gemm",
+    ),
+    Kernel(
+        "mosaic_gpu",
+        DECODE,
+        "gmm_picks_mgpu",
+        "mosaic_gpu",
+        "pick_gemm",
+        platform="gpu",
+        architectures=(9,),
+        needs=HOPPER,
+        dtypes=("bfloat16",),
+        multiplies="bfloat16 rows only: Hopper's wgmma multiplies float32 as TF32 (10 mantissa bits, ~1e-3 off); "
+        "triton multiplies float32 at full precision",
+        reads=PICKS,
+        api=((MOSAIC_GPU, PICKS_MOSAIC_GPU_API),),
+        tiles="pick_gemm_mgpu",
+    ),
+    Kernel(
+        "interpret_mosaic_gpu",
+        DECODE,
+        "gmm_picks_mgpu",
+        "mosaic_gpu",
+        "pick_gemm",
+        dtypes=("bfloat16",),
+        multiplies="bfloat16 rows only (Hopper's wgmma multiplies float32 as TF32)",
+        reads=PICKS,
+        interpreted=True,
+        api=((MOSAIC_GPU, PICKS_MOSAIC_GPU_API),),
+        tiles="pick_gemm_mgpu",
     ),
     Kernel(
         "pallas_tpu",

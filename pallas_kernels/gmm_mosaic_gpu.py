@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -127,42 +128,49 @@ def _decoded_tiles(w_ref, s_refs, *, pairs, fmt, block, cast, load):
     return tiles
 
 
-def _kernel(
-    sched,
-    tscale,
-    *refs,
-    fmt,
-    block,
-    tm,
-    kt,
-    width,
-    k_steps,
-    steps,
-    pairs,
-    tables,
-    act,
-    interpret,
-):
-    """One (active m tile, n tile) CTA; the pipeline loops over K. Refs are whole arrays in GMEM:
-    the rows' K-halves (4-bit: x [M_pad, 2, K/2]) or x [M_pad, K]; the weights' words
-    [G', K or K/2, N/p] (p = `pairs`: 2 with act, a word holding a (gate, up) pair) and, 4-bit,
-    their scale words [G', K/B, N/p]; tscale [G'], whose local groups are sched.first[0] + [0, G_local)
-    (G': a stack's every layer's groups); the epilogue's column scales and bias [G_local, p, W]
-    where `tables` says so; out [M_pad, W] (W: whole tiles of `width` output columns)."""
-    *ins, out_gmem = refs
-    cols_ref = ins.pop(len(ins) - sum(tables)) if tables[0] else None
-    bias_ref = ins.pop() if tables[1] else None
-    halves = 1 if fmt is None else 2
-    x_gmem, w_gmem, s_gmem = (*ins, None)[:3]
-    # The interpreter has no register layouts (a layout cast has no CPU lowering there).
-    cast = (lambda x, _: x) if interpret else plgpu.layout_cast
-    # A load from GMEM into a layout is per element (`optimized=False`): only shared memory has vector plans.
-    load = (lambda ref, *_: ref[...]) if interpret else mgpu_api.load
-    t, n_i = lax.axis_index("t"), lax.axis_index("n")
+@dataclasses.dataclass(frozen=True)
+class Product:
+    """One CTA's [tm, tn] tile of a product, as a Hopper kernel's CTA computes it: the rows' tile m_tile
+    times one group's weight columns n_i, the pipeline over K, then the epilogue (`__call__`). Both
+    Hopper kernels run it: this grouped GEMM for each active (row tile, N tile) of its schedule, and
+    `gmm_picks_mgpu` for each row tile holding picks of an expert. Made by `prepare`."""
 
-    @pl.when(sched.active(t))
-    def _():
-        g, local, m_tile, at = sched.tile(t)  # at: the group's weights
+    fmt: str | None
+    block: int
+    tm: int
+    kt: int
+    width: int
+    k_steps: int
+    steps: int
+    pairs: int
+    tables: tuple[bool, bool]
+    act: object
+    interpret: bool
+
+    def refs(self, ins):
+        """The operands' refs (`prepare`'s operands then tables, whole arrays in GMEM) -> (x, the
+        weights' words, their scale words or None, column scales or None, bias or None)."""
+        ins = list(ins)
+        cols_ref = ins.pop(len(ins) - sum(self.tables)) if self.tables[0] else None
+        bias_ref = ins.pop() if self.tables[1] else None
+        x_gmem, w_gmem, s_gmem = (*ins, None)[:3]
+        return x_gmem, w_gmem, s_gmem, cols_ref, bias_ref
+
+    def __call__(self, ins, tscale, *, at, local, m_tile, n_i, out_dtype):
+        """[tm, width] in out_dtype (registers): row tile m_tile of the rows times N tile n_i of group
+        `local`'s weights (at `at` in the array read), scaled by tscale (a scalar), its epilogue applied.
+
+        ins: the rows' K-halves (4-bit: x [M_pad, 2, K/2]) or x [M_pad, K]; the weights' words
+        [G', K or K/2, N/p] (p = `pairs`: 2 with act, a word holding a (gate, up) pair) and, 4-bit,
+        their scale words [G', K/B, N/p]; the epilogue's column scales and bias [G_local, p, W]
+        where `tables` says so (W: whole tiles of `width` output columns)."""
+        x_gmem, w_gmem, s_gmem, cols_ref, bias_ref = self.refs(ins)
+        fmt, block, tm, kt, width, pairs = self.fmt, self.block, self.tm, self.kt, self.width, self.pairs
+        halves = 1 if fmt is None else 2
+        # The interpreter has no register layouts (a layout cast has no CPU lowering there).
+        cast = (lambda x, _: x) if self.interpret else plgpu.layout_cast
+        # A load from GMEM into a layout is per element (`optimized=False`): only shared memory has vector plans.
+        load = (lambda ref, *_: ref[...]) if self.interpret else mgpu_api.load
         direct = fmt is None and pairs == 1  # the weight tile goes to wgmma as TMA left it
         swizzle = plgpu.find_swizzle(min(kt, width) * 16)  # the bf16 operands' (x and weight tiles)
         words = _transforms(width, 16, swizzle) if direct else _transforms(width, jnp.dtype(w_gmem.dtype).itemsize * 8)
@@ -199,7 +207,7 @@ def _kernel(
                     plgpu.wgmma(accs[i], x_smem[h], dec_smem.at[slot, i, h])
                 plgpu.wgmma_wait(len(tiles))  # only this step's wgmmas run on
 
-            plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=specs, max_concurrent_steps=steps)(*gmem)
+            plgpu.emit_pipeline(step, grid=(self.k_steps,), in_specs=specs, max_concurrent_steps=self.steps)(*gmem)
             return tuple(acc[...] for acc in accs)
 
         # Accumulators in registers and the decoded tiles in shared memory are scoped apart.
@@ -221,21 +229,39 @@ def _kernel(
         ys = [
             epilogue.finish(
                 acc,
-                out_gmem.dtype,
-                tscale[at] * (1.0 if cols_ref is None else column(cols_ref, i)),
+                out_dtype,
+                tscale * (1.0 if cols_ref is None else column(cols_ref, i)),
                 None if bias_ref is None else column(bias_ref, i),
             )
             for i, acc in enumerate(accs)
         ]
         # The activation's math is f32, as the Triton twin's (whose bf16 has no division).
-        y = ys[0] if act is None else epilogue.glu(*(y.astype(jnp.float32) for y in ys), act).astype(out_gmem.dtype)
+        return (
+            ys[0]
+            if self.act is None
+            else epilogue.glu(*(y.astype(jnp.float32) for y in ys), self.act).astype(out_dtype)
+        )
+
+
+def _kernel(sched, tscale, *refs, product: Product):
+    """One (active m tile, n tile) CTA: its `product` tile, of which it writes its group's rows.
+    Refs are whole arrays in GMEM: tscale [G'], whose local groups are sched.first[0] + [0, G_local)
+    (G': a stack's every layer's groups), `Product`'s operands, out [M_pad, W]."""
+    *ins, out_gmem = refs
+    t, n_i = lax.axis_index("t"), lax.axis_index("n")
+
+    @pl.when(sched.active(t))
+    def _():
+        g, local, m_tile, at = sched.tile(t)  # at: the group's weights
+        y = product(ins, tscale[at], at=at, local=local, m_tile=m_tile, n_i=n_i, out_dtype=out_gmem.dtype)
 
         def store(out_smem):  # only this group's rows of the tile
             out_smem[...] = y
             plgpu.commit_smem()
-            store_group_rows(out_smem, out_gmem.at[:, cols], sched.offsets, g, m_tile, tm, read_only_wait=True)
+            cols = out_gmem.at[:, pl.ds(n_i * product.width, product.width)]
+            store_group_rows(out_smem, cols, sched.offsets, g, m_tile, product.tm, read_only_wait=True)
 
-        pl.run_scoped(store, plgpu.SMEM((tm, width), out_gmem.dtype))
+        pl.run_scoped(store, plgpu.SMEM((product.tm, product.width), out_gmem.dtype))
 
 
 def _pad(a, axis: int, multiple: int):
@@ -254,21 +280,87 @@ def _words(a, pairs: int):
     return lax.bitcast_convert_type(a.reshape(*a.shape[:-1], a.shape[-1] // 2, 2), word)
 
 
-def _check_tiles(tm: int, tk: int, tn: int, steps: int, pairs: int, quantized: bool, out_dtype) -> None:
+def _check_tiles(
+    tm: int, tk: int, tn: int, steps: int, pairs: int, quantized: bool, out_dtype, kernel: str = "mosaic_gpu"
+) -> None:
     width = tn // pairs
     if tm % 64:
-        raise ValueError(f"mosaic_gpu: tm={tm} must be a multiple of 64 (a warpgroup's wgmma rows)")
+        raise ValueError(f"{kernel}: tm={tm} must be a multiple of 64 (a warpgroup's wgmma rows)")
     # A tile loaded into registers has the wgmma layout's 64-row tiles; 4-bit steps hold two K-halves.
     if tk % (128 if quantized else 64):
-        raise ValueError(f"mosaic_gpu: tk={tk} must be a multiple of {128 if quantized else 64}")
+        raise ValueError(f"{kernel}: tk={tk} must be a multiple of {128 if quantized else 64}")
     # A TMA copy's shared-memory rows start 128-byte aligned: the row pieces of the output tile.
     if tn % (32 * pairs) or width > 256 or width * jnp.dtype(out_dtype).itemsize % 128:
         raise ValueError(
-            f"mosaic_gpu: tn={tn} must be a multiple of {32 * pairs} whose tn/{pairs} output columns are at most "
+            f"{kernel}: tn={tn} must be a multiple of {32 * pairs} whose tn/{pairs} output columns are at most "
             f"256 (wgmma's N) and a multiple of 128 bytes of {jnp.dtype(out_dtype).name}"
         )
     if steps < 2:
-        raise ValueError(f"mosaic_gpu: steps={steps} must be at least 2 (a step's tiles are read while the next load)")
+        raise ValueError(f"{kernel}: steps={steps} must be at least 2 (a step's tiles are read while the next load)")
+
+
+class Prepared(NamedTuple):
+    """A Hopper product's CTA work (`product`) and its operands (`prepare`)."""
+
+    product: Product
+    operands: tuple  # `Product`'s operands: the rows, the weights' words (and 4-bit scale words), the tables
+    tscale: jax.Array  # [G'] f32: the groups' tensor scales (1 for bf16 and MXFP4 experts)
+    first: jax.Array  # [1]: the local groups' first in the array read (`layered.flat`)
+    m_pad: int  # the rows, whole tiles of tm
+    grid_n: int  # N tiles
+
+
+def prepare(lhs, rhs, out_dtype, tiles: Tiles, epilogue, interpret: bool, kernel: str = "mosaic_gpu") -> Prepared:
+    """What a Hopper kernel's CTAs read for lhs [M, K] times rhs (the local groups [G_local, K, N], an
+    array or a 4-bit QuantizedArray, or a `layered.LayerOf` either) with `epilogue`, after one clear
+    error (prefixed `kernel`) for operands or tiles it cannot take: bf16 rows (`refusal`), Hopper's
+    tiles (`_check_tiles`), a jax with an interpreter where `interpret`."""
+    m, k = lhs.shape
+    g_local, _, n = rhs.shape
+    quantized = isinstance(layered.stored(rhs), formats.QuantizedArray)
+    reason = refusal(lhs.dtype) or (None if quantized else refusal(layered.stored(rhs).dtype))
+    if reason:
+        raise ValueError(f"{kernel}: {reason}")
+    if interpret and InterpretGPUParams is None:
+        raise ValueError(f"{kernel}: this jax ({jax.__version__}) has no Mosaic GPU interpreter")
+    tables, has, act = tiling.epilogue_tables(epilogue, g_local)
+    pairs = 1 if act is None else 2
+    tm, tk, tn, steps = tiles.tm, tiles.tk, tiles.tn, tiles.steps
+    _check_tiles(tm, tk, tn, steps, pairs, quantized, out_dtype, kernel)
+    width, kt = tn // pairs, tk // 2 if quantized else tk
+    # TMA strides: every row a multiple of 16 bytes. Widths that miss it are padded, which copies
+    # the layer's weights out of a stack.
+    lane = 16 if quantized else 8
+    if k % lane or n % lane:
+        rhs = layered.layer_slice(rhs.stack, rhs.index) if isinstance(rhs, layered.LayerOf) else rhs
+        if quantized:
+            rhs = rhs.replace(values=_pad(rhs.values, -1, lane), scales=_pad(rhs.scales, -1, lane))
+        else:
+            lhs, rhs = _pad(lhs, 1, lane), _pad(_pad(rhs, 1, lane), 2, lane)
+    rhs, first = layered.flat(rhs)
+    lhs_p = tiling.pad_rows(lhs, tm)
+    m_pad = lhs_p.shape[0]
+    if quantized:
+        kh = k // 2
+        operands = (
+            lhs_p.reshape(m_pad, 2, kh),  # the two K-halves, each with its own end for TMA
+            _words(rhs.values, pairs),
+            _words(tiling.scale_bits(rhs), pairs),
+        )
+        tscale, fmt, block, k_steps = tiling.tensor_scales(rhs), rhs.fmt, rhs.spec.block, pl.cdiv(kh, kt)
+    else:
+        operands = (lhs_p, _words(rhs, pairs))
+        tscale, fmt, block, k_steps = jnp.ones(rhs.shape[:1], jnp.float32), None, 1, pl.cdiv(lhs_p.shape[1], kt)
+    # The epilogue's tables [G_local, 1, N] -> [G_local, p, W]: gate and up rows apart, whole tiles wide.
+    tables = [_pad(t.reshape(g_local, n // pairs, pairs).transpose(0, 2, 1), -1, width) for t in tables]
+    product = Product(fmt, block, tm, kt, width, k_steps, steps, pairs, has, act, interpret)
+    return Prepared(product, (*operands, *tables), tscale, first, m_pad, pl.cdiv(n, tn))
+
+
+def interpret_params(interpret: bool):
+    """The Mosaic GPU interpreter's parameters where `interpret` (else None): TMA reads zeros past an
+    array's end; the interpreter does where its out-of-bounds reads give zeroed memory."""
+    return InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero") if interpret else None
 
 
 def gmm_mosaic_gpu(
@@ -285,66 +377,17 @@ def gmm_mosaic_gpu(
     """The Mosaic GPU twin of `gmm_pallas_gpu`: the same arguments, epilogue and result (rhs may be
     one layer of a stack, `layered.LayerOf`); bf16 rows only (`refusal`). tiles: `Tiles`;
     `interpret`: jax's Mosaic GPU interpreter (on any platform)."""
-    m, k = lhs.shape
-    g_local, _, n = rhs.shape
-    quantized = isinstance(layered.stored(rhs), formats.QuantizedArray)
-    reason = refusal(lhs.dtype) or (None if quantized else refusal(layered.stored(rhs).dtype))
-    if reason:
-        raise ValueError(f"mosaic_gpu: {reason}")
-    if interpret and InterpretGPUParams is None:
-        raise ValueError(f"mosaic_gpu: this jax ({jax.__version__}) has no Mosaic GPU interpreter")
-    tables, has, act = tiling.epilogue_tables(epilogue, g_local)
-    pairs = 1 if act is None else 2
-    tm, tk, tn, steps = tiles.tm, tiles.tk, tiles.tn, tiles.steps
-    _check_tiles(tm, tk, tn, steps, pairs, quantized, out_dtype)
-    width, kt = tn // pairs, tk // 2 if quantized else tk
-    # TMA strides: every row a multiple of 16 bytes. Widths that miss it are padded, which copies
-    # the layer's weights out of a stack.
-    lane = 16 if quantized else 8
-    if k % lane or n % lane:
-        rhs = layered.layer_slice(rhs.stack, rhs.index) if isinstance(rhs, layered.LayerOf) else rhs
-        if quantized:
-            rhs = rhs.replace(values=_pad(rhs.values, -1, lane), scales=_pad(rhs.scales, -1, lane))
-        else:
-            lhs, rhs = _pad(lhs, 1, lane), _pad(_pad(rhs, 1, lane), 2, lane)
-    rhs, first = layered.flat(rhs)
-    lhs_p = tiling.pad_rows(lhs, tm)
-    m_pad, grid_n = lhs_p.shape[0], pl.cdiv(n, tn)
-    sched = tiling.gpu_schedule(group_sizes, group_offset, g_local, m_pad, tm, first)
-    if quantized:
-        kh = k // 2
-        operands = (
-            lhs_p.reshape(m_pad, 2, kh),  # the two K-halves, each with its own end for TMA
-            _words(rhs.values, pairs),
-            _words(tiling.scale_bits(rhs), pairs),
-        )
-        tscale, fmt, block, k_steps = tiling.tensor_scales(rhs), rhs.fmt, rhs.spec.block, pl.cdiv(kh, kt)
-    else:
-        operands = (lhs_p, _words(rhs, pairs))
-        tscale, fmt, block, k_steps = jnp.ones(rhs.shape[:1], jnp.float32), None, 1, pl.cdiv(lhs_p.shape[1], kt)
-    # The epilogue's tables [G_local, 1, N] -> [G_local, p, W]: gate and up rows apart, whole tiles wide.
-    tables = [_pad(t.reshape(g_local, n // pairs, pairs).transpose(0, 2, 1), -1, width) for t in tables]
-    kernel = functools.partial(
-        _kernel,
-        fmt=fmt,
-        block=block,
-        tm=tm,
-        kt=kt,
-        width=width,
-        k_steps=k_steps,
-        steps=steps,
-        pairs=pairs,
-        tables=has,
-        act=act,
-        interpret=interpret,
-    )
-    # TMA reads zeros past an array's end; the interpreter does where its out-of-bounds reads give zeroed memory.
-    params = InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero") if interpret else None
+    m, g_local, n = lhs.shape[0], rhs.shape[0], rhs.shape[2]
+    prep = prepare(lhs, rhs, out_dtype, tiles, epilogue, interpret)
+    sched = tiling.gpu_schedule(group_sizes, group_offset, g_local, prep.m_pad, tiles.tm, prep.first)
+    width = prep.product.width
     out = plgpu.kernel(
-        kernel,
-        out_type=metadata.varying_struct((m_pad, grid_n * width), out_dtype, lhs, rhs, group_sizes, group_offset),
-        grid=(sched.group_ids.shape[0], grid_n),
+        functools.partial(_kernel, product=prep.product),
+        out_type=metadata.varying_struct(
+            (prep.m_pad, prep.grid_n * width), out_dtype, lhs, rhs, group_sizes, group_offset
+        ),
+        grid=(sched.group_ids.shape[0], prep.grid_n),
         grid_names=("t", "n"),
-        interpret=params,
-    )(sched, tscale, *operands, *tables)
-    return sched.zero_foreign_rows(out, g_local, m)[:, : n // pairs]
+        interpret=interpret_params(interpret),
+    )(sched, prep.tscale, *prep.operands)
+    return sched.zero_foreign_rows(out, g_local, m)[:, : n // prep.product.pairs]

@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels import decode, formats, layered, metadata, tiling
+from pallas_kernels import decode, formats, layered, metadata, picks, tiling
 from pallas_kernels.epilogue import finish, gate_up_columns, glu
 from pallas_kernels.triton_blocks import column_pairs, iota, load
 
@@ -50,31 +50,10 @@ class Tiles:
     num_stages: int
 
 
-# A decode step's picks at most: each program compares all P ids with a chunk's tm slots ([tm, P]
-# in registers) and compile time grows with P; a prefill's rows go through the grouped GEMM.
-MAX_PICKS = 4096
-
-
 def _check(lhs, rhs, ids, k: int, rows_are_picks: bool, tiles: Tiles, act) -> None:
     """One clear error for operands or tiles the kernel cannot take."""
-    if lhs.ndim != 2 or ids.ndim != 1 or jnp.dtype(ids.dtype) != jnp.int32:
-        raise ValueError(
-            f"pick_gemm takes lhs [rows, K] and ids [P] int32, got {lhs.shape} and {ids.dtype}{list(ids.shape)}"
-        )
-    p = ids.shape[0]
-    if p > MAX_PICKS:
-        raise ValueError(f"pick_gemm multiplies a decode step's picks, at most {MAX_PICKS} picks; got {p}")
-    rows = p if rows_are_picks else p // k if k > 0 and p % k == 0 else None
-    if rows != lhs.shape[0]:
-        want = "[P, K] (rows_are_picks)" if rows_are_picks else f"[P / k, K] with k={k} dividing P={p}"
-        raise ValueError(f"pick_gemm: lhs must be {want}, got {list(lhs.shape)}")
-    if len(rhs.shape) != 3 or rhs.shape[1] != lhs.shape[1]:
-        raise ValueError(f"pick_gemm: rhs must be [G, K={lhs.shape[1]}, N], got {list(rhs.shape)}")
+    picks.check_operands(lhs, rhs, ids, k, rows_are_picks, act)
     stack = layered.stored(rhs)
-    if isinstance(stack, formats.QuantizedArray) and stack.axis != -2:
-        raise ValueError("pick_gemm: a 4-bit rhs must be quantized along K (axis=-2)")
-    if act is not None and rhs.shape[2] % 2:
-        raise ValueError(f"pick_gemm: a gated activation takes (gate, up) column pairs, got N={rhs.shape[2]}")
     block = stack.spec.block if isinstance(stack, formats.QuantizedArray) else 0
     floors = {"tm": 16, "tk": max(16, 2 * block), "tn": 32 if act is not None else 16}
     for name, floor in floors.items():

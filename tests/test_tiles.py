@@ -26,6 +26,7 @@ TILED = {
     "blackwell": "gmm_blackwell",
     "blackwell_bf16": "gmm_blackwell_bf16",
     "pick_gemm": "gmm_picks",
+    "pick_gemm_mgpu": "gmm_picks_mgpu",
     "fused_linear": "linear",
     "topk_route": "routing",
 }
