@@ -105,6 +105,7 @@ def _kernel(*refs, tree, n_in, segs, m, k, tk, k_steps, splits, steps, act, eps,
     # The interpreter has no register layouts, and loads whole refs.
     cast = (lambda a, _: a) if interpret else plgpu.layout_cast
     load = (lambda ref, *_: ref[...]) if interpret else mgpu_api.load
+    store = (lambda ref, value: ref.__setitem__(Ellipsis, value)) if interpret else mgpu_api.store_untiled
     wgmma = plgpu.Layout.WGMMA
     spread = lambda v, shape, dim: lax.broadcast_in_dim(v, shape, (dim,))  # noqa: E731
     rows = lambda a: a.at[pl.ds(r * ROWS, ROWS)]  # noqa: E731 (a row tile: TMA reads zeros past M)
@@ -230,7 +231,9 @@ def _kernel(*refs, tree, n_in, segs, m, k, tk, k_steps, splits, steps, act, eps,
             residual = ins["residual"]
             copies = [] if residual is None else [(rows(residual).at[:, pl.ds(c0 + off, w)], (ROWS, w), residual.dtype)]
             with_tma(
-                functools.partial(_store, y, out_ref.at[:, pl.ds(s * seg.count * seg.tile + c0 + off, w)], r, m, load),
+                functools.partial(
+                    _store, y, out_ref.at[:, pl.ds(s * seg.count * seg.tile + c0 + off, w)], r, m, load, store
+                ),
                 *copies,
             )
 
@@ -240,14 +243,14 @@ def _kernel(*refs, tree, n_in, segs, m, k, tk, k_steps, splits, steps, act, eps,
         )
 
 
-def _store(y, out_gmem, r, m: int, load, *res_smem):
+def _store(y, out_gmem, r, m: int, load, store, *res_smem):
     """y [ROWS, w] (+ the residual's row tile in res_smem) into row tile r of out_gmem [M, w]:
     its M rows, through shared memory by TMA (a box is static: a branch per row tile)."""
     if res_smem:
         y = (load(res_smem[0], plgpu.Layout.WGMMA, False) + y).astype(y.dtype)
 
     def write(out_smem):
-        out_smem[...] = y
+        store(out_smem, y)
         plgpu.commit_smem()
         for i in range(pl.cdiv(m, ROWS)):
             n = min(ROWS, m - i * ROWS)
