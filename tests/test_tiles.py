@@ -27,6 +27,7 @@ TILED = {
     "blackwell_bf16": "gmm_blackwell_bf16",
     "pick_gemm": "gmm_picks",
     "fused_linear": "linear",
+    "linear_mgpu": "linear_mgpu",
     "topk_route": "routing",
 }
 
