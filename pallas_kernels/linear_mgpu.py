@@ -5,7 +5,8 @@ A decode step's rows x [M, K] (M <= 128) times weight segments W_i [K, N_i]: a p
 warpgroup) per (column tile of a segment, row tile of 64, K slice) streams its weight tile
 [tk, tile] through shared memory with TMA over its K (`emit_pipeline`, `steps` stages) and
 multiplies it by wgmma, whose M is 64: a row tile's [64, tk] TMA box over the M rows reads zeros
-past them (no memory is read for them), so rows are never padded in memory.
+past them (no memory is read for them). Rows are padded in memory only past 8 and to whole 8-row
+tiles (M 12 -> 16: a tiled TMA box's array has fewer rows than a tile or whole tiles).
 
 - input RMSNorm: a first pipeline over x sums each row's squares (K in TMA's widest boxes); the
   main loop then norms each step's rows in registers (`normalize`, rounded as the model rounds)
@@ -18,10 +19,11 @@ past them (no memory is read for them), so rows are never padded in memory.
   RMSNorm over the head and the rotate-half RoPE are elementwise on registers.
 - bias and head norm columns are read from GMEM into registers; cos, sin and the residual come
   with TMA into shared memory (64-row boxes over M rows); each piece is written back by TMA
-  (a store box clipped to the M rows).
+  (a box of the row tile's M rows).
 - split-K (`Tiles.splits`): with too few column tiles to fill the SMs the K slices are a grid
-  axis writing f32 partials [M, splits * N_i]; their sum and the epilogue are XLA ops after
-  (`linear_xla.finish_segment`, one or two fusions of M * splits * N_i floats).
+  axis writing each column set's f32 products apart, [M, splits * p * V]; a second launch of the
+  same kernel (`combine`) streams a tile's slices back through a TMA pipeline, sums them and runs
+  the epilogue: two launches, as the Triton twin.
 
 TMA wants 16-byte row strides: K and every N_i multiples of 8 (refused otherwise, as are pieces
 of a head narrower than wgmma's 8 columns). An output of no whole column tiles is allocated whole
@@ -48,7 +50,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import epilogue, metadata, mgpu_api
 from pallas_kernels.gmm_mosaic_gpu import InterpretGPUParams, _decoded_tiles, _transforms, _words, refusal
 from pallas_kernels.linear_segments import PRECISIONS, Segment, check_normed, normalize, rotate_half, segments
-from pallas_kernels.linear_xla import finish_segment
 from pallas_kernels.tiles import round_up
 
 ROWS = 64  # a program's rows: a warpgroup's wgmma M
@@ -94,12 +95,14 @@ def _swizzle(seg: Segment) -> int:
     return plgpu.find_swizzle(16 * math.gcd(seg.tile, *(v for piece in seg.pieces for v in piece)))
 
 
-def _kernel(*refs, tree, n_in, segs, m, k, tk, k_steps, splits, steps, act, eps, interpret):
+def _kernel(*refs, tree, n_in, segs, widths, m, k, tk, k_steps, splits, combine, steps, act, eps, interpret):
     """Program (p, r, s): the output tile of whichever segment program p falls in, row tile r, K
     slice s. Refs are whole arrays in GMEM: x [M, K], norm [1, K]; per segment its weight [K, N/p]
     (p = 2 with act: int32 words of a (gate, up) pair), bias [p, W] (W: whole tiles), head norm
-    [1, Dh]; cos, sin [M, R/2]; residual [M, N]; then the outputs [M, splits * W], slice s's
-    columns [s * W, (s + 1) * W)."""
+    [1, Dh]; cos, sin [M, R/2]; residual [M, N]; then the outputs [M, W]. With `splits` > 1 no
+    epilogue: slice s's f32 products of column set i, [M, splits * p * V] (V: the segment's
+    `widths`), at columns (s * p + i) * V. `combine`: no x, no norm; each segment's "weight" is
+    such partials, summed over `combine` slices before the epilogue."""
     ins, outs = jax.tree.unflatten(tree, refs[:n_in]), refs[n_in:]
     p, r, s = lax.axis_index("p"), lax.axis_index("r"), lax.axis_index("s")
     # The interpreter has no register layouts, and loads whole refs.
@@ -197,14 +200,52 @@ def _kernel(*refs, tree, n_in, segs, m, k, tk, k_steps, splits, steps, act, eps,
         flat = pl.run_scoped(scoped, *bufs) if bufs else scoped()
         return [flat[j * pairs : (j + 1) * pairs] for j in range(len(seg.pieces))]
 
-    def tile(seg: Segment, refs, out_ref, t):  # segment seg's output tile t
+    def partial_sums(seg: Segment, parts, t, v):  # `products` of a split call: its partials summed
+        def add(_, part_smem, acc):
+            return acc + cast(part_smem[...], wgmma)
+
+        zeros = cast(jnp.zeros((ROWS, seg.tile), jnp.float32), wgmma)
+        sums = [
+            plgpu.emit_pipeline(
+                add,
+                grid=(combine,),
+                in_specs=[
+                    plgpu.BlockSpec(
+                        (ROWS, seg.tile),
+                        lambda j, i=i: (r, (j * seg.pairs + i) * (v // seg.tile) + t),
+                        transforms=_transforms(seg.tile, 32),
+                    )
+                ],
+                max_concurrent_steps=steps,
+                init_carry=zeros,
+            )(parts)
+            for i in range(seg.pairs)
+        ]
+        if len(seg.pieces) == 1:
+            return [sums]
+
+        def pieces(sum_smem):  # a head's pieces: column slices of its sum (one column set), through SMEM
+            store(sum_smem, sums[0])
+            plgpu.commit_smem()
+            return [[load(sum_smem.at[:, pl.ds(off, w)], wgmma, False)] for off, w in seg.pieces]
+
+        return pl.run_scoped(pieces, plgpu.SMEM((ROWS, seg.tile), jnp.float32))
+
+    def tile(seg: Segment, refs, out_ref, t, v):  # segment seg's output tile t
         c0 = t * seg.tile
+        if splits > 1:  # the products of K slice s, each column set's apart
+            for (off, w), piece in zip(seg.pieces, products(seg, refs["w"], t)):
+                for i, acc in enumerate(piece):
+                    cols = pl.ds((s * seg.pairs + i) * v + c0 + off, w)
+                    _store(acc, out_ref.at[:, cols], r, m, load, store)
+            return
+        sums = partial_sums(seg, refs["w"], t, v) if combine else products(seg, refs["w"], t)
 
         def column(ref, i, c, w):  # [ROWS, w]: row i of a table's columns [c, c + w), down every row
             return spread(load(ref.at[i, pl.ds(c, w)], wgmma.reduce(0), False), (ROWS, w), 1)
 
         ys = []
-        for (off, w), piece in zip(seg.pieces, products(seg, refs["w"], t)):
+        for (off, w), piece in zip(seg.pieces, sums):
             bias = lambda i, off=off, w=w: None if refs["bias"] is None else column(refs["bias"], i, c0 + off, w)  # noqa: E731
             sets = [epilogue.finish(acc, seg.out_dtype, bias=bias(i)) for i, acc in enumerate(piece)]
             # the activation's math is f32, as the Triton twin's
@@ -231,15 +272,13 @@ def _kernel(*refs, tree, n_in, segs, m, k, tk, k_steps, splits, steps, act, eps,
             residual = ins["residual"]
             copies = [] if residual is None else [(rows(residual).at[:, pl.ds(c0 + off, w)], (ROWS, w), residual.dtype)]
             with_tma(
-                functools.partial(
-                    _store, y, out_ref.at[:, pl.ds(s * seg.count * seg.tile + c0 + off, w)], r, m, load, store
-                ),
+                functools.partial(_store, y, out_ref.at[:, pl.ds(c0 + off, w)], r, m, load, store),
                 *copies,
             )
 
-    for seg, refs, out_ref in zip(segs, ins["segments"], outs):
+    for seg, refs, out_ref, v in zip(segs, ins["segments"], outs, widths):
         pl.when((p >= seg.first) & (p < seg.first + seg.count))(
-            functools.partial(tile, seg, refs, out_ref, p - seg.first)
+            functools.partial(tile, seg, refs, out_ref, p - seg.first, v)
         )
 
 
@@ -293,79 +332,79 @@ def fused_linear(
     _check(x, weights, laid_out, tiles, precision, normed)
     if interpret and InterpretGPUParams is None:
         raise ValueError(f"linear_mgpu: this jax ({jax.__version__}) has no Mosaic GPU interpreter")
-    k = x.shape[1]
-    tk = tiles.k
-    k_steps = pl.cdiv(k, tk)
-    if k_steps % tiles.splits:
-        raise ValueError(f"linear_mgpu: {tiles.splits} splits of K={k} in steps of {tk} are no whole steps each")
-    call = functools.partial(
-        _call, x, weights, norm, eps=eps, tk=tk, splits=tiles.splits, steps=tiles.steps, interpret=interpret
-    )
-    if tiles.splits == 1:  # outputs of no whole tiles sliced
-        return tuple(out[:, : seg.n] for out, seg in zip(call(laid_out, **epilogue_args), laid_out))
-    # The products alone, each K slice's f32 partials; their sum's epilogue in XLA.
-    products = segments(
-        x,
-        weights,
-        norm=norm,
-        head_dim=None,
-        rotate=None,
-        out_dtype=jnp.float32,
-        tn=tiles.n,
-        **dict.fromkeys(epilogue_args),
-    )
-    parts = call(products, biases=None, residual=None, head_norms=None, rope=None, act=None)
-    m = x.shape[0]
-    return tuple(
-        finish_segment(
-            part.reshape(m, tiles.splits, -1).sum(axis=1)[:, : w.shape[1]],
-            seg,
-            None if biases is None else biases[i],
-            None if head_norms is None else head_norms[i],
-            head_dim=head_dim,
-            rope=rope,
-            act=act,
-            residual=residual,
-            eps=eps,
-        )
-        for i, (part, w, seg) in enumerate(zip(parts, weights, laid_out))
-    )
-
-
-def _call(x, weights, norm, laid_out, *, eps, tk, splits, steps, interpret, biases, residual, head_norms, rope, act):
-    """The kernel's call over segments `laid_out` -> per segment [M, splits * N_i] (`fused_linear`'s
-    arguments, checked)."""
     m, k = x.shape
+    if pl.cdiv(k, tiles.k) % tiles.splits:
+        raise ValueError(f"linear_mgpu: {tiles.splits} splits of K={k} in steps of {tiles.k} are no whole steps each")
+    call = functools.partial(_call, m=m, eps=eps, tk=tiles.k, steps=tiles.steps, interpret=interpret)
+    if tiles.splits == 1:  # outputs of no whole tiles sliced
+        outs = call(x, weights, laid_out, norm=norm, **epilogue_args)
+        return tuple(out[:, : seg.n] for out, seg in zip(outs, laid_out))
+    # Each K slice's f32 products of each column set, in column tiles (no head epilogue); then a
+    # second launch sums them and runs the epilogue.
+    products = segments(
+        x, weights, norm=norm, head_dim=None, rotate=None, out_dtype=jnp.float32, tn=tiles.n, act=act,
+        **dict.fromkeys(("biases", "residual", "head_norms", "rope")),
+    )  # fmt: skip
+    # A column set's partials: whole tiles of both launches' (the second reads them as its tiles).
+    widths = [
+        round_up(max(p.count * p.tile, seg.count * seg.tile), math.lcm(p.tile, seg.tile))
+        for p, seg in zip(products, laid_out)
+    ]
+    parts = call(x, weights, products, norm=norm, widths=widths, splits=tiles.splits)
+    outs = call(None, parts, laid_out, widths=widths, combine=tiles.splits, **epilogue_args)
+    return tuple(out[:, : seg.n] for out, seg in zip(outs, laid_out))
+
+
+def _call(
+    x, weights, laid_out, *, m, eps, tk, steps, interpret, norm=None, widths=None, splits=1, combine=0, biases=None,
+    residual=None, head_norms=None, rope=None, act=None,
+) -> tuple[jax.Array, ...]:  # fmt: skip
+    """The kernel's call over segments `laid_out` (`fused_linear`'s arguments, checked) -> per
+    segment [M, W] (W: whole tiles); with `splits` > 1, the slices' partials [M', splits * p * V]
+    f32 (M' = M, or whole 8-row tiles past 8, as x's TMA box wants); `combine`: x None, `weights`
+    such partials, summed before the epilogue."""
+    k = 0 if combine else x.shape[1]
     tables = []
     for seg, b in zip(laid_out, biases or [None] * len(weights)):
         if b is not None:  # [N] -> [p, W]: gate and up rows apart, whole tiles wide
             b = b.reshape(seg.n, seg.pairs).T
             b = jnp.pad(b, ((0, 0), (0, seg.count * seg.tile - seg.n)))
         tables.append(b)
-    if m > 8 and m % 8:  # a tiled TMA box's array: rows fewer than its 8-row tile, or whole tiles
-        x = jnp.pad(x, ((0, round_up(m, 8) - m), (0, 0)))
+    rows = m if m <= 8 else round_up(m, 8)  # a tiled TMA box's array: fewer rows than its 8-row tile, or whole tiles
+    if x is not None and rows > m:
+        x = jnp.pad(x, ((0, rows - m), (0, 0)))
     ins = {
         "x": x,
         "norm": None if norm is None else norm.reshape(1, k),
         "segments": [
-            {"w": _words(w, seg.pairs), "bias": b, "head_norm": None if hn is None else hn.reshape(1, -1)}
+            {
+                "w": w if combine else _words(w, seg.pairs),
+                "bias": b,
+                "head_norm": None if hn is None else hn.reshape(1, -1),
+            }
             for w, b, hn, seg in zip(weights, tables, head_norms or [None] * len(weights), laid_out)
         ],
         "rope": rope,
         "residual": residual,
     }
     flat, tree = jax.tree.flatten(ins)
-    out_type = [metadata.varying_struct((m, splits * seg.count * seg.tile), seg.out_dtype, *flat) for seg in laid_out]
+    if splits > 1:
+        shapes = [(rows, splits * seg.pairs * v) for seg, v in zip(laid_out, widths)]
+    else:
+        shapes = [(m, seg.count * seg.tile) for seg in laid_out]
+    out_type = [metadata.varying_struct(shape, seg.out_dtype, *flat) for shape, seg in zip(shapes, laid_out)]
     kernel = functools.partial(
         _kernel,
         tree=tree,
         n_in=len(flat),
         segs=laid_out,
+        widths=widths or [0] * len(laid_out),
         m=m,
         k=k,
         tk=tk,
         k_steps=pl.cdiv(k, tk),
         splits=splits,
+        combine=combine,
         steps=steps,
         act=act,
         eps=eps,

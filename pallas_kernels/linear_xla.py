@@ -45,38 +45,28 @@ def fused_linear_xla(
         out_dtype=out_dtype,
         tn=None,
     )
+    m = x.shape[0]
     h = x if norm is None else rms_norm(x, norm, eps)
     outs = []
     for i, (w, seg) in enumerate(zip(weights, laid_out)):
         acc = jnp.dot(
             h.astype(seg.cdtype), w.astype(seg.cdtype), preferred_element_type=jnp.float32, precision=precision
         )
-        bias, head_norm = (None if a is None else a[i] for a in (biases, head_norms))
-        outs.append(
-            finish_segment(acc, seg, bias, head_norm, head_dim=head_dim, rope=rope, act=act, residual=residual, eps=eps)
-        )
+        y = epilogue.finish(acc, seg.out_dtype, bias=None if biases is None else biases[i])
+        if act is not None:
+            y = epilogue.glu(*(c.astype(jnp.float32) for c in epilogue.gate_up_columns(y)), act).astype(seg.out_dtype)
+        if seg.head_norm or seg.rotate:
+            y = y.reshape(m, -1, head_dim)  # [M, H, Dh]
+            if seg.head_norm:
+                y = rms_norm(y, head_norms[i], eps).astype(seg.out_dtype)
+            if seg.rotate:
+                half = rope[0].shape[-1]
+                cos, sin = (a[:, None, :] for a in rope)
+                yf = y[..., : 2 * half].astype(jnp.float32)
+                rotated = jnp.concatenate(rotate_half(yf[..., :half], yf[..., half:], cos, sin), axis=-1)
+                y = jnp.concatenate([rotated.astype(seg.out_dtype), y[..., 2 * half :]], axis=-1)
+            y = y.reshape(m, -1)
+        if residual is not None:
+            y = (residual + y).astype(seg.out_dtype)
+        outs.append(y)
     return (h, *outs) if normed else tuple(outs)
-
-
-def finish_segment(acc, seg, bias, head_norm, *, head_dim, rope, act, residual, eps) -> jax.Array:
-    """A segment's f32 product acc [M, N_i] through its epilogue (`fused_linear`'s, in its order:
-    bias, act, head norm, rotation, residual) -> [M, seg.n] in seg.out_dtype; also the sum of a
-    split-K kernel's partials (`linear_mgpu`)."""
-    m = acc.shape[0]
-    y = epilogue.finish(acc, seg.out_dtype, bias=bias)
-    if act is not None:
-        y = epilogue.glu(*(c.astype(jnp.float32) for c in epilogue.gate_up_columns(y)), act).astype(seg.out_dtype)
-    if seg.head_norm or seg.rotate:
-        y = y.reshape(m, -1, head_dim)  # [M, H, Dh]
-        if seg.head_norm:
-            y = rms_norm(y, head_norm, eps).astype(seg.out_dtype)
-        if seg.rotate:
-            half = rope[0].shape[-1]
-            cos, sin = (a[:, None, :] for a in rope)
-            yf = y[..., : 2 * half].astype(jnp.float32)
-            rotated = jnp.concatenate(rotate_half(yf[..., :half], yf[..., half:], cos, sin), axis=-1)
-            y = jnp.concatenate([rotated.astype(seg.out_dtype), y[..., 2 * half :]], axis=-1)
-        y = y.reshape(m, -1)
-    if residual is not None:
-        y = (residual + y).astype(seg.out_dtype)
-    return y
