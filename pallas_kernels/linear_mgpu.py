@@ -159,8 +159,10 @@ def _kernel(*refs, tree, n_in, segs, widths, m, k, tk, k_steps, splits, combine,
         if rstd is not None:
             specs.append(plgpu.BlockSpec((1, tk), lambda i: (0, ks(i)), delay_release=1))
             gmem.append(ins["norm"])
-        tiled = _transforms(tk, 16, sw)
-        h_buf = plgpu.SMEM((2, ROWS, tk), jnp.bfloat16, transforms=tiled) if rstd is not None else None
+        # the normed rows, and the split (gate, up) tiles: two buffers each (a step's and the last's)
+        h_buf = (
+            plgpu.SMEM((2, ROWS, tk), jnp.bfloat16, transforms=_transforms(tk, 16, sw)) if rstd is not None else None
+        )
         dec_buf = plgpu.SMEM((2, pairs, tk, width), jnp.bfloat16, transforms=_transforms(width, 16, sw))
         dec_buf = dec_buf if pairs > 1 else None
 

@@ -113,6 +113,13 @@ def test_refuses_float32_with_its_reason():
         fused_linear(x, (w,), tiles=TILES, interpret=True)
 
 
+def test_refuses_normed_rows():
+    """The router's call asks for the normed rows too; this kernel does not write them, and says so."""
+    x, w = jnp.ones((M, K), jnp.bfloat16), jnp.ones((K, 72), jnp.bfloat16)
+    with pytest.raises(ValueError, match="normed rows"):
+        fused_linear(x, (w,), norm=jnp.ones((K,), jnp.bfloat16), normed=True, tiles=TILES, interpret=True)
+
+
 QKV = dict(d=2048, dh=128, dims=(4096, 512, 512))  # Qwen3-30B-A3B's attention: 32 q heads, 4 kv heads
 
 
