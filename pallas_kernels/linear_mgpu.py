@@ -27,8 +27,11 @@ tiles (M 12 -> 16: a tiled TMA box's array has fewer rows than a tile or whole t
 
 TMA wants 16-byte row strides: K and every N_i multiples of 8 (refused otherwise, as are pieces
 of a head narrower than wgmma's 8 columns). An output of no whole column tiles is allocated whole
-tiles wide and sliced after (the weight tile past N reads zeros). The normed rows (`normed`) are
-not written here (refused): the router's call stays on Triton or XLA.
+tiles wide and sliced after (the weight tile past N reads zeros). The normed rows (`normed`: the
+router's call hands them to the experts) are written from registers by the programs of the first
+column tile, each step's M rows (a TMA box of just those rows: jax's interpreter drops a copy
+whose box runs past the array, where TMA would clip it), whole K steps wide (sliced after where
+K is no whole steps).
 
 What is verified without a GPU (tests/test_linear_mgpu.py): jax's Mosaic GPU interpreter against
 float64 numpy, and the lowering and XLA:GPU compile for a compile-only H100. Not verified here:
@@ -68,11 +71,9 @@ class Tiles:
     steps: int
 
 
-def _check(x, weights, laid_out, tiles: Tiles, precision, normed):
+def _check(x, weights, laid_out, tiles: Tiles, precision):
     if precision not in PRECISIONS:
         raise ValueError(f"fused_linear: precision must be one of {PRECISIONS}, got {precision!r}")
-    if normed:
-        raise ValueError("linear_mgpu: normed rows are not written by this kernel (Triton's or XLA's write them)")
     for dtype in (x.dtype, *(w.dtype for w in weights), *(seg.cdtype for seg in laid_out)):
         if reason := refusal(dtype):
             raise ValueError(f"linear_mgpu: {reason}")
@@ -95,15 +96,17 @@ def _swizzle(seg: Segment) -> int:
     return plgpu.find_swizzle(16 * math.gcd(seg.tile, *(v for piece in seg.pieces for v in piece)))
 
 
-def _kernel(*refs, tree, n_in, segs, widths, m, k, tk, k_steps, splits, combine, steps, act, eps, interpret):
+def _kernel(*refs, tree, n_in, segs, widths, m, k, tk, k_steps, splits, combine, steps, act, eps, normed, interpret):
     """Program (p, r, s): the output tile of whichever segment program p falls in, row tile r, K
     slice s. Refs are whole arrays in GMEM: x [M, K], norm [1, K]; per segment its weight [K, N/p]
     (p = 2 with act: int32 words of a (gate, up) pair), bias [p, W] (W: whole tiles), head norm
     [1, Dh]; cos, sin [M, R/2]; residual [M, N]; then the outputs [M, W]. With `splits` > 1 no
     epilogue: slice s's f32 products of column set i, [M, splits * p * V] (V: the segment's
     `widths`), at columns (s * p + i) * V. `combine`: no x, no norm; each segment's "weight" is
-    such partials, summed over `combine` slices before the epilogue."""
+    such partials, summed over `combine` slices before the epilogue. `normed`: the normed rows
+    [M, whole K steps] come first among the outputs, written by the programs p = 0."""
     ins, outs = jax.tree.unflatten(tree, refs[:n_in]), refs[n_in:]
+    normed_ref, outs = (outs[0], outs[1:]) if normed else (None, outs)
     p, r, s = lax.axis_index("p"), lax.axis_index("r"), lax.axis_index("s")
     # The interpreter has no register layouts, and loads whole refs.
     cast = (lambda a, _: a) if interpret else plgpu.layout_cast
@@ -173,8 +176,12 @@ def _kernel(*refs, tree, n_in, segs, widths, m, k, tk, k_steps, splits, combine,
                 if rstd is not None:  # the step's rows normed, as the model rounds them
                     xf = cast(x_smem[...], wgmma).astype(jnp.float32)
                     nw = spread(load(norm_smem[0].at[0], wgmma.reduce(0)), (ROWS, tk), 1)
-                    h_smem[slot] = normalize(xf, spread(rstd, (ROWS, tk), 0), nw, jnp.bfloat16)
+                    h = normalize(xf, spread(rstd, (ROWS, tk), 0), nw, jnp.bfloat16)
+                    h_smem[slot] = h
                     a = h_smem.at[slot]
+                    if normed_ref is not None:  # the programs p = 0 write them (M rows, whole K steps)
+                        k0 = ks(indices[0]) * tk
+                        pl.when(p == 0)(lambda: _store(h, normed_ref.at[:, pl.ds(k0, tk)], r, m, load, store))
                 if pairs == 1:
                     bs = [w_smem if w == width else w_smem.at[:, pl.ds(off, w)] for off, w in seg.pieces]
                 else:  # the (gate, up) words split into two bf16 tiles
@@ -323,7 +330,7 @@ def fused_linear(
     interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
     """`linear.fused_linear` as a Mosaic GPU kernel: the same arguments and results (bf16 rows,
-    norm and weights; no `normed`); `tiles`: this module's `Tiles`; `interpret`: jax's Mosaic GPU
+    norm and weights); `tiles`: this module's `Tiles`; `interpret`: jax's Mosaic GPU
     interpreter (any platform). `precision` is checked and otherwise moot: bf16 products are exact
     in f32."""
     check_normed(normed, norm)
@@ -331,7 +338,7 @@ def fused_linear(
     laid_out = segments(
         x, weights, norm=norm, head_dim=head_dim, rotate=rotate, out_dtype=out_dtype, tn=tiles.n, **epilogue_args
     )
-    _check(x, weights, laid_out, tiles, precision, normed)
+    _check(x, weights, laid_out, tiles, precision)
     if interpret and InterpretGPUParams is None:
         raise ValueError(f"linear_mgpu: this jax ({jax.__version__}) has no Mosaic GPU interpreter")
     m, k = x.shape
@@ -339,8 +346,10 @@ def fused_linear(
         raise ValueError(f"linear_mgpu: {tiles.splits} splits of K={k} in steps of {tiles.k} are no whole steps each")
     call = functools.partial(_call, m=m, eps=eps, tk=tiles.k, steps=tiles.steps, interpret=interpret)
     if tiles.splits == 1:  # outputs of no whole tiles sliced
-        outs = call(x, weights, laid_out, norm=norm, **epilogue_args)
-        return tuple(out[:, : seg.n] for out, seg in zip(outs, laid_out))
+        outs = call(x, weights, laid_out, norm=norm, normed=normed, **epilogue_args)
+        h, outs = (outs[0][:, :k], outs[1:]) if normed else (None, outs)
+        outs = tuple(out[:, : seg.n] for out, seg in zip(outs, laid_out))
+        return (h, *outs) if normed else outs
     # Each K slice's f32 products of each column set, in column tiles (no head epilogue); then a
     # second launch sums them and runs the epilogue.
     products = segments(
@@ -352,14 +361,16 @@ def fused_linear(
         round_up(max(p.count * p.tile, seg.count * seg.tile), math.lcm(p.tile, seg.tile))
         for p, seg in zip(products, laid_out)
     ]
-    parts = call(x, weights, products, norm=norm, widths=widths, splits=tiles.splits)
+    parts = call(x, weights, products, norm=norm, normed=normed, widths=widths, splits=tiles.splits)
+    h, parts = (parts[0][:, :k], parts[1:]) if normed else (None, parts)
     outs = call(None, parts, laid_out, widths=widths, combine=tiles.splits, **epilogue_args)
-    return tuple(out[:, : seg.n] for out, seg in zip(outs, laid_out))
+    outs = tuple(out[:, : seg.n] for out, seg in zip(outs, laid_out))
+    return (h, *outs) if normed else outs
 
 
 def _call(
-    x, weights, laid_out, *, m, eps, tk, steps, interpret, norm=None, widths=None, splits=1, combine=0, biases=None,
-    residual=None, head_norms=None, rope=None, act=None,
+    x, weights, laid_out, *, m, eps, tk, steps, interpret, norm=None, normed=False, widths=None, splits=1, combine=0,
+    biases=None, residual=None, head_norms=None, rope=None, act=None,
 ) -> tuple[jax.Array, ...]:  # fmt: skip
     """The kernel's call over segments `laid_out` (`fused_linear`'s arguments, checked) -> per
     segment [M, W] (W: whole tiles); with `splits` > 1, the slices' partials [M', splits * p * V]
@@ -395,6 +406,10 @@ def _call(
     else:
         shapes = [(m, seg.count * seg.tile) for seg in laid_out]
     out_type = [metadata.varying_struct(shape, seg.out_dtype, *flat) for shape, seg in zip(shapes, laid_out)]
+    if normed:  # whole K steps wide
+        out_type.insert(
+            0, metadata.varying_struct((m, pl.cdiv(k, tk) * tk), jnp.result_type(norm.dtype, x.dtype), *flat)
+        )
     kernel = functools.partial(
         _kernel,
         tree=tree,
@@ -410,6 +425,7 @@ def _call(
         steps=steps,
         act=act,
         eps=eps,
+        normed=normed,
         interpret=interpret,
     )
     # TMA reads zeros past an array's end; the interpreter does where its out-of-bounds reads give zeroed memory.

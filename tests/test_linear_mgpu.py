@@ -113,11 +113,15 @@ def test_refuses_float32_with_its_reason():
         fused_linear(x, (w,), tiles=TILES, interpret=True)
 
 
-def test_refuses_normed_rows():
-    """The router's call asks for the normed rows too; this kernel does not write them, and says so."""
-    x, w = jnp.ones((M, K), jnp.bfloat16), jnp.ones((K, 72), jnp.bfloat16)
-    with pytest.raises(ValueError, match="normed rows"):
-        fused_linear(x, (w,), norm=jnp.ones((K,), jnp.bfloat16), normed=True, tiles=TILES, interpret=True)
+@pytest.mark.parametrize("splits", [1, 2])
+def test_normed_rows_come_first(splits):
+    """The router's call: the normed rows [M, K] (what the experts multiply next), then the logits."""
+    rng = np.random.default_rng(3)
+    x, norm, w = bf16(rng, M, K), bf16(rng, K, scale=0.2) + 1, bf16(rng, K, 72, scale=K**-0.5)
+    chosen = Tiles(n=32, k=64, splits=splits, steps=3)
+    h, y = fused_linear(x, (w,), norm=norm, eps=EPS, normed=True, tiles=chosen, interpret=True)
+    check(h, rms(f64(x), norm))
+    check(y, rms(f64(x), norm) @ f64(w))
 
 
 QKV = dict(d=2048, dh=128, dims=(4096, 512, 512))  # Qwen3-30B-A3B's attention: 32 q heads, 4 kv heads
