@@ -19,3 +19,14 @@ def load(ref, layout, optimized: bool = True):
     if _LOAD_TAKES_INDEX:
         return plgpu.load(ref, (), layout=layout, optimized=optimized)
     return plgpu.load(ref, layout=layout, optimized=optimized)
+
+
+def store_untiled(ref, value) -> None:
+    """value into the whole of an untiled SMEM `ref`. jax 0.12 plans such a store of a wgmma
+    layout only where it avoids bank conflicts (a [64, 64+] tile's rows do not: its Lane lowering
+    refuses it) and adds `plgpu.store(.., optimized=False)` for the plain one; jax 0.10.2 and 0.11
+    have no `plgpu.store` and store it by indexing."""
+    if hasattr(plgpu, "store"):
+        plgpu.store(ref, value, optimized=False)
+    else:
+        ref[...] = value

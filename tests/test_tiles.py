@@ -28,6 +28,7 @@ TILED = {
     "pick_gemm": "gmm_picks",
     "pick_gemm_mgpu": "gmm_picks_mgpu",
     "fused_linear": "linear",
+    "linear_mgpu": "linear_mgpu",
     "topk_route": "routing",
 }
 
