@@ -11,7 +11,16 @@ from pallas_kernels.formats import (
     quantize_rows,
     values_nbytes,
 )
-from pallas_kernels.registry import expert_ffn, for_kernel, grouped_gemm, pick_gemm, route, run_weights
+from pallas_kernels.registry import (
+    expert_ffn,
+    for_kernel,
+    fused_linear,
+    grouped_gemm,
+    pick_gemm,
+    route,
+    run_weights,
+    topk_route,
+)
 
 __all__ = [
     "FORMATS",
@@ -19,6 +28,7 @@ __all__ = [
     "dequantize",
     "expert_ffn",
     "for_kernel",
+    "fused_linear",
     "grouped_gemm",
     "nbytes",
     "pick_gemm",
@@ -27,5 +37,6 @@ __all__ = [
     "quantize_rows",
     "route",
     "run_weights",
+    "topk_route",
     "values_nbytes",
 ]

@@ -60,11 +60,15 @@ class Kernel:
     scales_columns: bool = False  # applies a 4-bit stack's column-wise tensor scales itself
     prepares: str | None = None  # its module's function taking 4-bit experts to its own layout (once, at load)
     decode: str | None = None  # the decode kernels (a DECODE record's name) a run of this grouped GEMM takes
-    # A decode set: whether its kernels run a layer's dense products too (`linear.py`, `routing.py`), and
-    # whether it runs the experts as one call (gate|up, act, down and the picks' sum), else as two pick GEMMs.
-    dense: bool = False
+    # A decode set's kernels, each a DECODE record's name: `dense`, the one its layers' dense products
+    # run in (`fused_linear`: `linear.py`, `linear_mgpu.py`; None: XLA's ops); `topk`, the router's
+    # top-k after such a product (`routing.py`; None: XLA's ops); `router`, one kernel for the norm,
+    # logits and top-k. `whole_ffn`: the experts as one call (gate|up, act, down and the picks' sum),
+    # else as two pick GEMMs.
+    dense: str | None = None
+    topk: str | None = None
+    router: str | None = None
     whole_ffn: bool = False
-    router: str | None = None  # a decode set's router kernel (a DECODE record's name): norm, logits and top-k in one
     interpreted: bool = False  # runs in Pallas' interpreter (any platform: tests)
     # Takes operands typed as varying over a shard_map's mesh axes (check_vma). Not the warp-specialized
     # Mosaic GPU kernels: `plgpu.warp_map` is an mpmd_map, which from jax 0.11 refuses such Refs.
@@ -128,7 +132,10 @@ class Kernel:
         for k, n, gated in shapes:
             chosen = module.Tiles(**tiles.lookup(self.tiles, k=k, n=n, gated=gated))  # the table's for them
             reason = reason or check(k, n, gated, chosen)
-        return reason and f"{reason}; these experts multiply through XLA (--kernel xla or auto)"
+        instead = (
+            "these experts multiply through XLA (--kernel xla or auto)" if self.role == GEMM else "XLA's ops run it"
+        )
+        return reason and f"{reason}; {instead}"
 
     @property
     def device_needed(self) -> str:
@@ -306,14 +313,23 @@ _ATTENTIONS = (
 )
 
 # A decode step's fused kernels (`moejax/model/projections.py`, `sharding/experts.py`): Triton's pick
-# GEMM (each row's experts by id, no sort) and dense projections; Mosaic GPU's pick GEMM on Hopper
-# (no grouped GEMM's decode set names it yet: `registry.pick_gemm` builds Triton's tiles); Mosaic
-# TPU's experts as one call (each local expert's tiles against every row, an expert no row picked
-# never read) and its router.
+# GEMM (each row's experts by id, no sort), dense projections and top-k; Mosaic GPU's pick GEMM and
+# dense projections on Hopper; Mosaic TPU's experts as one call (each local expert's tiles against
+# every row, an expert no row picked never read) and its router.
 PICKS = frozenset({"picks"})
+HOPPER_BF16 = "bfloat16 rows only: Hopper's wgmma multiplies float32 as TF32 (10 mantissa bits, ~1e-3 off)"
 _DECODES = (
     Kernel(
-        "triton", DECODE, "gmm_picks", "triton", "pick_gemm", platform="gpu", reads=PICKS, dense=True, tiles="pick_gemm"
+        "triton",
+        DECODE,
+        "gmm_picks",
+        "triton",
+        "pick_gemm",
+        platform="gpu",
+        reads=PICKS,
+        dense="triton_linear",
+        topk="triton_topk",
+        tiles="pick_gemm",
     ),
     Kernel(
         "interpret_triton",
@@ -322,11 +338,18 @@ _DECODES = (
         "triton",
         "pick_gemm",
         reads=PICKS,
-        dense=True,
+        dense="interpret_triton_linear",
+        topk="interpret_triton_topk",
         interpreted=True,
         varying_operands=False,  # as the interpreted TPU set's (below)
         tiles="pick_gemm",
     ),
+    Kernel("triton_linear", DECODE, "linear", "triton", "fused_linear", platform="gpu", tiles="fused_linear"),
+    Kernel(
+        "interpret_triton_linear", DECODE, "linear", "triton", "fused_linear", interpreted=True, tiles="fused_linear"
+    ),
+    Kernel("triton_topk", DECODE, "routing", "triton", "topk_route", platform="gpu", tiles="topk_route"),
+    Kernel("interpret_triton_topk", DECODE, "routing", "triton", "topk_route", interpreted=True, tiles="topk_route"),
     Kernel(
         "mosaic_gpu",
         DECODE,
@@ -337,9 +360,9 @@ _DECODES = (
         architectures=(9,),
         needs=HOPPER,
         dtypes=("bfloat16",),
-        multiplies="bfloat16 rows only: Hopper's wgmma multiplies float32 as TF32 (10 mantissa bits, ~1e-3 off); "
-        "triton multiplies float32 at full precision",
+        multiplies=f"{HOPPER_BF16}; triton multiplies float32 at full precision",
         reads=PICKS,
+        dense="mosaic_gpu_linear",
         api=((MOSAIC_GPU, PICKS_MOSAIC_GPU_API),),
         tiles="pick_gemm_mgpu",
     ),
@@ -350,11 +373,40 @@ _DECODES = (
         "mosaic_gpu",
         "pick_gemm",
         dtypes=("bfloat16",),
-        multiplies="bfloat16 rows only (Hopper's wgmma multiplies float32 as TF32)",
+        multiplies=HOPPER_BF16,
         reads=PICKS,
+        dense="interpret_mosaic_gpu_linear",
         interpreted=True,
         api=((MOSAIC_GPU, PICKS_MOSAIC_GPU_API),),
         tiles="pick_gemm_mgpu",
+    ),
+    Kernel(
+        "mosaic_gpu_linear",
+        DECODE,
+        "linear_mgpu",
+        "mosaic_gpu",
+        "fused_linear",
+        platform="gpu",
+        architectures=(9,),
+        needs=HOPPER,
+        dtypes=("bfloat16",),
+        multiplies=HOPPER_BF16,
+        api=((MOSAIC_GPU, HOPPER_GEMM_API),),
+        shape_check="shape_refusal",
+        tiles="linear_mgpu",
+    ),
+    Kernel(
+        "interpret_mosaic_gpu_linear",
+        DECODE,
+        "linear_mgpu",
+        "mosaic_gpu",
+        "fused_linear",
+        dtypes=("bfloat16",),
+        multiplies=HOPPER_BF16,
+        interpreted=True,
+        api=((MOSAIC_GPU, HOPPER_GEMM_API),),
+        shape_check="shape_refusal",
+        tiles="linear_mgpu",
     ),
     Kernel(
         "pallas_tpu",

@@ -36,6 +36,8 @@ from pallas_kernels.linear_segments import PRECISIONS, Segment, block, check_nor
 from pallas_kernels.tiles import pow2
 from pallas_kernels.triton_blocks import column_pairs, iota, load
 
+K_FLOOR = 32  # the least K step the fill rule narrows to (`registry.fused_linear`): two of Triton's least 16
+
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:

@@ -59,6 +59,9 @@ ROWS = 64  # a program's rows: a warpgroup's wgmma M
 NORM_COLS = 256  # the norm pre-pass's K step: TMA's widest box
 
 
+K_FLOOR = 64  # the least K step the fill rule narrows to (`registry.fused_linear`): `Tiles.k`'s multiple
+
+
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """A call's tiles (`tiles.lookup("linear_mgpu", ..)`): n output columns a program writes (a
@@ -89,6 +92,14 @@ def _check(x, weights, laid_out, tiles: Tiles, precision):
         raise ValueError(
             f"linear_mgpu: tiles.k ({tiles.k}) must be a multiple of 64 and tiles.steps ({tiles.steps}) >= 2"
         )
+
+
+def shape_refusal(k: int, n: int, gated: bool, tiles: Tiles) -> str | None:
+    """Why a product of K rows and N columns (or a head's piece of N columns) is not this kernel's:
+    TMA copies rows of whole 16 bytes (`catalog`'s shape check)."""
+    if k % 8 or n % 8:
+        return f"K and N must be multiples of 8 (TMA's 16-byte rows), got K={k}, N={n}"
+    return None
 
 
 def _swizzle(seg: Segment) -> int:

@@ -8,7 +8,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import catalog, epilogue, formats, layered, probes, tiles
+from pallas_kernels import catalog, epilogue, formats, layered, probes, tiles, topk
 
 # The backends are the catalog's grouped GEMMs (`catalog.GEMM`; "auto" is the caller's to resolve:
 # `moejax.base.platform`): each record names its module and function, the platform's decisions it takes
@@ -255,6 +255,47 @@ def route(x, norm, router, *, backend: str, k: int, eps: float, scoring: str, bi
     return record.load()(
         x, norm, router, k=k, eps=eps, scoring=scoring, bias=bias, interpret=record.interpreted, **weighing
     )
+
+
+def fused_linear(x, weights, *, backend: str, device: tuple[str, int] = ("", 0), programs, **kw):
+    """A decode set's dense kernel (its record's `dense`, named `backend`): `fused_linear` of rows
+    x [M, K] and weight segments [K, N_i] with the tiles the table gives the call's shape on `device`,
+    narrowed or split over K until they fill its SMs (`tiles.lookup`; `programs(tn, splits)`: the
+    call's programs at N tile tn and K in `splits` slices). kw: `fused_linear`'s other arguments."""
+    record = catalog.kernel(catalog.DECODE, backend)
+    kernel = record.kernel_module()
+    m, k = x.shape
+    itemsize = weights[0].dtype.itemsize
+    chosen = tiles.lookup(
+        record.tiles,
+        device,
+        rows=m,
+        k=k,
+        n=sum(w.shape[1] for w in weights),
+        fmt="f32" if weights[0].dtype == jnp.float32 else "bf16",
+        gated=kw.get("act") is not None,
+        programs=programs,
+        # The N tile narrows to 128 bytes of a weight row (a memory transaction), no slivers; past that K splits.
+        tn_floor=128 // itemsize,
+        n_field="n",
+        tk_floor=kernel.K_FLOOR,
+        k_field="k",
+        # The slices' f32 partials, written and read back (8 bytes a row and column a slice), at most
+        # an eighth of the weight's bytes: splits at batch 1, few or none at 64 rows.
+        max_splits=max(1, k * itemsize // (64 * m)),
+    )
+    return record.load()(x, weights, tiles=kernel.Tiles(**chosen), interpret=record.interpreted, **kw)
+
+
+def topk_route(logits, k: int, *, backend: str | None, device: tuple[str, int] = ("", 0), **kw):
+    """A decode set's top-k after the router's product (its record's `topk`, named `backend`; None:
+    XLA's ops): logits [M, E] f32 -> (ids [M, k] int32, weights [M, k] f32). kw: scoring, bias,
+    norm_topk_prob, routed_scaling_factor."""
+    if backend is None:
+        return topk.topk_route_xla(logits, k, **kw)
+    record = catalog.kernel(catalog.DECODE, backend)
+    chosen = tiles.lookup(record.tiles, device)
+    return record.load()(logits, k, tiles=record.kernel_module().Tiles(**chosen), interpret=record.interpreted, **kw)
 
 
 def _fuses(record: catalog.Kernel, probe: str, m: int, n: int, rhs) -> bool:

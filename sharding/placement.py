@@ -23,6 +23,7 @@ from moejax.model import paged
 from moejax.model.attention import cache_specs
 from moejax.model.layer_loop import layer_loops
 from moejax.model.params import ParamSpec, expert_axis, is_expert_matrix, is_expert_stack, param_specs
+from moejax.model.projections import dense_widths
 from pallas_kernels import catalog, layered
 from sharding import accounting, rules, slots
 from sharding.experts import moe_local
@@ -78,19 +79,32 @@ class Placement:
         if record is not None and record.why_not(self.platform.name, self.first_device, dtype, fmt, shapes):
             record = None  # this jax cannot build them (Triton's), or they do not multiply these experts
         if record is None:
-            return self.platform.decode_kernels(None, dtype, self.first_device, False)
-        # The dense kernels and the router kernel (the set's own backend: it runs where the set does),
-        # each on its device's rows (`per_device`), for the groups whose weights lie whole on each.
+            return self.platform.decode_kernels(None, dtype, self.first_device)
+        # The dense kernel, the top-k and the router kernel (the set's own backend: they run where the
+        # set does), each on its device's rows (`per_device`), for the groups whose weights lie whole
+        # on each and which the dense kernel multiplies.
         return self.platform.decode_kernels(
             record.name,
             dtype,
             self.first_device,
-            frozenset(g for g in DENSE_GROUPS if self.lies_whole(g)) if record.dense else frozenset(),
-            record.whole_ffn,
-            record.router,
-            None if self.devices == 1 else self.per_device,  # a mesh placement's
-            self.row_shards,
+            dense=frozenset(g for g in DENSE_GROUPS if self.lies_whole(g) and self._dense_takes(record, g, dtype)),
+            linear=record.dense,
+            topk=record.topk,
+            whole_ffn=record.whole_ffn,
+            router=record.router,
+            per_device=None if self.devices == 1 else self.per_device,  # a mesh placement's
+            row_shards=self.row_shards,
         )
+
+    def _dense_takes(self, record: catalog.Kernel, group: str, dtype) -> bool:
+        """Whether decode set `record`'s dense kernel multiplies `group`'s products (the router's in
+        float32) at the model's widths."""
+        if record.dense is None:
+            return False
+        dense = catalog.kernel(catalog.DECODE, record.dense)
+        dtype = "float32" if group == "router" else dtype
+        widths = dense_widths(self.config.model, group)
+        return dense.why_not(self.platform.name, self.first_device, dtype, "unquantized", widths) is None
 
     row_shards = 1  # the devices a pass's rows split over (DP attention on a mesh)
 

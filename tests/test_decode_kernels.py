@@ -23,7 +23,15 @@ from sharding import make_placement
 
 # The fused kernels in the interpreter, for every pass of up to 128 rows, a layer's dense weights on
 # its one device; tiles: the table's defaults ("", 0).
-FUSED = DecodeKernels("interpret_triton", 128, "highest", ("", 0), dense=frozenset(DENSE_GROUPS))
+FUSED = DecodeKernels(
+    "interpret_triton",
+    128,
+    "highest",
+    ("", 0),
+    dense=frozenset(DENSE_GROUPS),
+    linear="interpret_triton_linear",
+    topk="interpret_triton_topk",
+)
 ROWS = 3  # a decode step of three requests
 PRESETS = ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-mixtral"]  # q/k norms; biases and sinks; neither
 

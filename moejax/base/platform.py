@@ -136,6 +136,8 @@ class DecodeKernels:
     device: tuple[str, int] = ("", 0)
 
     dense: frozenset = frozenset()
+    linear: str | None = None  # the dense products' kernel (a DECODE record's name: `pallas_kernels.fused_linear`)
+    topk: str | None = None  # the top-k after the router's product (a DECODE record's name; None: XLA's ops)
     whole_ffn: bool = False  # the experts as one call (`pallas_kernels.expert_ffn`), else two pick GEMMs
     router: str | None = None  # the router as one call (a DECODE record's name: `pallas_kernels.route`)
     per_device: Callable | None = None
@@ -162,12 +164,6 @@ class DecodeKernels:
         """kernel(rows, whole): rows [M, ...] (or None) and the weights `whole` -> outputs [M, ...],
         on each device's rows where the run spans a mesh (a Pallas kernel is one device's program)."""
         return kernel(rows, whole) if self.per_device is None else self.per_device(kernel, rows, whole)
-
-    @property
-    def interpret(self) -> bool:
-        from pallas_kernels import catalog  # loaded with jax: a config's reader loads neither
-
-        return self.kernel != "xla" and catalog.kernel(catalog.DECODE, self.kernel).interpreted
 
 
 XLA = DecodeKernels()
@@ -302,28 +298,13 @@ class Platform:
         traced.__name__ = traced.__qualname__ = getattr(fn, "func", fn).__name__
         return traced
 
-    def decode_kernels(
-        self,
-        kernel: str | None,
-        dtype,
-        device,
-        dense: frozenset = frozenset(),
-        whole_ffn: bool = False,
-        router: str | None = None,
-        per_device: Callable | None = None,
-        row_shards: int = 1,
-    ) -> DecodeKernels:
+    def decode_kernels(self, kernel: str | None, dtype, device, **how) -> DecodeKernels:
         """The decode kernels `kernel` (a decode kernel's name, None: XLA's ops) of a run in `dtype` on
-        `device` (its first device: kind and cores pick the tiles); `dense`: the groups of dense
-        products they run (see DecodeKernels); `whole_ffn`: their experts are one call; `router`:
-        their router kernel; `per_device`, `row_shards`: how a kernel runs on each device's rows (a
-        mesh's), and over how many devices they split."""
+        `device` (its first device: kind and cores pick the tiles); how: DecodeKernels' fields from
+        `dense` on (which products they run, and how on a mesh)."""
         if kernel is None:
             return XLA
-        precision = self.matmul_precision(dtype)
-        return DecodeKernels(
-            kernel, DECODE_KERNEL_ROWS, precision, tile_device(device), dense, whole_ffn, router, per_device, row_shards
-        )
+        return DecodeKernels(kernel, DECODE_KERNEL_ROWS, self.matmul_precision(dtype), tile_device(device), **how)
 
     def kv_cache_bytes(self, devices: list) -> int:
         """The page pool's default bytes over `devices` where the platform sizes it by memory

@@ -37,21 +37,37 @@ from moejax.model.router import route as xla_route
 from pallas_kernels.epilogue import gate_up_columns
 
 
+def dense_widths(c: ModelConfig, group: str) -> list[tuple[int, int, bool]]:
+    """(K, N, gated) of each product of dense group `group` (`platform.DENSE_GROUPS`), a head's
+    pieces among them as N (the rotated halves, the rest: a head epilogue's columns): the widths a
+    dense kernel's shape check reads. MLA's attention has none here (its products are XLA's)."""
+    d = c.hidden_size
+    if group == "attention":
+        if c.is_mla:
+            return []
+        h, kv, dh, r = c.num_heads, c.num_kv_heads, c.head_dim, c.rotary_dim
+        pieces = [(d, w, False) for w in (r // 2, dh - r) if w]
+        return [(d, (h + 2 * kv) * dh, False), (h * dh, d, False), *pieces]
+    if group == "router":
+        return [(d, c.num_experts, False)]
+    f = c.intermediate_size if group == "mlp" else c.moe_intermediate_size * c.num_shared_experts
+    return [(d, 2 * f, True), (f, d, False)] if f else []
+
+
 def _fused(
     decode: DecodeKernels, x: jax.Array, weights: tuple, *, heads: int = 0, residual=None, rope=None, **kw
 ) -> tuple:
-    """`linear.fused_linear` of rows x [M, K] and weight segments, on each device's rows
-    (`DecodeKernels.run`; residual [M, N] and rope's cos, sin [M, R/2] are rows too), its tiles
-    from the decode table for the call's shape on the run's device; `heads`: the columns of the
-    segments with a head epilogue, a program each per head (the rest take the table's column tile),
-    unless K splits (then every column takes the tile, in each slice: the epilogue runs on the
-    slices' sum). kw: the kernel's other arguments, its arrays (norm, biases, head_norms) whole."""
-    from pallas_kernels import linear, tiles  # the kernels' modules, loaded where they run
+    """The decode set's dense kernel (`pallas_kernels.fused_linear`) of rows x [M, K] and weight
+    segments, on each device's rows (`DecodeKernels.run`; residual [M, N] and rope's cos, sin
+    [M, R/2] are rows too); `heads`: the columns of the segments with a head epilogue, a program
+    each per head (the rest take the table's column tile), unless K splits (then every column takes
+    the tile, in each slice: the epilogue runs on the slices' sum). kw: the kernel's other
+    arguments, its arrays (norm, biases, head_norms) whole."""
+    import pallas_kernels  # the kernels, loaded where they run
 
     arrays = {name: kw.pop(name) for name in ("norm", "biases", "head_norms") if name in kw}
     n = sum(w.shape[1] for w in weights)
     head_dim = kw.get("head_dim") or 1
-    itemsize = weights[0].dtype.itemsize
 
     def programs(tn: int, splits: int) -> int:  # the kernel's layout: a head a program, unless K splits
         if splits > 1:
@@ -60,30 +76,15 @@ def _fused(
 
     def kernel(rows, whole):  # one device's rows
         (x, residual, rope), (weights, arrays) = rows, whole
-        chosen = tiles.lookup(
-            "fused_linear",
-            decode.device,
-            rows=x.shape[0],
-            k=x.shape[1],
-            n=n,
-            fmt="f32" if weights[0].dtype == jnp.float32 else "bf16",
-            programs=programs,
-            # The N tile narrows to 128 bytes of a weight row (a memory transaction), no slivers; past that K splits.
-            tn_floor=128 // itemsize,
-            n_field="n",
-            k_field="k",
-            # The slices' f32 partials, written and read back (8 bytes a row and column a slice), at most
-            # an eighth of the weight's bytes: splits at batch 1, few or none at 64 rows.
-            max_splits=max(1, x.shape[1] * itemsize // (64 * x.shape[0])),
-        )
-        return linear.fused_linear(
+        return pallas_kernels.fused_linear(
             x,
             weights,
+            backend=decode.linear,
+            device=decode.device,
+            programs=programs,
             residual=residual,
             rope=rope,
-            tiles=linear.Tiles(**chosen),
             precision=decode.precision,
-            interpret=decode.interpret,
             **arrays,
             **kw,
         )
@@ -176,19 +177,19 @@ def route(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, c: Mode
     if forced is not None or grouped or not decode.fuses_dense(x.shape[0], "router"):
         h = rms_norm(x, norm, c.rms_norm_eps)
         return (h, *xla_route(p, h, c, forced))
-    from pallas_kernels import routing, tiles
+    import pallas_kernels  # the kernels, loaded where they run
 
     h, logits = _fused(decode, x, (p["router"],), norm=norm, eps=c.rms_norm_eps, normed=True)
 
     def top_k(rows, whole):  # one device's rows
         (logits,), (bias,) = rows, whole
-        return routing.topk_route(
+        return pallas_kernels.topk_route(
             logits,
             c.num_experts_per_tok,
+            backend=decode.topk,
+            device=decode.device,
             scoring=c.router_scoring,
             bias=bias,
-            tiles=routing.Tiles(**tiles.lookup("topk_route", decode.device)),
-            interpret=decode.interpret,
             **weighing,
         )
 
