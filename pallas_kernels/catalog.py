@@ -59,7 +59,8 @@ class Kernel:
     reads: frozenset = frozenset()
     scales_columns: bool = False  # applies a 4-bit stack's column-wise tensor scales itself
     prepares: str | None = None  # its module's function taking 4-bit experts to its own layout (once, at load)
-    decode: str | None = None  # the decode kernels (a DECODE record's name) a run of this grouped GEMM takes
+    # The decode sets (DECODE records' names) a run of this grouped GEMM takes, the first that can run.
+    decode: tuple[str, ...] = ()
     # A decode set's kernels, each a DECODE record's name: `dense`, the one its layers' dense products
     # run in (`fused_linear`: `linear.py`, `linear_mgpu.py`; None: XLA's ops); `topk`, the router's
     # top-k after such a product (`routing.py`; None: XLA's ops); `router`, one kernel for the norm,
@@ -184,7 +185,7 @@ _GEMMS = (
         shape_check="shape_refusal",
         shape_formats=QUANTIZED_FORMATS,  # 4-bit K-halves are tiled in whole 128-lane blocks
         reads=GROUPED,
-        decode="pallas_tpu",
+        decode=("pallas_tpu",),
         takes=("precision",),
         tiles="pallas_tpu",
     ),
@@ -195,7 +196,7 @@ _GEMMS = (
         "triton",
         platform="gpu",
         reads=GROUPED,
-        decode="triton",
+        decode=("triton",),
         takes=("precision",),
         tiles="triton",
     ),
@@ -211,7 +212,7 @@ _GEMMS = (
         multiplies="bfloat16 rows only: Hopper's wgmma multiplies float32 as TF32 (10 mantissa bits, ~1e-3 off); "
         "triton or xla multiply float32 at full precision",
         reads=GROUPED,
-        decode="triton",
+        decode=("triton", "mosaic_gpu"),  # Mosaic GPU's where this jax has no Triton
         api=((MOSAIC_GPU, HOPPER_GEMM_API),),
         tiles="mosaic_gpu",
     ),
@@ -244,7 +245,7 @@ _GEMMS = (
         multiplies=f"bfloat16 rows by 4-bit experts ({FOUR_BIT})",
         shape_check="shape_refusal",
         reads=GROUPED,
-        decode="triton",
+        decode=("triton",),
         api=((MOSAIC_GPU, BLACKWELL_API),),
         varying_operands=False,
         tiles="blackwell_bf16",
@@ -258,7 +259,7 @@ _GEMMS = (
         shape_check="shape_refusal",
         shape_formats=QUANTIZED_FORMATS,
         reads=GROUPED,
-        decode="interpret_tpu",
+        decode=("interpret_tpu",),
         varying_operands=False,  # as the interpreted TPU decode set's (below)
         takes=("precision",),
         tiles="pallas_tpu",
@@ -270,7 +271,7 @@ _GEMMS = (
         "triton",
         interpreted=True,
         reads=GROUPED,
-        decode="interpret_triton",
+        decode=("interpret_triton",),
         takes=("precision",),
         tiles="triton",
     ),
@@ -314,8 +315,10 @@ _ATTENTIONS = (
 
 # A decode step's fused kernels (`moejax/model/projections.py`, `sharding/experts.py`): Triton's pick
 # GEMM (each row's experts by id, no sort), dense projections and top-k; Mosaic GPU's pick GEMM and
-# dense projections on Hopper; Mosaic TPU's experts as one call (each local expert's tiles against
-# every row, an expert no row picked never read) and its router.
+# dense projections on Hopper (where jax has no Triton: its router is XLA's, the float32 product
+# wgmma would take as TF32, so a layer is 21 launches to Triton's 15 at batch 1 on an H200); Mosaic
+# TPU's experts as one call (each local expert's tiles against every row, an expert no row picked
+# never read) and its router.
 PICKS = frozenset({"picks"})
 HOPPER_BF16 = "bfloat16 rows only: Hopper's wgmma multiplies float32 as TF32 (10 mantissa bits, ~1e-3 off)"
 _DECODES = (

@@ -62,6 +62,14 @@ def _check(lhs, rhs, ids, k: int, rows_are_picks: bool, tiles: Tiles, act) -> No
             raise ValueError(f"pick_gemm: tiles.{name}={size} must be a power of two of at least {floor}")
 
 
+def table_rows(lhs_rows: int, picks: int, k: int) -> int:
+    """The rows the tile table keys a call by (`registry.pick_gemm`): its tokens, vLLM's M."""
+    return picks // k
+
+
+TN_FLOORS = (16, 32)  # the least N tile the fill rule narrows to: without, with a gated epilogue
+
+
 def pick_gemm(
     lhs,
     rhs,

@@ -49,6 +49,14 @@ NAME = "pick_gemm_mgpu"
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64 * i] vector as a [rows, N] tile's rows hold it
 
 
+def table_rows(lhs_rows: int, picks: int, k: int) -> int:
+    """The rows the tile table keys a call by (`registry.pick_gemm`): the lhs's, whose row tile it picks."""
+    return lhs_rows
+
+
+TN_FLOORS = (64, 128)  # the least N tile the fill rule narrows to: an output row's 128 bytes (gated: pairs)
+
+
 def pick_gemm(
     lhs,
     rhs,

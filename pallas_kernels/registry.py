@@ -170,13 +170,13 @@ def pick_gemm(
     precision=None,
     device: tuple[str, int] = ("", 0),
 ):
-    """`gmm_picks.pick_gemm` of the picks ids [P] (a [T, k] router's, flattened) with the tiles the
-    decode table gives its shape on `device` (device kind, SMs: `tiles.py`): out [P, N] (with act:
-    [P, N/2]) of each pick's row times its expert; picks of experts outside the local ones are zero.
-    bias: [G_local, N]; act, precision: as `grouped_gemm`'s."""
-    from pallas_kernels import gmm_picks
-
+    """A decode set's pick GEMM (`gmm_picks.pick_gemm`, `gmm_picks_mgpu.pick_gemm`) of the picks ids
+    [P] (a [T, k] router's, flattened) with the tiles the decode table gives its shape on `device`
+    (device kind, SMs: `tiles.py`): out [P, N] (with act: [P, N/2]) of each pick's row times its
+    expert; picks of experts outside the local ones are zero. bias: [G_local, N]; act, precision: as
+    `grouped_gemm`'s."""
     record = catalog.kernel(catalog.DECODE, backend)
+    kernel = record.kernel_module()
     stack = layered.stored(rhs)
     if isinstance(stack, formats.QuantizedArray):
         fmt, tk_floor = stack.fmt, 2 * stack.spec.block
@@ -187,12 +187,13 @@ def pick_gemm(
     chosen = tiles.lookup(
         record.tiles,
         device,
-        rows=p // k,
+        rows=kernel.table_rows(lhs.shape[0], p, k),
         k=kdim,
         n=n,
         fmt=fmt,
+        gated=act is not None,
         programs=lambda tn, splits: touched * -(-n // tn),
-        tn_floor=32 if act is not None else 16,
+        tn_floor=kernel.TN_FLOORS[act is not None],
     )
     chosen["tk"] = max(chosen["tk"], tk_floor)
     epilogue = None if bias is None and act is None else (None, bias, act)
@@ -205,7 +206,7 @@ def pick_gemm(
         out_dtype=out_dtype,
         epilogue=epilogue,
         rows_are_picks=rows_are_picks,
-        tiles=gmm_picks.Tiles(**chosen),
+        tiles=kernel.Tiles(**chosen),
         precision=precision,
         interpret=record.interpreted,
     )

@@ -110,7 +110,8 @@ class MeshPlacement(Placement, abc.ABC):
         return self.devices if self.rows_sharded else 1
 
     def lies_whole(self, group):
-        return all(self.table[axis] is None for axis in rules.DENSE_GROUP_AXES[group])
+        mapped = [self.table[axis] for axis in rules.DENSE_GROUP_AXES[group]]
+        return all(rules.devices(axes, self.sizes) == 1 for axes in mapped if axes is not None)
 
     def per_device(self, kernel, rows, whole):
         """kernel(rows, whole) under shard_map: each device its share of the rows [M, ...] (split as

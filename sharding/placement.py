@@ -73,11 +73,12 @@ class Placement:
         GEMM's record names (`moejax/model/projections.py`, `sharding/experts.py`): a GPU's, a layer's
         dense products among them on one device; a TPU's experts as one call, and its router."""
         dtype = self.platform.run_dtype(self.config.engine.dtype)
-        name = catalog.gemm(self.kernel).decode  # None: its runs take none (they would multiply other rows)
-        record = None if name is None else catalog.kernel(catalog.DECODE, name)
         fmt, shapes = self.config.weights.expert_format, expert_shapes(self.config.model, self.tp)
-        if record is not None and record.why_not(self.platform.name, self.first_device, dtype, fmt, shapes):
-            record = None  # this jax cannot build them (Triton's), or they do not multiply these experts
+        # The first set this jax can build (Triton's: its backend) that multiplies these experts; none:
+        # XLA's ops (a run of this grouped GEMM may take none: it multiplies other rows).
+        sets = (catalog.kernel(catalog.DECODE, name) for name in catalog.gemm(self.kernel).decode)
+        runs = lambda r: r.why_not(self.platform.name, self.first_device, dtype, fmt, shapes) is None  # noqa: E731
+        record = next(filter(runs, sets), None)
         if record is None:
             return self.platform.decode_kernels(None, dtype, self.first_device)
         # The dense kernel, the top-k and the router kernel (the set's own backend: they run where the

@@ -59,6 +59,11 @@ def leaf_axes(axes: tuple, ndim: int) -> tuple:
     return tuple(a if a in ("layers", "experts") else None for a in axes[:2]) + (None,) * (ndim - 2)
 
 
+def devices(mesh_axes: str | tuple, mesh_sizes: dict[str, int]) -> int:
+    """The devices mesh axes `mesh_axes` (a name or a tuple of them) span."""
+    return math.prod(mesh_sizes[a] for a in ((mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes))
+
+
 def partition_spec(axes: tuple, shape: tuple, table: dict, mesh_sizes: dict[str, int]) -> P:
     """A PartitionSpec for one array. Axes that do not divide evenly stay replicated (a head
     count below the device count, say); the expert axes were checked up front (`check_model`)."""
@@ -66,7 +71,7 @@ def partition_spec(axes: tuple, shape: tuple, table: dict, mesh_sizes: dict[str,
     for name, size in zip(axes, shape):
         mesh_axes = table.get(name) if name else None
         if mesh_axes is not None:
-            n = math.prod(mesh_sizes[a] for a in ((mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes))
+            n = devices(mesh_axes, mesh_sizes)
             if size % n:
                 mesh_axes = None
         out.append(mesh_axes)

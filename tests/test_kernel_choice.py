@@ -58,17 +58,22 @@ def test_auto_picks_the_architectures_mosaic_kernel_where_it_can_run(target, dty
 
 
 @pytest.mark.parametrize(
-    "target, dtype, fmt, kernel",
+    "target, dtype, fmt, kernel, decode",
     [
-        ("h100", "bfloat16", "nvfp4", "mosaic_gpu"),
-        ("h100", "float32", "unquantized", "xla"),
-        ("b200", "bfloat16", "nvfp4", "blackwell_bf16"),
-        ("b200", "bfloat16", "unquantized", "xla"),
+        ("h100", "bfloat16", "nvfp4", "mosaic_gpu", "mosaic_gpu"),
+        ("h100", "float32", "unquantized", "xla", "xla"),
+        ("b200", "bfloat16", "nvfp4", "blackwell_bf16", "xla"),
+        ("b200", "bfloat16", "unquantized", "xla", "xla"),
     ],
 )
-def test_without_triton_auto_never_picks_a_triton_kernel(without_triton, target, dtype, fmt, kernel):
+def test_without_triton_auto_never_picks_a_triton_kernel(without_triton, target, dtype, fmt, kernel, decode):
+    """Nor a Triton decode set: a Hopper's bf16 decode steps take Mosaic GPU's (its dense products
+    but the float32 router's), else XLA's ops."""
     placement = _placement(target, dtype=dtype, fmt=fmt)
-    assert placement.kernel == kernel and placement.decode.kernel == "xla"
+    assert placement.kernel == kernel and placement.decode.kernel == decode
+    if decode == "mosaic_gpu":
+        assert placement.decode.linear == "mosaic_gpu_linear" and placement.decode.topk is None
+        assert placement.decode.dense == {"attention", "mlp", "shared_mlp"}
 
 
 @pytest.mark.parametrize(
