@@ -59,6 +59,7 @@ ROWS = 64  # a program's rows: a warpgroup's wgmma M
 NORM_COLS = 256  # the norm pre-pass's K step: TMA's widest box
 
 
+NAME = "linear_mgpu"  # its custom call's op_name ends ".../NAME/mpmd_map" (`moejax.compiled.hlo`)
 K_FLOOR = 64  # the least K step the fill rule narrows to (`registry.fused_linear`): `Tiles.k`'s multiple
 
 
@@ -445,12 +446,17 @@ def _call(
     compiled = (
         {} if interpret else dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
     )
-    outs = plgpu.kernel(
-        kernel,
-        out_type=out_type,
-        grid=(laid_out[-1].first + laid_out[-1].count, pl.cdiv(m, ROWS), splits),
-        grid_names=("p", "r", "s"),
-        interpret=params,
-        **compiled,
-    )(*flat)
+    grid = (laid_out[-1].first + laid_out[-1].count, pl.cdiv(m, ROWS), splits)
+    # The grid as a named scope around the call: a compiled Mosaic GPU call holds its module as
+    # bytecode, and what reads the compiled program (its programs against the SMs) reads it here.
+    with jax.named_scope("grid_" + "x".join(map(str, grid))):
+        outs = plgpu.kernel(
+            kernel,
+            out_type=out_type,
+            grid=grid,
+            grid_names=("p", "r", "s"),
+            kernel_name=NAME,
+            interpret=params,
+            **compiled,
+        )(*flat)
     return tuple(outs)

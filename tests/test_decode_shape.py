@@ -13,8 +13,10 @@ the whole step (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+from unittest import mock
 
 import pytest
 from compile_only import lower
@@ -22,6 +24,7 @@ from compile_only import lower
 from moejax.base import targets
 from moejax.compiled import plan
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
+from pallas_kernels import probes
 
 LAUNCHES_PER_LAYER = 16
 DEPTHS = (2, 3)
@@ -35,10 +38,16 @@ FILL_MODELS = (QWEN, "glm-5.3")  # GLM-5.3's attention is XLA's: its MLPs, route
 
 
 @functools.cache
-def step(batch: int, fmt: str, layers: int, target: str, name: str, attention: str = "auto") -> dict:
+def step(
+    batch: int, fmt: str, layers: int, target: str, name: str, attention: str = "auto", triton: bool = True
+) -> dict:
     """`plan.decode_kernels` of model `name`'s decode step (`layers` deep: its first dense layer, if it
     has any, then MoE layers) over pages of 16, read through `attention` kernel, for one `target`
-    device, and each Pallas kernel's figures (`plan.pallas_figures`) under "kernels"."""
+    device (`triton` False: a jax without Pallas's Triton backend), and each Pallas kernel's figures
+    (`plan.pallas_figures`) under "kernels"."""
+    if not triton:
+        with mock.patch.object(probes, "has_triton", lambda: False):
+            return step.__wrapped__(batch, fmt, layers, target, name, attention)
     whole = preset(name)
     model = dataclasses.replace(whole, num_layers=layers, dense_layers=whole.dense_layers[:1])
     config = Config(
@@ -74,6 +83,20 @@ def test_a_decode_layer_launches_few_kernels(batch, fmt):
     assert triton >= 5, kinds  # q|k|v, output, router, gate_up, down: what it counted
     assert kinds.get("custom-call mosaic_gpu_v2") == 1, kinds  # the paged attention
     assert sum(kinds.values()) <= LAUNCHES_PER_LAYER, kinds
+
+
+def test_without_triton_a_hopper_decode_step_runs_its_products_in_mosaic_gpu_kernels():
+    """A jax without Pallas's Triton backend: the H200 step at batch 1 multiplies its experts by pick,
+    q|k|v and the output projection in Mosaic GPU kernels (XLA's ops took some 47 launches a layer)
+    and calls no Triton kernel of ours. (Its router is XLA's, whose float32 product at one row
+    XLA:GPU writes out as the weight's [D, E] before its sum: no kernel yet.)"""
+    kernels = step(1, "unquantized", DEPTHS[0], "h200", QWEN, triton=False)
+    calls = collections.Counter()
+    for f in kernels["kernels"]:
+        calls[f["kernel"]] += f["calls"]
+    # q|k|v and the output projection (each split over K: two calls), the two pick GEMMs, a layer
+    assert calls["linear_mgpu"] >= 4 * DEPTHS[0] and calls["pick_gemm_mgpu"] == 2 * DEPTHS[0], calls
+    assert "custom-call __gpu$xla.gpu.triton" not in kernels["launch_kinds"], kernels["launch_kinds"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
