@@ -125,6 +125,7 @@ def expert_ffn_tpu(
     act,
     gate_up_bias: jax.Array | None = None,
     down_bias: jax.Array | None = None,
+    slot: jax.Array | None = None,
     tiles: Tiles,
     precision=None,
     interpret: bool = False,
@@ -132,8 +133,9 @@ def expert_ffn_tpu(
     """x [T, D], ids int32 and weights f32 [T, k] (picks of global experts) -> [T, D] in x's dtype:
     sum over each row's picks of weight * down(act(gate, up)) through the local experts [offset,
     offset + G_local) of gate_up [G_local, D, 2F] and down [G_local, F, D] (arrays, or LayerOf either);
-    picks of other experts add nothing. Biases: [G_local, 2F] and [G_local, D]. precision: the
-    products' matmul precision (the run's: "highest" for float32)."""
+    picks of other experts add nothing. Biases: [G_local, 2F] and [G_local, D]. slot [G_local]:
+    `expert_slots` of the picks where the caller has it (the router kernel writes it), else built
+    here. precision: the products' matmul precision (the run's: "highest" for float32)."""
     t, d = x.shape
     g_local, _, f2 = gate_up.shape
     tf = tiles.tn // 2
@@ -141,7 +143,7 @@ def expert_ffn_tpu(
     if reason:
         raise ValueError(f"expert_ffn_tpu: {reason}")
     offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
-    slot = expert_slots(ids, offset[0], g_local)
+    slot = expert_slots(ids, offset[0], g_local) if slot is None else slot
     gu, first_gu = layered.flat(gate_up)
     dn, first_d = layered.flat(down)
     tiles_f = f2 // 2 // tf

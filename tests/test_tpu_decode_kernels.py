@@ -144,12 +144,13 @@ def test_compiled_for_a_v5e_it_is_one_kernel_reading_the_layer_in_its_stack(rows
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-glm4-moe"])  # softmax, topk_softmax, sigmoid
 def test_the_router_kernel_gives_the_normed_rows_picks_and_weights_of_the_xla_router(name):
+    """And the experts kernel's slot table of the picks, as `expert_slots` builds it in XLA."""
     c = preset(name)
     x, norm = normal(1, (5, c.hidden_size), jnp.float32), 1 + normal(2, (c.hidden_size,), jnp.float32, 0.1)
     p = {"router": normal(3, (c.hidden_size, c.num_experts), jnp.float32)}
     if c.router_bias:
         p["router_bias"] = normal(4, (c.num_experts,), jnp.float32)
-    h, ids, weights = route_tpu(
+    h, ids, weights, slot = route_tpu(
         x,
         norm,
         p["router"],
@@ -168,6 +169,7 @@ def test_the_router_kernel_gives_the_normed_rows_picks_and_weights_of_the_xla_ro
     np.testing.assert_array_equal(np.asarray(h), np.asarray(want_h))
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
     np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), **tolerance(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(slot), np.asarray(expert_slots(want_ids, 0, c.num_experts)))
 
 
 @pytest.mark.parametrize("rows", [1, 64])

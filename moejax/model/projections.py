@@ -127,8 +127,9 @@ def out(decode: DecodeKernels, p: dict, attended: jax.Array, residual: jax.Array
 @jax.named_scope("router")
 def route(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, c: ModelConfig, forced=None):
     """x: [T, D] the residual stream's rows, `norm` the layer's MLP norm -> (h [T, D] the normed
-    rows the experts multiply, ids int32 [T, k], weights float32 [T, k]) as `router.route` picks.
-    The kernels take no routing override (`forced`) nor DeepSeek's group stage: XLA does."""
+    rows the experts multiply, ids int32 [T, k], weights float32 [T, k], the experts kernel's slot
+    table int32 [E] where the router kernel writes it, else None) as `router.route` picks. The
+    kernels take no routing override (`forced`) nor DeepSeek's group stage: XLA does."""
     grouped = c.n_group > 1 and c.topk_group < c.n_group
     if forced is None and not grouped and decode.routes(x.shape[0]):
         import pallas_kernels  # the kernels, loaded where they run
@@ -148,7 +149,7 @@ def route(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, c: Mode
         )
     if forced is not None or grouped or not decode.fuses_dense(x.shape[0]):
         h = rms_norm(x, norm, c.rms_norm_eps)
-        return (h, *xla_route(p, h, c, forced))
+        return (h, *xla_route(p, h, c, forced), None)
     from pallas_kernels import routing, tiles
 
     h, logits = _fused(decode, x, (p["router"],), norm=norm, eps=c.rms_norm_eps, normed=True)
@@ -162,7 +163,7 @@ def route(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, c: Mode
         tiles=routing.Tiles(**tiles.lookup("topk_route", decode.device)),
         interpret=decode.interpret,
     )
-    return h, ids, weights
+    return h, ids, weights, None
 
 
 @jax.named_scope("mlp")
