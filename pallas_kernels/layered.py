@@ -96,6 +96,11 @@ def flat(rhs):
     return groups, (jnp.asarray(rhs.index, jnp.int32) * rhs.shape[0]).reshape(1)
 
 
+def resolved(w):
+    """w as an array: a `LayerOf`'s layer sliced out of its stack (XLA's ops read it there), else w."""
+    return layer_slice(w.stack, w.index) if isinstance(w, LayerOf) else w
+
+
 def layer_slice(stack, i):
     """Layer i (may be traced) of a stacked tree [L, ...] -> [...]."""
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), stack)

@@ -183,8 +183,9 @@ def test_a_tpu_decode_block_runs_each_layers_router_and_experts_as_a_kernel_each
 
 
 # A v5e layer of Qwen3-30B-A3B's decode step at batch 1, synchronous ops (docs/design.md's table): the
-# three kernels, q|k|v's norms and rotary, the page write's indices, the layer loop's own.
-V5E_OPS_PER_LAYER = 45
+# three kernels, q|k|v's norms and rotary, the page write's indices, the layer loop's own (and at 4
+# layers deep one more, the router's 4 MB stack staged in VMEM, which 48 layers' is not).
+V5E_OPS_PER_LAYER = 44
 
 
 def test_a_v5e_layer_of_qwen3_30b_runs_its_moe_as_two_kernels_in_few_ops():
@@ -199,8 +200,9 @@ def test_a_v5e_layer_of_qwen3_30b_runs_its_moe_as_two_kernels_in_few_ops():
         engine=EngineConfig(dtype="bfloat16"),
     ).validate()
     ops = layer_ops.layer_ops(config, 1, 4096, targets.target("v5e"), list(targets.devices("v5e", 1)), 16)
-    assert ops["groups"]["custom calls"] == 3 and ops["groups"]["sorts"] == 0, ops
-    assert {p["part"] for p in ops["parts"] if p["kind"] == "custom-call tpu_custom_call"} == {
+    assert ops["groups"]["sorts"] == 0, ops
+    mosaic = [p for p in ops["parts"] if p["kind"] == "custom-call tpu_custom_call"]
+    assert sum(p["ops"] for p in mosaic) == 3 and {p["part"] for p in mosaic} == {
         "attention/ragged_paged_attention_kernel",
         "moe/router",
         "moe/experts",

@@ -29,6 +29,7 @@ from moejax.base.platform import DecodeKernels
 from moejax.config import ModelConfig
 from moejax.model.layers import apply_rope, rms_norm, silu_glu
 from moejax.model.router import route as xla_route
+from pallas_kernels import layered
 from pallas_kernels.epilogue import gate_up_columns
 
 
@@ -147,6 +148,8 @@ def route(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, c: Mode
             routed_scaling_factor=c.routed_scaling_factor,
             precision=decode.precision,
         )
+    # The kernel's norm and router may lie in their run's stack (`layered.LayerOf`); XLA's slice them.
+    norm, p = layered.resolved(norm), {**p, "router": layered.resolved(p["router"])}
     if forced is not None or grouped or not decode.fuses_dense(x.shape[0]):
         h = rms_norm(x, norm, c.rms_norm_eps)
         return (h, *xla_route(p, h, c, forced), None)
