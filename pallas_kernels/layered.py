@@ -8,7 +8,9 @@ reads any of them. `LayerOf` defers the slice, so that the XLA grouped GEMM read
 layer i straight from the stack. This module is its one home: a placement asks `layer_of` for a
 layer as its kernel reads it (a view only for a kernel that reads groups out of a stack, so no
 other kernel meets one), shard_map specs come from `specs`, the XLA kernel reads through
-`group`, and the Pallas kernels through `flat` (the stack's groups as one axis).
+`group`, and the Pallas kernels through `flat` (the stack's groups as one axis). A TPU's router
+kernel reads its norm and weight so too (`route_tpu`; a scan's slice of a layer is a copy for a
+kernel's operand), and XLA's router, where it runs instead, through `resolved`.
 
 Even a layer of its own is a stack [G, K, N], and the group loop's slice of group g is a copy on
 XLA:CPU (a dot reads whole buffers): the weights read once from memory, written, and read again.
