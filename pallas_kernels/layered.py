@@ -98,6 +98,15 @@ def flat(rhs):
     return groups, (jnp.asarray(rhs.index, jnp.int32) * rhs.shape[0]).reshape(1)
 
 
+def stacked(w) -> tuple:
+    """(the stack [L, ...] w is read from, w's layer there: [1] int32): a `LayerOf`'s, or w (an
+    array) as a stack of one. For a kernel indexing the layer itself (`flat` multiplies it out, an op
+    of its own)."""
+    if isinstance(w, LayerOf):
+        return w.stack, jnp.asarray(w.index, jnp.int32).reshape(1)
+    return w[None], jnp.zeros((1,), jnp.int32)
+
+
 def resolved(w):
     """w as an array: a `LayerOf`'s layer sliced out of its stack (XLA's ops read it there), else w."""
     return layer_slice(w.stack, w.index) if isinstance(w, LayerOf) else w

@@ -49,14 +49,6 @@ def _slots(ids: jax.Array, e: int) -> jax.Array:
     return jnp.where(before >= 0, before, jnp.where(first < e, first, 0.0)).astype(jnp.int32)
 
 
-def _stack(w) -> tuple:
-    """(the stack [L, ...] a weight is read from, its layer there: [1] int32): a `LayerOf`'s, or the
-    weight as a stack of one."""
-    if isinstance(w, layered.LayerOf):
-        return w.stack, jnp.asarray(w.index, jnp.int32).reshape(1)
-    return w[None], jnp.zeros((1,), jnp.int32)
-
-
 def _kernel(norm_layer, _, x_ref, norms_ref, router_ref, *refs, k, eps, scoring, norm_topk_prob, scale, precision):
     """Refs: the norm's layer in its stack, the router's (its index map's), x [T, D], the norms' stack
     [L, D], router [D, E] f32, the bias [1, E] where given; out h [T, D], ids [T, k] int32, weights
@@ -109,7 +101,7 @@ def route_tpu(
     t, d = x.shape
     e = router.shape[1]
     topk.check(jax.ShapeDtypeStruct((t, e), jnp.float32), k, scoring, bias)
-    (norms, norm_layer), (routers, router_layer) = _stack(norm), _stack(router)
+    (norms, norm_layer), (routers, router_layer) = layered.stacked(norm), layered.stacked(router)
     operands = [x, norms, routers] + ([] if bias is None else [bias.reshape(1, e)])
     whole = pl.BlockSpec(memory_space=pltpu.VMEM)  # the array whole, in VMEM for the call
     layer = pl.BlockSpec((None, d, e), lambda _, n, r: (r[0], 0, 0))  # the router's layer of its stack
