@@ -61,7 +61,7 @@ def _permutation(width: int) -> jax.Array:
 
 
 def _kernel(
-    slot, offset, first_gu, first_d, x_ref, ids_ref, w_ref, gu_ref, d_ref, *refs, tiles_f, act, cdtype, precision
+    slot, offset, layer_gu, layer_d, x_ref, ids_ref, w_ref, gu_ref, d_ref, *refs, tiles_f, act, cdtype, precision
 ):
     """Step (g, f). Refs: x [T, D], ids and weights [T, k], expert g's gate|up tile [D, 2tf] and down
     tile [tf, D], the biases' ([1, 2tf], [1, D]) where given, out [T, D], the f32 scratches: the
@@ -125,6 +125,7 @@ def expert_ffn_tpu(
     act,
     gate_up_bias: jax.Array | None = None,
     down_bias: jax.Array | None = None,
+    slot: jax.Array | None = None,
     tiles: Tiles,
     precision=None,
     interpret: bool = False,
@@ -132,8 +133,9 @@ def expert_ffn_tpu(
     """x [T, D], ids int32 and weights f32 [T, k] (picks of global experts) -> [T, D] in x's dtype:
     sum over each row's picks of weight * down(act(gate, up)) through the local experts [offset,
     offset + G_local) of gate_up [G_local, D, 2F] and down [G_local, F, D] (arrays, or LayerOf either);
-    picks of other experts add nothing. Biases: [G_local, 2F] and [G_local, D]. precision: the
-    products' matmul precision (the run's: "highest" for float32)."""
+    picks of other experts add nothing. Biases: [G_local, 2F] and [G_local, D]. slot [G_local]:
+    `expert_slots` of the picks where the caller has it (the router kernel writes it), else built
+    here. precision: the products' matmul precision (the run's: "highest" for float32)."""
     t, d = x.shape
     g_local, _, f2 = gate_up.shape
     tf = tiles.tn // 2
@@ -141,9 +143,11 @@ def expert_ffn_tpu(
     if reason:
         raise ValueError(f"expert_ffn_tpu: {reason}")
     offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
-    slot = expert_slots(ids, offset[0], g_local)
-    gu, first_gu = layered.flat(gate_up)
-    dn, first_d = layered.flat(down)
+    slot = expert_slots(ids, offset[0], g_local) if slot is None else slot
+    # The layers' experts as one axis [L * G_local, ...] (a bitcast), each map finding layer * G_local + e
+    # (`layered.flat`'s first group, multiplied out of the kernel, is an op of its own).
+    (gu, layer_gu), (dn, layer_d) = layered.stacked(gate_up), layered.stacked(down)
+    gu, dn = (a.reshape(-1, *a.shape[2:]) for a in (gu, dn))
     tiles_f = f2 // 2 // tf
 
     def step(g, f, slot):
@@ -151,13 +155,13 @@ def expert_ffn_tpu(
         mine = slot[g] == g
         return slot[g], jnp.where(mine, f, jnp.where(slot[g] < g, tiles_f - 1, 0))
 
-    def gu_map(g, f, slot, offset, first_gu, first_d):
+    def gu_map(g, f, slot, offset, layer_gu, layer_d):
         e, tile = step(g, f, slot)
-        return first_gu[0] + e, 0, tile
+        return layer_gu[0] * g_local + e, 0, tile
 
-    def d_map(g, f, slot, offset, first_gu, first_d):
+    def d_map(g, f, slot, offset, layer_gu, layer_d):
         e, tile = step(g, f, slot)
-        return first_d[0] + e, tile, 0
+        return layer_d[0] * g_local + e, tile, 0
 
     def gu_bias_map(g, f, slot, *_):  # a layer's own biases [G_local, 1, N]: no first group
         e, tile = step(g, f, slot)
@@ -214,4 +218,4 @@ def expert_ffn_tpu(
             transcendentals=t * f2 // 2 * g_local,
             bytes_accessed=2 * x.size * x.dtype.itemsize + layer_bytes,
         ),
-    )(slot, offset, first_gu, first_d, *operands)
+    )(slot, offset, layer_gu, layer_d, *operands)

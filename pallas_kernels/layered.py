@@ -8,7 +8,9 @@ reads any of them. `LayerOf` defers the slice, so that the XLA grouped GEMM read
 layer i straight from the stack. This module is its one home: a placement asks `layer_of` for a
 layer as its kernel reads it (a view only for a kernel that reads groups out of a stack, so no
 other kernel meets one), shard_map specs come from `specs`, the XLA kernel reads through
-`group`, and the Pallas kernels through `flat` (the stack's groups as one axis).
+`group`, and the Pallas kernels through `flat` (the stack's groups as one axis). A TPU's router
+kernel reads its norm and weight so too (`route_tpu`; a scan's slice of a layer is a copy for a
+kernel's operand), and XLA's router, where it runs instead, through `resolved`.
 
 Even a layer of its own is a stack [G, K, N], and the group loop's slice of group g is a copy on
 XLA:CPU (a dot reads whole buffers): the weights read once from memory, written, and read again.
@@ -94,6 +96,20 @@ def flat(rhs):
         return rhs, jnp.zeros((1,), jnp.int32)
     groups = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), rhs.stack)
     return groups, (jnp.asarray(rhs.index, jnp.int32) * rhs.shape[0]).reshape(1)
+
+
+def stacked(w) -> tuple:
+    """(the stack [L, ...] w is read from, w's layer there: [1] int32): a `LayerOf`'s, or w (an
+    array) as a stack of one. For a kernel indexing the layer itself (`flat` multiplies it out, an op
+    of its own)."""
+    if isinstance(w, LayerOf):
+        return w.stack, jnp.asarray(w.index, jnp.int32).reshape(1)
+    return w[None], jnp.zeros((1,), jnp.int32)
+
+
+def resolved(w):
+    """w as an array: a `LayerOf`'s layer sliced out of its stack (XLA's ops read it there), else w."""
+    return layer_slice(w.stack, w.index) if isinstance(w, LayerOf) else w
 
 
 def layer_slice(stack, i):

@@ -222,12 +222,15 @@ def expert_ffn(
     backend: str,
     act,
     down_bias=None,
+    slot=None,
     precision=None,
     device: tuple[str, int] = ("", 0),
 ):
     """A decode set's experts as one call (its record's `whole_ffn`): x [T, D], ids and weights [T, k]
     -> [T, D], the sum of each row's picks' weight * down(act(gate, up)) through w's gate_up and down
-    (and gate_up_bias) of the local experts, with the tiles the table gives their shape on `device`."""
+    (and gate_up_bias) of the local experts, with the tiles the table gives their shape on `device`;
+    slot [G_local]: the picks' table of which expert's tiles each step reads, where the router kernel
+    wrote it (else the kernel's caller builds it from ids)."""
     record = catalog.kernel(catalog.DECODE, backend)
     kernel = record.kernel_module()
     _, k, n = w["gate_up"].shape
@@ -242,6 +245,7 @@ def expert_ffn(
         act=act,
         gate_up_bias=w.get("gate_up_bias"),
         down_bias=down_bias,
+        slot=slot,
         tiles=kernel.Tiles(**chosen),
         precision=precision,
         interpret=record.interpreted,
@@ -250,7 +254,8 @@ def expert_ffn(
 
 def route(x, norm, router, *, backend: str, k: int, eps: float, scoring: str, bias=None, **weighing):
     """A decode set's router as one call (its record's `router`): x [T, D], the MoE's norm [D], router
-    [D, E] f32 -> (h [T, D] normed, ids [T, k] int32, weights [T, k] f32). weighing: norm_topk_prob,
+    [D, E] f32 -> (h [T, D] normed, ids [T, k] int32, weights [T, k] f32, slot [E] int32: the set's
+    experts kernel's table of the picks, `expert_ffn`'s slot). weighing: norm_topk_prob,
     routed_scaling_factor, precision."""
     record = catalog.kernel(catalog.DECODE, backend)
     return record.load()(

@@ -76,6 +76,7 @@ def expert_ffn_by_pick(
             backend=decode.kernel,
             act=w.get("act", silu_glu),
             down_bias=down_bias,
+            slot=w.get("slot"),
             precision=decode.precision,
             device=decode.device,
         )

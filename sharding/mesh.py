@@ -25,8 +25,9 @@ EXPERT_AXES = {
     "down": ("experts", "expert_mlp", "embed"),
     "gate_up_bias": ("experts", "expert_mlp"),
     "down_bias": ("experts", "embed"),
-    "act": (),
-}  # the experts' activation (no arrays)
+    "act": (),  # the experts' activation (no arrays)
+    "slot": (None,),  # the router kernel's table of the tiles each experts-kernel step reads: one chip's
+}
 
 
 def make_mesh(shape: tuple[int, int], devices: list | None = None) -> Mesh:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from moejax.analysis import calc
+from moejax.analysis import calc, layer_ops
 from moejax.cli import main
 from moejax.compiled import plan
 from moejax.compiled.abstract_arrays import abstract_params, bytes_per_device
@@ -66,19 +66,31 @@ def test_plan_of_one_device_reports_it_once(capsys):
     assert row["decode_kernels"] is None  # XLA:CPU's program: not a target's kernels
 
 
+def decode_only(monkeypatch) -> None:
+    """`plan.programs` with the decode step alone: what a test of its figures compiles."""
+    every = plan.programs
+
+    def decode(*args, **kwargs):
+        placement, programs = every(*args, **kwargs)
+        return placement, {"decode": programs["decode"]}
+
+    monkeypatch.setattr(plan, "programs", decode)
+
+
+def unmeasured(monkeypatch) -> None:
+    """`plan --target` with no layer of its decode step measured (two more compiles): the v5e's test
+    holds that."""
+    monkeypatch.setattr(plan_command, "layer_ops", lambda *a, **k: {"depths": [3, 4], "error": "not measured"})
+
+
 def test_plan_for_a_target_counts_its_decode_steps_kernel_launches_a_layer(capsys, monkeypatch):
     """plan --target h100: its decode step's kernel launches (the Triton kernels among them, at least
     gate_up and down a MoE layer), by kind, over the model's layers, and the temporaries it writes
     of a layer weight's shape (none at 8 rows: every product a GEMM reading its weight in place),
     and each Pallas kernel's programs, bytes read and time at the datasheet bandwidth; the table
     prints them. (Only the decode step compiles here: the figures are its.)"""
-    every = plan.programs
-
-    def decode_only(*args, **kwargs):
-        placement, programs = every(*args, **kwargs)
-        return placement, {"decode": programs["decode"]}
-
-    monkeypatch.setattr(plan, "programs", decode_only)
+    decode_only(monkeypatch)
+    unmeasured(monkeypatch)
     argv = ["plan", "--preset", "tiny", "--devices", "1", "--target", "h100", "--batch", "8", "--context", "64"]
     assert main([*argv, "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)["placements"]
@@ -106,10 +118,49 @@ def test_plan_for_a_target_counts_its_decode_steps_kernel_launches_a_layer(capsy
     assert f"{f['kernel']:<28}{f['programs']:>9}{132:>5}{f['bytes'] / 1e6:>9.2f}{f['us']:>16.2f}" in out
 
 
-def test_plan_for_an_ampere_gpu_compiles_every_program_with_tritons_kernels(capsys):
+def test_plan_for_a_tpu_prints_a_layer_of_its_decode_step(capsys, monkeypatch):
+    """plan --target v5e: a layer of the decode step, the steps of 4 and 3 layers less one another,
+    its synchronous ops by group (the async starts apart) and by part of the layer and kind, the
+    bytes it moves and the whole step's time at the v5e's 0.819 TB/s; --json holds them, the table
+    prints them. (Only the decode steps compile here.)"""
+    decode_only(monkeypatch)
+    argv = [
+        "plan",
+        "--preset",
+        "tiny-qwen3-moe",
+        "--devices",
+        "1",
+        "--target",
+        "v5e",
+        "--batch",
+        "8",
+        "--context",
+        "64",
+    ]
+    assert main([*argv, "--expert-format", "unquantized", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["placements"]
+    ops = row["layer_ops"]
+    assert ops["depths"] == [3, 4]
+    assert ops["ops"] == pytest.approx(sum(ops["groups"][g] for g in layer_ops.GROUPS))
+    assert ops["ops"] == pytest.approx(sum(p["ops"] for p in ops["parts"]))
+    parts = {p["part"] for p in ops["parts"] if p["kind"] == "custom-call tpu_custom_call"}
+    assert {"attention/ragged_paged_attention_kernel", "moe/experts"} <= parts, ops["parts"]
+    step = ops["layer_bytes"] * (preset("tiny-qwen3-moe").num_layers - 3)
+    assert 0 < ops["layer_bytes"] and step < ops["step_bytes"]
+    assert ops["step_us"] == pytest.approx(ops["step_bytes"] / 0.819e6, abs=0.1)
+    monkeypatch.setattr(plan_command, "plan_placement", lambda *a, **k: row)
+    monkeypatch.setattr(plan_command, "layer_ops", lambda *a, **k: ops)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"a layer (the step of 4 layers less that of 3): {ops['ops']:g} synchronous ops (fusions" in out
+    assert "us at 0.819 TB/s" in out
+
+
+def test_plan_for_an_ampere_gpu_compiles_every_program_with_tritons_kernels(capsys, monkeypatch):
     """plan --target a100: no wgmma or tcgen05 there, so `auto` runs Triton's grouped GEMM and decode
     kernels; the decode step, a decode block and a prefill chunk all compile for sm_80, and the
     decode step calls no Mosaic GPU kernel."""
+    unmeasured(monkeypatch)
     argv = ["plan", "--preset", "tiny", "--devices", "1", "--target", "a100", "--batch", "8", "--context", "64"]
     assert main([*argv, "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)["placements"]

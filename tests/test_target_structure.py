@@ -14,6 +14,7 @@ import pytest
 from compile_only import lower, on
 
 import pallas_kernels as pk
+from moejax.analysis import layer_ops
 from moejax.base import platform, targets
 from moejax.compiled import hlo, plan
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
@@ -169,13 +170,42 @@ def test_a_gpu_decode_block_launches_each_kernel_of_its_steps():
 
 def test_a_tpu_decode_block_runs_each_layers_router_and_experts_as_a_kernel_each():
     """On one v5e `auto`'s decode steps run a layer's MoE as two Mosaic calls of its decode set, the
-    router (`route_tpu`: norm, logits, top-k and weights) and the experts (`expert_ffn_tpu`), with
-    nothing sorted, scattered or gathered beside them: XLA's router and the grouped GEMM's path were
-    some ninety ops a layer."""
+    router (`route_tpu`: norm, logits, top-k, weights and the experts' slot table) and the experts
+    (`expert_ffn_tpu`), with nothing sorted, scattered or gathered beside them: XLA's router and the
+    grouped GEMM's path were some ninety ops a layer, XLA's slot table six, the experts' layer in
+    their stack a multiply."""
     text, *_ = program("v5e", "auto", PAGE_SIZE)
     moe = scoped(text, "/moe/")
     for part in ("/router", "/experts"):
         kernels = [r for r in moe if part in r.instr.scope and r.instr.pallas]
         assert sum(r.count for r in kernels) == STEPS * MODEL.num_layers, part
     assert not [r.instr.name for r in moe if r.instr.opcode in ("sort", "scatter", "gather")]
-    assert sum(r.count for r in moe) <= STEPS * MODEL.num_layers * 10  # the two, and the experts' slot table's 8
+    assert sum(r.count for r in moe) == STEPS * MODEL.num_layers * 2  # the two alone
+
+
+# A v5e layer of Qwen3-30B-A3B's decode step at batch 1, synchronous ops (docs/design.md's table): the
+# three kernels, q|k|v's norms and rotary, the page write's indices, the layer loop's own (and at 4
+# layers deep one more, the router's 4 MB stack staged in VMEM, which 48 layers' is not).
+V5E_OPS_PER_LAYER = 40
+
+
+def test_a_v5e_layer_of_qwen3_30b_runs_its_moe_as_two_kernels_in_few_ops():
+    """Qwen3-30B-A3B's decode step on one v5e at batch 1 over 4,096 positions, a layer of it
+    (`layer_ops`: the steps of 4 and 3 layers less one another): the paged attention, the router
+    (with the experts' slot table) and the experts, three Mosaic calls; nothing sorted; at most
+    V5E_OPS_PER_LAYER synchronous ops (batch 64: `moejax plan`, docs/design.md)."""
+    config = Config(
+        model=preset("qwen3-moe-30b-a3b"),
+        layout=LayoutConfig(devices=1),
+        weights=WeightsConfig("unquantized"),
+        engine=EngineConfig(dtype="bfloat16"),
+    ).validate()
+    ops = layer_ops.layer_ops(config, 1, 4096, targets.target("v5e"), list(targets.devices("v5e", 1)), 16)
+    assert ops["groups"]["sorts"] == 0, ops
+    mosaic = [p for p in ops["parts"] if p["kind"] == "custom-call tpu_custom_call"]
+    assert sum(p["ops"] for p in mosaic) == 3 and {p["part"] for p in mosaic} == {
+        "attention/ragged_paged_attention_kernel",
+        "moe/router",
+        "moe/experts",
+    }
+    assert ops["ops"] <= V5E_OPS_PER_LAYER, ops

@@ -144,12 +144,13 @@ def test_compiled_for_a_v5e_it_is_one_kernel_reading_the_layer_in_its_stack(rows
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-glm4-moe"])  # softmax, topk_softmax, sigmoid
 def test_the_router_kernel_gives_the_normed_rows_picks_and_weights_of_the_xla_router(name):
+    """And the experts kernel's slot table of the picks, as `expert_slots` builds it in XLA."""
     c = preset(name)
     x, norm = normal(1, (5, c.hidden_size), jnp.float32), 1 + normal(2, (c.hidden_size,), jnp.float32, 0.1)
     p = {"router": normal(3, (c.hidden_size, c.num_experts), jnp.float32)}
     if c.router_bias:
         p["router_bias"] = normal(4, (c.num_experts,), jnp.float32)
-    h, ids, weights = route_tpu(
+    h, ids, weights, slot = route_tpu(
         x,
         norm,
         p["router"],
@@ -170,6 +171,21 @@ def test_the_router_kernel_gives_the_normed_rows_picks_and_weights_of_the_xla_ro
     np.testing.assert_allclose(np.asarray(h), np.asarray(want_h), rtol=3e-7, atol=0)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
     np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), **tolerance(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(slot), np.asarray(expert_slots(want_ids, 0, c.num_experts)))
+
+
+def test_the_router_kernel_reads_its_layer_in_its_stacks():
+    """Layer 2 of stacks of norms [3, D] and router weights [3, D, E] (`LayerOf`, a traced index)
+    routes as the layer's own arrays."""
+    c = preset("tiny-glm4-moe")
+    norms = 1 + normal(1, (3, c.hidden_size), jnp.float32, 0.1)
+    routers = normal(2, (3, c.hidden_size, c.num_experts), jnp.float32)
+    x, layer = normal(3, (4, c.hidden_size), jnp.float32), jnp.int32(2)
+    kw = dict(k=c.num_experts_per_tok, eps=c.rms_norm_eps, scoring=c.router_scoring, interpret=True)
+    stacked = jax.jit(lambda i: route_tpu(x, LayerOf(norms, i), LayerOf(routers, i), **kw))(layer)
+    own = jax.jit(lambda n, r: route_tpu(x, n, r, **kw))(norms[2], routers[2])
+    for got, want in zip(stacked, own, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize("rows", [1, 64])
@@ -208,18 +224,22 @@ def test_a_tpu_decode_set_takes_unquantized_experts_a_whole_number_of_tiles_wide
     )
 
 
-@pytest.mark.parametrize("name, devices", [("tiny-mixtral", 1), ("tiny-gpt-oss", 1), ("tiny-mixtral", 8)])
-def test_a_run_whose_decode_steps_take_the_tpu_kernels_gives_the_xla_runs_tokens(name, devices):
+@pytest.mark.parametrize(
+    "name, devices, loop", [("tiny-mixtral", 1, "auto"), ("tiny-gpt-oss", 1, "scan"), ("tiny-mixtral", 8, "auto")]
+)
+def test_a_run_whose_decode_steps_take_the_tpu_kernels_gives_the_xla_runs_tokens(name, devices, loop):
     """Kernel interpret_tpu (each pass of up to 128 rows through the one-call experts and the router
-    kernel, under a mesh each device its local experts and its own rows' routing) and kernel xla:
-    the same greedy tokens. gpt-oss: biases, clamped SwiGLU, top-k softmax over biased logits."""
+    kernel, under a mesh each device its local experts and its own rows' routing; on one device
+    with the experts' slot table, over a scan the router's norm and weight read in the run's
+    stacks) and kernel xla: the same greedy tokens. gpt-oss: biases, clamped SwiGLU, top-k softmax
+    over biased logits."""
 
     def tokens(kernel: str) -> list:
         config = Config(
             model=preset(name),
             layout=LayoutConfig(devices=devices, placement="expert_sharded"),
             kernel=kernel,
-            engine=EngineConfig(page_size=4, max_seq_len=32, dtype="float32"),
+            engine=EngineConfig(page_size=4, max_seq_len=32, dtype="float32", layer_loop=loop),
         ).validate()
         run = make_placement(config)
         assert run.decode.whole_ffn == (kernel == "interpret_tpu")

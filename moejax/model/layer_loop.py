@@ -57,6 +57,11 @@ class Scan:
         """MoE layer i's experts as `placement` computes with them, from the run's at rest."""
         return placement.layer_experts(experts, i)
 
+    def in_place(self, run, i):
+        """Layer i of `run` (a `part` of it) for a kernel that reads it where it lies: a
+        `layered.LayerOf` of each leaf's stack (a slice of one is a copy for a kernel's operand)."""
+        return jax.tree.map(lambda a: layered.LayerOf(a, i), run)
+
     def loop(self, body, carry, run, *xs):
         """(carry, ys): body(carry, (layer, i, *x[i])) over the run's layers; ys stacked."""
         count = self.count(run)
@@ -102,6 +107,9 @@ class Unrolled:
 
     def experts(self, placement, experts, i: int):
         return placement.gather_experts(self.layer(experts, i))
+
+    def in_place(self, run, i: int):
+        return self.layer(run, i)
 
     def loop(self, body, carry, run, *xs):
         """ys: a list, one entry a layer."""

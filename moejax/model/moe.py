@@ -28,9 +28,11 @@ def moe_block(
         experts = {**experts, "act": ClampedSwiGLU(c.swiglu_alpha, c.swiglu_limit)}
     # Named scopes let `moejax trace` attribute the profiler's ops (moejax/analysis/step_trace.py).
     with jax.named_scope("moe"):
-        rows, ids, weights = projections.route(placement.decode, p, x.reshape(b * t, d), norm, c, forced)
+        rows, ids, weights, table = projections.route(placement.decode, p, x.reshape(b * t, d), norm, c, forced)
         # Experts in a placement's slots (`sharding/slots.py`): each pick goes to one replica.
         where = placement.pick_slots(ids, p["slots"]) if "slots" in p else ids
+        if table is not None and "slots" not in p:  # the router kernel's table of the picks the experts take
+            experts = {**experts, "slot": table}
         y = placement.moe(rows, where, weights, experts)
     if c.num_shared_experts:
         y = y + projections.mlp(placement.decode, p["shared"], rows, group="shared_mlp")

@@ -218,7 +218,8 @@ def write(pool: jax.Array, new: jax.Array, positions: jax.Array, pages, seq_axis
     ps, n = pool.shape[len(lead) + seq_axis], pool.shape[len(lead)]
     page = jnp.take_along_axis(table, positions // ps, axis=1, mode="fill", fill_value=n)  # [B, T]; off the table: none
     index = (*lead, page, *[slice(None)] * (seq_axis - 1), positions % ps)
-    return pool.at[index].set(new.astype(pool.dtype), mode="drop")
+    # No index is negative (a page off the table is n): a wrap of negatives was three ops a layer on a TPU.
+    return pool.at[index].set(new.astype(pool.dtype), mode="drop", wrap_negative_indices=False)
 
 
 def read(pool: jax.Array, pages, seq_axis: int) -> jax.Array:

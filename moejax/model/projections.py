@@ -34,6 +34,7 @@ from moejax.base.platform import DecodeKernels
 from moejax.config import ModelConfig
 from moejax.model.layers import apply_rope, rms_norm, silu_glu
 from moejax.model.router import route as xla_route
+from pallas_kernels import layered
 from pallas_kernels.epilogue import gate_up_columns
 
 
@@ -150,8 +151,9 @@ def out(decode: DecodeKernels, p: dict, attended: jax.Array, residual: jax.Array
 @jax.named_scope("router")
 def route(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, c: ModelConfig, forced=None):
     """x: [T, D] the residual stream's rows, `norm` the layer's MLP norm -> (h [T, D] the normed
-    rows the experts multiply, ids int32 [T, k], weights float32 [T, k]) as `router.route` picks.
-    The kernels take no routing override (`forced`) nor DeepSeek's group stage: XLA does."""
+    rows the experts multiply, ids int32 [T, k], weights float32 [T, k], the experts kernel's slot
+    table int32 [E] where the router kernel writes it, else None) as `router.route` picks. The
+    kernels take no routing override (`forced`) nor DeepSeek's group stage: XLA does."""
     grouped = c.n_group > 1 and c.topk_group < c.n_group
     weighing = dict(norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor)
     bias = p["router_bias"] if c.router_bias else None
@@ -160,7 +162,7 @@ def route(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, c: Mode
 
         def kernel(rows, whole):  # one device's rows
             (x,), (norm, router, bias) = rows, whole
-            return pallas_kernels.route(
+            h, ids, weights, table = pallas_kernels.route(
                 x,
                 norm,
                 router,
@@ -172,11 +174,15 @@ def route(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, c: Mode
                 precision=decode.precision,
                 **weighing,
             )
+            # The experts' slot table is one device's, which holds every expert: on a mesh XLA's.
+            return h, ids, weights, table if decode.per_device is None else None
 
         return decode.run(kernel, (x,), (norm, p["router"], bias))
+    # The kernel's norm and router may lie in their run's stack (`layered.LayerOf`); XLA's slice them.
+    norm, p = layered.resolved(norm), {**p, "router": layered.resolved(p["router"])}
     if forced is not None or grouped or not decode.fuses_dense(x.shape[0], "router"):
         h = rms_norm(x, norm, c.rms_norm_eps)
-        return (h, *xla_route(p, h, c, forced))
+        return (h, *xla_route(p, h, c, forced), None)
     import pallas_kernels  # the kernels, loaded where they run
 
     h, logits = _fused(decode, x, (p["router"],), norm=norm, eps=c.rms_norm_eps, normed=True)
@@ -193,7 +199,7 @@ def route(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, c: Mode
             **weighing,
         )
 
-    return (h, *decode.run(top_k, (logits,), (bias,)))
+    return (h, *decode.run(top_k, (logits,), (bias,)), None)
 
 
 @jax.named_scope("mlp")

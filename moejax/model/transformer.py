@@ -89,6 +89,12 @@ def run_layers(
     uniform = kinds[0] if len(set(kinds)) == 1 else None  # the run's one kind, else chosen per layer
     moe = run.is_moe(c)
     at_rest = loop.part(run_params, "moe", "experts") if moe else None  # the run's experts as they rest on the devices
+    # The router kernel reads its norm and weight in the run's stacks: a scan's slice of one is a copy
+    # for a kernel's operand (`projections.route` slices them for XLA's router).
+    in_place = moe and placement.decode.router is not None
+    norms, routers = (
+        (loop.part(run_params, "mlp_norm"), loop.part(run_params, "moe", "router")) if in_place else (None, None)
+    )
     depth = min(placement.prefetch_depth, count) if moe else 0
     gather = lambda i: placement.gather_experts(loop.layer(at_rest, i))
     ahead = tuple(gather(j) for j in range(depth))  # the first `depth` layers' experts, before the loop
@@ -109,6 +115,8 @@ def run_layers(
         # pools are read and written whole through the layer's index (`paged.LayerPages`).
         x, selected, ahead, run_cache = carry
         lp, i, window, layer_forced = xs
+        if in_place:
+            lp = {**lp, "mlp_norm": loop.in_place(norms, i), "moe": {**lp["moe"], "router": loop.in_place(routers, i)}}
         layer_cache = run_cache if pages is not None else cache_layer(run_cache, i)
         if not moe:
             experts = None

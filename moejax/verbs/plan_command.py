@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from moejax.analysis.layer_ops import ASYNC, GROUPS, layer_ops
 from moejax.base import platform, targets
 from moejax.base.errors import UsageError
 from moejax.compiled.plan import GB, OUTPUT_LEN, PAGE_SIZE, PROMPT_LEN, plan_placement
@@ -72,6 +73,11 @@ def cmd_plan(args) -> int:
         )
         for name in chosen
     ]
+    if target:  # a layer of each placement's decode step as the target's compiler builds it
+        devices = list(targets.devices(target.name, args.devices))
+        for name, r in zip(chosen, rows):
+            config_of = with_placement(config, name, args.devices)
+            r["layer_ops"] = layer_ops(config_of, args.batch, args.context, target, devices, args.page_size)
     where = f"{args.devices} {target.name} ({target.device_kind})" if target else f"{args.devices} CPU"
     if args.json:
         print(
@@ -127,6 +133,9 @@ def cmd_plan(args) -> int:
                     f"{f['kernel']:<28}{f['programs']:>9}{f['sms']:>5}{f['bytes'] / 1e6:>9.2f}{f['us']:>16.2f}"
                     f"{f['calls']:>7g}{short}"
                 )
+    for r in rows:
+        if target:
+            print_layer_ops(r["name"], r["layer_ops"], model.num_layers)
     if not target:
         print("kernel launches: counted on a --target's program (XLA:CPU's is not the one an accelerator launches)")
     for r in rows:
@@ -159,6 +168,30 @@ def cmd_plan(args) -> int:
                 f"decode {buffers['decode'] / GB:.2f} GB, prefill chunk {buffers['prefill'] / GB:.2f} GB"
             )
     return 0 if all(r["compiled"] for r in rows) else 1
+
+
+def print_layer_ops(name: str, ops: dict, layers: int) -> None:
+    """A layer's ops (`layer_ops.layer_ops`) by group, then by the part of the layer and kind, and the
+    step's bytes against the chip's HBM bandwidth."""
+    deep, shallow = ops["depths"][1], ops["depths"][0]
+    if "error" in ops:
+        print(f"{name} decode step, a layer: its step of {deep} layers does not compile: {ops['error']}")
+        return
+    g = ops["groups"]
+    counts = ", ".join(f"{k} {g[k]:g}" for k in GROUPS)
+    print(
+        f"{name} decode step, a layer (the step of {deep} layers less that of {shallow}): {ops['ops']:g} "
+        f"synchronous ops ({counts}; {ASYNC} {g[ASYNC]:g} beside them), {ops['layer_bytes'] / 1e6:.1f} MB"
+    )
+    parts = {}
+    for p in ops["parts"]:
+        parts.setdefault(p["part"] or "(outside the layer's scopes)", []).append(f"{p['kind']} {p['ops']:g}")
+    for part, kinds in parts.items():
+        print(f"  {part}: {', '.join(kinds)}")
+    print(
+        f"  the step of {layers} layers moves {ops['step_bytes'] / GB:.2f} GB: {ops['step_us']:,.0f} us at "
+        f"{ops['hbm_tb_s']:g} TB/s"
+    )
 
 
 PAGE_HOLDERS = {
