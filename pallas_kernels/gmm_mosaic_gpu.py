@@ -97,6 +97,16 @@ def fuses_glu(m: int, n: int, rhs) -> bool:
     return n % 2 == 0
 
 
+def _swizzle(cols: int, k: int) -> int:
+    """The bf16 operands' swizzle (bytes): the widest a tile of `cols` columns fills whose tiling
+    (swizzle / 2 columns) K's `k` columns are whole tiles of, or fewer than one: TMA copies a tiled
+    box only out of such an array (Qwen3-30B-A3B's expert slices over 8 devices are K = 96)."""
+    swizzle = plgpu.find_swizzle(cols * 16)
+    while swizzle > 32 and k > swizzle // 2 and k % (swizzle // 2):
+        swizzle //= 2
+    return swizzle
+
+
 def _transforms(cols: int, bits: int, swizzle: int | None = None) -> tuple:
     """Shared-memory tiling and swizzle of a tile whose rows are `cols` elements of `bits`: the
     largest swizzle the row fills, or `swizzle` (wgmma wants its two operands' swizzles equal)."""
@@ -172,7 +182,7 @@ class Product:
         # A load from GMEM into a layout is per element (`optimized=False`): only shared memory has vector plans.
         load = (lambda ref, *_: ref[...]) if self.interpret else mgpu_api.load
         direct = fmt is None and pairs == 1  # the weight tile goes to wgmma as TMA left it
-        swizzle = plgpu.find_swizzle(min(kt, width) * 16)  # the bf16 operands' (x and weight tiles)
+        swizzle = _swizzle(min(kt, width), x_gmem.shape[-1])  # the bf16 operands' (x and weight tiles)
         words = _transforms(width, 16, swizzle) if direct else _transforms(width, jnp.dtype(w_gmem.dtype).itemsize * 8)
         x_spec = plgpu.BlockSpec(
             (tm, kt), lambda k: (m_tile, k), transforms=_transforms(kt, 16, swizzle), delay_release=1
@@ -328,9 +338,9 @@ def prepare(lhs, rhs, out_dtype, tiles: Tiles, epilogue, interpret: bool, kernel
     tm, tk, tn, steps = tiles.tm, tiles.tk, tiles.tn, tiles.steps
     _check_tiles(tm, tk, tn, steps, pairs, quantized, out_dtype, kernel)
     width, kt = tn // pairs, tk // 2 if quantized else tk
-    # TMA strides: every row a multiple of 16 bytes. Widths that miss it are padded, which copies
-    # the layer's weights out of a stack.
-    lane = 16 if quantized else 8
+    # TMA strides: every row a multiple of 16 bytes, and K whole tiles of the least swizzle's 16
+    # columns (`_swizzle`). Widths that miss it are padded, which copies the layer's weights out of a stack.
+    lane = 16
     if k % lane or n % lane:
         rhs = layered.layer_slice(rhs.stack, rhs.index) if isinstance(rhs, layered.LayerOf) else rhs
         if quantized:

@@ -142,9 +142,10 @@ def abstract_h100(tree):
 
 
 def test_compiles_for_h100_as_one_mosaic_gpu_call_per_product():
-    """Three products (bf16 gate_up of a layer with SwiGLU, NVFP4 down, MXFP4 gate_up at odd widths)
-    lower through Mosaic GPU and compile for a compile-only H100: one mosaic_gpu custom call each,
-    each a bf16 wgmma."""
+    """Four products (bf16 gate_up of a layer with SwiGLU, NVFP4 down, MXFP4 gate_up at odd widths,
+    and a bf16 down of K = 96: Qwen3-30B-A3B's expert slices over 8 devices, whole tiles of no
+    128-byte swizzle) lower through Mosaic GPU and compile for a compile-only H100: one mosaic_gpu
+    custom call each, each a bf16 wgmma."""
 
     def experts(fmt: str, k: int, n: int, gated: bool, layers: int | None = None):
         shape = (*((layers,) if layers else ()), 8, k, n)
@@ -155,14 +156,15 @@ def test_compiles_for_h100_as_one_mosaic_gpu_call_per_product():
             w = jax.eval_shape(lambda a: strip(pk.quantize_experts(a, fmt, gated=gated)), w)
         return abstract_h100(w)
 
-    def step(x, sizes, offset, layer, gate_up, down, odd, bias, odd_bias):
+    def step(x, sizes, offset, layer, gate_up, down, odd, bias, odd_bias, sliced):
         def kernel(x, w, epilogue=None):
             chosen = tiles(x.shape[0], w, epilogue is not None)
             return gmm_mosaic_gpu(x, w, sizes, offset, jnp.bfloat16, tiles=chosen, epilogue=epilogue)
 
         h = kernel(x, LayerOf(gate_up, layer), epilogue=(None, bias, silu_glu))  # [T, 768]
         y = kernel(h, down)  # [T, 2048]
-        return y, kernel(y[:, :128], odd, epilogue=(None, odd_bias, ACTS["clamped_swiglu"]))  # [T, 20]
+        z = kernel(y[:, :128], odd, epilogue=(None, odd_bias, ACTS["clamped_swiglu"]))  # [T, 20]
+        return y, z, kernel(h[:, :96], sliced)  # [T, 2048]
 
     text = (
         jax.jit(step)
@@ -176,12 +178,13 @@ def test_compiles_for_h100_as_one_mosaic_gpu_call_per_product():
             experts("mxfp4", 128, 40, True),
             on_h100((8, 1536), jnp.bfloat16),
             on_h100((8, 40), jnp.bfloat16),
+            experts("dense", 96, 2048, False),
         )
         .compile()
         .as_text()
     )
     calls = [r.instr for r in hlo.pallas_calls(text)]
-    assert [c.pallas for c in calls] == ["mosaic_gpu"] * 3
+    assert [c.pallas for c in calls] == ["mosaic_gpu"] * 4
     assert all(
         "wgmma.mma_async.sync.aligned" in c.backend_config and ".f32.bf16.bf16" in c.backend_config for c in calls
     )
