@@ -58,8 +58,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import decode, epilogue, formats, layered, metadata, mgpu_api, tiling
-from pallas_kernels.mgpu_blocks import store_group_rows
+from pallas_kernels import epilogue, formats, layered, metadata, mgpu_api, tiling
+from pallas_kernels.mgpu_blocks import decoded_tiles, operand_swizzle, smem_transforms, store_group_rows, weight_words
 from pallas_kernels.tiles import round_up
 
 try:  # jax's Mosaic GPU interpreter (jax >= 0.10.2) is not exported; only the tests run it
@@ -95,47 +95,6 @@ def refusal(dtype) -> str | None:
 def fuses_glu(m: int, n: int, rhs) -> bool:
     """Whether the epilogue can halve a gate|up product of N columns: any whole (gate, up) pairs."""
     return n % 2 == 0
-
-
-def _swizzle(cols: int, k: int) -> int:
-    """The bf16 operands' swizzle (bytes): the widest a tile of `cols` columns fills whose tiling
-    (swizzle / 2 columns) K's `k` columns are whole tiles of, or fewer than one: TMA copies a tiled
-    box only out of such an array (Qwen3-30B-A3B's expert slices over 8 devices are K = 96)."""
-    swizzle = plgpu.find_swizzle(cols * 16)
-    while swizzle > 32 and k > swizzle // 2 and k % (swizzle // 2):
-        swizzle //= 2
-    return swizzle
-
-
-def _transforms(cols: int, bits: int, swizzle: int | None = None) -> tuple:
-    """Shared-memory tiling and swizzle of a tile whose rows are `cols` elements of `bits`: the
-    largest swizzle the row fills, or `swizzle` (wgmma wants its two operands' swizzles equal)."""
-    swizzle = swizzle or plgpu.find_swizzle(cols * bits)
-    return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
-
-
-def _decoded_tiles(w_ref, s_refs, *, pairs, fmt, block, cast, load):
-    """A step's weight tiles, f32 [rows, width] of values exact in bf16 (an e2m1 code times its
-    block scale has at most 6 significant bits): {(column set, K-half): tile}.
-
-    w_ref: the words [rows, width] (bf16 pairs as int32; 4-bit bytes, or byte pairs as uint16);
-    s_refs: the two K-halves' scale words [rows / block, width] (4-bit only). Column set i of a
-    word is its (i)th bf16 or byte; a byte's K-halves are its low and high nibble."""
-    words = cast(w_ref[...], plgpu.Layout.WGMMA).astype(jnp.int32)
-    rows, width = w_ref.shape
-    if fmt is None:  # bf16 (gate, up) pairs: the f32 bits of a bf16 are its 16 bits << 16
-        return {(i, 0): lax.bitcast_convert_type((words >> (16 * i)) << 16, jnp.float32) for i in range(pairs)}
-    row = cast(lax.broadcasted_iota(jnp.int32, (rows, width), 0), plgpu.Layout.WGMMA)
-    tiles = {}
-    for h, s_ref in enumerate(s_refs):
-        scale_rows = [load(s_ref.at[b], plgpu.Layout.WGMMA.reduce(0)).astype(jnp.int32) for b in range(rows // block)]
-        for i in range(pairs):
-            scale = None  # [rows, width] f32: each row's block's scale, by selects down the blocks
-            for b, bits in enumerate(scale_rows):
-                s = lax.broadcast_in_dim(decode.scale_to_f32((bits >> (8 * i)) & 255, fmt), (rows, width), (1,))
-                scale = s if scale is None else jnp.where(row >= b * block, s, scale)
-            tiles[i, h] = decode.half_values(words, h, scale, byte=i)
-    return tiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,10 +141,14 @@ class Product:
         # A load from GMEM into a layout is per element (`optimized=False`): only shared memory has vector plans.
         load = (lambda ref, *_: ref[...]) if self.interpret else mgpu_api.load
         direct = fmt is None and pairs == 1  # the weight tile goes to wgmma as TMA left it
-        swizzle = _swizzle(min(kt, width), x_gmem.shape[-1])  # the bf16 operands' (x and weight tiles)
-        words = _transforms(width, 16, swizzle) if direct else _transforms(width, jnp.dtype(w_gmem.dtype).itemsize * 8)
+        swizzle = operand_swizzle(min(kt, width), x_gmem.shape[-1])  # the bf16 operands' (x and weight tiles)
+        words = (
+            smem_transforms(width, 16, swizzle)
+            if direct
+            else smem_transforms(width, jnp.dtype(w_gmem.dtype).itemsize * 8)
+        )
         x_spec = plgpu.BlockSpec(
-            (tm, kt), lambda k: (m_tile, k), transforms=_transforms(kt, 16, swizzle), delay_release=1
+            (tm, kt), lambda k: (m_tile, k), transforms=smem_transforms(kt, 16, swizzle), delay_release=1
         )
         w_spec = plgpu.BlockSpec((kt, width), lambda k: (k, n_i), transforms=words, delay_release=1)
         if fmt is None:
@@ -209,7 +172,7 @@ class Product:
                     plgpu.wgmma_wait(1)  # the previous step's wgmma is done: its slots refill
                     return
                 slot = lax.rem(indices[0], 2)  # the wgmmas of two steps ago read it, and are done
-                tiles = _decoded_tiles(w_smem, s_smem, pairs=pairs, fmt=fmt, block=block, cast=cast, load=load)
+                tiles = decoded_tiles(w_smem, s_smem, pairs=pairs, fmt=fmt, block=block, cast=cast, load=load)
                 for (i, h), tile in tiles.items():
                     dec_smem[slot, i, h] = tile.astype(jnp.bfloat16)
                 plgpu.commit_smem()  # the stores are visible to wgmma (the async proxy)
@@ -227,7 +190,9 @@ class Product:
         if direct:
             accs = accumulate(None)
         else:
-            dec = plgpu.SMEM((2, pairs, halves, kt, width), jnp.bfloat16, transforms=_transforms(width, 16, swizzle))
+            dec = plgpu.SMEM(
+                (2, pairs, halves, kt, width), jnp.bfloat16, transforms=smem_transforms(width, 16, swizzle)
+            )
             accs = pl.run_scoped(accumulate, dec)
 
         cols = pl.ds(n_i * width, width)
@@ -281,15 +246,6 @@ def _pad(a, axis: int, multiple: int):
     return jnp.pad(a, pad)
 
 
-def _words(a, pairs: int):
-    """[..., N] -> [..., N/p] words of p adjacent elements (a bitcast; p = 2: bf16 pairs as int32,
-    byte pairs as uint16)."""
-    if pairs == 1:
-        return a
-    word = {2: jnp.int32, 1: jnp.uint16}[jnp.dtype(a.dtype).itemsize]
-    return lax.bitcast_convert_type(a.reshape(*a.shape[:-1], a.shape[-1] // 2, 2), word)
-
-
 def _check_tiles(
     tm: int, tk: int, tn: int, steps: int, pairs: int, quantized: bool, out_dtype, kernel: str = "mosaic_gpu"
 ) -> None:
@@ -339,7 +295,8 @@ def prepare(lhs, rhs, out_dtype, tiles: Tiles, epilogue, interpret: bool, kernel
     _check_tiles(tm, tk, tn, steps, pairs, quantized, out_dtype, kernel)
     width, kt = tn // pairs, tk // 2 if quantized else tk
     # TMA strides: every row a multiple of 16 bytes, and K whole tiles of the least swizzle's 16
-    # columns (`_swizzle`). Widths that miss it are padded, which copies the layer's weights out of a stack.
+    # columns (`mgpu_blocks.operand_swizzle`). Widths that miss it are padded, which copies the
+    # layer's weights out of a stack.
     lane = 16
     if k % lane or n % lane:
         rhs = layered.layer_slice(rhs.stack, rhs.index) if isinstance(rhs, layered.LayerOf) else rhs
@@ -354,12 +311,12 @@ def prepare(lhs, rhs, out_dtype, tiles: Tiles, epilogue, interpret: bool, kernel
         kh = k // 2
         operands = (
             lhs_p.reshape(m_pad, 2, kh),  # the two K-halves, each with its own end for TMA
-            _words(rhs.values, pairs),
-            _words(tiling.scale_bits(rhs), pairs),
+            weight_words(rhs.values, pairs),
+            weight_words(tiling.scale_bits(rhs), pairs),
         )
         tscale, fmt, block, k_steps = tiling.tensor_scales(rhs), rhs.fmt, rhs.spec.block, pl.cdiv(kh, kt)
     else:
-        operands = (lhs_p, _words(rhs, pairs))
+        operands = (lhs_p, weight_words(rhs, pairs))
         tscale, fmt, block, k_steps = jnp.ones(rhs.shape[:1], jnp.float32), None, 1, pl.cdiv(lhs_p.shape[1], kt)
     # The epilogue's tables [G_local, 1, N] -> [G_local, p, W]: gate and up rows apart, whole tiles wide.
     tables = [_pad(t.reshape(g_local, n // pairs, pairs).transpose(0, 2, 1), -1, width) for t in tables]

@@ -12,7 +12,7 @@ tiles (M 12 -> 16: a tiled TMA box's array has fewer rows than a tile or whole t
   main loop then norms each step's rows in registers (`normalize`, rounded as the model rounds)
   into a double-buffered shared tile that wgmma reads (a wgmma operand lies in shared memory).
 - gated activation: gate and up interleave along N; the weights are read as int32 words of a
-  (gate, up) pair and split in registers into two bf16 tiles (`gmm_mosaic_gpu._decoded_tiles`),
+  (gate, up) pair and split in registers into two bf16 tiles (`mgpu_blocks.decoded_tiles`),
   each multiplied into its own accumulator; the epilogue writes act(gate, up) [M, N_i / 2].
 - head epilogue (a program per head): the head's pieces (`Segment.pieces`: the rotated halves,
   then the columns past R) are column slices of the weight tile, an accumulator each, so the
@@ -51,8 +51,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import epilogue, metadata, mgpu_api
-from pallas_kernels.gmm_mosaic_gpu import InterpretGPUParams, _decoded_tiles, _transforms, _words, refusal
+from pallas_kernels.gmm_mosaic_gpu import InterpretGPUParams, refusal
 from pallas_kernels.linear_segments import PRECISIONS, Segment, check_normed, normalize, rotate_half, segments
+from pallas_kernels.mgpu_blocks import decoded_tiles, smem_transforms, weight_words
 from pallas_kernels.tiles import round_up
 
 ROWS = 64  # a program's rows: a warpgroup's wgmma M
@@ -137,7 +138,7 @@ def _kernel(*refs, tree, n_in, segs, widths, m, k, tk, k_steps, splits, combine,
             return acc + jnp.sum(xf * xf, axis=1)
 
         cols = min(NORM_COLS, pl.cdiv(k, 64) * 64)
-        spec = plgpu.BlockSpec((ROWS, cols), lambda i: (r, i), transforms=_transforms(cols, 16))
+        spec = plgpu.BlockSpec((ROWS, cols), lambda i: (r, i), transforms=smem_transforms(cols, 16))
         zeros = cast(jnp.zeros((ROWS,), jnp.float32), wgmma.reduce(1))
         sumsq = plgpu.emit_pipeline(
             square, grid=(pl.cdiv(k, cols),), in_specs=[spec], max_concurrent_steps=2, init_carry=zeros
@@ -162,11 +163,11 @@ def _kernel(*refs, tree, n_in, segs, widths, m, k, tk, k_steps, splits, combine,
         sw, pairs, width = _swizzle(seg), seg.pairs, seg.tile
         ks = lambda i: s * per_split + i  # noqa: E731
         specs = [
-            plgpu.BlockSpec((ROWS, tk), lambda i: (r, ks(i)), transforms=_transforms(tk, 16, sw), delay_release=1),
+            plgpu.BlockSpec((ROWS, tk), lambda i: (r, ks(i)), transforms=smem_transforms(tk, 16, sw), delay_release=1),
             plgpu.BlockSpec(
                 (tk, width),
                 lambda i: (ks(i), t),
-                transforms=_transforms(width, 16, sw) if pairs == 1 else _transforms(width, 32),
+                transforms=smem_transforms(width, 16, sw) if pairs == 1 else smem_transforms(width, 32),
                 delay_release=1,
             ),
         ]
@@ -176,9 +177,11 @@ def _kernel(*refs, tree, n_in, segs, widths, m, k, tk, k_steps, splits, combine,
             gmem.append(ins["norm"])
         # the normed rows, and the split (gate, up) tiles: two buffers each (a step's and the last's)
         h_buf = (
-            plgpu.SMEM((2, ROWS, tk), jnp.bfloat16, transforms=_transforms(tk, 16, sw)) if rstd is not None else None
+            plgpu.SMEM((2, ROWS, tk), jnp.bfloat16, transforms=smem_transforms(tk, 16, sw))
+            if rstd is not None
+            else None
         )
-        dec_buf = plgpu.SMEM((2, pairs, tk, width), jnp.bfloat16, transforms=_transforms(width, 16, sw))
+        dec_buf = plgpu.SMEM((2, pairs, tk, width), jnp.bfloat16, transforms=smem_transforms(width, 16, sw))
         dec_buf = dec_buf if pairs > 1 else None
 
         def mainloop(h_smem, dec_smem, accs):
@@ -197,7 +200,7 @@ def _kernel(*refs, tree, n_in, segs, widths, m, k, tk, k_steps, splits, combine,
                 if pairs == 1:
                     bs = [w_smem if w == width else w_smem.at[:, pl.ds(off, w)] for off, w in seg.pieces]
                 else:  # the (gate, up) words split into two bf16 tiles
-                    tiles = _decoded_tiles(w_smem, (), pairs=pairs, fmt=None, block=1, cast=cast, load=load)
+                    tiles = decoded_tiles(w_smem, (), pairs=pairs, fmt=None, block=1, cast=cast, load=load)
                     for (i, _), values in tiles.items():
                         dec_smem[slot, i] = values.astype(jnp.bfloat16)
                     bs = [dec_smem.at[slot, i] for i in range(pairs)]
@@ -234,7 +237,7 @@ def _kernel(*refs, tree, n_in, segs, widths, m, k, tk, k_steps, splits, combine,
                     plgpu.BlockSpec(
                         (ROWS, seg.tile),
                         lambda j, i=i: (r, (j * seg.pairs + i) * (v // seg.tile) + t),
-                        transforms=_transforms(seg.tile, 32),
+                        transforms=smem_transforms(seg.tile, 32),
                     )
                 ],
                 max_concurrent_steps=steps,
@@ -403,7 +406,7 @@ def _call(
         "norm": None if norm is None else norm.reshape(1, k),
         "segments": [
             {
-                "w": w if combine else _words(w, seg.pairs),
+                "w": w if combine else weight_words(w, seg.pairs),
                 "bias": b,
                 "head_norm": None if hn is None else hn.reshape(1, -1),
             }
