@@ -154,7 +154,7 @@ def test_on_a_mesh_the_groups_whose_weights_lie_whole_run_in_the_kernels(attenti
     assert make_placement(config.validate()).decode.dense == groups
 
 
-def test_a_mesh_run_in_the_decode_kernels_gives_the_xla_runs_tokens():
+def test_a_run_in_the_decode_kernels_gives_the_xla_runs_tokens_on_a_mesh():
     """8 devices, expert_sharded, DP attention: q|k|v, the output projection and the router run in
     the interpreted kernels under shard_map, each device its requests; the tokens of kernel xla."""
     placement, fused = mesh_run("interpret_triton")
