@@ -19,9 +19,15 @@ would. With lhs of at most tm rows (gate|up of up to tm tokens; down of up to tm
 expert's weights are streamed once; with more, once per row tile holding its picks.
 
 The rows of picks of experts outside [group_offset, group_offset + G_local) (other devices') are
-written by no CTA: one XLA select after the kernel zeroes them (with the slice of the output's
+zero. With fewer picks than local experts (a decode step of a few tokens) CTA (s, j) writes pick
+s's zero row where its expert is not local: one check, and no launch after the kernel. With more,
+no CTA writes them: one XLA select after the kernel zeroes them (with the slice of the output's
 whole N tiles, as `gmm_mosaic_gpu` zeroes rows of no local group), where a CTA writing them one
 at a time would walk most of the picks on an expert-parallel mesh.
+
+The kernel reads its operands as they are, unpadded: the P ids and the lhs rows by TMA boxes
+running past their ends, which read zeros there (`gmm_mosaic_gpu.prepare`); an XLA pad would be
+one more launch per operand.
 
 rhs may be one layer of a stack (`layered.LayerOf`), read in place; a 4-bit gate|up stack's tensor
 scales, one per column, join the epilogue's column scales (a [G_local, N] slice of the layer's).
@@ -105,9 +111,12 @@ def pick_gemm(
             kernel_name=NAME,
             interpret=interpret_params(interpret),
         )(ids, offset, prep.first, prep.tscale, *prep.operands)
+    out = out[:, : n // prep.product.pairs]
+    if p < g_local:  # the kernel wrote the picks of other experts' zero rows
+        return out
     local = ids - offset[0]
     mine = (local >= 0) & (local < g_local)
-    return jnp.where(mine[:, None], out[:, : n // prep.product.pairs], 0).astype(out_dtype)
+    return jnp.where(mine[:, None], out, 0).astype(out_dtype)
 
 
 def _column_scales(rhs, columns):
@@ -172,7 +181,19 @@ def _cta(ids_ref, offset_ref, first_ref, tscale_ref, *refs, product, picks, expe
 
     first = after(-1)
     if picks < experts:  # another CTA leads the picks of g, or g is no local expert
-        first = jnp.where((g >= 0) & (g < experts) & (first == s), first, picks)
+        local = (g >= 0) & (g < experts)
+        first = jnp.where(local & (first == s), first, picks)
+
+        @pl.when(~local)
+        def _():  # pick s is another device's: its row of N tile j is zero
+            def store(zero_smem):  # [64, width]: a wgmma layout's whole rows
+                zeros = jnp.zeros((64, width), out_gmem.dtype)
+                zero_smem[...] = zeros if interpret else plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(zero_smem.at[pl.ds(0, 1)], out_gmem.at[pl.ds(s, 1), pl.ds(n_i * width, width)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            pl.run_scoped(store, plgpu.SMEM((64, width), out_gmem.dtype))
 
     def tile_of(p):  # the row tile holding pick p's row of lhs
         return p // rows_per_x // tm
