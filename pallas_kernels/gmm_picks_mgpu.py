@@ -163,8 +163,12 @@ def _cta(ids_ref, offset_ref, first_ref, tscale_ref, *refs, product, picks, expe
     s, n_i = lax.axis_index("s"), lax.axis_index("n")
     tm, width = product.tm, product.width
     p_pad = round_up(picks, 64)
-    for b in range(ids_smem.shape[0] // box):
+
+    def copy(b, carry):  # box b; b traced, as a box running past P is no static slice (jax refuses those)
         plgpu.copy_gmem_to_smem(ids_ref.at[pl.ds(b * box, box)], ids_smem.at[pl.ds(b * box, box)], barrier)
+        return carry
+
+    lax.fori_loop(0, ids_smem.shape[0] // box, copy, None)
     plgpu.barrier_wait(barrier)
     if interpret:  # the interpreter has no register layouts
         ids, order = ids_smem[:p_pad], lax.broadcasted_iota(jnp.int32, (p_pad,), 0)
