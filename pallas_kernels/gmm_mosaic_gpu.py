@@ -27,11 +27,12 @@ The CTA writes only its group's rows of the tile, from shared memory by TMA in p
 pieces (a TMA box is static); rows no local group owns are never written and come out zero
 (`tiling.zero_foreign_rows`).
 
-Edges: TMA reads zeros past the end of K and N, so no tile is masked (a 4-bit tile past K/2 reads
-zero codes, whose products are 0 whatever the rows hold), and the output is allocated a whole
-number of N tiles wide and sliced after. TMA wants every row stride of 16 bytes' multiple: widths
-that miss it (bf16 K or N not a multiple of 8, 4-bit N not a multiple of 16) are padded here, a
-copy of the layer's weights per call; models' widths are multiples of 16 and read in place.
+Edges: TMA reads zeros past the end of M, K and N, so no tile is masked (a 4-bit tile past K/2
+reads zero codes, whose products are 0 whatever the rows hold), the rows are not padded to whole
+row tiles, and the output is allocated a whole number of N tiles wide and sliced after. TMA wants
+every row stride of 16 bytes' multiple: widths that miss it (bf16 K or N not a multiple of 8,
+4-bit N not a multiple of 16) are padded here, a copy of the layer's weights per call; models'
+widths are multiples of 16 and read in place.
 
 float32 is refused (`refusal`): wgmma multiplies float32 operands as TF32 (10 mantissa bits),
 ~1e-3 off where the project's float32 runs hold 1e-5 (`gmm_pallas_gpu` and `xla` multiply them at
@@ -129,10 +130,10 @@ class Product:
         """[tm, width] in out_dtype (registers): row tile m_tile of the rows times N tile n_i of group
         `local`'s weights (at `at` in the array read), scaled by tscale (a scalar), its epilogue applied.
 
-        ins: the rows' K-halves (4-bit: x [M_pad, 2, K/2]) or x [M_pad, K]; the weights' words
-        [G', K or K/2, N/p] (p = `pairs`: 2 with act, a word holding a (gate, up) pair) and, 4-bit,
-        their scale words [G', K/B, N/p]; the epilogue's column scales and bias [G_local, p, W]
-        where `tables` says so (W: whole tiles of `width` output columns)."""
+        ins: the rows' K-halves (4-bit: x [M', 2, K/2]) or x [M', K] (M': `prepare`'s rows, row tiles
+        past them read zeros); the weights' words [G', K or K/2, N/p] (p = `pairs`: 2 with act, a word
+        holding a (gate, up) pair) and, 4-bit, their scale words [G', K/B, N/p]; the epilogue's column
+        scales and bias [G_local, p, W] where `tables` says so (W: whole tiles of `width` output columns)."""
         x_gmem, w_gmem, s_gmem, cols_ref, bias_ref = self.refs(ins)
         fmt, block, tm, kt, width, pairs = self.fmt, self.block, self.tm, self.kt, self.width, self.pairs
         halves = 1 if fmt is None else 2
@@ -272,7 +273,7 @@ class Prepared(NamedTuple):
     operands: tuple  # `Product`'s operands: the rows, the weights' words (and 4-bit scale words), the tables
     tscale: jax.Array  # [G'] f32: the groups' tensor scales (1 for bf16 and MXFP4 experts)
     first: jax.Array  # [1]: the local groups' first in the array read (`layered.flat`)
-    m_pad: int  # the rows, whole tiles of tm
+    m_pad: int  # the rows' whole tiles of tm (the operand's rows are not padded to them)
     grid_n: int  # N tiles
 
 
@@ -305,12 +306,15 @@ def prepare(lhs, rhs, out_dtype, tiles: Tiles, epilogue, interpret: bool, kernel
         else:
             lhs, rhs = _pad(lhs, 1, lane), _pad(_pad(rhs, 1, lane), 2, lane)
     rhs, first = layered.flat(rhs)
-    lhs_p = tiling.pad_rows(lhs, tm)
-    m_pad = lhs_p.shape[0]
+    # A row tile's TMA box reads zeros past M, so the rows are not padded to whole row tiles (a copy
+    # and a launch per call); only to whole 8-row tiles past 8, as a tiled TMA box's array wants
+    # (fewer rows than its 8-row tile, or whole tiles).
+    rows = m if m <= 8 else round_up(m, 8)
+    lhs_p = jnp.pad(lhs, ((0, rows - m), (0, 0))) if rows > m else lhs
     if quantized:
         kh = k // 2
         operands = (
-            lhs_p.reshape(m_pad, 2, kh),  # the two K-halves, each with its own end for TMA
+            lhs_p.reshape(rows, 2, kh),  # the two K-halves, each with its own end for TMA
             weight_words(rhs.values, pairs),
             weight_words(tiling.scale_bits(rhs), pairs),
         )
@@ -321,7 +325,7 @@ def prepare(lhs, rhs, out_dtype, tiles: Tiles, epilogue, interpret: bool, kernel
     # The epilogue's tables [G_local, 1, N] -> [G_local, p, W]: gate and up rows apart, whole tiles wide.
     tables = [_pad(t.reshape(g_local, n // pairs, pairs).transpose(0, 2, 1), -1, width) for t in tables]
     product = Product(fmt, block, tm, kt, width, k_steps, steps, pairs, has, act, interpret)
-    return Prepared(product, (*operands, *tables), tscale, first, m_pad, pl.cdiv(n, tn))
+    return Prepared(product, (*operands, *tables), tscale, first, round_up(m, tm), pl.cdiv(n, tn))
 
 
 def interpret_params(interpret: bool):

@@ -19,9 +19,15 @@ would. With lhs of at most tm rows (gate|up of up to tm tokens; down of up to tm
 expert's weights are streamed once; with more, once per row tile holding its picks.
 
 The rows of picks of experts outside [group_offset, group_offset + G_local) (other devices') are
-written by no CTA: one XLA select after the kernel zeroes them (with the slice of the output's
+zero. With fewer picks than local experts (a decode step of a few tokens) CTA (s, j) writes pick
+s's zero row where its expert is not local: one check, and no launch after the kernel. With more,
+no CTA writes them: one XLA select after the kernel zeroes them (with the slice of the output's
 whole N tiles, as `gmm_mosaic_gpu` zeroes rows of no local group), where a CTA writing them one
 at a time would walk most of the picks on an expert-parallel mesh.
+
+The kernel reads its operands as they are, unpadded: the P ids and the lhs rows by TMA boxes
+running past their ends, which read zeros there (`gmm_mosaic_gpu.prepare`); an XLA pad would be
+one more launch per operand.
 
 rhs may be one layer of a stack (`layered.LayerOf`), read in place; a 4-bit gate|up stack's tensor
 scales, one per column, join the epilogue's column scales (a [G_local, N] slice of the layer's).
@@ -85,8 +91,6 @@ def pick_gemm(
     prep = prepare(lhs, rhs, out_dtype, tiles, epilogue, interpret, kernel=NAME)
     width = prep.product.width
     offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
-    p_pad = round_up(p, 64)  # ROW's vectors are whole 64-row tiles
-    ids_p = jnp.pad(ids, (0, p_pad - p), constant_values=-1)  # pad picks past P are never found
     leads = min(g_local, p)  # experts a call can touch: a row of CTAs each
     kernel = functools.partial(
         _kernel,
@@ -106,10 +110,13 @@ def pick_gemm(
             grid_names=("s", "n"),
             kernel_name=NAME,
             interpret=interpret_params(interpret),
-        )(ids_p, offset, prep.first, prep.tscale, *prep.operands)
+        )(ids, offset, prep.first, prep.tscale, *prep.operands)
+    out = out[:, : n // prep.product.pairs]
+    if p < g_local:  # the kernel wrote the picks of other experts' zero rows
+        return out
     local = ids - offset[0]
     mine = (local >= 0) & (local < g_local)
-    return jnp.where(mine[:, None], out[:, : n // prep.product.pairs], 0).astype(out_dtype)
+    return jnp.where(mine[:, None], out, 0).astype(out_dtype)
 
 
 def _column_scales(rhs, columns):
@@ -131,27 +138,66 @@ def _kernel(
     ids_ref, offset_ref, first_ref, tscale_ref, *refs, product: Product, picks: int, experts: int, rows_per_x, interpret
 ):
     """CTA (s, j): expert g's picks (g: see the module's docstring; `experts`: G_local) times N tile
-    j. Refs are whole arrays in GMEM: ids [P_pad] (global expert ids, -1 past P), offset [1] (the
-    first local expert), first [1] (its weights in the array read), tscale [G'], `Product`'s
-    operands; out [P, W] (W: whole tiles of the product's `width` output columns)."""
-    *ins, out_gmem = refs
+    j. Refs are whole arrays in GMEM: ids [P] (global expert ids), offset [1] (the first local
+    expert), first [1] (its weights in the array read), tscale [G'], `Product`'s operands; out
+    [P, W] (W: whole tiles of the product's `width` output columns)."""
+    p_pad = round_up(picks, 64)  # ROW's vectors are whole 64-row tiles
+    box = min(p_pad, 256)  # a TMA box's most elements along an axis
+    boxes = pl.cdiv(p_pad, box)
+    # The ids come into shared memory by TMA in boxes running past P, which read zeros there, rather
+    # than from a padded copy; the shared ids live as long as the CTA (a scope ending after their
+    # load would hand their memory to the pipeline's TMA while other warps may still read them).
+    pl.run_scoped(
+        functools.partial(
+            _cta, ids_ref, offset_ref, first_ref, tscale_ref, *refs, product=product, picks=picks, experts=experts,
+            rows_per_x=rows_per_x, interpret=interpret, box=box,
+        ),
+        plgpu.SMEM((boxes * box,), jnp.int32),
+        plgpu.Barrier(num_arrivals=boxes),
+    )  # fmt: skip
+
+
+def _cta(ids_ref, offset_ref, first_ref, tscale_ref, *refs, product, picks, experts, rows_per_x, interpret, box):
+    """`_kernel`'s CTA, its scratch last among refs: ids_smem [whole boxes of `box` ids], their barrier."""
+    *ins, out_gmem, ids_smem, barrier = refs
     s, n_i = lax.axis_index("s"), lax.axis_index("n")
     tm, width = product.tm, product.width
-    p_pad = ids_ref.shape[0]
+    p_pad = round_up(picks, 64)
+
+    def copy(b, carry):  # box b; b traced, as a box running past P is no static slice (jax refuses those)
+        plgpu.copy_gmem_to_smem(ids_ref.at[pl.ds(b * box, box)], ids_smem.at[pl.ds(b * box, box)], barrier)
+        return carry
+
+    lax.fori_loop(0, ids_smem.shape[0] // box, copy, None)
+    plgpu.barrier_wait(barrier)
     if interpret:  # the interpreter has no register layouts
-        ids, order = ids_ref[...], lax.broadcasted_iota(jnp.int32, (p_pad,), 0)
+        ids, order = ids_smem[:p_pad], lax.broadcasted_iota(jnp.int32, (p_pad,), 0)
     else:
-        ids, order = mgpu_api.load(ids_ref, ROW, False), plgpu.broadcasted_iota(jnp.int32, (p_pad,), 0, layout=ROW)
+        ids = mgpu_api.load(ids_smem.at[:p_pad], ROW, False)
+        order = plgpu.broadcasted_iota(jnp.int32, (p_pad,), 0, layout=ROW)
     # The CTA's expert g: s, or, with fewer picks than experts, pick s's expert where s is its first pick.
     g = s if picks >= experts else ids_ref[s] - offset_ref[0]
-    mine = ids - offset_ref[0] == g
+    # Picks past P read id 0, which may be a local expert's: they are no pick.
+    mine = (ids - offset_ref[0] == g) & (order < picks)
 
     def after(p):  # () int32: expert g's first pick after pick p; `picks` where none is
         return jnp.min(jnp.where(mine & (order > p), order, picks))
 
     first = after(-1)
     if picks < experts:  # another CTA leads the picks of g, or g is no local expert
-        first = jnp.where((g >= 0) & (g < experts) & (first == s), first, picks)
+        local = (g >= 0) & (g < experts)
+        first = jnp.where(local & (first == s), first, picks)
+
+        @pl.when(~local)
+        def _():  # pick s is another device's: its row of N tile j is zero
+            def store(zero_smem):  # [64, width]: a wgmma layout's whole rows
+                zeros = jnp.zeros((64, width), out_gmem.dtype)
+                zero_smem[...] = zeros if interpret else plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(zero_smem.at[pl.ds(0, 1)], out_gmem.at[pl.ds(s, 1), pl.ds(n_i * width, width)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            pl.run_scoped(store, plgpu.SMEM((64, width), out_gmem.dtype))
 
     def tile_of(p):  # the row tile holding pick p's row of lhs
         return p // rows_per_x // tm

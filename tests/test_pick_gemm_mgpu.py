@@ -17,7 +17,7 @@ from moejax.base import targets
 from moejax.compiled import hlo
 from moejax.model.layers import silu_glu
 from pallas_kernels import gmm_picks_mgpu, tiles
-from pallas_kernels.gmm_mosaic_gpu import Tiles
+from pallas_kernels.gmm_mosaic_gpu import InterpretGPUParams, Tiles
 from pallas_kernels.gmm_picks import pick_gemm_xla
 from pallas_kernels.layered import LayerOf
 
@@ -128,6 +128,22 @@ def test_fewer_picks_than_experts_each_expert_led_by_its_first_pick():
     assert_matches(run(lhs, w, ids), expected(lhs, w, ids), ids)
 
 
+def test_rows_and_ids_read_past_their_ends_and_other_devices_picks_written_where_memory_starts_nan(monkeypatch):
+    """Where the interpreter's fresh memory and reads past an array are NaN (ints: their largest),
+    not zero: the rows past the lhs's and the ids past P read garbage (a row tile's products are
+    row by row; the picks past P are masked), and the picks of other devices' experts are zero
+    where no select follows: CTA (s, j) writes pick s's zero row with fewer picks than local
+    experts. K a whole number of K tiles: past K no garbage may enter the sums."""
+    nan = InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="nan")
+    monkeypatch.setattr(gmm_picks_mgpu, "interpret_params", lambda interpret: nan)
+    ids = np.array([6, 0, 6, 2], np.int32)
+    lhs, w, _ = operands("nan", 2, k=256)
+    w = w.astype(jnp.bfloat16)
+    out = run(lhs, w, ids)
+    assert np.isfinite(out).all()
+    assert_matches(out, expected(lhs, w, ids), ids)
+
+
 def test_down_rows_over_two_row_tiles():
     """A down product of 160 picks (rows): row tiles of 128; expert 4 has picks in both (its weights
     read once per tile) and several in one (a store per pick)."""
@@ -218,10 +234,19 @@ def assert_one_mosaic_gpu_call_per_product(launches, calls) -> None:
     assert all(".f32.bf16.bf16" in c.backend_config for c in calls)
 
 
+def assert_no_pad_and_selects(launches, selects: int) -> None:
+    """The kernels read the ids and rows unpadded: no XLA pad among the launches; `selects` XLA
+    selects zero other devices' picks (none where the kernel writes them: fewer picks than experts)."""
+    xla = [r.instr.scope.rsplit("/", 1)[-1] for r in launches if not r.instr.pallas]
+    assert len(xla) < len(launches) and not [op for op in xla if "pad" in op]
+    assert xla.count("select_n") == selects
+
+
 @pytest.mark.parametrize("tokens", [1, 64])
 def test_compiles_for_h100_as_one_mosaic_gpu_call_per_product(tokens):
     launches, calls = qwen3_step(tokens)
     assert_one_mosaic_gpu_call_per_product(launches, calls)
+    assert_no_pad_and_selects(launches, 0 if tokens == 1 else 2)  # 8 picks of 128 experts, or 512
     # a row of CTAs per pick (8 picks) or per expert (512 picks of 128), one CTA per N tile of 64
     # (gate, up) pairs, then of 64 columns where 8 rows of them leave the SMs short of two each, else 128
     rows = min(8 * tokens, 128)
@@ -229,4 +254,6 @@ def test_compiles_for_h100_as_one_mosaic_gpu_call_per_product(tokens):
 
 
 def test_nvfp4_experts_compile_for_h100_as_one_mosaic_gpu_call_per_product():
-    assert_one_mosaic_gpu_call_per_product(*qwen3_step(1, "nvfp4"))
+    launches, calls = qwen3_step(1, "nvfp4")
+    assert_one_mosaic_gpu_call_per_product(launches, calls)
+    assert_no_pad_and_selects(launches, 0)
