@@ -316,7 +316,7 @@ _ATTENTIONS = (
 # A decode step's fused kernels (`moejax/model/projections.py`, `sharding/experts.py`): Triton's pick
 # GEMM (each row's experts by id, no sort), dense projections and top-k; Mosaic GPU's pick GEMM and
 # dense projections on Hopper (where jax has no Triton: its router is XLA's, the float32 product
-# wgmma would take as TF32, so a layer is 21 launches to Triton's 15 at batch 1 on an H200); Mosaic
+# wgmma would take as TF32, so a layer is 20 launches to Triton's 15 at batch 1 on an H200); Mosaic
 # TPU's experts as one call (each local expert's tiles against every row, an expert no row picked
 # never read) and its router.
 PICKS = frozenset({"picks"})
