@@ -367,6 +367,7 @@ _DECODES = (
         reads=PICKS,
         dense="mosaic_gpu_linear",
         api=((MOSAIC_GPU, PICKS_MOSAIC_GPU_API),),
+        shape_check="shape_refusal",
         tiles="pick_gemm_mgpu",
     ),
     Kernel(
@@ -381,6 +382,7 @@ _DECODES = (
         dense="interpret_mosaic_gpu_linear",
         interpreted=True,
         api=((MOSAIC_GPU, PICKS_MOSAIC_GPU_API),),
+        shape_check="shape_refusal",
         tiles="pick_gemm_mgpu",
     ),
     Kernel(

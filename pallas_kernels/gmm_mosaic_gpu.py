@@ -295,10 +295,9 @@ def prepare(lhs, rhs, out_dtype, tiles: Tiles, epilogue, interpret: bool, kernel
     tm, tk, tn, steps = tiles.tm, tiles.tk, tiles.tn, tiles.steps
     _check_tiles(tm, tk, tn, steps, pairs, quantized, out_dtype, kernel)
     width, kt = tn // pairs, tk // 2 if quantized else tk
-    # TMA strides: every row a multiple of 16 bytes, and K whole tiles of the least swizzle's 16
-    # columns (`mgpu_blocks.operand_swizzle`). Widths that miss it are padded, which copies the
-    # layer's weights out of a stack.
-    lane = 16
+    # TMA strides: every row a multiple of 16 bytes. Widths that miss it are padded, which copies
+    # the layer's weights out of a stack.
+    lane = 16 if quantized else 8
     if k % lane or n % lane:
         rhs = layered.layer_slice(rhs.stack, rhs.index) if isinstance(rhs, layered.LayerOf) else rhs
         if quantized:

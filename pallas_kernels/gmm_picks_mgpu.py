@@ -55,6 +55,14 @@ NAME = "pick_gemm_mgpu"
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64 * i] vector as a [rows, N] tile's rows hold it
 
 
+def shape_refusal(k: int, n: int, gated: bool, tiles: Tiles) -> str | None:
+    """Why a device's [K, N] experts are not this kernel's (`catalog`'s shape check): its TMA boxes
+    are 128-byte swizzled tiles of 64 columns, which K and N must be whole tiles of (a model's are)."""
+    if k % 64 or n % 64:
+        return f"K and N must be multiples of 64 (128-byte swizzled tiles), got K={k}, N={n}"
+    return None
+
+
 def table_rows(lhs_rows: int, picks: int, k: int) -> int:
     """The rows the tile table keys a call by (`registry.pick_gemm`): the lhs's, whose row tile it picks."""
     return lhs_rows

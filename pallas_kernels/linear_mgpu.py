@@ -97,10 +97,11 @@ def _check(x, weights, laid_out, tiles: Tiles, precision):
 
 
 def shape_refusal(k: int, n: int, gated: bool, tiles: Tiles) -> str | None:
-    """Why a product of K rows and N columns (or a head's piece of N columns) is not this kernel's:
-    TMA copies rows of whole 16 bytes (`catalog`'s shape check)."""
-    if k % 8 or n % 8:
-        return f"K and N must be multiples of 8 (TMA's 16-byte rows), got K={k}, N={n}"
+    """Why a product of K rows and N columns (or a head's piece of N columns) is not this kernel's
+    (`catalog`'s shape check): its TMA boxes are 128-byte swizzled tiles of 64 columns, which an
+    array's rows must be whole tiles of (a model's widths are)."""
+    if k % 64 or n % 64:
+        return f"K and N must be multiples of 64 (128-byte swizzled tiles), got K={k}, N={n}"
     return None
 
 

@@ -73,7 +73,8 @@ def test_without_triton_auto_never_picks_a_triton_kernel(without_triton, target,
     assert placement.kernel == kernel and placement.decode.kernel == decode
     if decode == "mosaic_gpu":
         assert placement.decode.linear == "mosaic_gpu_linear" and placement.decode.topk is None
-        assert placement.decode.dense == {"attention", "mlp", "shared_mlp"}
+        # not the float32 router, nor this model's attention: heads of 16 columns, no whole swizzled tile
+        assert placement.decode.dense == {"mlp", "shared_mlp"}
 
 
 @pytest.mark.parametrize(

@@ -145,7 +145,8 @@ def test_every_family_compiles_for_hopper_and_blackwell_without_triton(compiled,
     result = compiled[case.id]
     programs = _programs(result)
     assert set(programs) == set(case.programs)
-    assert result["decode_kernels"] == "xla"  # the fused decode kernels are Triton's
+    # The fused decode kernels: Mosaic GPU's on a Hopper where they take the widths, else XLA's ops.
+    assert result["decode_kernels"] in (("mosaic_gpu", "xla") if case.target == "h100" else ("xla",))
     for name, program in programs.items():
         assert "triton" not in program["pallas_calls"], name
         assert program["deprecations"] == [], name
