@@ -255,8 +255,8 @@ def expert_ffn(
 def route(x, norm, router, *, backend: str, k: int, eps: float, scoring: str, bias=None, **weighing):
     """A decode set's router as one call (its record's `router`): x [T, D], the MoE's norm [D], router
     [D, E] f32 -> (h [T, D] normed, ids [T, k] int32, weights [T, k] f32, slot [E] int32: the set's
-    experts kernel's table of the picks, `expert_ffn`'s slot). weighing: norm_topk_prob,
-    routed_scaling_factor, precision."""
+    experts kernel's table of the picks, `expert_ffn`'s slot, or None where `slots` is False).
+    weighing: norm_topk_prob, routed_scaling_factor, precision, slots."""
     record = catalog.kernel(catalog.DECODE, backend)
     return record.load()(
         x, norm, router, k=k, eps=eps, scoring=scoring, bias=bias, interpret=record.interpreted, **weighing

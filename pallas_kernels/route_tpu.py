@@ -49,11 +49,14 @@ def _slots(ids: jax.Array, e: int) -> jax.Array:
     return jnp.where(before >= 0, before, jnp.where(first < e, first, 0.0)).astype(jnp.int32)
 
 
-def _kernel(norm_layer, _, x_ref, norms_ref, router_ref, *refs, k, eps, scoring, norm_topk_prob, scale, precision):
+def _kernel(
+    norm_layer, _, x_ref, norms_ref, router_ref, *refs, k, eps, scoring, norm_topk_prob, scale, precision, slots
+):
     """Refs: the norm's layer in its stack, the router's (its index map's), x [T, D], the norms' stack
     [L, D], router [D, E] f32, the bias [1, E] where given; out h [T, D], ids [T, k] int32, weights
-    [T, k] f32, slot [1, E] int32."""
-    *bias_ref, h_ref, ids_ref, weights_ref, slot_ref = refs
+    [T, k] f32, and `slots`: slot [1, E] int32."""
+    *bias_ref, h_ref, ids_ref, weights_ref = refs[: len(refs) - slots]
+    slot_ref = refs[-1] if slots else None
     x = x_ref[...]
     xf = x.astype(jnp.float32)
     # The norm's layer: its row of the stack, picked by a sum with zeros (exact), since a block of a
@@ -71,7 +74,8 @@ def _kernel(norm_layer, _, x_ref, norms_ref, router_ref, *refs, k, eps, scoring,
     experts, picks = (lax.broadcasted_iota(jnp.int32, (1, n), 1) for n in (e, k))
     ids, weights = topk.pick(values, choice, k, experts, picks, jnp.zeros((t, e), jnp.bool_))
     ids_ref[...] = ids
-    slot_ref[...] = _slots(ids, e)
+    if slots:
+        slot_ref[...] = _slots(ids, e)
     weights_ref[...] = topk.weigh(
         weights, scoring, norm_topk_prob, scale, _softmax, functools.partial(jnp.sum, axis=1, keepdims=True)
     )
@@ -89,15 +93,17 @@ def route_tpu(
     norm_topk_prob: bool = False,
     routed_scaling_factor: float = 1.0,
     precision=None,
+    slots: bool = True,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """x [T, D] the residual stream's rows, norm [D] the MoE's RMSNorm weight, router [D, E] f32 (each
     an array, or a `LayerOf` of its run's stack, read where it lies: a layer sliced out of a scan's
     stack is a copy for a kernel's operand), bias [E] (sigmoid: added to the scores to choose;
     topk_softmax: to the logits) -> (h [T, D] the normed
-    rows, ids [T, k] int32, weights [T, k] f32, slot [E] int32), as `rms_norm` then `router.route`
-    compute them, and slot as `expert_ffn_tpu.expert_slots(ids, 0, E)`. precision: the logits'
-    matmul precision (the run's)."""
+    rows, ids [T, k] int32, weights [T, k] f32, slot [E] int32 or, `slots` False, None), as `rms_norm`
+    then `router.route` compute them, and slot as `expert_ffn_tpu.expert_slots(ids, 0, E)` (one
+    chip's table of every expert: a mesh's devices hold some). precision: the logits' matmul
+    precision (the run's)."""
     t, d = x.shape
     e = router.shape[1]
     topk.check(jax.ShapeDtypeStruct((t, e), jnp.float32), k, scoring, bias)
@@ -113,22 +119,23 @@ def route_tpu(
         norm_topk_prob=norm_topk_prob,
         scale=routed_scaling_factor,
         precision=precision,
+        slots=slots,
     )
     # VMEM: the operands and outputs once each, the [T, E] scores and choice a few times over, the
     # slot table's [E, E] comparisons.
     vmem = 2 * (2 * x.size * x.dtype.itemsize + d * e * 4) + 16 * t * e * 4 + 8 * e * e * 4 + (4 << 20)
-    h, ids, weights, slot = pl.pallas_call(
+    out_shape = [
+        metadata.varying_struct((t, d), x.dtype, *operands),
+        metadata.varying_struct((t, k), jnp.int32, *operands),
+        metadata.varying_struct((t, k), jnp.float32, *operands),
+    ] + [metadata.varying_struct((1, e), jnp.int32, *operands)] * slots
+    h, ids, weights, *slot = pl.pallas_call(
         kernel,
-        out_shape=(
-            metadata.varying_struct((t, d), x.dtype, *operands),
-            metadata.varying_struct((t, k), jnp.int32, *operands),
-            metadata.varying_struct((t, k), jnp.float32, *operands),
-            metadata.varying_struct((1, e), jnp.int32, *operands),
-        ),
+        out_shape=tuple(out_shape),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             in_specs=[whole, whole, layer] + [whole] * (bias is not None),
-            out_specs=(whole, whole, whole, whole),
+            out_specs=(whole,) * len(out_shape),
             grid=(1,),
         ),
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=max(vmem, 16 << 20)),
@@ -139,4 +146,4 @@ def route_tpu(
             bytes_accessed=2 * x.size * x.dtype.itemsize + d * e * 4 + 8 * t * k + 4 * e,
         ),
     )(norm_layer, router_layer, *operands)
-    return h, ids, weights, slot.reshape(e)
+    return h, ids, weights, slot[0].reshape(e) if slots else None

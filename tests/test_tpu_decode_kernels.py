@@ -188,6 +188,19 @@ def test_the_router_kernel_reads_its_layer_in_its_stacks():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_on_a_mesh_the_router_kernel_writes_no_slot_table():
+    """A mesh's device holds some experts, not the table's every one: `slots` False leaves it out (XLA
+    builds each device's), the rows, picks and weights the same."""
+    c = preset("tiny-glm4-moe")
+    x, norm = normal(1, (4, c.hidden_size), jnp.float32), 1 + normal(2, (c.hidden_size,), jnp.float32, 0.1)
+    router = normal(3, (c.hidden_size, c.num_experts), jnp.float32)
+    kw = dict(k=c.num_experts_per_tok, eps=c.rms_norm_eps, scoring=c.router_scoring, interpret=True)
+    *without, table = route_tpu(x, norm, router, slots=False, **kw)
+    assert table is None
+    for got, want in zip(without, route_tpu(x, norm, router, **kw)[:3], strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 @pytest.mark.parametrize("rows", [1, 64])
 def test_compiled_for_a_v5e_the_router_is_one_kernel_with_no_sort(rows):
     """Qwen3-30B-A3B's router (hidden 2,048, 128 experts, top-8 softmax) on a v5e."""

@@ -162,7 +162,7 @@ def route(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, c: Mode
 
         def kernel(rows, whole):  # one device's rows
             (x,), (norm, router, bias) = rows, whole
-            h, ids, weights, table = pallas_kernels.route(
+            return pallas_kernels.route(
                 x,
                 norm,
                 router,
@@ -172,10 +172,10 @@ def route(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, c: Mode
                 scoring=c.router_scoring,
                 bias=bias,
                 precision=decode.precision,
+                # The experts' slot table is one device's, which holds every expert: on a mesh XLA's.
+                slots=decode.per_device is None,
                 **weighing,
             )
-            # The experts' slot table is one device's, which holds every expert: on a mesh XLA's.
-            return h, ids, weights, table if decode.per_device is None else None
 
         return decode.run(kernel, (x,), (norm, p["router"], bias))
     # The kernel's norm and router may lie in their run's stack (`layered.LayerOf`); XLA's slice them.

@@ -133,8 +133,8 @@ def cmd_plan(args) -> int:
                     f"{f['kernel']:<28}{f['programs']:>9}{f['sms']:>5}{f['bytes'] / 1e6:>9.2f}{f['us']:>16.2f}"
                     f"{f['calls']:>7g}{short}"
                 )
-    for r in rows:
-        if target:
+    if target:
+        for r in rows:
             print_layer_ops(r["name"], r["layer_ops"], model.num_layers)
     if not target:
         print("kernel launches: counted on a --target's program (XLA:CPU's is not the one an accelerator launches)")
