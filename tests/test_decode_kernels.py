@@ -21,13 +21,14 @@ from moejax.model import projections
 from moejax.model.layers import rope_cos_sin
 from sharding import make_placement
 
-# The fused kernels in the interpreter, for every pass of up to 128 rows, a layer's dense weights on
-# its one device; tiles: the table's defaults ("", 0).
+# The fused kernels in the interpreter, for every dense pass of up to 128 rows and experts' of up to
+# 256, a layer's dense weights on its one device; tiles: the table's defaults ("", 0).
 FUSED = DecodeKernels(
     "interpret_triton",
-    128,
-    "highest",
-    ("", 0),
+    rows=128,
+    pick_rows=256,
+    precision="highest",
+    device=("", 0),
     dense=frozenset(DENSE_GROUPS),
     linear="interpret_triton_linear",
     topk="interpret_triton_topk",
@@ -107,7 +108,8 @@ def test_mlp_is_gate_up_activated_then_down(residual):
 def test_a_prefills_rows_take_the_xla_ops():
     """More rows than a decode step's go through XLA's GEMMs: the same function, the same values."""
     assert FUSED.fuses_dense(ROWS, "attention") and not FUSED.fuses_dense(FUSED.rows + 1, "attention")
-    assert not XLA.fuses_dense(1, "attention")
+    assert FUSED.fuses(FUSED.pick_rows) and not FUSED.fuses(FUSED.pick_rows + 1)
+    assert not XLA.fuses_dense(1, "attention") and not XLA.fuses(1)
 
 
 @pytest.mark.parametrize("name,fmt", [("tiny-qwen3-moe", "nvfp4"), ("tiny-gpt-oss", "unquantized")])

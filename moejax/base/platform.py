@@ -107,9 +107,14 @@ COMPILERS = {"cpu": "XLA:CPU", "gpu": "XLA:GPU", "tpu": "the TPU compiler"}
 
 # A GPU's decode step runs its small products in fused decode kernels (`moejax/model/projections.py`,
 # `sharding/experts.py`): every projection of a few rows there was a weight-sized multiply and a
-# reduce, and the MoE's group bookkeeping some twenty small kernels. Up to DECODE_KERNEL_ROWS rows
-# (a serving batch's decode rows); a prefill chunk's rows go through XLA's GEMMs and the grouped GEMM.
+# reduce, and the MoE's group bookkeeping some twenty small kernels. The dense products up to
+# DECODE_KERNEL_ROWS rows a device (a serving batch's decode rows); the experts by pick up to
+# DECODE_PICK_ROWS rows, the rows every device's experts see where a placement gathers the batch
+# (8 devices at 256 requests: 256 rows of 8 picks, 16 a Qwen3 expert and 8 a GLM-5 one, each
+# expert's picks one chunk of the pick GEMM, where the sorted grouped GEMM was two dozen more
+# kernels a layer). A prefill chunk's rows go through XLA's GEMMs and the grouped GEMM.
 DECODE_KERNEL_ROWS = 128
+DECODE_PICK_ROWS = 256
 # Which grouped GEMMs' runs take them is their catalog records' (`pallas_kernels.catalog`: `decode`).
 
 
@@ -122,16 +127,18 @@ DENSE_GROUPS = ("attention", "router", "mlp", "shared_mlp")
 class DecodeKernels:
     """How a placement runs a decode step's small products: `kernel` "xla", or the fused decode
     kernels' backend ("triton", "pallas_tpu"; "interpret_triton", "interpret_tpu": the same kernels
-    in Pallas's interpreter) for passes of at most `rows` rows (a layer's dense products here, its
-    experts by pick in `sharding/experts.py`); `precision`: the products' matmul precision (None:
-    the platform's default); `device`: (device kind, cores) the kernels' tiles are looked up for
-    (`pallas_kernels/tiles.py`); `dense`: the DENSE_GROUPS whose products run in them too (the set
-    has kernels for them, and their weights lie whole on each device: a kernel multiplies one
-    device's rows by whole weights); `per_device`: on a mesh, how a kernel runs on each device's
-    rows (`Placement.per_device`), None on one device."""
+    in Pallas's interpreter): a layer's dense products here, for passes of at most `rows` rows a
+    device, and its experts by pick (`sharding/experts.py`), for passes of at most `pick_rows`;
+    `precision`: the products' matmul precision (None: the platform's default); `device`: (device
+    kind, cores) the kernels' tiles are looked up for (`pallas_kernels/tiles.py`); `dense`: the
+    DENSE_GROUPS whose products run in them too (the set has kernels for them, and their weights
+    lie whole on each device: a kernel multiplies one device's rows by whole weights);
+    `per_device`: on a mesh, how a kernel runs on each device's rows (`Placement.per_device`), None
+    on one device."""
 
     kernel: str = "xla"
     rows: int = 0
+    pick_rows: int = 0
     precision: str | None = None
     device: tuple[str, int] = ("", 0)
 
@@ -145,16 +152,19 @@ class DecodeKernels:
 
     def fuses(self, rows: int) -> bool:
         """Whether a pass of `rows` rows multiplies its experts by pick."""
-        return self.kernel != "xla" and rows <= self.rows
+        return self.kernel != "xla" and rows <= self.pick_rows
 
     def routes(self, rows: int) -> bool:
         """Whether a pass of `rows` rows runs the MoE's norm and router as one kernel."""
-        return self.router is not None and self.fuses(self.local(rows))
+        return self.router is not None and self._fuses_local(rows)
 
     def fuses_dense(self, rows: int, group: str) -> bool:
         """Whether a pass of `rows` rows runs the products of `group` (one of DENSE_GROUPS) in the
         fused kernels, each device's share of them."""
-        return group in self.dense and self.fuses(self.local(rows))
+        return group in self.dense and self._fuses_local(rows)
+
+    def _fuses_local(self, rows: int) -> bool:
+        return self.kernel != "xla" and self.local(rows) <= self.rows
 
     def local(self, rows: int) -> int:
         """A device's share of a pass of `rows` rows (every row where they do not divide)."""
@@ -304,7 +314,9 @@ class Platform:
         `dense` on (which products they run, and how on a mesh)."""
         if kernel is None:
             return XLA
-        return DecodeKernels(kernel, DECODE_KERNEL_ROWS, self.matmul_precision(dtype), tile_device(device), **how)
+        return DecodeKernels(
+            kernel, DECODE_KERNEL_ROWS, DECODE_PICK_ROWS, self.matmul_precision(dtype), tile_device(device), **how
+        )
 
     def kv_cache_bytes(self, devices: list) -> int:
         """The page pool's default bytes over `devices` where the platform sizes it by memory
