@@ -25,27 +25,36 @@ from sharding.mesh import MeshPlacement, own_share
 from sharding.rules import ALL
 
 
-def dispatch_plan(ids: jax.Array, e_local: int, n: int):
-    """ids: [T, k] global expert ids -> (goes: bool [T, n] row t goes to device d,
-    slot: int32 [T, n] its slot in the block for d, send_sizes: int32 [n])."""
-    dest = ids // e_local  # [T, k] device of each pick
-    goes = jnp.any(dest[:, :, None] == jnp.arange(n), axis=1)
-    slot = jnp.cumsum(goes, axis=0, dtype=jnp.int32) - 1
-    return goes, slot, goes.sum(0, dtype=jnp.int32)
+def dispatch_plan(ids: jax.Array, e_local: int, n: int) -> tuple[jax.Array, jax.Array]:
+    """ids: [T, k] global expert ids -> (row_of_slot: int32 [n, T] the row in slot s of the block for
+    device d, T where none; send_sizes: int32 [n] the slots used). Block d holds the rows with a
+    pick on d, in order: slot s's row is the one before which s + 1 rows go to d, so counting the
+    rows whose running count is at most s finds it (T where fewer go): a compare and a sum, where a
+    scatter of each row to its slot was three kernels a layer on a GPU."""
+    t = ids.shape[0]
+    goes = jnp.any((ids // e_local)[:, :, None] == jnp.arange(n), axis=1)  # [T, n]: row t goes to d
+    before = jnp.cumsum(goes, axis=0, dtype=jnp.int32)  # [T, n]: rows up to t going to d
+    slots = jnp.arange(t, dtype=jnp.int32)[None, :, None]  # [1, S, 1]
+    row_of_slot = jnp.sum(before.T[:, None, :] <= slots, axis=-1, dtype=jnp.int32)  # [n, S]
+    return row_of_slot, before[-1]
 
 
-def _exchange(x: jax.Array, sizes: jax.Array, recv_sizes: jax.Array, use_ragged: bool) -> jax.Array:
+def _exchange(
+    x: jax.Array, sizes: jax.Array, recv_sizes: jax.Array, use_ragged: bool, fill: jax.Array | None = None
+) -> jax.Array:
     """x: [n, S, ...] block b goes to device b -> [n, S, ...] block b came from device b.
     `sizes[b]`: used slots of block b (what a ragged exchange sends); `recv_sizes[b]`: those of the
-    block device b sends here (the exchange of counts, once a layer)."""
+    block device b sends here (the exchange of counts, once a layer); `fill` [...]: what a ragged
+    exchange leaves in the slots nothing arrived in (default zeros; a dense one sends them)."""
     n, s = x.shape[:2]
     if not use_ragged:
         return jax.lax.all_to_all(x, ALL, 0, 0, tiled=True)
     me = jax.lax.axis_index(ALL)
     flat = x.reshape(n * s, *x.shape[2:])
+    out = jnp.zeros_like(flat) if fill is None else jnp.broadcast_to(fill, flat.shape)
     offsets = jnp.arange(n, dtype=jnp.int32) * s
     out = jax.lax.ragged_all_to_all(
-        flat, jnp.zeros_like(flat), offsets, sizes, jnp.full((n,), me * s, jnp.int32), recv_sizes, axis_name=ALL
+        flat, out, offsets, sizes, jnp.full((n,), me * s, jnp.int32), recv_sizes, axis_name=ALL
     )
     return out.reshape(x.shape)
 
@@ -62,14 +71,25 @@ def _from_columns(a: jax.Array, dtype, kk: int) -> jax.Array:
     return jax.lax.bitcast_convert_type(a.reshape(*a.shape[:-1], kk, ratio) if ratio > 1 else a, dtype)
 
 
-def _dispatch(rows, ids, weights, sizes, recv_sizes, dispatch_dtype: str, use_ragged: bool):
+def _dispatch(rows, ids, weights, sizes, recv_sizes, dispatch_dtype: str, use_ragged: bool, unused: int):
     """Rows [n, S, D] with their picks' ids and weights [n, S, kk] to the blocks' devices: one
     exchange, the picks bit for bit in columns after each row's (4-byte ids and weights in a 2-
-    or 4-byte row), or, rows as NVFP4 (values, block and row scales), an exchange per array."""
+    or 4-byte row), or, rows as NVFP4 (values, block and row scales), an exchange per array. A
+    slot nothing arrived in holds the expert id `unused` (nobody's: its picks compute nothing)."""
     kk = ids.shape[-1]
+    no_ids = jnp.full((kk,), unused, ids.dtype)
     if dispatch_dtype != "nvfp4" and 4 % rows.dtype.itemsize == 0:
         packed = jnp.concatenate([rows, _as_columns(ids, rows.dtype), _as_columns(weights, rows.dtype)], axis=-1)
-        got = _exchange(packed, sizes, recv_sizes, use_ragged)
+        fill = (
+            jnp.zeros(packed.shape[-1:], rows.dtype)
+            .at[rows.shape[-1] :]
+            .set(
+                jnp.concatenate(
+                    [_as_columns(no_ids, rows.dtype), _as_columns(jnp.zeros((kk,), weights.dtype), rows.dtype)]
+                )
+            )
+        )
+        got = _exchange(packed, sizes, recv_sizes, use_ragged, fill)
         d, width = rows.shape[-1], (got.shape[-1] - rows.shape[-1]) // 2
         return (
             got[..., :d],
@@ -78,11 +98,11 @@ def _dispatch(rows, ids, weights, sizes, recv_sizes, dispatch_dtype: str, use_ra
         )
     exchange = functools.partial(_exchange, sizes=sizes, recv_sizes=recv_sizes, use_ragged=use_ragged)
     if dispatch_dtype != "nvfp4":
-        return exchange(rows), exchange(ids), exchange(weights)
+        return exchange(rows), exchange(ids, fill=no_ids), exchange(weights)
     q = pallas_kernels.quantize_rows(rows.reshape(-1, rows.shape[-1]).astype(jnp.float32), "nvfp4")
     n, s = rows.shape[:2]
     q = jax.tree.map(lambda a: exchange(a.reshape(n, s, *a.shape[1:])).reshape(a.shape), q)
-    return pallas_kernels.dequantize(q, rows.dtype).reshape(rows.shape), exchange(ids), exchange(weights)
+    return pallas_kernels.dequantize(q, rows.dtype).reshape(rows.shape), exchange(ids, fill=no_ids), exchange(weights)
 
 
 def local_picks(k: int, e_local: int) -> int:
@@ -127,16 +147,9 @@ def ragged_phases(
     def dispatch(x, ids, weights):
         t, k = ids.shape
         n = jax.lax.axis_size(ALL)
-        goes, slot, send_sizes = dispatch_plan(ids, e_local, n)
+        row_of_slot, send_sizes = dispatch_plan(ids, e_local, n)  # [n, T], [n]
         # Send buffer [n, T, ...]: block d holds the rows going to d, with only d's picks kept.
         # Unused slots keep the sentinel expert `num_experts` (nobody's) and so compute nothing.
-        target = jnp.where(goes, slot, t)  # [T, n]; slot t is out of range: dropped by the scatter
-        dev = jnp.broadcast_to(jnp.arange(n), (t, n))
-        row_of_slot = (
-            jnp.full((n, t), t, jnp.int32)
-            .at[dev, target]
-            .set(jnp.broadcast_to(jnp.arange(t)[:, None], (t, n)), mode="drop")
-        )  # [n, T]
         valid = row_of_slot < t
         safe = jnp.where(valid, row_of_slot, 0)
         pick_dev = ids[safe] // e_local  # [n, T, k]
@@ -156,10 +169,8 @@ def ragged_phases(
         # The counts' exchange, once a layer: the combine sends back what the dispatch brought.
         recv_sizes = jax.lax.all_to_all(send_sizes, ALL, 0, 0, tiled=True)
         recv_rows, recv_ids, recv_w = _dispatch(
-            x[safe], send_ids, send_w, send_sizes, recv_sizes, dispatch_dtype, use_ragged
+            x[safe], send_ids, send_w, send_sizes, recv_sizes, dispatch_dtype, use_ragged, num_experts
         )
-        if use_ragged:  # slots past the received sizes were never written: zero ids would be picks
-            recv_ids = jnp.where(jnp.arange(t)[None, :, None] < recv_sizes[:, None, None], recv_ids, num_experts)
         return recv_rows, recv_ids, recv_w, (send_sizes, recv_sizes), row_of_slot
 
     def compute(sent):
@@ -245,7 +256,7 @@ class RaggedA2A(MeshPlacement):
         """sent[s, d]: rows device s dispatches to another device d (the exchange's own plan)."""
         n = self.devices
         shares = np.array_split(np.asarray(ids), n)
-        sent = np.stack([np.asarray(dispatch_plan(s, self.num_experts // self.ep, n)[2]) for s in shares])
+        sent = np.stack([np.asarray(dispatch_plan(s, self.num_experts // self.ep, n)[1]) for s in shares])
         np.fill_diagonal(sent, 0)
         return sent
 

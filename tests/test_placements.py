@@ -21,7 +21,7 @@ from moejax.model.transformer import layer_params
 from sharding import accounting, make_placement, names
 from sharding.experts import moe_local
 from sharding.mesh import MeshPlacement
-from sharding.ragged_a2a import RaggedA2A, exchange_buffers
+from sharding.ragged_a2a import RaggedA2A, dispatch_plan, exchange_buffers
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21, 22]]
 NEW = 5
@@ -177,6 +177,17 @@ def moe_program_and_counts(name: str, **kw):
 def test_accounting_equals_the_compiled_collectives(name):
     hlo_bytes, sent = moe_program_and_counts(name)
     assert hlo_bytes == pytest.approx(sent.mean(), rel=1e-6)
+
+
+def test_ragged_dispatch_plan_lists_each_devices_rows_in_order():
+    """Block d's slots hold, in order, the rows with a pick among d's experts, then T; its size is
+    their count."""
+    t, k, n, e_local = 12, 3, 4, 2
+    ids = np.random.default_rng(0).permutation(n * e_local)[np.random.default_rng(1).integers(0, n * e_local, (t, k))]
+    row_of_slot, sizes = dispatch_plan(jnp.asarray(ids), e_local, n)
+    for d in range(n):
+        rows = [r for r in range(t) if (ids[r] // e_local == d).any()]
+        assert list(np.asarray(row_of_slot[d])) == rows + [t] * (t - len(rows)) and int(sizes[d]) == len(rows)
 
 
 def test_ragged_accounting_is_within_the_worst_case_buffers_of_the_compiled_exchange():
