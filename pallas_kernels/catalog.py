@@ -315,10 +315,10 @@ _ATTENTIONS = (
 
 # A decode step's fused kernels (`moejax/model/projections.py`, `sharding/experts.py`): Triton's pick
 # GEMM (each row's experts by id, no sort), dense projections and top-k; Mosaic GPU's pick GEMM and
-# dense projections on Hopper (where jax has no Triton: its router is XLA's, the float32 product
-# wgmma would take as TF32, so a layer is 20 launches to Triton's 15 at batch 1 on an H200); Mosaic
-# TPU's experts as one call (each local expert's tiles against every row, an expert no row picked
-# never read) and its router.
+# dense projections and router on Hopper (the router's float32 logits as float32 FMAs: wgmma would
+# take them as TF32); Mosaic TPU's experts as one call (each local expert's tiles against every row,
+# an expert no row picked never read) and its router. A set's router record refuses widths it cannot
+# take (`shape_check`): XLA's router runs there.
 PICKS = frozenset({"picks"})
 HOPPER_BF16 = "bfloat16 rows only: Hopper's wgmma multiplies float32 as TF32 (10 mantissa bits, ~1e-3 off)"
 _DECODES = (
@@ -366,6 +366,7 @@ _DECODES = (
         multiplies=f"{HOPPER_BF16}; triton multiplies float32 at full precision",
         reads=PICKS,
         dense="mosaic_gpu_linear",
+        router="mosaic_gpu_router",
         api=((MOSAIC_GPU, PICKS_MOSAIC_GPU_API),),
         shape_check="shape_refusal",
         tiles="pick_gemm_mgpu",
@@ -380,6 +381,7 @@ _DECODES = (
         multiplies=HOPPER_BF16,
         reads=PICKS,
         dense="interpret_mosaic_gpu_linear",
+        router="interpret_mosaic_gpu_router",
         interpreted=True,
         api=((MOSAIC_GPU, PICKS_MOSAIC_GPU_API),),
         shape_check="shape_refusal",
@@ -412,6 +414,32 @@ _DECODES = (
         api=((MOSAIC_GPU, HOPPER_GEMM_API),),
         shape_check="shape_refusal",
         tiles="linear_mgpu",
+    ),
+    Kernel(
+        "mosaic_gpu_router",
+        DECODE,
+        "route_mgpu",
+        "mosaic_gpu",
+        platform="gpu",
+        architectures=(9,),
+        needs=HOPPER,
+        dtypes=("bfloat16",),
+        multiplies="bfloat16 rows (its float32 logits are float32 FMAs)",
+        api=((MOSAIC_GPU, PICKS_MOSAIC_GPU_API),),
+        shape_check="shape_refusal",
+        tiles="route_mgpu",
+    ),
+    Kernel(
+        "interpret_mosaic_gpu_router",
+        DECODE,
+        "route_mgpu",
+        "mosaic_gpu",
+        dtypes=("bfloat16",),
+        multiplies="bfloat16 rows (its float32 logits are float32 FMAs)",
+        interpreted=True,
+        api=((MOSAIC_GPU, PICKS_MOSAIC_GPU_API),),
+        shape_check="shape_refusal",
+        tiles="route_mgpu",
     ),
     Kernel(
         "pallas_tpu",

@@ -53,7 +53,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import epilogue, metadata, mgpu_api
 from pallas_kernels.gmm_mosaic_gpu import InterpretGPUParams, refusal
 from pallas_kernels.linear_segments import PRECISIONS, Segment, check_normed, normalize, rotate_half, segments
-from pallas_kernels.mgpu_blocks import decoded_tiles, smem_transforms, weight_words
+from pallas_kernels.mgpu_blocks import decoded_tiles, smem_transforms, store_rows, weight_words
 from pallas_kernels.tiles import round_up
 
 ROWS = 64  # a program's rows: a warpgroup's wgmma M
@@ -197,7 +197,7 @@ def _kernel(*refs, tree, n_in, segs, widths, m, k, tk, k_steps, splits, combine,
                     a = h_smem.at[slot]
                     if normed_ref is not None:  # the programs p = 0 write them (M rows, whole K steps)
                         k0 = ks(indices[0]) * tk
-                        pl.when(p == 0)(lambda: _store(h, normed_ref.at[:, pl.ds(k0, tk)], r, m, load, store))
+                        pl.when(p == 0)(lambda: store_rows(h, normed_ref.at[:, pl.ds(k0, tk)], r, m, load, store))
                 if pairs == 1:
                     bs = [w_smem if w == width else w_smem.at[:, pl.ds(off, w)] for off, w in seg.pieces]
                 else:  # the (gate, up) words split into two bf16 tiles
@@ -262,7 +262,7 @@ def _kernel(*refs, tree, n_in, segs, widths, m, k, tk, k_steps, splits, combine,
             for (off, w), piece in zip(seg.pieces, products(seg, refs["w"], t)):
                 for i, acc in enumerate(piece):
                     cols = pl.ds((s * seg.pairs + i) * v + c0 + off, w)
-                    _store(acc, out_ref.at[:, cols], r, m, load, store)
+                    store_rows(acc, out_ref.at[:, cols], r, m, load, store)
             return
         sums = partial_sums(seg, refs["w"], t, v) if combine else products(seg, refs["w"], t)
 
@@ -297,7 +297,7 @@ def _kernel(*refs, tree, n_in, segs, widths, m, k, tk, k_steps, splits, combine,
             residual = ins["residual"]
             copies = [] if residual is None else [(rows(residual).at[:, pl.ds(c0 + off, w)], (ROWS, w), residual.dtype)]
             with_tma(
-                functools.partial(_store, y, out_ref.at[:, pl.ds(c0 + off, w)], r, m, load, store),
+                functools.partial(store_rows, y, out_ref.at[:, pl.ds(c0 + off, w)], r, m, load, store),
                 *copies,
             )
 
@@ -305,25 +305,6 @@ def _kernel(*refs, tree, n_in, segs, widths, m, k, tk, k_steps, splits, combine,
         pl.when((p >= seg.first) & (p < seg.first + seg.count))(
             functools.partial(tile, seg, refs, out_ref, p - seg.first, v)
         )
-
-
-def _store(y, out_gmem, r, m: int, load, store, *res_smem):
-    """y [ROWS, w] (+ the residual's row tile in res_smem) into row tile r of out_gmem [M, w]:
-    its M rows, through shared memory by TMA (a box is static: a branch per row tile)."""
-    if res_smem:
-        y = (load(res_smem[0], plgpu.Layout.WGMMA, False) + y).astype(y.dtype)
-
-    def write(out_smem):
-        store(out_smem, y)
-        plgpu.commit_smem()
-        for i in range(pl.cdiv(m, ROWS)):
-            n = min(ROWS, m - i * ROWS)
-            pl.when(r == i)(
-                lambda i=i, n=n: plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, n)], out_gmem.at[pl.ds(i * ROWS, n)])
-            )
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    pl.run_scoped(write, plgpu.SMEM(y.shape, y.dtype))
 
 
 def fused_linear(

@@ -1,7 +1,7 @@
 """Pieces the Mosaic GPU kernels share (`gmm_mosaic_gpu`, `gmm_picks_mgpu`, `linear_mgpu`, `gmm_blackwell`,
 `gmm_blackwell_bf16`): Hopper's operand swizzles and SMEM transforms, weight words and their tiles
-decoded in registers, the store of one group's rows of an output tile, and the Blackwell kernels'
-TMA / MMA warp pipeline."""
+decoded in registers, the stores of one group's rows of an output tile and of a row tile's rows,
+and the Blackwell kernels' TMA / MMA warp pipeline."""
 
 from __future__ import annotations
 
@@ -31,6 +31,26 @@ def store_group_rows(tile_smem, out_gmem, offsets, g, m_tile, tm: int, read_only
         pos = pos + (size & piece)
         piece //= 2
     plgpu.wait_smem_to_gmem(0, wait_read_only=read_only_wait)
+
+
+def store_rows(y, out_gmem, r, m: int, load, store, *res_smem):
+    """y [64, w] (+ the residual's row tile in res_smem) into row tile r of out_gmem [M, w]:
+    its M rows, through shared memory by TMA (a box is static: a branch per row tile). load,
+    store: `mgpu_api`'s, or the interpreter's plain ref reads and writes."""
+    if res_smem:
+        y = (load(res_smem[0], plgpu.Layout.WGMMA, False) + y).astype(y.dtype)
+
+    def write(out_smem):
+        store(out_smem, y)
+        plgpu.commit_smem()
+        for i in range(pl.cdiv(m, 64)):
+            n = min(64, m - i * 64)
+            pl.when(r == i)(
+                lambda i=i, n=n: plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, n)], out_gmem.at[pl.ds(i * 64, n)])
+            )
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    pl.run_scoped(write, plgpu.SMEM(y.shape, y.dtype))
 
 
 def warp_pipeline(k_iters: int, steps: int, consumed_bar, done_bar, load, mma):

@@ -252,14 +252,35 @@ def expert_ffn(
     )
 
 
-def route(x, norm, router, *, backend: str, k: int, eps: float, scoring: str, bias=None, **weighing):
+def route(x, norm, router, *, backend: str, k: int, eps: float, scoring: str, bias=None, device=("", 0), **weighing):
     """A decode set's router as one call (its record's `router`): x [T, D], the MoE's norm [D], router
     [D, E] f32 -> (h [T, D] normed, ids [T, k] int32, weights [T, k] f32, slot [E] int32: the set's
-    experts kernel's table of the picks, `expert_ffn`'s slot, or None where `slots` is False).
-    weighing: norm_topk_prob, routed_scaling_factor, precision, slots."""
+    experts kernel's table of the picks, `expert_ffn`'s slot, or None where `slots` is False or the set
+    has none), with the tiles the table gives its shape on `device` where it takes tiles: split over D
+    until its programs fill the SMs. weighing: norm_topk_prob, routed_scaling_factor, precision, slots."""
     record = catalog.kernel(catalog.DECODE, backend)
+    chosen = {}
+    if record.tiles is not None:
+        kernel = record.kernel_module()
+        (m, d), e = x.shape, router.shape[-1]
+        found = tiles.lookup(
+            record.tiles,
+            device,
+            rows=m,
+            k=d,
+            n=e,
+            fmt="f32",
+            # a program writes every expert's logits of its rows: no N tile, its K step narrows first
+            programs=lambda _, splits: splits * -(-m // kernel.ROWS),
+            tn_floor=kernel.K_FLOOR,
+            n_field="k",
+            tk_floor=kernel.K_FLOOR,
+            k_field="k",
+            max_splits=d // kernel.K_FLOOR,
+        )
+        chosen = {"tiles": kernel.Tiles(**found)}
     return record.load()(
-        x, norm, router, k=k, eps=eps, scoring=scoring, bias=bias, interpret=record.interpreted, **weighing
+        x, norm, router, k=k, eps=eps, scoring=scoring, bias=bias, interpret=record.interpreted, **chosen, **weighing
     )
 
 

@@ -72,19 +72,23 @@ def topk_route_xla(
     return ids.astype(jnp.int32), weigh(weights, scoring, norm_topk_prob, routed_scaling_factor, softmax, total)
 
 
-def pick(values: jax.Array, choice: jax.Array, k: int, experts: jax.Array, picks: jax.Array, taken: jax.Array):
+def pick(
+    values: jax.Array, choice: jax.Array, k: int, experts: jax.Array, picks: jax.Array, taken: jax.Array, spread=None
+):
     """Each row's k picks in top_k's order: (ids [rows, K'] int32, their values [rows, K'] f32), column j
     < k the j-th pick, the rest 0. values, choice: [rows, E'] (what a pick weighs, what picks it);
     experts: [1, E'] and picks: [1, K'] column iotas; taken: [rows, E'] the columns never to pick
-    (a block's masked tail)."""
+    (a block's masked tail). `spread(v, shape)`: a row reduction [rows] across `shape`'s columns
+    (default: as a column [rows, 1]; a Mosaic GPU kernel's register arrays broadcast no [rows, 1])."""
+    spread = spread or (lambda v, _: jnp.expand_dims(v, 1))
     width = choice.shape[1]
     ids = jnp.zeros((choice.shape[0], picks.shape[1]), jnp.int32)
     weights = jnp.zeros((choice.shape[0], picks.shape[1]), jnp.float32)
     for j in range(k):
-        best = jnp.max(jnp.where(taken, -jnp.inf, choice), axis=1, keepdims=True)
-        chosen = jnp.min(jnp.where(~taken & (choice == best), experts, width), axis=1, keepdims=True)  # [rows, 1]
-        hit = experts == chosen
+        best = spread(jnp.max(jnp.where(taken, -jnp.inf, choice), axis=1), choice.shape)
+        chosen = jnp.min(jnp.where(~taken & (choice == best), experts, width), axis=1)  # [rows]
+        hit = experts == spread(chosen, choice.shape)
         taken = taken | hit
-        ids = jnp.where(picks == j, chosen, ids)
-        weights = jnp.where(picks == j, jnp.sum(jnp.where(hit, values, 0.0), axis=1, keepdims=True), weights)
+        ids = jnp.where(picks == j, spread(chosen, ids.shape), ids)
+        weights = jnp.where(picks == j, spread(jnp.sum(jnp.where(hit, values, 0.0), axis=1), ids.shape), weights)
     return ids, weights

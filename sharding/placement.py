@@ -92,7 +92,7 @@ class Placement:
             linear=record.dense,
             topk=record.topk,
             whole_ffn=record.whole_ffn,
-            router=record.router,
+            router=self._router(record, dtype),
             per_device=None if self.devices == 1 else self.per_device,  # a mesh placement's
             row_shards=self.row_shards,
         )
@@ -106,6 +106,19 @@ class Placement:
         dtype = "float32" if group == "router" else dtype
         widths = dense_widths(self.config.model, group)
         return dense.why_not(self.platform.name, self.first_device, dtype, "unquantized", widths) is None
+
+    def _router(self, record: catalog.Kernel, dtype) -> str | None:
+        """Decode set `record`'s router kernel where it takes the model's router (its record's checks:
+        its widths among them), else None: XLA's router (or the dense kernel's product and top-k)."""
+        if record.router is None:
+            return None
+        widths = dense_widths(self.config.model, "router")
+        router = catalog.kernel(catalog.DECODE, record.router)
+        return (
+            record.router
+            if router.why_not(self.platform.name, self.first_device, dtype, shapes=widths) is None
+            else None
+        )
 
     row_shards = 1  # the devices a pass's rows split over (DP attention on a mesh)
 

@@ -85,18 +85,25 @@ def test_a_decode_layer_launches_few_kernels(batch, fmt):
     assert sum(kinds.values()) <= LAUNCHES_PER_LAYER, kinds
 
 
-def test_without_triton_a_hopper_decode_step_runs_its_products_in_mosaic_gpu_kernels():
-    """A jax without Pallas's Triton backend: the H200 step at batch 1 multiplies its experts by pick,
-    q|k|v and the output projection in Mosaic GPU kernels (XLA's ops took some 47 launches a layer)
-    and calls no Triton kernel of ours. (Its router is XLA's, whose float32 product at one row
-    XLA:GPU writes out as the weight's [D, E] before its sum: no kernel yet.)"""
-    kernels = step(1, "unquantized", DEPTHS[0], "h200", QWEN, triton=False)
+@pytest.mark.parametrize("batch", BATCHES)
+def test_without_triton_a_hopper_decode_step_runs_its_products_in_mosaic_gpu_kernels(batch):
+    """A jax without Pallas's Triton backend: the H200 step multiplies its experts by pick, q|k|v,
+    the output projection and the router (norm, float32 logits, top-k: `route_mgpu`, split over D
+    and summed by a second launch) in Mosaic GPU kernels, calls no Triton kernel of ours, launches at
+    most LAUNCHES_PER_LAYER kernels a layer and writes no temporary of a weight's shape (XLA's router
+    was 7 launches and the [D, E] float32 product: 20 launches a layer at batch 1, 17 at 64)."""
+    steps = [step(batch, "unquantized", n, "h200", QWEN, triton=False) for n in DEPTHS]
     calls = collections.Counter()
-    for f in kernels["kernels"]:
+    for f in steps[0]["kernels"]:
         calls[f["kernel"]] += f["calls"]
-    # q|k|v and the output projection (each split over K: two calls), the two pick GEMMs, a layer
-    assert calls["linear_mgpu"] >= 4 * DEPTHS[0] and calls["pick_gemm_mgpu"] == 2 * DEPTHS[0], calls
-    assert "custom-call __gpu$xla.gpu.triton" not in kernels["launch_kinds"], kernels["launch_kinds"]
+    # q|k|v and the output projection (at batch 1 each split over K: two calls), the two pick GEMMs,
+    # the router's two launches, a layer
+    assert calls["linear_mgpu"] >= 3 * DEPTHS[0] and calls["pick_gemm_mgpu"] == 2 * DEPTHS[0], calls
+    assert calls["route_mgpu"] == 2 * DEPTHS[0], calls
+    shallow, deep = (s["launch_kinds"] for s in steps)
+    assert "custom-call __gpu$xla.gpu.triton" not in deep, deep
+    assert 0 < sum(deep.values()) - sum(shallow.values()) <= LAUNCHES_PER_LAYER * (DEPTHS[1] - DEPTHS[0])
+    assert [s["weight_shaped"] for s in steps] == [0, 0], steps
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

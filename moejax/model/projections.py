@@ -13,8 +13,9 @@ of products is one kernel (`pallas_kernels/linear.py`) that reads its weights on
 - the router: the MoE's input RMSNorm and the logits, then top-k and the picks' weights (`route`);
 - a dense MLP (or shared expert): gate|up with the gated activation, then down with the residual add.
 
-A TPU's decode set has the router alone as one kernel (`pallas_kernels/route_tpu.py`: the norm, the
-logits, top-k and the weights; `DecodeKernels.routes`).
+A TPU's decode set, and Hopper's Mosaic GPU one, have the router alone as one kernel
+(`pallas_kernels/route_tpu.py`, `route_mgpu.py`: the norm, the float32 logits, top-k and the
+weights; `DecodeKernels.routes`).
 
 A kernel is one device's program. On a mesh each device runs it on its own rows (`DecodeKernels.run`:
 the placement's shard_map, rows split as the batch is) by the weights it holds, so a group runs in
@@ -167,6 +168,7 @@ def route(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, c: Mode
                 norm,
                 router,
                 backend=decode.router,
+                device=decode.device,
                 k=c.num_experts_per_tok,
                 eps=c.rms_norm_eps,
                 scoring=c.router_scoring,
