@@ -288,21 +288,22 @@ def route_mgpu(
         interpret=interpret,
     )
     h_type = metadata.varying_struct((m, d), x.dtype, *operands)
-    h, *outs = call(kernel, (splits, pl.cdiv(m, ROWS)), ("s", "r"), [h_type, *(parts if splits > 1 else picked)])(
-        *operands
+    h, *outs = call(
+        kernel, (splits, pl.cdiv(m, ROWS)), ("s", "r"), [h_type, *(parts if splits > 1 else picked)], operands
     )
     if splits > 1:
         combine = functools.partial(
             _combine, m=m, e=e, splits=splits, steps=tiles.steps, picking=picking, interpret=interpret
         )
-        outs = call(combine, (pl.cdiv(m, ROWS),), ("r",), picked)(outs[0], *extra)
+        outs = call(combine, (pl.cdiv(m, ROWS),), ("r",), picked, [outs[0], *extra])
     ids, weights = outs if k == k_wide else (a[:, :k] for a in outs)
     return h, ids, weights, None
 
 
-def _launch(kernel, grid, names, out_type, *, interpret):
-    """`kernel` as a Mosaic GPU call over `grid`, its grid as a named scope around it (a compiled
-    Mosaic GPU call holds its module as bytecode: what reads the program's grid reads it here)."""
+def _launch(kernel, grid, names, out_type, operands, *, interpret):
+    """`kernel` called on `operands` as a Mosaic GPU call over `grid`, its grid as a named scope around
+    the call (a compiled Mosaic GPU call holds its module as bytecode: what reads the program's grid
+    reads it here)."""
     # TMA reads zeros past an array's end; the interpreter does where its out-of-bounds reads give zeroed memory.
     params = InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero") if interpret else None
     # Lane semantics: the kernel places its register arrays (as `linear_mgpu`).
@@ -312,4 +313,4 @@ def _launch(kernel, grid, names, out_type, *, interpret):
     with jax.named_scope("grid_" + "x".join(map(str, grid))):
         return plgpu.kernel(
             kernel, out_type=out_type, grid=grid, grid_names=names, kernel_name=NAME, interpret=params, **compiled
-        )
+        )(*operands)

@@ -84,7 +84,8 @@ def test_a_width_it_does_not_take_is_refused():
 
 
 def test_qwen3s_router_compiles_for_an_h100_in_two_launches_at_batch_1():
-    """D 2048, E 128, k 8: split over D to fill the SMs (the table's rule), then the combine launch."""
+    """D 2048, E 128, k 8: split over D in 32 slices of 64 (the table's rule: towards the SMs), then the
+    combine launch."""
     device = targets.devices("h100", 1)[0]
     d, e = 2048, 128
 
@@ -98,3 +99,6 @@ def test_qwen3s_router_compiles_for_an_h100_in_two_launches_at_batch_1():
     text = lower(jax.jit(run), *args).compile().as_text()
     launches = hlo.by_kind(hlo.launches(text))  # the whole call: no XLA op around the kernel's
     assert launches == {"custom-call mosaic_gpu_v2": 2}, launches
+    # Each launch's grid, read off the program (the named scope around its call): the slices over D,
+    # then the combine's one row tile.
+    assert sorted(r.instr.programs for r in hlo.pallas_calls(text)) == [1, 32]
