@@ -37,7 +37,7 @@ STUDY = {
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="glm-5.3")
-    parser.add_argument("--batches", type=int, nargs="+", default=[64, 8, 256])
+    parser.add_argument("--batches", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--placements", nargs="+", default=list(names()), choices=names())
     parser.add_argument("--context", type=int, default=1152)
     parser.add_argument("--page-size", type=int, default=plan.PAGE_SIZE)
