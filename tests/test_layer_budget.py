@@ -7,9 +7,12 @@ placement gathers, `platform.DECODE_PICK_ROWS`), and the placement's exchange.""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
-from moejax.analysis.layer_ops import layer_ops
+from moejax.analysis.layer_ops import DEPTHS, layer_ops
+from moejax.analysis.target_pricing import CATEGORIES
 from moejax.base import targets
 from moejax.config import Config, EngineConfig, LayoutConfig, preset
 from sharding import registry
@@ -21,18 +24,45 @@ KERNEL_GROUPS = ("fusions", "custom calls", "copies", "sorts", "other")
 OVER_BUDGET = {"ragged_a2a"}
 
 
-@pytest.mark.parametrize("batch", [64, 256])
-@pytest.mark.parametrize("placement", [p for p in registry.names() if p not in OVER_BUDGET])
-def test_a_moe_layer_on_8_h100s_runs_within_its_budget(placement, batch):
-    """At batch 64 and 256 (8 and 32 requests a device): at most KERNELS kernels and COLLECTIVES
-    collectives a layer, and at least one of each (what it parsed)."""
+@functools.cache
+def layer(placement: str, batch: int) -> dict:
+    """A layer of Qwen3-30B-A3B's decode step at `batch` under `placement` on 8 H100s."""
     config = Config(
         model=preset("qwen3-moe-30b-a3b"),
         layout=LayoutConfig(devices=8, placement=placement),
         engine=EngineConfig(dtype="bfloat16"),
     ).validate()
-    layer = layer_ops(config, batch, 4096, targets.target("h100"), list(targets.devices("h100", 8)), 16)
-    groups = layer["groups"]
+    return layer_ops(config, batch, 4096, targets.target("h100"), list(targets.devices("h100", 8)), 16)
+
+
+@pytest.mark.parametrize("batch", [64, 256])
+@pytest.mark.parametrize("placement", [p for p in registry.names() if p not in OVER_BUDGET])
+def test_a_moe_layer_on_8_h100s_runs_within_its_budget(placement, batch):
+    """At batch 64 and 256 (8 and 32 requests a device): at most KERNELS kernels and COLLECTIVES
+    collectives a layer, and at least one of each (what it parsed)."""
+    groups = layer(placement, batch)["groups"]
     kernels = sum(groups[g] for g in KERNEL_GROUPS)
     assert 0 < kernels <= KERNELS, groups
     assert 0 < groups["collectives"] <= COLLECTIVES, groups
+
+
+def test_a_moe_layer_priced_on_h100s_adds_up():
+    """The layer priced on the H100 (`predicted`): its kernels and collectives are the layer's ops,
+    its parts (attention, experts, exchange, rest) sum to its time, each part with ops in it takes
+    some, the time is at least its bytes at 3.35 TB/s and its kernels' launches, and the step is the
+    3-layer step's time and the layer's 45 times more."""
+    ops = layer("expert_sharded", 64)
+    p, groups, h100 = ops["predicted"], ops["groups"], targets.target("h100")
+    assert p["target"] == "h100"
+    assert p["kernels"] == pytest.approx(sum(groups[g] for g in KERNEL_GROUPS))
+    assert p["collectives"] == groups["collectives"] > 0
+    assert p["layer_bytes"] == ops["layer_bytes"] > 0
+    assert set(p["layer_parts_us"]) == set(CATEGORIES)
+    assert p["layer_us"] == pytest.approx(sum(p["layer_parts_us"].values()))
+    assert min(p["layer_parts_us"][c] for c in ("attention", "experts", "exchange")) > 0, p
+    # the exchange: at least its collectives' latencies; the whole: at least the bytes and launches
+    assert p["layer_parts_us"]["exchange"] >= p["collectives"] * h100.collective_us * 0.99
+    assert p["layer_us"] >= ops["layer_bytes"] / (h100.hbm_tb_s * 1e6) + p["kernels"] * h100.launch_us * 0.99
+    layers = preset("qwen3-moe-30b-a3b").num_layers
+    assert p["shallow_step_us"] > p["layer_us"] * DEPTHS[0] * 0.5
+    assert p["step_ms"] == pytest.approx((p["shallow_step_us"] + (layers - DEPTHS[0]) * p["layer_us"]) / 1e3, rel=1e-3)

@@ -121,8 +121,9 @@ def test_plan_for_a_target_counts_its_decode_steps_kernel_launches_a_layer(capsy
 def test_plan_for_a_tpu_prints_a_layer_of_its_decode_step(capsys, monkeypatch):
     """plan --target v5e: a layer of the decode step, the steps of 4 and 3 layers less one another,
     its synchronous ops by group (the async starts apart) and by part of the layer and kind, the
-    bytes it moves and the whole step's time at the v5e's 0.819 TB/s; --json holds them, the table
-    prints them. (Only the decode steps compile here.)"""
+    bytes it moves and the whole step's time at the v5e's 0.819 TB/s, and the layer and the step
+    priced on the v5e; --json holds them, the table prints them. (Only the decode steps compile
+    here.)"""
     decode_only(monkeypatch)
     argv = [
         "plan",
@@ -148,12 +149,24 @@ def test_plan_for_a_tpu_prints_a_layer_of_its_decode_step(capsys, monkeypatch):
     step = ops["layer_bytes"] * (preset("tiny-qwen3-moe").num_layers - 3)
     assert 0 < ops["layer_bytes"] and step < ops["step_bytes"]
     assert ops["step_us"] == pytest.approx(ops["step_bytes"] / 0.819e6, abs=0.1)
+    # priced on the v5e: the layer's kernels (one chip: no collectives), its time by part, the step
+    p = ops["predicted"]
+    assert p["target"] == "v5e" and p["collectives"] == 0
+    assert p["kernels"] == pytest.approx(ops["ops"]) and p["layer_bytes"] == ops["layer_bytes"]
+    assert p["layer_us"] == pytest.approx(sum(p["layer_parts_us"].values()))
+    assert p["layer_parts_us"]["attention"] > 0 and p["layer_parts_us"]["experts"] > 0, p
+    assert p["layer_us"] >= ops["layer_bytes"] / 0.819e6
+    more = preset("tiny-qwen3-moe").num_layers - 3
+    assert p["step_ms"] == pytest.approx((p["shallow_step_us"] + more * p["layer_us"]) / 1e3, rel=1e-3)
     monkeypatch.setattr(plan_command, "plan_placement", lambda *a, **k: row)
     monkeypatch.setattr(plan_command, "layer_ops", lambda *a, **k: ops)
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert f"a layer (the step of 4 layers less that of 3): {ops['ops']:g} synchronous ops (fusions" in out
     assert "us at 0.819 TB/s" in out
+    assert "priced on v5e (estimates: every op from HBM, no overlap, no routing;" in out
+    assert f"a layer {p['kernels']:g} kernels, 0 collectives, {p['layer_bytes'] / 1e6:.1f} MB, " in out
+    assert f"the step of {preset('tiny-qwen3-moe').num_layers} layers {p['step_ms']:.2f} ms" in out
 
 
 def test_plan_for_an_ampere_gpu_compiles_every_program_with_tritons_kernels(capsys, monkeypatch):

@@ -192,6 +192,15 @@ def print_layer_ops(name: str, ops: dict, layers: int) -> None:
         f"  the step of {layers} layers moves {ops['step_bytes'] / GB:.2f} GB: {ops['step_us']:,.0f} us at "
         f"{ops['hbm_tb_s']:g} TB/s"
     )
+    p = ops["predicted"]
+    split = ", ".join(f"{c} {us:,.1f}" for c, us in p["layer_parts_us"].items())
+    print(
+        f"  priced on {p['target']} (estimates: every op from HBM, no overlap, no routing; "
+        f"moejax/analysis/layer_ops.py): a layer {p['kernels']:g} kernels, {p['collectives']:g} collectives, "
+        f"{p['layer_bytes'] / 1e6:.1f} MB, {p['layer_us']:,.1f} us ({split}); the step of {layers} layers "
+        f"{p['step_ms']:.2f} ms (that of {shallow} layers {p['shallow_step_us']:,.0f} us and the layer "
+        f"{layers - shallow} times more)"
+    )
 
 
 PAGE_HOLDERS = {
