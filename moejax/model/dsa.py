@@ -46,4 +46,7 @@ def select(
     index = jnp.where(visible, jnp.einsum("bth,bths->bts", head_weights, scores), -jnp.inf)
     b, t, s = index.shape
     _, top = jax.lax.top_k(index, min(c.index_topk, s))  # [B, T, k]
-    return jnp.zeros((b, t, s), bool).at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], top].set(True)
+    # A scatter per request (vmap: the batch a scatter's batching dim), which a mesh splits as the
+    # requests are; indices over the batch too would gather every device's picks to every device.
+    mark = lambda top_b: jnp.zeros((t, s), bool).at[jnp.arange(t)[:, None], top_b].set(True)  # noqa: E731
+    return jax.vmap(mark)(top)
