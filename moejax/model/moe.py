@@ -35,5 +35,5 @@ def moe_block(
             experts = {**experts, "slot": table}
         y = placement.moe(rows, where, weights, experts)
     if c.num_shared_experts:
-        y = y + projections.mlp(placement.decode, p["shared"], rows, group="shared_mlp")
+        y = y + projections.mlp(placement, p["shared"], rows, group="shared_mlp")
     return x + y.reshape(b, t, d), ids

@@ -205,13 +205,19 @@ def route(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, c: Mode
 
 
 @jax.named_scope("mlp")
-def mlp(
-    decode: DecodeKernels, p: dict, h: jax.Array, residual: jax.Array | None = None, group: str = "mlp"
-) -> jax.Array:
+def mlp(placement, p: dict, h: jax.Array, residual: jax.Array | None = None, group: str = "mlp") -> jax.Array:
     """A SwiGLU MLP on normed rows h: [..., D] through gate_up [D, 2F] and down [F, D] (+ residual);
-    `group`: whose weights they are ("mlp": a dense layer's, "shared_mlp": the shared experts')."""
+    `group`: whose weights they are ("mlp": a dense layer's, "shared_mlp": the shared experts', the
+    logical axis of their F), as `placement` lays them out and runs them."""
+    decode = placement.decode
     if not decode.fuses_dense(h.size // h.shape[-1], group):
-        y = silu_glu(*gate_up_columns(h @ p["gate_up"])) @ p["down"]
+        g = silu_glu(*gate_up_columns(h @ p["gate_up"]))  # [..., F]
+        if not placement.lies_whole(group):
+            # F sliced over the devices: each multiplies every row by its columns, and `down`'s
+            # partial sums meet in a reduce-scatter. Left to itself, XLA gathered the rows' share of
+            # F and the whole down weight to each device every layer (GLM-5.3: 25 MB a MoE layer).
+            g = placement.constrain(g, (*[None] * (g.ndim - 1), group))
+        y = g @ p["down"]
         return y if residual is None else residual + y
     rows = h.reshape(-1, h.shape[-1])
     (g,) = _fused(decode, rows, (p["gate_up"],), act=silu_glu, out_dtype=h.dtype)

@@ -56,7 +56,7 @@ def decoder_layer(
     if "moe" in lp:
         x, ids = moe_block(lp["moe"], experts, x, lp["mlp_norm"], c, placement, forced)
     else:
-        x = projections.mlp(placement.decode, lp["mlp"], rms_norm(x, lp["mlp_norm"], c.rms_norm_eps), x)
+        x = projections.mlp(placement, lp["mlp"], rms_norm(x, lp["mlp_norm"], c.rms_norm_eps), x)
     return placement.constrain(x, ROWS), cache, selected, ids
 
 
