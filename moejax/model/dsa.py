@@ -38,7 +38,11 @@ def select(
     step's keys written), visible: bool [B, T, S] (causal) -> selected: bool [B, T, S].
 
     Fewer than `index_topk` visible positions: every one is selected (top_k ranks the masked
-    ones, at -inf, last; they stay invisible through `visible`)."""
+    ones, at -inf, last; they stay invisible through `visible`). A cache of at most `index_topk`
+    positions selects them all: no scores to rank, and no top-k of every position (which XLA ran
+    after gathering every device's scores to every device under DP attention)."""
+    if c.index_topk >= visible.shape[-1]:
+        return jnp.ones(visible.shape, bool)
     q = apply_rope(jnp.einsum("btr,rhk->bthk", q_lat, p["wq"]), *cos_sin, interleave=True)
     dk, heads = q.shape[-1], q.shape[-2]
     scores = jax.nn.relu(jnp.einsum("bthk,bsk->bths", q.astype(jnp.float32), keys.astype(jnp.float32)) * dk**-0.5)
