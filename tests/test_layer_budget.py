@@ -14,7 +14,7 @@ import pytest
 from moejax.analysis.layer_ops import DEPTHS, layer_ops
 from moejax.analysis.target_pricing import CATEGORIES
 from moejax.base import targets
-from moejax.config import Config, EngineConfig, LayoutConfig, preset
+from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 from sharding import registry
 
 # Kernels and collectives a GQA family's MoE layer may take.
@@ -44,6 +44,23 @@ def test_a_moe_layer_on_8_h100s_runs_within_its_budget(placement, batch):
     kernels = sum(groups[g] for g in KERNEL_GROUPS)
     assert 0 < kernels <= KERNELS, groups
     assert 0 < groups["collectives"] <= COLLECTIVES, groups
+
+
+@pytest.mark.parametrize("placement", ["expert_sharded", "tensor_sliced"])
+def test_glm_5_3s_moe_layer_on_8_b200s_exchanges_within_its_budget(placement):
+    """GLM-5.3 with NVFP4 experts (MLA, the DSA indexer, a sliced shared expert) at batch 64 on 8
+    B200s: at most COLLECTIVES collectives a layer (the rows' all-gather and the reduce-scatter, the
+    shared expert's merged into them), at least one. Its kernels are past the MLA budget: its
+    attention and indexer are XLA's ops (docs/placements.md)."""
+    config = Config(
+        model=preset("glm-5.3"),
+        layout=LayoutConfig(devices=8, placement=placement),
+        weights=WeightsConfig("nvfp4"),
+        engine=EngineConfig(dtype="bfloat16"),
+    ).validate()
+    groups = layer_ops(config, 64, 4096, targets.target("b200"), list(targets.devices("b200", 8)), 16)["groups"]
+    assert 0 < groups["collectives"] <= COLLECTIVES, groups
+    assert sum(groups[g] for g in KERNEL_GROUPS) > 0, groups
 
 
 def test_a_moe_layer_priced_on_h100s_adds_up():
