@@ -244,8 +244,8 @@ def test_a_run_whose_decode_steps_take_the_tpu_kernels_gives_the_xla_runs_tokens
     """Kernel interpret_tpu (each pass of up to 128 rows through the one-call experts, the router
     kernel and the dense kernel's q|k|v and output projection, under a mesh each device its local
     experts and its own rows; on one device with the experts' slot table, over a scan the router's
-    and attention's weights read in the run's stacks) and kernel xla: the same greedy tokens. gpt-oss: biases, clamped SwiGLU, top-k softmax
-    over biased logits."""
+    and attention's weights read in the run's stacks) and kernel xla: the same greedy tokens.
+    gpt-oss: biases (attention's too), clamped SwiGLU, top-k softmax over biased logits."""
 
     def tokens(kernel: str) -> list:
         config = Config(
