@@ -180,8 +180,8 @@ def fused_linear(
 ) -> tuple[jax.Array, ...]:
     """`linear.fused_linear`'s contract on a TPU: rows x [M, K] (M <= 128: one block) times each
     weight segment -> one output per segment [M, N_i] (with `normed`, the normed rows [M, K] first).
-    A segment is [K, N_i], or in its model's shape [K, H, Dh] (N_i = H * Dh; the segments with a
-    head epilogue, and only they) or [H, Dh, N_i] (K = H * Dh); each weight, the norm [K], the
+    A segment is [K, N_i], or in its model's shape [K, H, Dh] (N_i = H * Dh; a segment with a head
+    epilogue is one) or [H, Dh, N_i] (K = H * Dh); each weight, the norm [K], the
     biases [N_i] and the head norms [head_dim] an array or a `layered.LayerOf` of its run's stack,
     read where it lies. The epilogue's arguments are `linear.fused_linear`'s; act is refused (a
     gated product is XLA's here). precision: None or "highest" (float32 products). tiles: the
@@ -224,7 +224,7 @@ def fused_linear(
                 f"fused_linear: a head epilogue takes a segment of heads [K, H, head_dim={head_dim}], got {f} {s}"
             )
 
-    # Every stacked operand's layer in one prefetched vector; its BlockSpec's map reads its entry.
+    # Every stacked operand's layer, a scalar-prefetched [1] int32 each; its BlockSpec's map reads its own.
     layers = []
 
     def stacked(a, block, index, rows=False):  # (a's stack, its BlockSpec) and its layer's entry; rows: [L, N]
@@ -282,7 +282,7 @@ def fused_linear(
         cols = segs[0]["cols"]
         pairs["residual"] = (residual, pl.BlockSpec((m, cols), lambda i, *ls: (0, jnp.clip(i, 0, first - 1))))
     is_pair = lambda a: isinstance(a, tuple) and len(a) == 2 and isinstance(a[1], pl.BlockSpec)  # noqa: E731
-    flat, tree = jax.tree.flatten(pairs, is_leaf=is_pair)
+    flat = jax.tree.leaves(pairs, is_leaf=is_pair)
     operands, in_specs = [a for a, _ in flat], [spec for _, spec in flat]
     tree = jax.tree.structure(jax.tree.map(lambda _: 0, pairs, is_leaf=is_pair))
 
