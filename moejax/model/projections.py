@@ -1,7 +1,7 @@
-"""A layer's dense products: XLA's ops, or the GPU's fused decode kernels where the placement runs them.
+"""A layer's dense products: XLA's ops, or the fused decode kernels where the placement runs them.
 
-Every platform multiplies a prefill chunk's rows, and a decode step's on XLA:CPU and TPUs, with the
-XLA ops written here (an RMSNorm, then einsums). A decode step on a GPU is a few rows against
+Every platform multiplies a prefill chunk's rows, and a decode step's on XLA:CPU, with the XLA ops
+written here (an RMSNorm, then einsums). A decode step on a GPU is a few rows against
 every weight of a layer: there XLA:GPU made each projection a multiply whose output has the
 weight's own shape, then a reduce, and each norm, rotary embedding, router top-k and residual add
 a kernel of its own, 47 launches a layer. Where the placement says so (`DecodeKernels.fuses_dense`), each group
