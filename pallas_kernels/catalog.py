@@ -317,8 +317,8 @@ _ATTENTIONS = (
 # GEMM (each row's experts by id, no sort), dense projections and top-k; Mosaic GPU's pick GEMM and
 # dense projections and router on Hopper (the router's float32 logits as float32 FMAs: wgmma would
 # take them as TF32); Mosaic TPU's experts as one call (each local expert's tiles against every row,
-# an expert no row picked never read) and its router. A set's router record refuses widths it cannot
-# take (`shape_check`): XLA's router runs there.
+# an expert no row picked never read), its router and its attention's dense products. A set's router
+# record refuses widths it cannot take (`shape_check`): XLA's router runs there.
 PICKS = frozenset({"picks"})
 HOPPER_BF16 = "bfloat16 rows only: Hopper's wgmma multiplies float32 as TF32 (10 mantissa bits, ~1e-3 off)"
 _DECODES = (
@@ -452,6 +452,7 @@ _DECODES = (
         shape_check="shape_refusal",
         reads=PICKS | {"stack"},
         whole_ffn=True,
+        dense="pallas_tpu_linear",
         router="pallas_tpu_router",
         tiles="expert_ffn_tpu",
     ),
@@ -465,6 +466,7 @@ _DECODES = (
         shape_check="shape_refusal",
         reads=PICKS | {"stack"},
         whole_ffn=True,
+        dense="interpret_tpu_linear",
         router="interpret_tpu_router",
         interpreted=True,
         # The interpreter slices its scalar tables, which vary over the mesh, at the grid's indices,
@@ -473,6 +475,30 @@ _DECODES = (
         tiles="expert_ffn_tpu",
     ),
     Kernel("pallas_tpu_router", DECODE, "route_tpu", "mosaic_tpu", platform="tpu"),
+    # Its dense products (attention's q|k|v and output projection): weights read in their stack and
+    # their model's shape (`reads`: "stack"); no gated activation (`shape_check`).
+    Kernel(
+        "pallas_tpu_linear",
+        DECODE,
+        "linear_tpu",
+        "mosaic_tpu",
+        "fused_linear",
+        platform="tpu",
+        shape_check="shape_refusal",
+        reads=frozenset({"stack"}),
+        tiles="linear_tpu",
+    ),
+    Kernel(
+        "interpret_tpu_linear",
+        DECODE,
+        "linear_tpu",
+        "mosaic_tpu",
+        "fused_linear",
+        shape_check="shape_refusal",
+        reads=frozenset({"stack"}),
+        interpreted=True,
+        tiles="linear_tpu",
+    ),
     Kernel("interpret_tpu_router", DECODE, "route_tpu", "mosaic_tpu", interpreted=True),
 )
 

@@ -4,6 +4,7 @@ Triton kernel and its XLA twin share (RMSNorm, rotate-half RoPE)."""
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -123,6 +124,12 @@ def segments(x, weights, *, norm, biases, residual, head_dim, head_norms, rope, 
             f"got shape {residual.shape} for {count} segments"
         )
     return segments
+
+
+def columns(w, k: int) -> int:
+    """A weight segment's output columns N, for rows of K: [K, N], or in its model's shape [K, H, Dh]
+    (H * Dh) or [H, Dh, N] (K = H * Dh), as the TPU kernel takes them (an array or `layered.LayerOf`)."""
+    return math.prod(w.shape[1:]) if w.shape[0] == k else w.shape[-1]
 
 
 def check_normed(normed: bool, norm) -> None:

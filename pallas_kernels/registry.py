@@ -8,7 +8,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import catalog, epilogue, formats, layered, probes, tiles, topk
+from pallas_kernels import catalog, epilogue, formats, layered, linear_segments, probes, tiles, topk
 
 # The backends are the catalog's grouped GEMMs (`catalog.GEMM`; "auto" is the caller's to resolve:
 # `moejax.base.platform`): each record names its module and function, the platform's decisions it takes
@@ -292,14 +292,16 @@ def fused_linear(x, weights, *, backend: str, device: tuple[str, int] = ("", 0),
     record = catalog.kernel(catalog.DECODE, backend)
     kernel = record.kernel_module()
     m, k = x.shape
-    itemsize = weights[0].dtype.itemsize
+    # A TPU's segments may come in their model's shape ([K, H, Dh], [H, Dh, N]) and in their stack (`layered.LayerOf`).
+    dtype = layered.stored(weights[0]).dtype
+    itemsize = dtype.itemsize
     chosen = tiles.lookup(
         record.tiles,
         device,
         rows=m,
         k=k,
-        n=sum(w.shape[1] for w in weights),
-        fmt="f32" if weights[0].dtype == jnp.float32 else "bf16",
+        n=sum(linear_segments.columns(w, k) for w in weights),
+        fmt="f32" if dtype == jnp.float32 else "bf16",
         gated=kw.get("act") is not None,
         programs=programs,
         # The N tile narrows to 128 bytes of a weight row (a memory transaction), no slivers; past that K splits.

@@ -241,11 +241,11 @@ def test_a_tpu_decode_set_takes_unquantized_experts_a_whole_number_of_tiles_wide
     "name, devices, loop", [("tiny-mixtral", 1, "auto"), ("tiny-gpt-oss", 1, "scan"), ("tiny-mixtral", 8, "auto")]
 )
 def test_a_run_whose_decode_steps_take_the_tpu_kernels_gives_the_xla_runs_tokens(name, devices, loop):
-    """Kernel interpret_tpu (each pass of up to 128 rows through the one-call experts and the router
-    kernel, under a mesh each device its local experts and its own rows' routing; on one device
-    with the experts' slot table, over a scan the router's norm and weight read in the run's
-    stacks) and kernel xla: the same greedy tokens. gpt-oss: biases, clamped SwiGLU, top-k softmax
-    over biased logits."""
+    """Kernel interpret_tpu (each pass of up to 128 rows through the one-call experts, the router
+    kernel and the dense kernel's q|k|v and output projection, under a mesh each device its local
+    experts and its own rows; on one device with the experts' slot table, over a scan the router's
+    and attention's weights read in the run's stacks) and kernel xla: the same greedy tokens.
+    gpt-oss: biases (attention's too), clamped SwiGLU, top-k softmax over biased logits."""
 
     def tokens(kernel: str) -> list:
         config = Config(
@@ -257,6 +257,7 @@ def test_a_run_whose_decode_steps_take_the_tpu_kernels_gives_the_xla_runs_tokens
         run = make_placement(config)
         assert run.decode.whole_ffn == (kernel == "interpret_tpu")
         assert (run.decode.router is not None) == (kernel == "interpret_tpu")
+        assert ("attention" in run.decode.dense) == (kernel == "interpret_tpu")  # q|k|v and out: `linear_tpu`
         engine = Engine(config, load_params(config, run, seed=1), run)
         return engine.generate([[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21, 22]], 4).tokens
 

@@ -1,7 +1,7 @@
-"""A layer's dense products: XLA's ops, or the GPU's fused decode kernels where the placement runs them.
+"""A layer's dense products: XLA's ops, or the fused decode kernels where the placement runs them.
 
-Every platform multiplies a prefill chunk's rows, and a decode step's on XLA:CPU and TPUs, with the
-XLA ops written here (an RMSNorm, then einsums). A decode step on a GPU is a few rows against
+Every platform multiplies a prefill chunk's rows, and a decode step's on XLA:CPU, with the XLA ops
+written here (an RMSNorm, then einsums). A decode step on a GPU is a few rows against
 every weight of a layer: there XLA:GPU made each projection a multiply whose output has the
 weight's own shape, then a reduce, and each norm, rotary embedding, router top-k and residual add
 a kernel of its own, 47 launches a layer. Where the placement says so (`DecodeKernels.fuses_dense`), each group
@@ -15,7 +15,8 @@ of products is one kernel (`pallas_kernels/linear.py`) that reads its weights on
 
 A TPU's decode set, and Hopper's Mosaic GPU one, have the router alone as one kernel
 (`pallas_kernels/route_tpu.py`, `route_mgpu.py`: the norm, the float32 logits, top-k and the
-weights; `DecodeKernels.routes`).
+weights; `DecodeKernels.routes`); a TPU's has q|k|v and the output projection as one each
+(`pallas_kernels/linear_tpu.py`), their weights read in their run's stacks and their model's shapes.
 
 A kernel is one device's program. On a mesh each device runs it on its own rows (`DecodeKernels.run`:
 the placement's shard_map, rows split as the batch is) by the weights it holds, so a group runs in
@@ -66,14 +67,16 @@ def _fused(
     the tile, in each slice: the epilogue runs on the slices' sum). kw: the kernel's other
     arguments, its arrays (norm, biases, head_norms) whole."""
     import pallas_kernels  # the kernels, loaded where they run
+    from pallas_kernels.linear_segments import columns
 
     arrays = {name: kw.pop(name) for name in ("norm", "biases", "head_norms") if name in kw}
-    n = sum(w.shape[1] for w in weights)
+    widths = [columns(w, x.shape[1]) for w in weights]
+    n = sum(widths)
     head_dim = kw.get("head_dim") or 1
 
     def programs(tn: int, splits: int) -> int:  # the kernel's layout: a head a program, unless K splits
         if splits > 1:
-            return sum(-(-w.shape[1] // tn) for w in weights) * splits
+            return sum(-(-w // tn) for w in widths) * splits
         return heads // head_dim + -(-(n - heads) // tn)
 
     def kernel(rows, whole):  # one device's rows
@@ -94,6 +97,18 @@ def _fused(
     return decode.run(kernel, (x, residual, rope), (weights, arrays))
 
 
+# Attention's weights its dense kernel reads (`qkv`, `out`): a TPU's in their run's stacks (`layered.LayerOf`).
+ATTENTION_WEIGHTS = ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm")
+
+
+def _shaped(decode: DecodeKernels, w, flat: tuple):
+    """Weight w as the decode set's dense kernel reads it: in its model's shape where the kernel reads a
+    layer in its stack (a TPU's, whose reshape of a tiled [D, H, Dh] is a copy), else reshaped to `flat`."""
+    from pallas_kernels import catalog  # the kernels' records, loaded where they run
+
+    return w if "stack" in catalog.kernel(catalog.DECODE, decode.linear).reads else w.reshape(flat)
+
+
 @jax.named_scope("qkv")  # `moejax trace` and the compiled-program checks find its ops
 def qkv(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, cos_sin, c: ModelConfig):
     """x: [B, T, D] the residual stream, `norm` the layer's attention norm -> q [B, T, H, Dh],
@@ -101,6 +116,8 @@ def qkv(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, cos_sin, 
     b, t, d = x.shape
     cos, sin = cos_sin
     if not decode.fuses_dense(b * t, "attention"):
+        # The kernel's weights may lie in their run's stacks (`layered.LayerOf`); XLA's ops slice them.
+        norm, p = layered.resolved(norm), {k: layered.resolved(w) for k, w in p.items()}
         h = rms_norm(x, norm, c.rms_norm_eps)
         q = jnp.einsum("btd,dhk->bthk", h, p["q"])
         k = jnp.einsum("btd,dhk->bthk", h, p["k"])
@@ -111,14 +128,14 @@ def qkv(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, cos_sin, 
             q, k = rms_norm(q, p["q_norm"], c.rms_norm_eps), rms_norm(k, p["k_norm"], c.rms_norm_eps)
         return apply_rope(q, cos, sin, c.rope_interleave), apply_rope(k, cos, sin, c.rope_interleave), v
     names = ("q", "k", "v")
-    weights = tuple(p[n].reshape(d, -1) for n in names)
-    biases = tuple(p[n + "_bias"].reshape(-1) for n in names) if c.attention_bias else None
+    weights = tuple(_shaped(decode, p[n], (d, -1)) for n in names)
+    biases = tuple(_shaped(decode, p[n + "_bias"], (-1,)) for n in names) if c.attention_bias else None
     head_norms = (p["q_norm"], p["k_norm"], None) if c.qk_norm else None
     q, k, v = _fused(
         decode,
         x.reshape(b * t, d),
         weights,
-        heads=sum(w.shape[1] for w in weights[:2]),
+        heads=(c.num_heads + c.num_kv_heads) * c.head_dim,
         norm=norm,
         eps=c.rms_norm_eps,
         biases=biases,
@@ -136,12 +153,13 @@ def out(decode: DecodeKernels, p: dict, attended: jax.Array, residual: jax.Array
     """attended: [B, T, H, Dh] -> residual + its output projection (+ bias): [B, T, D]."""
     b, t, h, dh = attended.shape
     if not decode.fuses_dense(b * t, "attention"):
+        p = {k: layered.resolved(w) for k, w in p.items()}
         y = jnp.einsum("bthk,hkd->btd", attended, p["o"])
         return residual + (y + p["o_bias"] if c.o_bias else y)
     (y,) = _fused(
         decode,
         attended.reshape(b * t, h * dh),
-        (p["o"].reshape(h * dh, -1),),
+        (_shaped(decode, p["o"], (h * dh, -1)),),
         biases=(p["o_bias"],) if c.o_bias else None,
         residual=residual.reshape(b * t, -1),
         out_dtype=residual.dtype,

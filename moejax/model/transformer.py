@@ -21,6 +21,7 @@ from moejax.model.layer_loop import cache_layer, with_cache_layer
 from moejax.model.layers import rms_norm, rope_cos_sin
 from moejax.model.moe import moe_block
 from moejax.model.params import Run, layer_runs
+from pallas_kernels import catalog
 
 ROWS = ("batch", "seq", "embed")
 
@@ -95,6 +96,13 @@ def run_layers(
     norms, routers = (
         (loop.part(run_params, "mlp_norm"), loop.part(run_params, "moe", "router")) if in_place else (None, None)
     )
+    # So does a dense kernel reading its weights in their stacks (a TPU's): attention's q|k|v and output
+    # projection, their norms and biases (`projections.qkv`, `projections.out` slice them for XLA's ops).
+    decode = placement.decode
+    attn_in_place = (
+        not c.is_mla and "attention" in decode.dense and "stack" in catalog.kernel(catalog.DECODE, decode.linear).reads
+    )
+    attn = (loop.part(run_params, "attn_norm"), loop.part(run_params, "attn")) if attn_in_place else None
     depth = min(placement.prefetch_depth, count) if moe else 0
     gather = lambda i: placement.gather_experts(loop.layer(at_rest, i))
     ahead = tuple(gather(j) for j in range(depth))  # the first `depth` layers' experts, before the loop
@@ -117,6 +125,10 @@ def run_layers(
         lp, i, window, layer_forced = xs
         if in_place:
             lp = {**lp, "mlp_norm": loop.in_place(norms, i), "moe": {**lp["moe"], "router": loop.in_place(routers, i)}}
+        if attn_in_place:
+            weights = loop.in_place(attn[1], i)
+            weights = {k: w for k, w in weights.items() if k in projections.ATTENTION_WEIGHTS}
+            lp = {**lp, "attn_norm": loop.in_place(attn[0], i), "attn": {**lp["attn"], **weights}}
         layer_cache = run_cache if pages is not None else cache_layer(run_cache, i)
         if not moe:
             experts = None
