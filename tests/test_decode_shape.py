@@ -75,13 +75,12 @@ def per_layer(batch: int, fmt: str) -> dict[str, float]:
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("batch", BATCHES)
 def test_a_decode_layer_launches_few_kernels(batch, fmt):
-    """A layer's launches: its kernels (the fused projections, router and experts, each a Triton
-    kernel; the paged attention, our Mosaic GPU kernel) and a few XLA fusions, at most
-    LAUNCHES_PER_LAYER."""
+    """A layer's launches: its kernels (the fused projections, router, experts and paged attention,
+    each a Mosaic GPU kernel: a Hopper's `auto`) and a few XLA fusions, at most LAUNCHES_PER_LAYER."""
     kinds = per_layer(batch, fmt)
-    triton = kinds.get("custom-call __gpu$xla.gpu.triton", 0)
-    assert triton >= 5, kinds  # q|k|v, output, router, gate_up, down: what it counted
-    assert kinds.get("custom-call mosaic_gpu_v2") == 1, kinds  # the paged attention
+    assert "custom-call __gpu$xla.gpu.triton" not in kinds, kinds
+    # q|k|v, output, the router's two launches, gate_up, down, the paged attention: what it counted
+    assert kinds.get("custom-call mosaic_gpu_v2", 0) >= 7, kinds
     assert sum(kinds.values()) <= LAUNCHES_PER_LAYER, kinds
 
 
@@ -128,9 +127,10 @@ def launch_bound(f: dict, target: str) -> bool:
 @pytest.mark.parametrize("name", FILL_MODELS)
 @pytest.mark.parametrize("target", FILL_TARGETS)
 def test_every_decode_kernel_fills_the_gpu_at_batch_1(target, name):
-    """At batch 1 each Triton decode kernel runs at least as many programs as the target has SMs
-    (`Target.cores`), but those that are launch-bound: q|k|v, the output projection and the router
-    split K where their column tiles are too few. A grid does not depend on depth: the shallow step's.
+    """At batch 1 each decode kernel (Mosaic GPU's on Hopper, else Triton's) runs at least as many
+    programs as the target has SMs (`Target.cores`), but those that are launch-bound: q|k|v, the
+    output projection and the router split K where their column tiles are too few (Hopper's router
+    over D). A grid does not depend on depth: the shallow step's.
     These steps read pages through XLA: Mosaic GPU's ptxas keeps the first architecture a process
     compiles for (a B200 attention after an H100 one fails in one test process, as
     `tests/target_compiles.py`'s workers are grouped for); the attention's is the next test's."""
