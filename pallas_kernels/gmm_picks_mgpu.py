@@ -220,7 +220,7 @@ def _cta(ids_ref, offset_ref, first_ref, tscale_ref, *refs, product, picks, expe
         y = product(ins, tscale_ref[at], at=at, local=g, m_tile=m_tile, n_i=n_i, out_dtype=out_gmem.dtype)
 
         def store(y_smem):  # [tm, spread, width]: each of the tile's picks' row, a TMA copy each
-            y_smem.at[:, 0][...] = y
+            mgpu_api.store_untiled(y_smem.at[:, 0], y)
             plgpu.commit_smem()
 
             def one(q):
