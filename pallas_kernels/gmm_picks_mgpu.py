@@ -57,9 +57,11 @@ ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64 * i] vector as a [rows, N] tile's ro
 
 def shape_refusal(k: int, n: int, gated: bool, tiles: Tiles) -> str | None:
     """Why a device's [K, N] experts are not this kernel's (`catalog`'s shape check): its TMA boxes
-    are 128-byte swizzled tiles of 64 columns, which K and N must be whole tiles of (a model's are)."""
-    if k % 64 or n % 64:
-        return f"K and N must be multiples of 64 (128-byte swizzled tiles), got K={k}, N={n}"
+    are swizzled tiles, which K must be whole ones of: of 32 columns at least (64-byte swizzle,
+    `operand_swizzle`: Qwen3-30B-A3B's expert slices over 8 devices are K = 96), and N of 64 (a
+    model's are)."""
+    if k % 32 or n % 64:
+        return f"K must be a multiple of 32 and N of 64 (swizzled tiles), got K={k}, N={n}"
     return None
 
 
