@@ -263,3 +263,18 @@ def test_nvfp4_experts_compile_for_h100_as_one_mosaic_gpu_call_per_product():
     launches, calls = qwen3_step(1, "nvfp4")
     assert_one_mosaic_gpu_call_per_product(launches, calls)
     assert_no_pad_and_selects(launches, 0)
+
+
+def test_expert_slices_of_k_96_compile_for_h100():
+    """tensor_sliced's Qwen3-30B-A3B down slices over 8 devices, K = 96: three 32-column tiles (64-byte
+    swizzle), which the kernel takes; K = 80 it refuses."""
+    p = 8
+    tiles = choose(p, 96, 2048, on=("h100", p, 128))
+    x, w, ids = on_h100((p, 96), jnp.bfloat16), on_h100((128, 96, 2048), jnp.bfloat16), on_h100((p,), jnp.int32)
+    f = lambda x, w, ids: gmm_picks_mgpu.pick_gemm(  # noqa: E731
+        x, w, ids, k=8, group_offset=0, out_dtype=jnp.bfloat16, rows_are_picks=True, tiles=tiles
+    )
+    calls = [r.instr for r in hlo.launches(jax.jit(f).lower(x, w, ids).compile().as_text()) if r.instr.pallas]
+    assert [(c.pallas, c.kernel) for c in calls] == [("mosaic_gpu", gmm_picks_mgpu.NAME)]
+    assert gmm_picks_mgpu.shape_refusal(96, 2048, False, tiles) is None
+    assert "got K=80" in gmm_picks_mgpu.shape_refusal(80, 2048, False, tiles)
