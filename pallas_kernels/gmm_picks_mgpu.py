@@ -59,8 +59,7 @@ def shape_refusal(k: int, n: int, gated: bool, tiles: Tiles) -> str | None:
     """Why a device's [K, N] experts are not this kernel's (`catalog`'s shape check): its TMA boxes
     are swizzled tiles, which K must be whole ones of: of 32 columns at least (64-byte swizzle,
     `operand_swizzle`: Qwen3-30B-A3B's expert slices over 8 devices are K = 96), and N of 64 (a
-    model's are). K at least a K step of 64: narrower is compiled by no
-    test here."""
+    model's are). K at least a K step of 64: narrower is compiled by no test here."""
     if k % 32 or k < 64 or n % 64:
         return f"K must be a multiple of 32 from 64 and N of 64 (swizzled tiles), got K={k}, N={n}"
     return None
