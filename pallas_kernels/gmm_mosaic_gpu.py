@@ -248,19 +248,30 @@ def _pad(a, axis: int, multiple: int):
 
 
 def _check_tiles(
-    tm: int, tk: int, tn: int, steps: int, pairs: int, quantized: bool, out_dtype, kernel: str = "mosaic_gpu"
+    tm: int,
+    tk: int,
+    tn: int,
+    steps: int,
+    pairs: int,
+    quantized: bool,
+    out_dtype,
+    kernel: str = "mosaic_gpu",
+    padded_rows: bool = False,
 ) -> None:
     width = tn // pairs
+    row_bytes = width * jnp.dtype(out_dtype).itemsize
     if tm % 64:
         raise ValueError(f"{kernel}: tm={tm} must be a multiple of 64 (a warpgroup's wgmma rows)")
     # A tile loaded into registers has the wgmma layout's 64-row tiles; 4-bit steps hold two K-halves.
     if tk % (128 if quantized else 64):
         raise ValueError(f"{kernel}: tk={tk} must be a multiple of {128 if quantized else 64}")
-    # A TMA copy's shared-memory rows start 128-byte aligned: the row pieces of the output tile.
-    if tn % (32 * pairs) or width > 256 or width * jnp.dtype(out_dtype).itemsize % 128:
+    # A TMA copy's shared-memory rows start 128-byte aligned: the row pieces of the output tile (or,
+    # `padded_rows`, a kernel storing its tile's rows 128 bytes apart: a row of 128 bytes' part).
+    if tn % (32 * pairs) or width > 256 or (128 % row_bytes if padded_rows and row_bytes < 128 else row_bytes % 128):
         raise ValueError(
             f"{kernel}: tn={tn} must be a multiple of {32 * pairs} whose tn/{pairs} output columns are at most "
             f"256 (wgmma's N) and a multiple of 128 bytes of {jnp.dtype(out_dtype).name}"
+            + (" or a part of 128 bytes" if padded_rows else "")
         )
     if steps < 2:
         raise ValueError(f"{kernel}: steps={steps} must be at least 2 (a step's tiles are read while the next load)")
@@ -277,11 +288,21 @@ class Prepared(NamedTuple):
     grid_n: int  # N tiles
 
 
-def prepare(lhs, rhs, out_dtype, tiles: Tiles, epilogue, interpret: bool, kernel: str = "mosaic_gpu") -> Prepared:
+def prepare(
+    lhs,
+    rhs,
+    out_dtype,
+    tiles: Tiles,
+    epilogue,
+    interpret: bool,
+    kernel: str = "mosaic_gpu",
+    padded_rows: bool = False,
+) -> Prepared:
     """What a Hopper kernel's CTAs read for lhs [M, K] times rhs (the local groups [G_local, K, N], an
     array or a 4-bit QuantizedArray, or a `layered.LayerOf` either) with `epilogue`, after one clear
     error (prefixed `kernel`) for operands or tiles it cannot take: bf16 rows (`refusal`), Hopper's
-    tiles (`_check_tiles`), a jax with an interpreter where `interpret`."""
+    tiles (`_check_tiles`; `padded_rows`: the kernel stores output rows narrower than 128 bytes
+    from rows 128 bytes apart), a jax with an interpreter where `interpret`."""
     m, k = lhs.shape
     g_local, _, n = rhs.shape
     quantized = isinstance(layered.stored(rhs), formats.QuantizedArray)
@@ -293,7 +314,7 @@ def prepare(lhs, rhs, out_dtype, tiles: Tiles, epilogue, interpret: bool, kernel
     tables, has, act = tiling.epilogue_tables(epilogue, g_local)
     pairs = 1 if act is None else 2
     tm, tk, tn, steps = tiles.tm, tiles.tk, tiles.tn, tiles.steps
-    _check_tiles(tm, tk, tn, steps, pairs, quantized, out_dtype, kernel)
+    _check_tiles(tm, tk, tn, steps, pairs, quantized, out_dtype, kernel, padded_rows)
     width, kt = tn // pairs, tk // 2 if quantized else tk
     # TMA strides: every row a multiple of 16 bytes. Widths that miss it are padded, which copies
     # the layer's weights out of a stack.

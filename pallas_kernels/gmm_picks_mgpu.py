@@ -57,9 +57,11 @@ ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64 * i] vector as a [rows, N] tile's ro
 
 def shape_refusal(k: int, n: int, gated: bool, tiles: Tiles) -> str | None:
     """Why a device's [K, N] experts are not this kernel's (`catalog`'s shape check): its TMA boxes
-    are 128-byte swizzled tiles of 64 columns, which K and N must be whole tiles of (a model's are)."""
-    if k % 64 or n % 64:
-        return f"K and N must be multiples of 64 (128-byte swizzled tiles), got K={k}, N={n}"
+    are swizzled tiles, which K must be whole ones of: of 32 columns at least (64-byte swizzle,
+    `operand_swizzle`: Qwen3-30B-A3B's expert slices over 8 devices are K = 96), and N of 64 (a
+    model's are). K at least a K step of 64: narrower is compiled by no test here."""
+    if k % 32 or k < 64 or n % 64:
+        return f"K must be a multiple of 32 from 64 and N of 64 (swizzled tiles), got K={k}, N={n}"
     return None
 
 
@@ -68,7 +70,10 @@ def table_rows(lhs_rows: int, picks: int, k: int) -> int:
     return lhs_rows
 
 
-TN_FLOORS = (64, 128)  # the least N tile the fill rule narrows to: an output row's 128 bytes (gated: pairs)
+# The least N tile the fill rule narrows to: 64 columns (128 bytes of a bf16 weight row, one memory
+# transaction); gated, 32 (gate, up) pairs, 128 bytes of their int32 words (a 64-byte output row,
+# which the CTA stores from rows 128 bytes apart: a TMA copy's shared memory starts 128-byte aligned).
+TN_FLOORS = (64, 64)
 
 
 def pick_gemm(
@@ -96,7 +101,7 @@ def pick_gemm(
     p, g_local, n = ids.shape[0], rhs.shape[0], rhs.shape[2]
     rhs, columns = _column_scales(rhs, columns)
     epilogue = None if columns is None and bias is None and act is None else (columns, bias, act)
-    prep = prepare(lhs, rhs, out_dtype, tiles, epilogue, interpret, kernel=NAME)
+    prep = prepare(lhs, rhs, out_dtype, tiles, epilogue, interpret, kernel=NAME, padded_rows=True)
     width = prep.product.width
     offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
     leads = min(g_local, p)  # experts a call can touch: a row of CTAs each
@@ -216,19 +221,21 @@ def _cta(ids_ref, offset_ref, first_ref, tscale_ref, *refs, product, picks, expe
         m_tile = tile_of(p)
         y = product(ins, tscale_ref[at], at=at, local=g, m_tile=m_tile, n_i=n_i, out_dtype=out_gmem.dtype)
 
-        def store(y_smem):  # [tm, width]: each of the tile's picks' row, a TMA copy each
-            y_smem[...] = y
+        def store(y_smem):  # [tm, spread, width]: each of the tile's picks' row, a TMA copy each
+            mgpu_api.store_untiled(y_smem.at[:, 0], y)
             plgpu.commit_smem()
 
             def one(q):
                 row = pl.ds(q // rows_per_x - m_tile * tm, 1)
-                plgpu.copy_smem_to_gmem(y_smem.at[row], out_gmem.at[pl.ds(q, 1), pl.ds(n_i * width, width)])
+                plgpu.copy_smem_to_gmem(y_smem.at[row, 0], out_gmem.at[pl.ds(q, 1), pl.ds(n_i * width, width)])
                 return after(q)
 
             nxt = lax.while_loop(lambda q: (q < picks) & (tile_of(q) == m_tile), one, p)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # y_smem is freed after
             return nxt
 
-        return pl.run_scoped(store, plgpu.SMEM((tm, width), out_gmem.dtype))
+        # Rows of fewer than 128 bytes (32 gated pairs) lie 128 bytes apart: each copy's rows start aligned.
+        spread = max(1, 128 // (width * jnp.dtype(out_gmem.dtype).itemsize))
+        return pl.run_scoped(store, plgpu.SMEM((tm, spread, width), out_gmem.dtype))
 
     lax.while_loop(lambda p: p < picks, row_tile, first)

@@ -256,8 +256,9 @@ def route(x, norm, router, *, backend: str, k: int, eps: float, scoring: str, bi
     """A decode set's router as one call (its record's `router`): x [T, D], the MoE's norm [D], router
     [D, E] f32 -> (h [T, D] normed, ids [T, k] int32, weights [T, k] f32, slot [E] int32: the set's
     experts kernel's table of the picks, `expert_ffn`'s slot, or None where `slots` is False or the set
-    has none), with the tiles the table gives its shape on `device` where it takes tiles: split over D
-    until its programs fill the SMs. weighing: norm_topk_prob, routed_scaling_factor, precision, slots."""
+    has none), with the tiles the table gives its shape on `device` where it takes tiles: its experts
+    in chunks, then split over D, until its programs fill the SMs. weighing: norm_topk_prob,
+    routed_scaling_factor, precision, slots."""
     record = catalog.kernel(catalog.DECODE, backend)
     chosen = {}
     if record.tiles is not None:
@@ -270,13 +271,13 @@ def route(x, norm, router, *, backend: str, k: int, eps: float, scoring: str, bi
             k=d,
             n=e,
             fmt="f32",
-            # a program writes every expert's logits of its rows: no N tile, its K step narrows first
-            programs=lambda _, splits: splits * -(-m // kernel.ROWS),
-            tn_floor=kernel.K_FLOOR,
-            n_field="k",
+            # a program's experts narrow first (chunks add no partials for the combine to sum), then D splits
+            programs=lambda chunk, splits: splits * (e // chunk) * -(-m // kernel.ROWS),
+            tn_floor=kernel.e_floor(e),
+            n_field="e",
             tk_floor=kernel.K_FLOOR,
             k_field="k",
-            max_splits=d // kernel.K_FLOOR,
+            max_splits=max(1, min(d // kernel.K_FLOOR, kernel.PARTIAL_BYTES // (4 * e))),
         )
         chosen = {"tiles": kernel.Tiles(**found)}
     return record.load()(

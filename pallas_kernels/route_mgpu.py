@@ -10,14 +10,16 @@ So a program's logits [64 rows, E] are a sum of outer products, one per K row d:
 column d (a [64] vector, read down a shared-memory tile of them) times the weight's row d ([E]),
 float32 FMAs, each product exact in f32's rounding as XLA's HIGHEST one is.
 
-Program (s, r): K slice s of row tile r (64 rows: a warpgroup's register tile). A first pipeline
-over x sums each row's squares (every program: x is a decode step's few rows); the main one streams
-the slice's x [64, tk] and weight [tk, E] f32 tiles with TMA, norms the rows as the model rounds them
-(bf16), writes them to the normed output h (the experts multiply it; each program its slice) and
-into a shared f32 tile whose columns the outer products read. With one slice (`Tiles.splits`) the
-program then scores, picks (`topk`) and weighs its rows; with more (a decode step of a few rows
-fills the SMs only so) each writes its f32 partial logits [M, E] and a second launch of this kernel
-(`combine`) sums a row tile's slices and picks: two launches, as `linear_mgpu`'s split K.
+Program (s, c, r): K slice s of row tile r (64 rows: a warpgroup's register tile), its experts'
+chunk c (`Tiles.e` columns of the logits). A first pipeline over x sums each row's squares (every
+program: x is a decode step's few rows); the main one streams the slice's x [64, tk] and weight
+[tk, e] f32 tiles with TMA, norms the rows as the model rounds them (bf16), writes them to the normed
+output h (the experts multiply it; the slice's first chunk's program) and into a shared f32 tile
+whose columns the outer products read. With one slice (`Tiles.splits`) and one chunk the program
+then scores, picks (`topk`) and weighs its rows; with more (a decode step of a few rows fills the
+SMs only so: chunks first, which add no partials to sum) each writes its f32 partial logits [M, e]
+and a second launch of this kernel (`combine`) sums a row tile's slices and picks: two launches, as
+`linear_mgpu`'s split K.
 
 Shapes (`shape_refusal`, the catalog's check): D whole 64-column swizzled tiles; E a multiple of 8
 (a register tile's columns) up to 256 (a TMA box). ids and weights are k' = k rounded up to 8
@@ -50,16 +52,29 @@ ROWS = 64  # a program's rows: a warpgroup's register tile
 NORM_COLS = 256  # the norm pre-pass's K step: TMA's widest box
 MAX_EXPERTS = 256  # a TMA box's most elements along an axis: one box of a weight row
 K_FLOOR = 64  # the least K step the fill rule narrows to (`registry.route`)
+# The most bytes of a row's partial logits (slices x E f32) the fill rule splits D into: the combine's
+# one program a row tile reads them within a launch gap at one SM's share of an H100's bandwidth.
+PARTIAL_BYTES = 16384
+
+
+def e_floor(e: int) -> int:
+    """The least experts' chunk the fill rule narrows E to (`registry.route`): E halved while the
+    half is whole register tiles' columns (8) and two 32-byte sectors of a weight row at least (16 f32)."""
+    while e % 16 == 0 and e // 2 >= 16:
+        e //= 2
+    return e
 
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """A call's tiles (`tiles.lookup("route_mgpu", ..)`): k K rows a pipeline step (a multiple of
-    64), splits slices of K (a power of two), steps pipeline stages (at least 2)."""
+    64), splits slices of K (a power of two), steps pipeline stages (at least 2), e experts' logits
+    a program (a multiple of 8 dividing E; None: E whole)."""
 
     k: int
     splits: int
     steps: int
+    e: int | None = None
 
 
 def shape_refusal(k: int, n: int, gated: bool, tiles: Tiles) -> str | None:
@@ -85,6 +100,8 @@ def _check(x, norm, router, bias, k: int, scoring: str, tiles: Tiles):
         raise ValueError(f"route_mgpu: at most {2 * ROWS} rows (a decode step's), got {t}")
     if tiles.k % 64 or d % (tiles.k * tiles.splits) or tiles.steps < 2 or tiles.splits & (tiles.splits - 1):
         raise ValueError(f"route_mgpu: tiles {tiles} are no whole K steps of D={d} in power-of-two slices")
+    if tiles.e is not None and (tiles.e % 8 or e % tiles.e):
+        raise ValueError(f"route_mgpu: tiles {tiles}: e must be a multiple of 8 dividing E={e}")
 
 
 def _epilogue(logits, bias_ref, ids_ref, weights_ref, *, r, m, k, scoring, norm_topk_prob, scale, interpret):
@@ -135,15 +152,16 @@ def _access(interpret: bool):
     return mgpu_api.load, mgpu_api.store_untiled
 
 
-def _kernel(*refs, m, d, e, tk, splits, steps, eps, picking, interpret):
-    """Program (s, r): K slice s of row tile r. Refs (whole arrays in GMEM): x [M', D], norm [1, D],
-    router [D, E] f32, bias [1, E] (where given); out: h [M, D], then ids, weights [M, k'] (one
-    slice), or the partial logits [M', splits * E] f32 at columns s * E."""
+def _kernel(*refs, m, d, e, tk, splits, chunks, steps, eps, picking, interpret):
+    """Program (s, c, r): K slice s of row tile r, experts' chunk c of `chunks` (e experts each).
+    Refs (whole arrays in GMEM): x [M', D], norm [1, D], router [D, E] f32, bias [1, E] (where
+    given); out: h [M, D], then ids, weights [M, k'] (one slice and chunk), or the partial logits
+    [M', splits * E] f32 at columns s * E + c * e."""
     has_bias = picking["bias"]
     x_ref, norm_ref, router_ref, *refs = refs
     bias_ref = refs.pop(0) if has_bias else None
     h_ref, *outs = refs
-    s, r = lax.axis_index("s"), lax.axis_index("r")
+    s, c, r = lax.axis_index("s"), lax.axis_index("c"), lax.axis_index("r")
     wgmma = plgpu.Layout.WGMMA
     cast = (lambda a, _: a) if interpret else plgpu.layout_cast
     load, store = _access(interpret)
@@ -170,7 +188,7 @@ def _kernel(*refs, m, d, e, tk, splits, steps, eps, picking, interpret):
         nw = spread(load(norm_smem.at[0], wgmma.reduce(0)), (ROWS, tk), 1)
         h = normalize(xf, rstd, nw, jnp.bfloat16)  # as the model rounds the normed rows
         k0 = (s * per_split + indices[0]) * tk
-        store_rows(h, h_ref.at[:, pl.ds(k0, tk)], r, m, load, store)
+        pl.when(c == 0)(lambda: store_rows(h, h_ref.at[:, pl.ds(k0, tk)], r, m, load, store))
         store(h_smem.at[slot], h.astype(jnp.float32))
         plgpu.commit_smem()  # every thread's columns visible to the warpgroup
 
@@ -183,7 +201,7 @@ def _kernel(*refs, m, d, e, tk, splits, steps, eps, picking, interpret):
 
     specs = [
         plgpu.BlockSpec((ROWS, tk), lambda i: (r, s * per_split + i), transforms=smem_transforms(tk, 16)),
-        plgpu.BlockSpec((tk, e), lambda i: (s * per_split + i, 0)),
+        plgpu.BlockSpec((tk, e), lambda i: (s * per_split + i, c)),
         plgpu.BlockSpec((1, tk), lambda i: (0, s * per_split + i)),
     ]
 
@@ -198,8 +216,8 @@ def _kernel(*refs, m, d, e, tk, splits, steps, eps, picking, interpret):
         )(x_ref, router_ref, norm_ref)
 
     logits = pl.run_scoped(products, plgpu.SMEM((2, ROWS, tk), jnp.float32))
-    if splits > 1:  # the slice's partial logits, summed by the combine launch
-        store_rows(logits, outs[0].at[:, pl.ds(s * e, e)], r, m, load, store)
+    if splits * chunks > 1:  # the slice's chunk of partial logits, summed by the combine launch
+        store_rows(logits, outs[0].at[:, pl.ds(s * chunks * e + c * e, e)], r, m, load, store)
     else:
         _epilogue(logits, bias_ref, *outs, r=r, m=m, interpret=interpret, **_weighing(picking))
 
@@ -272,26 +290,29 @@ def route_mgpu(
         metadata.varying_struct((m, k_wide), jnp.int32, *operands),
         metadata.varying_struct((m, k_wide), jnp.float32, *operands),
     ]
-    splits = tiles.splits
+    splits, chunk = tiles.splits, tiles.e or e
+    chunks = e // chunk
     parts = [metadata.varying_struct((rows, splits * e), jnp.float32, *operands)]
     call = functools.partial(_launch, interpret=interpret)
     kernel = functools.partial(
         _kernel,
         m=m,
         d=d,
-        e=e,
+        e=chunk,
         tk=tiles.k,
         splits=splits,
+        chunks=chunks,
         steps=tiles.steps,
         eps=eps,
         picking=picking,
         interpret=interpret,
     )
     h_type = metadata.varying_struct((m, d), x.dtype, *operands)
+    two = splits * chunks > 1  # a second launch sums the partial logits and picks
     h, *outs = call(
-        kernel, (splits, pl.cdiv(m, ROWS)), ("s", "r"), [h_type, *(parts if splits > 1 else picked)], operands
+        kernel, (splits, chunks, pl.cdiv(m, ROWS)), ("s", "c", "r"), [h_type, *(parts if two else picked)], operands
     )
-    if splits > 1:
+    if two:
         combine = functools.partial(
             _combine, m=m, e=e, splits=splits, steps=tiles.steps, picking=picking, interpret=interpret
         )

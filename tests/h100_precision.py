@@ -2,7 +2,8 @@
 for a compile-only H100 in each dtype of argv, as the engine jits it, and print the precision of
 its products as one JSON line per dtype:
 {"dtype", "dots": each XLA dot's operand precision ("highest,highest": `hlo.Instr.precision`), "cublas":
-each cuBLAS call's, "triton_dots": each Pallas Triton dot (`tt.dot`) as its kernel's IR prints it}.
+each cuBLAS call's, "triton_dots": each Pallas Triton dot (`tt.dot`) as its kernel's IR prints it,
+"decode": the decode set the placement took}.
 Run as a script, in its own process (test_precision.py): an XLA abort kills the process."""
 
 import json
@@ -66,7 +67,13 @@ def products(dtype: str) -> dict:
     instrs = hlo.parse(lowered.compile().as_text()).instrs  # fused dots included
     dots = [precision(i) for i in instrs if i.opcode == "dot"]
     cublas = [precision(i) for i in instrs if i.target == "__cublas$gemm"]
-    return {"dtype": dtype, "dots": dots, "cublas": cublas, "triton_dots": triton_dots(lowered)}
+    return {
+        "dtype": dtype,
+        "dots": dots,
+        "cublas": cublas,
+        "triton_dots": triton_dots(lowered),
+        "decode": placement.decode.kernel,
+    }
 
 
 if __name__ == "__main__":

@@ -40,21 +40,25 @@ def without_triton(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "target, dtype, fmt, wide, kernel",
+    "target, dtype, fmt, wide, kernel, decode",
     [
-        ("h100", "bfloat16", "unquantized", True, "mosaic_gpu"),
-        ("h100", "bfloat16", "nvfp4", False, "mosaic_gpu"),  # any width: padded
-        ("h100", "float32", "unquantized", True, "triton"),  # wgmma would multiply float32 as TF32
-        ("b200", "bfloat16", "mxfp4", True, "blackwell_bf16"),
-        ("b200", "bfloat16", "nvfp4", False, "triton"),  # narrower than the kernel's tiles
-        ("b200", "bfloat16", "unquantized", True, "triton"),  # its kernels multiply 4-bit experts
-        ("a100", "bfloat16", "nvfp4", True, "triton"),  # no wgmma, no tcgen05
+        ("h100", "bfloat16", "unquantized", True, "mosaic_gpu", "mosaic_gpu"),
+        # any width: padded; its decode set refuses widths of no whole 64-column tiles: XLA's ops, not Triton's
+        ("h100", "bfloat16", "nvfp4", False, "mosaic_gpu", "xla"),
+        ("h100", "float32", "unquantized", True, "triton", "triton"),  # wgmma would multiply float32 as TF32
+        ("b200", "bfloat16", "mxfp4", True, "blackwell_bf16", "triton"),
+        ("b200", "bfloat16", "nvfp4", False, "triton", "triton"),  # narrower than the kernel's tiles
+        ("b200", "bfloat16", "unquantized", True, "triton", "triton"),  # its kernels multiply 4-bit experts
+        ("a100", "bfloat16", "nvfp4", True, "triton", "triton"),  # no wgmma, no tcgen05
     ],
 )
-def test_auto_picks_the_architectures_mosaic_kernel_where_it_can_run(target, dtype, fmt, wide, kernel):
+def test_auto_picks_the_architectures_mosaic_kernel_where_it_can_run(target, dtype, fmt, wide, kernel, decode):
+    """And the decode set: a Hopper's Mosaic GPU one (its router a kernel too), else Triton's."""
     placement = _placement(target, dtype=dtype, fmt=fmt, wide=wide)
     assert placement.kernel == kernel
-    assert placement.decode.kernel == "triton"  # the fused decode kernels, Triton's
+    assert placement.decode.kernel == decode
+    if decode == "mosaic_gpu":
+        assert placement.decode.router == "mosaic_gpu_router" and placement.decode.linear == "mosaic_gpu_linear"
 
 
 @pytest.mark.parametrize(
@@ -68,12 +72,14 @@ def test_auto_picks_the_architectures_mosaic_kernel_where_it_can_run(target, dty
 )
 def test_without_triton_auto_never_picks_a_triton_kernel(without_triton, target, dtype, fmt, kernel, decode):
     """Nor a Triton decode set: a Hopper's bf16 decode steps take Mosaic GPU's (its dense products
-    but the float32 router's), else XLA's ops."""
+    and its router kernel), else XLA's ops."""
     placement = _placement(target, dtype=dtype, fmt=fmt)
     assert placement.kernel == kernel and placement.decode.kernel == decode
     if decode == "mosaic_gpu":
         assert placement.decode.linear == "mosaic_gpu_linear" and placement.decode.topk is None
-        # not the float32 router, nor this model's attention: heads of 16 columns, no whole swizzled tile
+        assert placement.decode.router == "mosaic_gpu_router"
+        # not the float32 router's product (the router kernel's), nor this model's attention: heads of
+        # 16 columns, no whole swizzled tile
         assert placement.decode.dense == {"mlp", "shared_mlp"}
 
 
@@ -140,3 +146,17 @@ def test_a_jax_whose_mosaic_gpu_lacks_blackwells_names_falls_back_to_triton(monk
         match=r"kernel blackwell_bf16: this jax \(.*\) lacks jax.experimental.pallas.mosaic_gpu.tcgen05_mma",
     ):
         _placement("b200", fmt="nvfp4", kernel="blackwell_bf16")
+
+
+def test_auto_on_an_h100_compiles_a_model_of_odd_widths_with_no_triton_kernel():
+    """Where Mosaic GPU's decode kernels refuse a model's widths (tiny-qwen3-moe: no whole 64-column
+    tiles), its decode step's small products run as XLA's ops, not Triton's kernels: the step's
+    Pallas calls are Mosaic GPU's alone (the grouped GEMM, the paged attention)."""
+    config = Config(
+        model=preset("tiny-qwen3-moe"), layout=LayoutConfig(devices=1), engine=EngineConfig(dtype="bfloat16")
+    ).validate()
+    placement, programs = plan.programs(config, 8, 64, 64, "cuda", list(targets.devices("h100", 1)), page_size=16)
+    compiled, _, why = plan.compile_program(*programs["decode"], persist=False)
+    assert why is None and placement.kernel == "mosaic_gpu" and placement.decode.kernel == "xla"
+    calls = hlo.by_kind(hlo.pallas_calls(compiled.as_text()))
+    assert calls and set(calls) == {"custom-call mosaic_gpu_v2"}, calls

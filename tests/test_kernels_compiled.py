@@ -78,12 +78,16 @@ def test_xla_reads_groups_of_a_layer_stack(fmt, m):
 
 def test_gpu_decode_step_copies_no_layer_of_experts():
     """A scanned run's decode step on an H100 (engine.layer_loop scan) hands the Triton kernels (a decode
-    step's rows: by pick) each layer's experts where they lie in the run's stack [L, E, K, N]: no
-    instruction of the compiled step makes an array of one layer's [E, K, N] (a dynamic-slice fusion
-    copied each layer out of the stack every step)."""
+    step's rows: by pick; named: `auto` takes Mosaic GPU's, which refuse this model's widths) each
+    layer's experts where they lie in the run's stack [L, E, K, N]: no instruction of the compiled step
+    makes an array of one layer's [E, K, N] (a dynamic-slice fusion copied each layer out of the stack
+    every step)."""
     model = dataclasses.replace(preset("tiny-qwen3-moe"), num_layers=4)  # a run of 2 identical MoE layers
     config = Config(
-        model=model, layout=LayoutConfig(devices=1), engine=EngineConfig(dtype="bfloat16", layer_loop="scan")
+        model=model,
+        layout=LayoutConfig(devices=1),
+        engine=EngineConfig(dtype="bfloat16", layer_loop="scan"),
+        kernel="triton",
     )
     placement, step, args = decode_program(config.validate(), 8, 64, "cuda", devices=list(targets.devices("h100", 1)))
     stacks = [a.shape for run in args[0]["layers"] if "moe" in run for a in run["moe"]["experts"].values()]

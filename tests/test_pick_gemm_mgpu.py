@@ -4,6 +4,7 @@ compile it for a compile-only H100 at Qwen3-30B-A3B's shapes. Its PTX is run onl
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import jax
@@ -33,16 +34,18 @@ def choose(rows: int, k: int, n: int, fmt: str = "bf16", gated: bool = False, on
     narrow = {}
     if on is not None:
         target, picks, experts = on
-        touched, floor = min(picks, experts), 128 if gated else 64  # 64 output columns: a 128-byte row
+        touched, floor = min(picks, experts), gmm_picks_mgpu.TN_FLOORS[gated]
         device = (targets.TARGETS[target].device_kind, targets.TARGETS[target].cores)
         narrow = dict(device=device, programs=lambda tn, _: touched * -(-n // tn), tn_floor=floor)
     return Tiles(**tiles.lookup("pick_gemm_mgpu", rows=rows, k=k, n=n, fmt=fmt, gated=gated, **narrow))
 
 
-def run(lhs, w, ids, *, rows_are_picks=False, epilogue=None, out_dtype=jnp.bfloat16) -> np.ndarray:
-    """The interpreted kernel's product (group offset and any layer index traced), as float64."""
+def run(lhs, w, ids, *, rows_are_picks=False, epilogue=None, out_dtype=jnp.bfloat16, tn=None) -> np.ndarray:
+    """The interpreted kernel's product (group offset and any layer index traced), as float64; tn:
+    the N tile, else the table's."""
     fmt = getattr(w.stack if isinstance(w, LayerOf) else w, "fmt", "bf16")
     chosen = choose(lhs.shape[0], lhs.shape[1], w.shape[2], fmt, epilogue is not None and epilogue[2] is not None)
+    chosen = chosen if tn is None else dataclasses.replace(chosen, tn=tn)
     f = jax.jit(
         lambda lhs, w, ids, offset, tables: gmm_picks_mgpu.pick_gemm(
             lhs,
@@ -102,12 +105,15 @@ def test_bf16_experts_match_float64_and_the_xla_reference():
     np.testing.assert_allclose(out, np.asarray(xla, np.float64), rtol=2e-2, atol=2e-2)
 
 
-def test_column_scales_bias_and_gated_act_over_gate_up_pairs():
+@pytest.mark.parametrize("tn", [None, 64])
+def test_column_scales_bias_and_gated_act_over_gate_up_pairs(tn):
+    """The table's N tile, and the fill rule's floor of 32 (gate, up) pairs: 64-byte output rows,
+    stored from rows 128 bytes apart (N = 36 pairs: a whole tile and an edge one)."""
     lhs, w, rng = operands("act", T)
     w = w.astype(jnp.bfloat16)
     columns = jnp.asarray(rng.uniform(0.5, 2.0, (LOCAL, N)), jnp.bfloat16)
     bias = jnp.asarray(rng.standard_normal((LOCAL, N)), jnp.bfloat16)
-    out = run(lhs, w, IDS, epilogue=(columns, bias, silu_glu))
+    out = run(lhs, w, IDS, epilogue=(columns, bias, silu_glu), tn=tn)
     assert out.shape == (IDS.shape[0], N // 2)
     assert_matches(out, expected(lhs, w, IDS, columns=columns, bias=bias, act=True), IDS)
 
@@ -247,13 +253,28 @@ def test_compiles_for_h100_as_one_mosaic_gpu_call_per_product(tokens):
     launches, calls = qwen3_step(tokens)
     assert_one_mosaic_gpu_call_per_product(launches, calls)
     assert_no_pad_and_selects(launches, 0 if tokens == 1 else 2)  # 8 picks of 128 experts, or 512
-    # a row of CTAs per pick (8 picks) or per expert (512 picks of 128), one CTA per N tile of 64
-    # (gate, up) pairs, then of 64 columns where 8 rows of them leave the SMs short of two each, else 128
-    rows = min(8 * tokens, 128)
-    assert [c.programs for c in calls] == [rows * 1536 // 128, rows * 2048 // (64 if tokens == 1 else 128)]
+    # a row of CTAs per pick (8 picks) or per expert (512 picks of 128), one CTA per N tile: where 8
+    # rows of them leave the SMs short of two each, 32 (gate, up) pairs and 64 columns, else 64 and 128
+    rows, narrow = min(8 * tokens, 128), 2 if tokens == 1 else 1
+    assert [c.programs for c in calls] == [rows * 1536 * narrow // 128, rows * 2048 * narrow // 128]
 
 
 def test_nvfp4_experts_compile_for_h100_as_one_mosaic_gpu_call_per_product():
     launches, calls = qwen3_step(1, "nvfp4")
     assert_one_mosaic_gpu_call_per_product(launches, calls)
     assert_no_pad_and_selects(launches, 0)
+
+
+def test_expert_slices_of_k_96_compile_for_h100():
+    """tensor_sliced's Qwen3-30B-A3B down slices over 8 devices, K = 96: three 32-column tiles (64-byte
+    swizzle), which the kernel takes; K = 80 it refuses."""
+    p = 8
+    tiles = choose(p, 96, 2048, on=("h100", p, 128))
+    x, w, ids = on_h100((p, 96), jnp.bfloat16), on_h100((128, 96, 2048), jnp.bfloat16), on_h100((p,), jnp.int32)
+    f = lambda x, w, ids: gmm_picks_mgpu.pick_gemm(  # noqa: E731
+        x, w, ids, k=8, group_offset=0, out_dtype=jnp.bfloat16, rows_are_picks=True, tiles=tiles
+    )
+    calls = [r.instr for r in hlo.launches(jax.jit(f).lower(x, w, ids).compile().as_text()) if r.instr.pallas]
+    assert [(c.pallas, c.kernel) for c in calls] == [("mosaic_gpu", gmm_picks_mgpu.NAME)]
+    assert gmm_picks_mgpu.shape_refusal(96, 2048, False, tiles) is None
+    assert "got K=80" in gmm_picks_mgpu.shape_refusal(80, 2048, False, tiles)

@@ -1,8 +1,9 @@
 """The Hopper router kernel (`route_mgpu`) without a GPU: jax's Mosaic GPU interpreter against float64
 numpy for each scoring, at widths no tile of the kernel's is (D 192: three K steps; E 40 experts,
 k 3 picks in a register tile of 8 columns; 3 rows of a 64-row tile, and 70: two row tiles), one and
-two K slices (the second launch summing them); a width it does not take refused in one line; and
-the lowering and XLA:GPU compile for a compile-only H100 of Qwen3-30B-A3B's router at batch 1."""
+two K slices, the experts whole and in chunks (the second launch summing the partial logits); a
+width it does not take refused in one line; and the lowering and XLA:GPU compile for a compile-only
+H100 of Qwen3-30B-A3B's router at batch 1."""
 
 from __future__ import annotations
 
@@ -51,10 +52,15 @@ def reference(x, norm, router, bias, scoring, norm_topk_prob, scale):
 
 
 @pytest.mark.parametrize(
-    "scoring, m, d, splits, norm_topk_prob",
-    [("softmax", 3, 192, 1, False), ("sigmoid", 70, 192, 1, True), ("topk_softmax", 3, 256, 2, False)],
+    "scoring, m, d, splits, e, norm_topk_prob",
+    [
+        ("softmax", 3, 192, 1, None, False),
+        ("sigmoid", 70, 192, 1, None, True),
+        ("topk_softmax", 3, 256, 2, None, False),
+        ("sigmoid", 70, 256, 2, 8, True),  # experts in 5 chunks of 8: each slice's chunks, then the sum
+    ],
 )
-def test_the_interpreted_router_is_float64s(scoring, m, d, splits, norm_topk_prob):
+def test_the_interpreted_router_is_float64s(scoring, m, d, splits, e, norm_topk_prob):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16)
     norm = jnp.asarray(rng.standard_normal(d) * 0.2 + 1, jnp.bfloat16)
@@ -62,7 +68,7 @@ def test_the_interpreted_router_is_float64s(scoring, m, d, splits, norm_topk_pro
     bias = None if scoring == "softmax" else jnp.asarray(rng.standard_normal(E) * 0.3, jnp.float32)
     h, ids, weights, slot = route_mgpu(
         x, norm, router, k=K, eps=EPS, scoring=scoring, bias=bias, norm_topk_prob=norm_topk_prob,
-        routed_scaling_factor=2.5, tiles=Tiles(k=64, splits=splits, steps=2), interpret=True,
+        routed_scaling_factor=2.5, tiles=Tiles(k=64, splits=splits, steps=2, e=e), interpret=True,
     )  # fmt: skip
     want_h, want_ids, want_weights = reference(x, norm, router, bias, scoring, norm_topk_prob, 2.5)
     assert slot is None and ids.shape == weights.shape == (m, K) and ids.dtype == jnp.int32
@@ -84,8 +90,8 @@ def test_a_width_it_does_not_take_is_refused():
 
 
 def test_qwen3s_router_compiles_for_an_h100_in_two_launches_at_batch_1():
-    """D 2048, E 128, k 8: split over D in 32 slices of 64 (the table's rule: towards the SMs), then the
-    combine launch."""
+    """D 2048, E 128, k 8: its experts in 8 chunks of 16 and D in 32 slices of 64 (the table's rule:
+    towards the SMs, 16 KB of partial logits a row at most), then the combine launch."""
     device = targets.devices("h100", 1)[0]
     d, e = 2048, 128
 
@@ -99,6 +105,6 @@ def test_qwen3s_router_compiles_for_an_h100_in_two_launches_at_batch_1():
     text = lower(jax.jit(run), *args).compile().as_text()
     launches = hlo.by_kind(hlo.launches(text))  # the whole call: no XLA op around the kernel's
     assert launches == {"custom-call mosaic_gpu_v2": 2}, launches
-    # Each launch's grid, read off the program (the named scope around its call): the slices over D,
-    # then the combine's one row tile.
-    assert sorted(r.instr.programs for r in hlo.pallas_calls(text)) == [1, 32]
+    # Each launch's grid, read off the program (the named scope around its call): the chunks of each
+    # slice over D, then the combine's one row tile.
+    assert sorted(r.instr.programs for r in hlo.pallas_calls(text)) == [1, 8 * 32]

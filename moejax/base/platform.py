@@ -115,7 +115,8 @@ COMPILERS = {"cpu": "XLA:CPU", "gpu": "XLA:GPU", "tpu": "the TPU compiler"}
 # kernels a layer). A prefill chunk's rows go through XLA's GEMMs and the grouped GEMM.
 DECODE_KERNEL_ROWS = 128
 DECODE_PICK_ROWS = 256
-# Which grouped GEMMs' runs take them is their catalog records' (`pallas_kernels.catalog`: `decode`).
+# Which grouped GEMMs' runs take them is their catalog records' (`pallas_kernels.catalog`: `decode`):
+# a Hopper's `mosaic_gpu` run takes Mosaic GPU's set only (Triton stays where Mosaic GPU cannot go).
 
 
 # A layer's dense products by the weights they multiply (`moejax/model/projections.py`): attention's
