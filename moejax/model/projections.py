@@ -235,6 +235,10 @@ def mlp(placement, p: dict, h: jax.Array, residual: jax.Array | None = None, gro
             # partial sums meet in a reduce-scatter. Left to itself, XLA gathered the rows' share of
             # F and the whole down weight to each device every layer (GLM-5.3: 25 MB a MoE layer).
             g = placement.constrain(g, (*[None] * (g.ndim - 1), group))
+            # Kept out of down's fusion: XLA:GPU's Triton GEMM fusion tiles a slice's gate and up
+            # columns (stride-2 slices) wrongly and aborts the process (jaxlib 0.10.2,
+            # triton_tiling_propagation.cc "subdim_size_accumulator == dim_size").
+            g = jax.lax.optimization_barrier(g)
         y = g @ p["down"]
         return y if residual is None else residual + y
     rows = h.reshape(-1, h.shape[-1])
