@@ -11,7 +11,7 @@ from moejax.compiled.plan import GB, OUTPUT_LEN, PAGE_SIZE, PROMPT_LEN, plan_pla
 from moejax.config import Config, EngineConfig, LayoutConfig, WeightsConfig, preset
 from moejax.launch.factory import ensure_devices
 from moejax.launch.flags import kernel_name
-from moejax.vocab import ATTENTION_KERNELS, ATTENTION_MODES, DTYPES, EXPERT_FORMATS
+from moejax.vocab import ATTENTION_KERNELS, ATTENTION_MODES, DTYPES, EXPERT_FORMATS, KERNELS
 from sharding import names, placement_class, with_placement
 
 DEFAULT_HBM_GB = 288.0  # a B300's
@@ -42,6 +42,7 @@ def cmd_plan(args) -> int:
         ),
         weights=WeightsConfig(args.expert_format),
         engine=EngineConfig(dtype=args.dtype),
+        kernel=args.kernel,
         attention_kernel=args.attention_kernel,
     ).validate()
     # all: with --two-batch-overlap, the placements whose rows travel
@@ -245,6 +246,13 @@ def register(sub) -> None:
     p.add_argument("--output-len", type=int, default=OUTPUT_LEN, help="new tokens of the requests the pages fit")
     p.add_argument(
         "--speculative", choices=("mtp",), help="serving with MTP drafts: the MTP layer's page pool shares the memory"
+    )
+    p.add_argument(
+        "--kernel",
+        type=kernel_name("kernel"),
+        choices=KERNELS,
+        default="auto",
+        help="the grouped GEMM and its decode kernels (auto: by the platform it compiles for)",
     )
     p.add_argument(
         "--attention-kernel",
