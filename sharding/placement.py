@@ -90,6 +90,8 @@ class Placement:
             self.first_device,
             dense=frozenset(g for g in DENSE_GROUPS if self.lies_whole(g) and self._dense_takes(record, g, dtype)),
             linear=record.dense,
+            linear_reads_stacks=record.dense is not None
+            and "stack" in catalog.kernel(catalog.DECODE, record.dense).reads,
             topk=record.topk,
             whole_ffn=record.whole_ffn,
             router=self._router(record, dtype),

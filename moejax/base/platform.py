@@ -145,6 +145,9 @@ class DecodeKernels:
 
     dense: frozenset = frozenset()
     linear: str | None = None  # the dense products' kernel (a DECODE record's name: `pallas_kernels.fused_linear`)
+    # It reads a layer's weights in their run's stacks and in their model's shapes (a TPU's: a scan's
+    # slice of a stack, or a reshape of a tiled [D, H, Dh], is a copy); else each layer's, reshaped.
+    linear_reads_stacks: bool = False
     topk: str | None = None  # the top-k after the router's product (a DECODE record's name; None: XLA's ops)
     whole_ffn: bool = False  # the experts as one call (`pallas_kernels.expert_ffn`), else two pick GEMMs
     router: str | None = None  # the router as one call (a DECODE record's name: `pallas_kernels.route`)

@@ -104,9 +104,7 @@ ATTENTION_WEIGHTS = ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias",
 def _shaped(decode: DecodeKernels, w, flat: tuple):
     """Weight w as the decode set's dense kernel reads it: in its model's shape where the kernel reads a
     layer in its stack (a TPU's, whose reshape of a tiled [D, H, Dh] is a copy), else reshaped to `flat`."""
-    from pallas_kernels import catalog  # the kernels' records, loaded where they run
-
-    return w if "stack" in catalog.kernel(catalog.DECODE, decode.linear).reads else w.reshape(flat)
+    return w if decode.linear_reads_stacks else w.reshape(flat)
 
 
 @jax.named_scope("qkv")  # `moejax trace` and the compiled-program checks find its ops

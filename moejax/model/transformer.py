@@ -21,7 +21,6 @@ from moejax.model.layer_loop import cache_layer, with_cache_layer
 from moejax.model.layers import rms_norm, rope_cos_sin
 from moejax.model.moe import moe_block
 from moejax.model.params import Run, layer_runs
-from pallas_kernels import catalog
 
 ROWS = ("batch", "seq", "embed")
 
@@ -99,9 +98,7 @@ def run_layers(
     # So does a dense kernel reading its weights in their stacks (a TPU's): attention's q|k|v and output
     # projection, their norms and biases (`projections.qkv`, `projections.out` slice them for XLA's ops).
     decode = placement.decode
-    attn_in_place = (
-        not c.is_mla and "attention" in decode.dense and "stack" in catalog.kernel(catalog.DECODE, decode.linear).reads
-    )
+    attn_in_place = not c.is_mla and "attention" in decode.dense and decode.linear_reads_stacks
     attn = (loop.part(run_params, "attn_norm"), loop.part(run_params, "attn")) if attn_in_place else None
     depth = min(placement.prefetch_depth, count) if moe else 0
     gather = lambda i: placement.gather_experts(loop.layer(at_rest, i))
