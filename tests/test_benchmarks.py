@@ -68,6 +68,7 @@ SMALLEST = {
     "model_vs_transformers.py": ["--smoke", "--decode-steps", "2", "--prompt-len", "16", "--rounds", "1"],
     "paged_decode.py": ["--smoke", "--rounds", "1"],
     "mtp.py": ["--smoke", "--batch", "1", "--new-tokens", "3"],
+    "placement_pricing.py": ["--preset", "tiny-glm-5.3", "--batches", "8", "--placements", "expert_sharded"],
     "row_meets_experts.py": ["--steps", "5"],
     "simulator_validation.py": [
         "--devices",
