@@ -179,6 +179,23 @@ def test_advise_ranks_each_phase_with_its_time_table(h100):
     assert "decode (8 steps of 64 rows)" in text and "recommend: serve --" in text
 
 
+def test_advise_gives_each_layout_a_layers_share_of_its_ops(h100):
+    """Each layout's kernels, collectives and bytes a call runs, over the model's layers: some of
+    each on 8 devices; the table prints them beside the times."""
+    ranking, candidates = h100
+    layers = preset("tiny").num_layers
+    for r in ranking.phases["decode"].layouts:
+        c = next(c for c in candidates if target_ranking.label(c.layout) == r.layout)
+        ops = c.programs["decode"].ops
+        assert r.layer.kernels == pytest.approx(
+            sum(o.count * o.fixed for o in ops if o.kind == "kernel") / layers, abs=0.05
+        )
+        assert r.layer.kernels > 0 and r.layer.collectives > 0 and r.layer.gb > 0, r
+    line = next(x for x in advise_tables.target_table("tiny", ranking).splitlines() if x.startswith("ragged_a2a"))
+    ragged = next(r for r in ranking.phases["decode"].layouts if r.layout == "ragged_a2a")
+    assert f"{ragged.layer.kernels:.1f}" in line.split()
+
+
 def test_advise_json_keeps_its_keys(h100):
     ranking, _ = h100
     doc = json.loads(json.dumps(advise_tables.target_json("tiny", ranking)))
@@ -196,14 +213,18 @@ def test_advise_json_keeps_its_keys(h100):
     assert list(doc["target"]) == list(advise_tables.TARGET_FIGURES) and doc["target"]["name"] == "h100"
     decode = doc["phases"]["decode"]
     assert list(decode) == ["steps", "rows", "layouts", "decides"]
-    assert list(decode["layouts"][0]) == ["layout", "placement", "ep", "tp", "memory_gb", "fits", "us"]
+    assert list(decode["layouts"][0]) == ["layout", "placement", "ep", "tp", "memory_gb", "fits", "us", "layer"]
     assert list(decode["layouts"][0]["us"]) == ["step", *CATEGORIES]
+    assert list(decode["layouts"][0]["layer"]) == ["kernels", "collectives", "gb"]
     assert set(decode["decides"]) == {"first", "second", "lead_us", "part", "part_us"}
     assert doc["recommend"]["flags"] == ranking.recommend.flags
 
 
 def row(name: str, us: float, gb: float) -> target_ranking.RankedLayout:
-    return target_ranking.RankedLayout(name, name, 8, 1, gb, gb <= 32, CallTime.of(dict.fromkeys(CATEGORIES, us / 4)))
+    share = target_ranking.LayerShare(20.0, 2.0, 0.1)
+    return target_ranking.RankedLayout(
+        name, name, 8, 1, gb, gb <= 32, CallTime.of(dict.fromkeys(CATEGORIES, us / 4)), share
+    )
 
 
 def test_a_layout_that_alone_fits_leads_by_its_memory():

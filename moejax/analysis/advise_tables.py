@@ -97,13 +97,20 @@ def target_table(model: str, ranking: TargetRanking) -> str:
         f"{t.launch_us:g} us per kernel, {t.collective_us:g} us per collective"
     ]
     for phase, p in ranking.phases.items():
-        lines.append(f"\n{phase} ({p.steps} steps of {p.rows} rows), us per call")
-        lines.append(f"{'layout':<18}{'step':>9}" + "".join(f"{c:>11}" for c in CATEGORIES) + f"{'GB/device':>11}")
+        lines.append(
+            f"\n{phase} ({p.steps} steps of {p.rows} rows), us per call; a layer's share of its kernels, "
+            "collectives and MB moved a device"
+        )
+        lines.append(
+            f"{'layout':<18}{'step':>9}"
+            + "".join(f"{c:>11}" for c in CATEGORIES)
+            + f"{'GB/device':>11}{'kernels/layer':>15}{'coll/layer':>12}{'MB/layer':>10}"
+        )
         for r in p.layouts:
             lines.append(
                 f"{r.layout:<18}{r.us.step:>9.1f}"
                 + "".join(f"{getattr(r.us, c):>11.1f}" for c in CATEGORIES)
-                + f"{r.memory_gb:>11.1f}"
+                + f"{r.memory_gb:>11.1f}{r.layer.kernels:>15.1f}{r.layer.collectives:>12.1f}{r.layer.gb * 1e3:>10.1f}"
                 + ("" if r.fits else "  does not fit")
             )
         d = p.decides

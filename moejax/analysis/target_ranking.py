@@ -13,6 +13,7 @@ import dataclasses
 
 import numpy as np
 
+from moejax.analysis import hlo_ops
 from moejax.analysis.target_pricing import CATEGORIES, CallTime, phase_us
 from moejax.analysis.target_programs import (
     GB,
@@ -34,6 +35,25 @@ MAX_PREFILL_CHUNKS = 8  # chunks of the trace's rows a prefill prices (each of t
 
 
 @dataclasses.dataclass(frozen=True)
+class LayerShare:
+    """A call's kernel launches, collectives and GB a device moves (kernels' reads and writes,
+    collectives' sends as compiled: a ragged all-to-all's every slot), over the model's layers: a
+    layer's share, the embedding, LM head and sampling spread over them (`plan --target` reads a
+    layer exactly, as the difference of two depths)."""
+
+    kernels: float
+    collectives: float
+    gb: float
+
+    @classmethod
+    def of(cls, ops: tuple[hlo_ops.Op, ...], layers: int) -> LayerShare:
+        kernels = sum(op.count * op.fixed for op in ops if op.kind == "kernel")
+        collectives = sum(op.count * op.fixed for op in ops if op.kind != "kernel")
+        moved = sum(op.count * op.bytes for op in ops)
+        return cls(round(kernels / layers, 1), round(collectives / layers, 1), round(moved / layers / GB, 4))
+
+
+@dataclasses.dataclass(frozen=True)
 class RankedLayout:
     layout: str  # `target_programs.label`
     placement: str
@@ -42,6 +62,7 @@ class RankedLayout:
     memory_gb: float  # per device
     fits: bool  # in the target's memory
     us: CallTime
+    layer: LayerShare
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +166,7 @@ def ranked(
             c.memory_bytes / GB,
             c.memory_bytes <= t.hbm_gb * GB,
             phase_us(c, phase, steps, t, model),
+            LayerShare.of(c.programs[phase].ops, model.num_layers),
         )
         for c in candidates
     ]
