@@ -6,7 +6,10 @@ worst case (every row of every device picking this device), so no row is ever dr
 the send buffer holds one block of T_local slots per destination, the receive buffer one
 block of T_local slots per source. On TPU and GPU only the used slots travel
 (`ragged_all_to_all`); XLA:CPU lacks that op, so there the same blocks go through a dense
-`all_to_all`, empty slots included. Runs inside `shard_map` over ("ep", "tp") with tp = 1.
+`all_to_all`, empty slots included. Every device's picks (ids and weights, a few KB) go to every
+device first, by one all-gather: from them each device plans its sends, the counts both ways and
+the picks of every slot it receives, so the rows travel alone and arrive ready for the experts.
+Runs inside `shard_map` over ("ep", "tp") with tp = 1.
 """
 
 from __future__ import annotations
