@@ -12,7 +12,7 @@ import numpy as np
 
 import pallas_kernels
 
-PICK_BYTES = 8  # an int32 expert id and a float32 weight travel with each pick
+PICK_BYTES = 8  # an int32 expert id and a float32 weight: what a pick costs when it travels
 
 
 def expert_bytes(experts: dict) -> float:

@@ -6,7 +6,10 @@ worst case (every row of every device picking this device), so no row is ever dr
 the send buffer holds one block of T_local slots per destination, the receive buffer one
 block of T_local slots per source. On TPU and GPU only the used slots travel
 (`ragged_all_to_all`); XLA:CPU lacks that op, so there the same blocks go through a dense
-`all_to_all`, empty slots included. Runs inside `shard_map` over ("ep", "tp") with tp = 1.
+`all_to_all`, empty slots included. Every device's picks (ids and weights, a few KB) go to every
+device first, by one all-gather: from them each device plans its sends, the counts both ways and
+the picks of every slot it receives, so the rows travel alone and arrive ready for the experts.
+Runs inside `shard_map` over ("ep", "tp") with tp = 1.
 """
 
 from __future__ import annotations
@@ -25,84 +28,58 @@ from sharding.mesh import MeshPlacement, own_share
 from sharding.rules import ALL
 
 
+def _goes(ids: jax.Array, e_local: int, n: int) -> jax.Array:
+    """ids: [..., T, k] global expert ids -> bool [..., T, n]: row t has a pick on device d. The k
+    picks compared one at a time (no reduction)."""
+    dev = ids // e_local
+    return functools.reduce(jnp.logical_or, [dev[..., j, None] == jnp.arange(n) for j in range(ids.shape[-1])])
+
+
+def _slots(before: jax.Array) -> jax.Array:
+    """before: [..., T, n] rows up to t going to d -> [..., n, S] the row in slot s of block d (T
+    where none): slot s's row is the one before which s + 1 rows go to d, so counting the rows whose
+    running count is at most s finds it."""
+    slots = jnp.arange(before.shape[-2], dtype=jnp.int32)[:, None]  # [S, 1]
+    return jnp.sum(jnp.swapaxes(before, -1, -2)[..., None, :] <= slots, axis=-1, dtype=jnp.int32)
+
+
 def dispatch_plan(ids: jax.Array, e_local: int, n: int) -> tuple[jax.Array, jax.Array]:
     """ids: [T, k] global expert ids -> (row_of_slot: int32 [n, T] the row in slot s of the block for
     device d, T where none; send_sizes: int32 [n] the slots used). Block d holds the rows with a
-    pick on d, in order: slot s's row is the one before which s + 1 rows go to d, so counting the
-    rows whose running count is at most s finds it (T where fewer go): a compare and a sum, where a
-    scatter of each row to its slot was three kernels a layer on a GPU."""
-    t = ids.shape[0]
-    goes = jnp.any((ids // e_local)[:, :, None] == jnp.arange(n), axis=1)  # [T, n]: row t goes to d
-    before = jnp.cumsum(goes, axis=0, dtype=jnp.int32)  # [T, n]: rows up to t going to d
-    slots = jnp.arange(t, dtype=jnp.int32)[None, :, None]  # [1, S, 1]
-    row_of_slot = jnp.sum(before.T[:, None, :] <= slots, axis=-1, dtype=jnp.int32)  # [n, S]
-    return row_of_slot, before[-1]
+    pick on d, in order (`_slots`): a compare and a sum, where a scatter of each row to its slot was
+    three kernels a layer on a GPU."""
+    before = jnp.cumsum(_goes(ids, e_local, n), axis=0, dtype=jnp.int32)  # [T, n]: rows up to t going to d
+    return _slots(before), before[-1]
 
 
-def _exchange(
-    x: jax.Array, sizes: jax.Array, recv_sizes: jax.Array, use_ragged: bool, fill: jax.Array | None = None
-) -> jax.Array:
+def _exchange(x: jax.Array, sizes: jax.Array, recv_sizes: jax.Array, use_ragged: bool) -> jax.Array:
     """x: [n, S, ...] block b goes to device b -> [n, S, ...] block b came from device b.
     `sizes[b]`: used slots of block b (what a ragged exchange sends); `recv_sizes[b]`: those of the
-    block device b sends here (the exchange of counts, once a layer); `fill` [...]: what a ragged
-    exchange leaves in the slots nothing arrived in (default zeros; a dense one sends them)."""
+    block device b sends here. A ragged exchange leaves zeros in the slots nothing arrived in (a
+    buffer of zeros costs no kernel of its own: the compiler makes every layer's in one); a dense one
+    sends them."""
     n, s = x.shape[:2]
     if not use_ragged:
         return jax.lax.all_to_all(x, ALL, 0, 0, tiled=True)
     me = jax.lax.axis_index(ALL)
     flat = x.reshape(n * s, *x.shape[2:])
-    out = jnp.zeros_like(flat) if fill is None else jnp.broadcast_to(fill, flat.shape)
     offsets = jnp.arange(n, dtype=jnp.int32) * s
     out = jax.lax.ragged_all_to_all(
-        flat, out, offsets, sizes, jnp.full((n,), me * s, jnp.int32), recv_sizes, axis_name=ALL
+        flat, jnp.zeros_like(flat), offsets, sizes, jnp.full((n,), me * s, jnp.int32), recv_sizes, axis_name=ALL
     )
     return out.reshape(x.shape)
 
 
-def _as_columns(a: jax.Array, dtype) -> jax.Array:
-    """int32 or f32 [..., kk] -> [..., kk * 4 / itemsize] of `dtype`, bit for bit: picks riding in a row."""
-    out = jax.lax.bitcast_convert_type(a, dtype)
-    return out.reshape(*a.shape[:-1], -1)
-
-
-def _from_columns(a: jax.Array, dtype, kk: int) -> jax.Array:
-    """`_as_columns`' inverse: [..., kk * 4 / itemsize] -> [..., kk] of `dtype` (int32 or f32)."""
-    ratio = 4 // a.dtype.itemsize
-    return jax.lax.bitcast_convert_type(a.reshape(*a.shape[:-1], kk, ratio) if ratio > 1 else a, dtype)
-
-
-def _dispatch(rows, ids, weights, sizes, recv_sizes, dispatch_dtype: str, use_ragged: bool, unused: int):
-    """Rows [n, S, D] with their picks' ids and weights [n, S, kk] to the blocks' devices: one
-    exchange, the picks bit for bit in columns after each row's (4-byte ids and weights in a 2-
-    or 4-byte row), or, rows as NVFP4 (values, block and row scales), an exchange per array. A
-    slot nothing arrived in holds the expert id `unused` (nobody's: its picks compute nothing)."""
-    kk = ids.shape[-1]
-    no_ids = jnp.full((kk,), unused, ids.dtype)
-    if dispatch_dtype != "nvfp4" and 4 % rows.dtype.itemsize == 0:
-        packed = jnp.concatenate([rows, _as_columns(ids, rows.dtype), _as_columns(weights, rows.dtype)], axis=-1)
-        fill = (
-            jnp.zeros(packed.shape[-1:], rows.dtype)
-            .at[rows.shape[-1] :]
-            .set(
-                jnp.concatenate(
-                    [_as_columns(no_ids, rows.dtype), _as_columns(jnp.zeros((kk,), weights.dtype), rows.dtype)]
-                )
-            )
-        )
-        got = _exchange(packed, sizes, recv_sizes, use_ragged, fill)
-        d, width = rows.shape[-1], (got.shape[-1] - rows.shape[-1]) // 2
-        return (
-            got[..., :d],
-            _from_columns(got[..., d : d + width], ids.dtype, kk),
-            _from_columns(got[..., d + width :], weights.dtype, kk),
-        )
+def _dispatch(rows: jax.Array, sizes, recv_sizes, dispatch_dtype: str, use_ragged: bool) -> jax.Array:
+    """Rows [n, S, D] to the blocks' devices: one exchange, or, rows as NVFP4 (values, block and row
+    scales), an exchange per array."""
     exchange = functools.partial(_exchange, sizes=sizes, recv_sizes=recv_sizes, use_ragged=use_ragged)
     if dispatch_dtype != "nvfp4":
-        return exchange(rows), exchange(ids, fill=no_ids), exchange(weights)
+        return exchange(rows)
     q = pallas_kernels.quantize_rows(rows.reshape(-1, rows.shape[-1]).astype(jnp.float32), "nvfp4")
     n, s = rows.shape[:2]
     q = jax.tree.map(lambda a: exchange(a.reshape(n, s, *a.shape[1:])).reshape(a.shape), q)
-    return pallas_kernels.dequantize(q, rows.dtype).reshape(rows.shape), exchange(ids, fill=no_ids), exchange(weights)
+    return pallas_kernels.dequantize(q, rows.dtype).reshape(rows.shape)
 
 
 def local_picks(k: int, e_local: int) -> int:
@@ -116,14 +93,15 @@ def exchange_buffers(
 ) -> dict[str, int]:
     """Bytes of each buffer one device allocates for one MoE layer of a pass with t_local rows
     per device. Sized for the worst case (every row of every device picking this device), so no
-    row is ever dropped: send and receive blocks of t_local slots per peer, each row with its
-    kk = min(k, E_local) local picks (int32 id + f32 weight), and the kk-fold expanded rows the
-    local experts run on."""
+    row is ever dropped: every device's picks (int32 id + f32 weight each), send and receive blocks
+    of t_local slots per peer, and the kk-fold expanded rows the local experts run on, kk =
+    min(k, E_local) local picks per received row."""
     kk = local_picks(k, e_local)
     slots = n * t_local
     return {
-        "dispatch_send": slots * (dispatch_row_bytes + kk * 8),
-        "dispatch_recv": slots * (dispatch_row_bytes + kk * 8),
+        "picks": slots * k * accounting.PICK_BYTES,
+        "dispatch_send": slots * dispatch_row_bytes,
+        "dispatch_recv": slots * dispatch_row_bytes,
         "expert_rows": slots * kk * hidden * act_bytes,
         "combine_send": slots * hidden * act_bytes,
         "combine_recv": slots * hidden * act_bytes,
@@ -146,31 +124,35 @@ def ragged_phases(
 
     def dispatch(x, ids, weights):
         t, k = ids.shape
-        n = jax.lax.axis_size(ALL)
-        row_of_slot, send_sizes = dispatch_plan(ids, e_local, n)  # [n, T], [n]
-        # Send buffer [n, T, ...]: block d holds the rows going to d, with only d's picks kept.
-        # Unused slots keep the sentinel expert `num_experts` (nobody's) and so compute nothing.
-        valid = row_of_slot < t
-        safe = jnp.where(valid, row_of_slot, 0)
-        pick_dev = ids[safe] // e_local  # [n, T, k]
-        keep = valid[..., None] & (pick_dev == jnp.arange(n)[:, None, None])
-        # A row carries only the picks of the device it goes to, at most kk = min(k, E_local) of
-        # them: its kept picks first (stable), then cut to kk, so the receiver computes kk picks
-        # per received row and not k.
+        n, me = jax.lax.axis_size(ALL), jax.lax.axis_index(ALL)
+        # The picks' exchange, once a layer: every device's ids and weights [n, T, k], from which each
+        # device plans its own sends and what it receives (the counts, and each received slot's
+        # picks), so the rows travel alone.
+        all_ids, all_w = jax.lax.all_gather((ids, weights), ALL)
+        goes = _goes(all_ids, e_local, n)  # [n, T, n]: device b's row t has a pick on device d
+        before = jnp.cumsum(goes, axis=1, dtype=jnp.int32)  # [n, T, n]
+        send_sizes, recv_sizes = before[me, -1], before[:, -1, me]  # [n], [n]
+        row_of_slot = _slots(before[me])  # [n, S]: block d's rows
+        # A row brings only its picks on this device, at most kk = min(k, E_local) of them: its kept
+        # picks first (stable), then cut to kk, so the receiver computes kk picks per received row
+        # and not k; the others name the sentinel expert `num_experts` (nobody's) with weight 0.
+        keep = all_ids // e_local == me  # [n, T, k]
         kk = local_picks(k, e_local)
         if kk < k:
             first = jnp.argsort(~keep, axis=-1, stable=True)[..., :kk]  # [n, T, kk]
             take = lambda a: jnp.take_along_axis(a, first, axis=-1)
         else:  # every pick may be local: none to cut, in any order
             take = lambda a: a
-        send_ids = jnp.where(take(keep), take(ids[safe]), num_experts)
-        send_w = jnp.where(take(keep), take(weights[safe]), 0.0)
-
-        # The counts' exchange, once a layer: the combine sends back what the dispatch brought.
-        recv_sizes = jax.lax.all_to_all(send_sizes, ALL, 0, 0, tiled=True)
-        recv_rows, recv_ids, recv_w = _dispatch(
-            x[safe], send_ids, send_w, send_sizes, recv_sizes, dispatch_dtype, use_ragged, num_experts
-        )
+        mine_ids = jnp.where(take(keep), take(all_ids), num_experts)  # [n, T, kk]
+        mine_w = jnp.where(take(keep), take(all_w), 0.0)
+        # Slot s of device b's block here holds b's row t that is the (s + 1)-th of b's rows coming
+        # here: its picks are found by a compare and a min (a sum for the weights) over t.
+        into = (before[:, :, me] == jnp.arange(1, t + 1)[:, None, None]) & goes[:, :, me]  # [S, n, T]
+        into = jnp.moveaxis(into, 0, 1)[..., None]  # [n, S, T, 1]
+        recv_ids = jnp.min(jnp.where(into, mine_ids[:, None], num_experts), axis=2)  # [n, S, kk]
+        recv_w = jnp.sum(jnp.where(into, mine_w[:, None], 0.0), axis=2)
+        rows = x[jnp.minimum(row_of_slot, t - 1)]  # [n, S, D]: slots past a block's size are not sent
+        recv_rows = _dispatch(rows, send_sizes, recv_sizes, dispatch_dtype, use_ragged)
         return recv_rows, recv_ids, recv_w, (send_sizes, recv_sizes), row_of_slot
 
     def compute(sent):
@@ -263,10 +245,12 @@ class RaggedA2A(MeshPlacement):
     def bytes_sent_per_device(self, ids, hidden, act_bytes, experts=None):
         if self.devices == 1:
             return np.zeros(1)
-        sent, kk = self.sent_rows(ids), local_picks(ids.shape[1], self.num_experts // self.ep)
-        dispatch = sent.sum(1) * (self.dispatch_row_bytes(hidden, act_bytes) + kk * accounting.PICK_BYTES)
+        n, (t, k) = self.devices, ids.shape
+        sent = self.sent_rows(ids)
+        picks = (n - 1) * -(-t // n) * k * accounting.PICK_BYTES  # every device's picks to every other
+        dispatch = sent.sum(1) * self.dispatch_row_bytes(hidden, act_bytes)
         combine = sent.sum(0) * hidden * act_bytes  # results go back to the rows' devices
-        return (dispatch + combine + self.gathered_results_bytes(ids.shape[0], hidden, act_bytes)).astype(float)
+        return (picks + dispatch + combine + self.gathered_results_bytes(t, hidden, act_bytes)).astype(float)
 
     def copies_per_row(self, ids):
         return float(self.sent_rows(ids).sum() / ids.shape[0])

@@ -20,7 +20,7 @@ from sharding import registry
 # Kernels and collectives a GQA family's MoE layer may take.
 KERNELS, COLLECTIVES = 16, 3
 KERNEL_GROUPS = ("fusions", "custom calls", "copies", "sorts", "other")
-# ragged_a2a packs and unpacks its rows with XLA's ops: over the kernel budget (docs/placements.md).
+# ragged_a2a plans its exchange with XLA's ops: over the kernel budget (docs/placements.md).
 OVER_BUDGET = {"ragged_a2a"}
 
 
