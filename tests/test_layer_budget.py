@@ -51,7 +51,7 @@ def test_glm_5_3s_moe_layer_on_8_b200s_exchanges_within_its_budget(placement):
     """GLM-5.3 with NVFP4 experts (MLA, the DSA indexer, a sliced shared expert) at batch 64 on 8
     B200s: at most COLLECTIVES collectives a layer (the rows' all-gather and the reduce-scatter, the
     shared expert's merged into them), at least one. Its kernels are past the MLA budget: its
-    attention and indexer are XLA's ops (docs/placements.md)."""
+    projections are the dense kernel's, its attention core and indexer XLA's ops (docs/placements.md)."""
     config = Config(
         model=preset("glm-5.3"),
         layout=LayoutConfig(devices=8, placement=placement),
