@@ -304,6 +304,42 @@ def test_xla_twin_is_the_models_attention_projections(dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_xla_twin_is_the_models_latent_queries_and_rope_key(dtype):
+    """MLA's queries from its query latent (RMSNorm, q_b, each head's rope part past its first 8
+    columns rotated from interleaved pairs) and its rope key out of kv_a's last columns, as
+    `attention.mla`'s XLA ops compute them (`apply_rope` with interleave)."""
+    b, d, h, dh = (MODEL[key] for key in ("b", "d", "h", "dh"))
+    nope = dh - 2 * MODEL["half"]
+
+    def model(p, cos, sin):
+        q = jnp.einsum("btd,dhk->bthk", rms_norm(p["x"], p["attn_norm"], EPS), p["q"])
+        q = jnp.concatenate([q[..., :nope], apply_rope(q[..., nope:], cos, sin, True)], axis=-1)
+        kv = p["x"] @ p["k"].reshape(d, -1)
+        k_rope = apply_rope(kv[..., -2 * MODEL["half"] :][:, :, None], cos, sin, True)[:, :, 0]
+        return [q.reshape(b, -1), k_rope.reshape(b, -1)]
+
+    def twin(p, cos, sin):
+        x, kv = p["x"].reshape(b, d), p["k"].reshape(d, -1)
+        rope = (cos[:, 0], sin[:, 0])
+        (q,) = fused_linear_xla(
+            x, (p["q"].reshape(d, h * dh),), norm=p["attn_norm"], eps=EPS, head_dim=dh, rope=rope, rotate=(True,),
+            rope_at=(nope,), interleave=(True,),
+        )  # fmt: skip
+        (k_rope,) = fused_linear_xla(
+            x,
+            (kv,),
+            head_dim=(8,),
+            rope=rope,
+            rotate=(True,),
+            interleave=(True,),
+            windows=((kv.shape[1] - 8, kv.shape[1]),),
+        )
+        return [q, k_rope]
+
+    assert_twin_is_model(twin, model, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_xla_twin_is_the_models_output_projection_and_residual(dtype):
     """The decoder's x + (attention's heads @ o + o_bias)."""
     b, d, h, dh = (MODEL[key] for key in ("b", "d", "h", "dh"))
