@@ -9,6 +9,12 @@ per-head RMSNorm and rotate-half RoPE (attention's q and k), or the gated activa
 product (writing [M, N_i / 2]), or a residual added. `linear_xla.fused_linear_xla` computes the
 same with XLA ops, one product per segment; the tests hold both to the model's own functions.
 
+MLA's projections (DeepSeek-V3, GLM-5) take three more options: each segment's heads of their own
+width; the rotated columns from a head's column `rope_at` (the query's rope part follows its
+non-rotated part), read from interleaved pairs (DeepSeek's layout: the pairs' even and odd columns
+are the halves, read as every other column of the weight); and a segment as a window of its
+weight's columns (kv_a: the latent's, then the rope key's, no copy of either).
+
 Triton's blocks are powers of two and a dot's dims at least 16: rows, K and columns are read in
 such blocks, masked past the arrays' ends (nothing beyond them is read, nothing written). A
 segment with a head epilogue has a head per program, read as pieces of power-of-two blocks: the
