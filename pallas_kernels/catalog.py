@@ -70,6 +70,9 @@ class Kernel:
     topk: str | None = None
     router: str | None = None
     whole_ffn: bool = False
+    # A dense kernel: takes MLA's projections' epilogues (heads of a width per segment, a rope from a
+    # head's column rope_at, interleaved pairs); else MLA's attention products are XLA's ops.
+    latent_heads: bool = False
     interpreted: bool = False  # runs in Pallas' interpreter (any platform: tests)
     # Takes operands typed as varying over a shard_map's mesh axes (check_vma). Not the warp-specialized
     # Mosaic GPU kernels: `plgpu.warp_map` is an mpmd_map, which from jax 0.11 refuses such Refs.
@@ -349,9 +352,25 @@ _DECODES = (
         varying_operands=False,  # as the interpreted TPU set's (below)
         tiles="pick_gemm",
     ),
-    Kernel("triton_linear", DECODE, "linear", "triton", "fused_linear", platform="gpu", tiles="fused_linear"),
     Kernel(
-        "interpret_triton_linear", DECODE, "linear", "triton", "fused_linear", interpreted=True, tiles="fused_linear"
+        "triton_linear",
+        DECODE,
+        "linear",
+        "triton",
+        "fused_linear",
+        platform="gpu",
+        tiles="fused_linear",
+        latent_heads=True,
+    ),
+    Kernel(
+        "interpret_triton_linear",
+        DECODE,
+        "linear",
+        "triton",
+        "fused_linear",
+        interpreted=True,
+        tiles="fused_linear",
+        latent_heads=True,
     ),
     Kernel("triton_topk", DECODE, "routing", "triton", "topk_route", platform="gpu", tiles="topk_route"),
     Kernel("interpret_triton_topk", DECODE, "routing", "triton", "topk_route", interpreted=True, tiles="topk_route"),

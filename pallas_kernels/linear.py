@@ -9,6 +9,12 @@ per-head RMSNorm and rotate-half RoPE (attention's q and k), or the gated activa
 product (writing [M, N_i / 2]), or a residual added. `linear_xla.fused_linear_xla` computes the
 same with XLA ops, one product per segment; the tests hold both to the model's own functions.
 
+MLA's projections (DeepSeek-V3, GLM-5) take three more options: each segment's heads of their own
+width; the rotated columns from a head's column `rope_at` (the query's rope part follows its
+non-rotated part), read from interleaved pairs (DeepSeek's layout: the pairs' even and odd columns
+are the halves, read as every other column of the weight); and a segment as a window of its
+weight's columns (kv_a: the latent's, then the rope key's, no copy of either).
+
 Triton's blocks are powers of two and a dot's dims at least 16: rows, K and columns are read in
 such blocks, masked past the arrays' ends (nothing beyond them is read, nothing written). A
 segment with a head epilogue has a head per program, read as pieces of power-of-two blocks: the
@@ -123,37 +129,46 @@ def _linear_kernel(*refs, tree, n_in, segments, m, k, tm, tk, splits, combine, e
     def tile(seg: Segment, refs, out_ref, t):  # segment seg's output tile t: [tm, seg.tile]
         c0 = t * seg.tile
         # Each piece: its first output column, its block's width, and which of its columns are real.
-        pieces = []
-        for off, width in seg.pieces:
+        pieces, reads = [], []
+        for (off, width), read in zip(seg.pieces, seg.reads):
             block = max(16, pow2(width))
             cols = iota(block, 1)
             keep = [cols < width] if block > width else []
             if seg.n % seg.tile:
                 keep.append(cols + c0 + off < seg.n)
             pieces.append((c0 + off, block, functools.reduce(jnp.logical_and, keep) if keep else None))
+            reads.append(read)
         # The column sets (all columns, or gate and up) as array indices: interpret mode's masked
         # loads take no Python int.
         sets = [jnp.int32(i) for i in range(seg.pairs)]
+
+        def columns(ref, lead, first, c, b, i, read):  # a piece's block of ref [.., N], its columns from `first`
+            first = first if combine else seg.start  # a product's window; a split call's partials are the window's
+            if read is None:
+                return refs[ref].at[lead, pl.ds(first + c, b), i]
+            # every other column from the tile's column `read`: pair (first + c0 + read) // 2's member read % 2
+            return refs[ref + "_pairs"].at[
+                lead, pl.ds((first + read) // 2 + t * (seg.tile // 2), b), jnp.int32(read % 2)
+            ]
 
         def step(k_i, accs):  # accs: per piece, per column set, [tm, block] f32
             k0 = (s * per_split + k_i) * tk
             h = hblock(k0).astype(seg.cdtype)
             return tuple(
                 tuple(
-                    acc
-                    + dot(h, load(refs["w"].at[pl.ds(k0, tk), pl.ds(c, b), i], in_k(k0, 0), keep).astype(seg.cdtype))
+                    acc + dot(h, load(columns("w", pl.ds(k0, tk), 0, c, b, i, r), in_k(k0, 0), keep).astype(seg.cdtype))
                     for i, acc in zip(sets, piece_accs)
                 )
-                for (c, b, keep), piece_accs in zip(pieces, accs)
+                for (c, b, keep), r, piece_accs in zip(pieces, reads, accs)
             )
 
         def add(s_i, accs):  # a split call's slice s_i of partial products, added
             return tuple(
                 tuple(
-                    acc + load(refs["w"].at[rows, pl.ds(s_i * seg.n + c, b), i], in_m, keep)
+                    acc + load(columns("w", rows, s_i * seg.n, c, b, i, r), in_m, keep)
                     for i, acc in zip(sets, piece_accs)
                 )
-                for (c, b, keep), piece_accs in zip(pieces, accs)
+                for (c, b, keep), r, piece_accs in zip(pieces, reads, accs)
             )
 
         zeros = tuple(tuple(jnp.zeros((tm, b), jnp.float32) for _ in sets) for _, b, _ in pieces)
@@ -180,10 +195,12 @@ def _linear_kernel(*refs, tree, n_in, segments, m, k, tm, tk, splits, combine, e
                 normalize(f, head_rstd, load(refs["head_norm"].at[:, pl.ds(c % seg.tile, b)], keep), y.dtype)
                 for f, y, (c, b, keep) in zip(yf, ys, pieces)
             ]
-        if seg.rotate:  # pieces 0 and 1: the rotated halves
-            c, b, keep = pieces[0]  # cos and sin's columns: the rotated half's in its head
-            cos, sin = (load(a.at[rows, pl.ds(c % seg.tile, b)], in_m, keep) for a in ins["rope"])
-            ys[:2] = (y.astype(seg.out_dtype) for y in rotate_half(*(y.astype(jnp.float32) for y in ys[:2]), cos, sin))
+        if seg.rotate:  # pieces `rotated` and the next: the rotated halves
+            r = seg.rotated
+            c, b, keep = pieces[r]  # cos and sin's columns: the rotated half's in its head, from its first
+            cos, sin = (load(a.at[rows, pl.ds(c % seg.tile - seg.pieces[r][0], b)], in_m, keep) for a in ins["rope"])
+            halves = rotate_half(*(y.astype(jnp.float32) for y in ys[r : r + 2]), cos, sin)
+            ys[r : r + 2] = (y.astype(seg.out_dtype) for y in halves)
         for (c, b, keep), y in zip(pieces, ys):
             if ins["residual"] is not None:
                 y = (load(ins["residual"].at[rows, pl.ds(c, b)], in_m, keep) + y).astype(seg.out_dtype)
@@ -208,10 +225,13 @@ def fused_linear(
     eps: float = 1e-6,
     biases: tuple[jax.Array | None, ...] | None = None,
     residual: jax.Array | None = None,
-    head_dim: int | None = None,
+    head_dim: int | tuple[int | None, ...] | None = None,
     head_norms: tuple[jax.Array | None, ...] | None = None,
     rope: tuple[jax.Array, jax.Array] | None = None,
     rotate: tuple[bool, ...] | None = None,
+    rope_at: tuple[int, ...] | None = None,
+    interleave: tuple[bool, ...] | None = None,
+    windows: tuple[tuple[int, int] | None, ...] | None = None,
     act=None,
     out_dtype=None,
     normed: bool = False,
@@ -227,7 +247,11 @@ def fused_linear(
     segment [N_i] or None, added to the rounded product in the output dtype (as the model's
     `q + q_bias`). head_dim with per segment head_norms ([head_dim] or None: an RMSNorm over each
     head of the rounded product) and rope = (cos, sin) [M, R/2] f32 with per segment `rotate`
-    flags: rotate-half RoPE of each head's first R <= head_dim columns, after its norm. act: a
+    flags: rotate-half RoPE of each head's R columns from its column rope_at[i] (default 0), after
+    its norm; per segment `interleave`: its columns come as pairs (x0, x1), (x2, x3)..., de-interleaved
+    as they are read (DeepSeek's layout, as `apply_rope` with interleave). head_dim: one per segment where
+    segments' heads differ (None where a segment has no head epilogue). windows: per segment, the
+    columns [a, b) of its weight it multiplies (None: all; N_i its width). act: a
     static act(gate, up) over a single segment whose even columns are gate and odd ones up.
     residual [M, N] (one segment): its output is residual + the rounded product. out_dtype: every
     output's (None: each segment's product's, x's or the norm's dtype with the weight's).
@@ -241,8 +265,9 @@ def fused_linear(
     check_normed(normed, norm)
     epilogue_args = dict(biases=biases, residual=residual, head_norms=head_norms, rope=rope, act=act)
     laid_out = segments(
-        x, weights, norm=norm, head_dim=head_dim, rotate=rotate, out_dtype=out_dtype, tn=tiles.n, **epilogue_args
-    )
+        x, weights, norm=norm, head_dim=head_dim, rotate=rotate, out_dtype=out_dtype, tn=tiles.n, rope_at=rope_at,
+        interleave=interleave, windows=windows, **epilogue_args
+    )  # fmt: skip
     m, k = x.shape
     tk = block(k, tiles.k)
     if pl.cdiv(k, tk) % tiles.splits:
@@ -261,6 +286,7 @@ def fused_linear(
         rotate=None,
         out_dtype=jnp.float32,
         tn=tiles.n,
+        windows=windows,
         **dict.fromkeys(epilogue_args),
     )
     results = call(products)
@@ -285,7 +311,10 @@ def _call(
         "norm": None if norm is None else norm.reshape(1, k),
         "segments": [
             {
-                "w": column_pairs(w, seg.pairs),
+                # [K, N/p, p] where a piece reads its own columns; [K, N/2, 2] where one reads pairs
+                # de-interleaved (a split call's partials: [M, combine * N/p, p])
+                "w": column_pairs(w, seg.pairs) if None in seg.reads else None,
+                "w_pairs": column_pairs(w, 2) if set(seg.reads) - {None} else None,
                 "bias": None if b is None else column_pairs(b.reshape(1, -1), seg.pairs),
                 "head_norm": None if hn is None else hn.reshape(1, -1),
             }
@@ -325,7 +354,8 @@ def _call(
             compiler_params=pl_triton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
             interpret=interpret,
             cost_estimate=pl.CostEstimate(
-                flops=m * sum(w.shape[1] for w in weights) * (1 if combine else 2 * k),
+                flops=m
+                * (sum(w.shape[1] for w in weights) if combine else 2 * k * sum(seg.n * seg.pairs for seg in laid_out)),
                 transcendentals=m * out_cols if act is not None else 0,
                 bytes_accessed=sum(a.size * a.dtype.itemsize for a in flat)
                 + sum(m * splits * seg.n * seg.out_dtype.itemsize for seg in laid_out),

@@ -52,7 +52,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import epilogue, metadata, mgpu_api
 from pallas_kernels.gmm_mosaic_gpu import InterpretGPUParams, refusal
-from pallas_kernels.linear_segments import PRECISIONS, Segment, check_normed, normalize, rotate_half, segments
+from pallas_kernels.linear_segments import (
+    PRECISIONS,
+    Segment,
+    check_normed,
+    normalize,
+    rotate_half,
+    segments,
+    uniform_heads,
+)
 from pallas_kernels.mgpu_blocks import decoded_tiles, smem_transforms, store_rows, weight_words
 from pallas_kernels.tiles import round_up
 
@@ -331,6 +339,7 @@ def fused_linear(
     interpreter (any platform). `precision` is checked and otherwise moot: bf16 products are exact
     in f32."""
     check_normed(normed, norm)
+    uniform_heads("linear_mgpu", head_dim)
     epilogue_args = dict(biases=biases, residual=residual, head_norms=head_norms, rope=rope, act=act)
     laid_out = segments(
         x, weights, norm=norm, head_dim=head_dim, rotate=rotate, out_dtype=out_dtype, tn=tiles.n, **epilogue_args

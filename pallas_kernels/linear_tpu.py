@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import epilogue, layered, metadata
-from pallas_kernels.linear_segments import PRECISIONS, check_normed, normalize, rotate_half, segments
+from pallas_kernels.linear_segments import PRECISIONS, check_normed, normalize, rotate_half, segments, uniform_heads
 
 LANES = 128
 # `registry.fused_linear` narrows a K step to no less than this where it splits K; this kernel reads
@@ -195,6 +195,7 @@ def fused_linear(
     if x.ndim != 2 or x.shape[0] > 128:
         raise ValueError(f"fused_linear: rows must be [M <= 128, K], got shape {x.shape}")
     check_normed(normed, norm)
+    uniform_heads("fused_linear (TPU)", head_dim)
     m, k = x.shape
     count = len(weights)
     shapes = [tuple(w.shape) for w in weights]

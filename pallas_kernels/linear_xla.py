@@ -18,10 +18,13 @@ def fused_linear_xla(
     eps: float = 1e-6,
     biases: tuple[jax.Array | None, ...] | None = None,
     residual: jax.Array | None = None,
-    head_dim: int | None = None,
+    head_dim: int | tuple[int | None, ...] | None = None,
     head_norms: tuple[jax.Array | None, ...] | None = None,
     rope: tuple[jax.Array, jax.Array] | None = None,
     rotate: tuple[bool, ...] | None = None,
+    rope_at: tuple[int, ...] | None = None,
+    interleave: tuple[bool, ...] | None = None,
+    windows: tuple[tuple[int, int] | None, ...] | None = None,
     act=None,
     out_dtype=None,
     normed: bool = False,
@@ -44,11 +47,15 @@ def fused_linear_xla(
         act=act,
         out_dtype=out_dtype,
         tn=None,
+        rope_at=rope_at,
+        interleave=interleave,
+        windows=windows,
     )
     m = x.shape[0]
     h = x if norm is None else rms_norm(x, norm, eps)
     outs = []
     for i, (w, seg) in enumerate(zip(weights, laid_out)):
+        w = w[:, seg.start * seg.pairs : seg.start * seg.pairs + seg.n * seg.pairs]  # its window
         acc = jnp.dot(
             h.astype(seg.cdtype), w.astype(seg.cdtype), preferred_element_type=jnp.float32, precision=precision
         )
@@ -56,15 +63,18 @@ def fused_linear_xla(
         if act is not None:
             y = epilogue.glu(*(c.astype(jnp.float32) for c in epilogue.gate_up_columns(y)), act).astype(seg.out_dtype)
         if seg.head_norm or seg.rotate:
-            y = y.reshape(m, -1, head_dim)  # [M, H, Dh]
+            y = y.reshape(m, -1, seg.tile)  # [M, H, Dh]
             if seg.head_norm:
                 y = rms_norm(y, head_norms[i], eps).astype(seg.out_dtype)
             if seg.rotate:
-                half = rope[0].shape[-1]
+                half, at = rope[0].shape[-1], rope_at[i] if rope_at else 0
                 cos, sin = (a[:, None, :] for a in rope)
-                yf = y[..., : 2 * half].astype(jnp.float32)
-                rotated = jnp.concatenate(rotate_half(yf[..., :half], yf[..., half:], cos, sin), axis=-1)
-                y = jnp.concatenate([rotated.astype(seg.out_dtype), y[..., 2 * half :]], axis=-1)
+                yf = y[..., at : at + 2 * half].astype(jnp.float32)
+                x1, x2 = (
+                    (yf[..., 0::2], yf[..., 1::2]) if interleave and interleave[i] else (yf[..., :half], yf[..., half:])
+                )
+                rotated = jnp.concatenate(rotate_half(x1, x2, cos, sin), axis=-1)
+                y = jnp.concatenate([y[..., :at], rotated.astype(seg.out_dtype), y[..., at + 2 * half :]], axis=-1)
             y = y.reshape(m, -1)
         if residual is not None:
             y = (residual + y).astype(seg.out_dtype)

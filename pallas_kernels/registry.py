@@ -301,7 +301,10 @@ def fused_linear(x, weights, *, backend: str, device: tuple[str, int] = ("", 0),
         device,
         rows=m,
         k=k,
-        n=sum(linear_segments.columns(w, k) for w in weights),
+        n=sum(
+            linear_segments.columns(w, k) if window is None else window[1] - window[0]
+            for w, window in zip(weights, kw.get("windows") or [None] * len(weights))
+        ),
         fmt="f32" if dtype == jnp.float32 else "bf16",
         gated=kw.get("act") is not None,
         programs=programs,

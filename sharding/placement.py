@@ -101,10 +101,12 @@ class Placement:
 
     def _dense_takes(self, record: catalog.Kernel, group: str, dtype) -> bool:
         """Whether decode set `record`'s dense kernel multiplies `group`'s products (the router's in
-        float32) at the model's widths."""
+        float32) at the model's widths, and MLA's attention with its epilogues."""
         if record.dense is None:
             return False
         dense = catalog.kernel(catalog.DECODE, record.dense)
+        if group == "attention" and self.config.model.is_mla and not dense.latent_heads:
+            return False
         dtype = "float32" if group == "router" else dtype
         widths = dense_widths(self.config.model, group)
         return dense.why_not(self.platform.name, self.first_device, dtype, "unquantized", widths) is None

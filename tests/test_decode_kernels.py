@@ -20,6 +20,7 @@ from moejax.engine.engine import Engine
 from moejax.launch.loading import load_params
 from moejax.model import projections
 from moejax.model.layers import rope_cos_sin
+from pallas_kernels import catalog, tiles
 from sharding import make_placement
 
 # The fused kernels in the interpreter, for every dense pass of up to 128 rows and experts' of up to
@@ -78,6 +79,73 @@ def test_out_is_the_residual_plus_the_output_projection(name):
     attended = normal(13, (ROWS, 1, c.num_heads, c.head_dim))
     residual = normal(14, (ROWS, 1, c.hidden_size))
     close(projections.out(FUSED, p, attended, residual, c), projections.out(XLA, p, attended, residual, c))
+
+
+@functools.cache
+def latent_params(name: str) -> tuple:
+    """(model config, random MLA attention weights of its widths, a DSA indexer's among them)."""
+    c = preset(name)
+    d, h, r, lr = c.hidden_size, c.num_heads, c.qk_rope_head_dim, c.kv_lora_rank
+    p = {
+        "q_a": normal(31, (d, c.q_lora_rank), 0.2),
+        "q_a_norm": 1 + normal(32, (c.q_lora_rank,), 0.1),
+        "q_b": normal(33, (c.q_lora_rank, h, c.qk_head_dim), 0.2),
+        "kv_a": normal(34, (d, lr + r), 0.2),
+        "kv_a_norm": 1 + normal(35, (lr,), 0.1),
+        "o": normal(36, (h, c.v_head_dim, d), 0.2),
+    }
+    if c.is_dsa:
+        hi, di = c.index_n_heads, c.index_head_dim
+        p["indexer"] = {
+            "wq": normal(37, (c.q_lora_rank, hi, di), 0.2),
+            "wk": normal(38, (d, di), 0.2),
+            "k_norm": 1 + normal(39, (di,), 0.1),
+            "k_norm_bias": normal(40, (di,), 0.1),
+            "head_weights": normal(41, (d, hi), 0.2),
+        }
+    return c, p
+
+
+@pytest.mark.parametrize("name", ["tiny-deepseek-v3", "tiny-glm-5.3"])
+def test_latent_is_mlas_projections(name):
+    """MLA's queries (rope parts rotated, interleaved), normed latent, rotated rope key and a DSA
+    indexer's keys, queries and head weights: two launches and the XLA ops' values."""
+    c, p = latent_params(name)
+    x, norm = normal(42, (ROWS, 1, c.hidden_size)), 1 + normal(43, (c.hidden_size,), 0.1)
+    cos_sin = rope_cos_sin(c, jnp.array([[3], [17], [40]], jnp.int32))
+    fused, xla = (projections.latent(decode, p, x, norm, cos_sin, c) for decode in (FUSED, XLA))
+    assert (fused.index is None) == (not c.is_dsa)
+    close(fused, xla)
+
+
+@pytest.mark.parametrize("name", ["tiny-deepseek-v3"])
+def test_latent_out_is_the_residual_plus_the_output_projection(name):
+    c, p = latent_params(name)
+    attended = normal(44, (ROWS, 1, c.num_heads, c.v_head_dim))
+    residual = normal(45, (ROWS, 1, c.hidden_size))
+    close(projections.out(FUSED, p, attended, residual, c), projections.out(XLA, p, attended, residual, c))
+
+
+DENSE_KERNELS = sorted({k.dense for k in catalog.CATALOG.values() if k.role == catalog.DECODE and k.dense})
+
+
+@pytest.mark.parametrize("name", DENSE_KERNELS)
+def test_mla_attention_runs_in_a_dense_kernel_that_takes_its_epilogues(name):
+    """MLA's projections (heads of a width per segment, an interleaved rope past a head's first
+    columns) go to a decode set's dense kernel only where its record says it takes them
+    (`latent_heads`, Triton's); a kernel that does not refuses them with one error, and the placement
+    leaves MLA's attention to XLA's ops there."""
+    dense = catalog.kernel(catalog.DECODE, name)
+    if dense.interpreted:  # runs here: the placement asks its record
+        config = Config(model=preset("tiny-glm-5.3"), layout=LayoutConfig(devices=1), kernel="interpret_triton")
+        decode_set = next(k for k in catalog.CATALOG.values() if k.role == catalog.DECODE and k.dense == name)
+        assert make_placement(config.validate())._dense_takes(decode_set, "attention", "bfloat16") == dense.latent_heads
+    if not dense.latent_heads:
+        module = dense.kernel_module()
+        x, w = jnp.zeros((2, 64), jnp.bfloat16), jnp.zeros((64, 64), jnp.bfloat16)
+        chosen = module.Tiles(**tiles.lookup(dense.tiles, k=64, n=64))
+        with pytest.raises(ValueError, match="one head_dim for every segment"):
+            dense.load()(x, (w, w), head_dim=(16, 32), head_norms=(jnp.ones(16), None), tiles=chosen, interpret=True)
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-glm4-moe"])

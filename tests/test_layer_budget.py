@@ -51,16 +51,22 @@ def test_glm_5_3s_moe_layer_on_8_b200s_exchanges_within_its_budget(placement):
     """GLM-5.3 with NVFP4 experts (MLA, the DSA indexer, a sliced shared expert) at batch 64 on 8
     B200s: at most COLLECTIVES collectives a layer (the rows' all-gather and the reduce-scatter, the
     shared expert's merged into them), at least one. Its kernels are past the MLA budget: its
-    attention and indexer are XLA's ops (docs/placements.md)."""
+    projections are the dense kernel's (`latent`, `out`: no XLA product of q_b nor of the output
+    projection left), its attention core and indexer XLA's ops (docs/placements.md)."""
     config = Config(
         model=preset("glm-5.3"),
         layout=LayoutConfig(devices=8, placement=placement),
         weights=WeightsConfig("nvfp4"),
         engine=EngineConfig(dtype="bfloat16"),
     ).validate()
-    groups = layer_ops(config, 64, 4096, targets.target("b200"), list(targets.devices("b200", 8)), 16)["groups"]
+    ops = layer_ops(config, 64, 4096, targets.target("b200"), list(targets.devices("b200", 8)), 16)
+    groups, parts = ops["groups"], {p["part"] for p in ops["parts"]}
     assert 0 < groups["collectives"] <= COLLECTIVES, groups
     assert sum(groups[g] for g in KERNEL_GROUPS) > 0, groups
+    assert {"attention/latent", "attention/out"} <= parts and not {
+        "attention/btr,rhk->bthk",
+        "attention/bthv,hvd->btd",
+    } & parts
 
 
 def test_a_moe_layer_priced_on_h100s_adds_up():

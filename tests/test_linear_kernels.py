@@ -64,6 +64,11 @@ LINEAR_CASES = {
     "gate_up split-K bf16 M5": (jnp.bfloat16, 5, 200, "gate_up"),
     "residual split-K bf16 M3": (jnp.bfloat16, 3, 64, "residual"),
     "router split-K f32 weights bf16 M5": (jnp.bfloat16, 5, 200, "router"),
+    "latent bf16 M5": (jnp.bfloat16, 5, 200, "latent"),
+    "latent split-K bf16 M1": (jnp.bfloat16, 1, 200, "latent"),
+    "latent queries bf16 M3": (jnp.bfloat16, 3, 40, "latent queries"),
+    "latent queries f32 M64": (jnp.float32, 64, 40, "latent queries"),
+    "latent queries split-K bf16 M1": (jnp.bfloat16, 1, 64, "latent queries"),
 }
 # The cases whose kernel splits K (f32 partials, the epilogue on their sum): their K steps in slices.
 SPLITS = {
@@ -71,6 +76,8 @@ SPLITS = {
     "gate_up split-K bf16 M5": 4,
     "residual split-K bf16 M3": 4,
     "router split-K f32 weights bf16 M5": 4,
+    "latent split-K bf16 M1": 2,
+    "latent queries split-K bf16 M1": 2,
 }
 
 
@@ -99,6 +106,30 @@ def _linear_case(name: str):
             tiles=tiles_with(n=16, k=64, m=16),
         )
         return x, (weight(72), weight(24), weight(24)), kw
+    if layout == "latent":  # MLA's: q_a, kv_a's windows: the latent plain, k_pe a rotated (interleaved) head; f32
+        kv = weight(32)
+        kw = dict(
+            windows=(None, (0, 24), (24, 32), None),
+            norm=norm,
+            head_dim=(None, None, 8, None),
+            rope=_rope(rng, m, 4),
+            rotate=(False, False, True, False),
+            interleave=(False, False, True, False),
+            precision="highest",
+            tiles=tiles_with(n=16, k=64),
+        )
+        return x, (weight(40), kv, kv, weight(4, jnp.float32)), kw
+    if layout == "latent queries":  # heads of 24 rotated (interleaved) past 16 columns; of 16 from their first
+        kw = dict(
+            norm=norm,
+            head_dim=(24, 16),
+            rope=_rope(rng, m, 4),
+            rotate=(True, True),
+            rope_at=(16, 0),
+            interleave=(True, False),
+            tiles=tiles_with(n=16, k=16),
+        )
+        return x, (weight(72), weight(32)), kw
     if layout == "full rotary":  # rotary over whole heads of 16, no norms
         kw = dict(head_dim=16, rope=_rope(rng, m, 8), rotate=(True, True), tiles=tiles_with(n=16, k=16))
         return x, (weight(48), weight(16)), kw
@@ -118,7 +149,7 @@ def _linear_case(name: str):
 
 
 def numpy_linear(x, weights, *, norm=None, biases=None, residual=None, head_dim=None, head_norms=None, rope=None,
-                 rotate=None, act=None, normed=False, **_):  # fmt: skip
+                 rotate=None, rope_at=None, interleave=None, windows=None, act=None, normed=False, **_):  # fmt: skip
     """fused_linear in float64, rounding nothing."""
     f64 = lambda a: None if a is None else np.asarray(a, np.float64)  # noqa: E731
     h = f64(x)
@@ -126,18 +157,26 @@ def numpy_linear(x, weights, *, norm=None, biases=None, residual=None, head_dim=
         h = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + EPS) * f64(norm)
     outs = []
     for i, w in enumerate(weights):
-        y = h @ f64(w) + (0.0 if biases is None or biases[i] is None else f64(biases[i]))
+        a, z = windows[i] if windows and windows[i] else (0, w.shape[1])
+        y = h @ f64(w)[:, a:z] + (0.0 if biases is None or biases[i] is None else f64(biases[i]))
         if act is not None:
             gate, up = y[:, 0::2], y[:, 1::2]
             y = gate / (1 + np.exp(-gate)) * up
-        heads = y.reshape(y.shape[0], -1, head_dim or y.shape[1])
+        dh = head_dim[i] if isinstance(head_dim, tuple) else head_dim
+        heads = y.reshape(y.shape[0], -1, dh or y.shape[1])
         if head_norms is not None and head_norms[i] is not None:
             heads = heads / np.sqrt(np.mean(heads * heads, axis=-1, keepdims=True) + EPS) * f64(head_norms[i])
         if rotate is not None and rotate[i]:
             cos, sin = (f64(a)[:, None, :] for a in rope)
-            half = cos.shape[-1]
-            x1, x2 = heads[..., :half], heads[..., half : 2 * half]
-            heads = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, heads[..., 2 * half :]], axis=-1)
+            half, at = cos.shape[-1], rope_at[i] if rope_at else 0
+            rotated = heads[..., at : at + 2 * half]
+            x1, x2 = (
+                (rotated[..., 0::2], rotated[..., 1::2])
+                if interleave and interleave[i]
+                else (rotated[..., :half], rotated[..., half:])
+            )
+            rest = (heads[..., :at], heads[..., at + 2 * half :])
+            heads = np.concatenate([rest[0], x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest[1]], axis=-1)
         y = heads.reshape(y.shape)
         outs.append(y if residual is None else y + f64(residual))
     return [h, *outs] if normed else outs
@@ -260,6 +299,42 @@ def test_xla_twin_is_the_models_attention_projections(dtype):
             rope=(cos[:, 0], sin[:, 0]),
             rotate=(True, True),
         )
+
+    assert_twin_is_model(twin, model, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_xla_twin_is_the_models_latent_queries_and_rope_key(dtype):
+    """MLA's queries from its query latent (RMSNorm, q_b, each head's rope part past its first 8
+    columns rotated from interleaved pairs) and its rope key out of kv_a's last columns, as
+    `attention.mla`'s XLA ops compute them (`apply_rope` with interleave)."""
+    b, d, h, dh = (MODEL[key] for key in ("b", "d", "h", "dh"))
+    nope = dh - 2 * MODEL["half"]
+
+    def model(p, cos, sin):
+        q = jnp.einsum("btd,dhk->bthk", rms_norm(p["x"], p["attn_norm"], EPS), p["q"])
+        q = jnp.concatenate([q[..., :nope], apply_rope(q[..., nope:], cos, sin, True)], axis=-1)
+        kv = p["x"] @ p["k"].reshape(d, -1)
+        k_rope = apply_rope(kv[..., -2 * MODEL["half"] :][:, :, None], cos, sin, True)[:, :, 0]
+        return [q.reshape(b, -1), k_rope.reshape(b, -1)]
+
+    def twin(p, cos, sin):
+        x, kv = p["x"].reshape(b, d), p["k"].reshape(d, -1)
+        rope = (cos[:, 0], sin[:, 0])
+        (q,) = fused_linear_xla(
+            x, (p["q"].reshape(d, h * dh),), norm=p["attn_norm"], eps=EPS, head_dim=dh, rope=rope, rotate=(True,),
+            rope_at=(nope,), interleave=(True,),
+        )  # fmt: skip
+        (k_rope,) = fused_linear_xla(
+            x,
+            (kv,),
+            head_dim=(8,),
+            rope=rope,
+            rotate=(True,),
+            interleave=(True,),
+            windows=((kv.shape[1] - 8, kv.shape[1]),),
+        )
+        return [q, k_rope]
 
     assert_twin_is_model(twin, model, dtype)
 
@@ -409,7 +484,14 @@ def compiled_h100(f, *args) -> list[tuple[str, int]]:
 def h100_linear(layout: str, m: int = 4):
     """fused_linear of `layout` as a function of abstract H100 arrays, and the weights' element counts."""
     bf16, f32, k = jnp.bfloat16, jnp.float32, 96
-    widths = {"attention": (128, 32, 32), "gate_up": (192,), "residual": (96,), "router": (64,)}[layout]
+    widths = {
+        "attention": (128, 32, 32),
+        "latent": (128, 96),  # q_a; kv_a: a latent of 64, a rope key of 32
+        "latent queries": (128, 64),  # q_b: heads of 64, rope past 32; the indexer's: heads of 32
+        "gate_up": (192,),
+        "residual": (96,),
+        "router": (64,),
+    }[layout]
     wdtype = f32 if layout == "router" else bf16
     args = [on_h100((m, k), bf16), on_h100((k,), bf16), tuple(on_h100((k, n), wdtype) for n in widths)]
     if layout == "attention":
@@ -418,6 +500,18 @@ def h100_linear(layout: str, m: int = 4):
         call = lambda x, norm, ws, hn, rope: fused_linear(  # noqa: E731
             x, ws, norm=norm, head_dim=32, head_norms=(*hn, None), rope=rope, rotate=(True, True, False), tiles=tiles
         )
+    elif layout == "latent":
+        args.append((on_h100((m, 16), f32),) * 2)
+        call = lambda x, norm, ws, rope: fused_linear(  # noqa: E731
+            x, (ws[0], ws[1], ws[1]), norm=norm, head_dim=(None, None, 32), rope=rope, rotate=(False, False, True),
+            interleave=(False, False, True), windows=(None, (0, 64), (64, 96)), tiles=tiles_with(),
+        )  # fmt: skip
+    elif layout == "latent queries":
+        args.append((on_h100((m, 8), f32),) * 2)
+        call = lambda x, norm, ws, rope: fused_linear(  # noqa: E731
+            x, ws, norm=norm, head_dim=(64, 32), rope=rope, rotate=(True, True), rope_at=(32, 0),
+            interleave=(True, True), tiles=tiles_with(),
+        )  # fmt: skip
     elif layout == "gate_up":
         call = lambda x, norm, ws: fused_linear(x, ws, norm=norm, act=silu_glu, tiles=tiles_with())  # noqa: E731
     elif layout == "residual":
@@ -430,7 +524,7 @@ def h100_linear(layout: str, m: int = 4):
     return call, args, {k * n for n in widths}
 
 
-@pytest.mark.parametrize("layout", ["attention", "gate_up", "residual", "router"])
+@pytest.mark.parametrize("layout", ["attention", "latent", "latent queries", "gate_up", "residual", "router"])
 def test_fused_linear_compiles_for_h100_to_one_launch(layout):
     """Triton compiles the kernel for an H100, and the program is that one kernel: nothing but
     parameters and bitcasts beside it, so no op writes a temporary of a weight's shape."""
@@ -466,7 +560,19 @@ BAD_LINEAR = {
     "partial heads": (_linear_args(head_dim=24, head_norms=(jnp.ones(24),)), "not whole heads of 24"),
     "rope wider than a head": (
         _linear_args(head_dim=8, rope=(jnp.ones((3, 8)),) * 2, rotate=(True,)),
-        "0 < R <= head_dim=8",
+        "R columns from rope_at=0 within head_dim=8",
+    ),
+    "rope past a head's end": (
+        _linear_args(head_dim=8, rope=(jnp.ones((3, 2)),) * 2, rotate=(True,), rope_at=(6,)),
+        "R columns from rope_at=6 within head_dim=8",
+    ),
+    "a window past its weight": (_linear_args(windows=((16, 40),)), "a window must be columns"),
+    "head widths per segment": (_linear_args(head_dim=(8, 8), head_norms=(jnp.ones(8),)), "head_dim has 2 entries"),
+    "interleaved rope after a head norm": (
+        _linear_args(
+            head_dim=8, head_norms=(jnp.ones(8),), rope=(jnp.ones((3, 2)),) * 2, rotate=(True,), interleave=(True,)
+        ),
+        "an interleaved rope's segment has",
     ),
     "rope without a segment": (_linear_args(head_dim=8, rope=(jnp.ones((3, 4)),) * 2), "rotate names no segment"),
     "act over two segments": (_linear_args(weights=(jnp.zeros((8, 32)),) * 2, act=silu_glu), "act takes one"),

@@ -18,7 +18,6 @@ from jax import lax
 from moejax.base.platform import tile_device
 from moejax.config import ModelConfig
 from moejax.model import dsa, paged, projections
-from moejax.model.layers import apply_rope, rms_norm
 from pallas_kernels import paged_attention as kernels
 
 KV_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")  # GQA cache: [B, H_kv, S, Dh]
@@ -247,27 +246,16 @@ def mla(
     DSA (GLM-5): a layer with an indexer selects the key positions each query sees; a layer
     without one is handed the previous layer's `selected` (bool [B, T, S]). Returns
     (residual + out, cache, selected)."""
-    x = rms_norm(residual, norm, c.rms_norm_eps)
-    if c.q_lora_rank:
-        q_lat = rms_norm(x @ p["q_a"], p["q_a_norm"], c.rms_norm_eps)
-        q = jnp.einsum("btr,rhk->bthk", q_lat, p["q_b"])
-    else:
-        q = jnp.einsum("btd,dhk->bthk", x, p["q"])
-    q_nope, q_rope = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
-    kv = x @ p["kv_a"]
-    latent = rms_norm(kv[..., : c.kv_lora_rank], p["kv_a_norm"], c.rms_norm_eps)
-    k_rope = kv[..., c.kv_lora_rank :][:, :, None, :]  # one rope key shared by all heads
-    cos, sin = cos_sin
-    q_rope = apply_rope(q_rope, cos, sin, c.rope_interleave)
-    k_rope = apply_rope(k_rope, cos, sin, c.rope_interleave)[:, :, 0]
+    q_nope, q_rope, latent, k_rope, index = projections.latent(placement.decode, p, residual, norm, cos_sin, c)
     cache, lat = _store(cache, "latent", latent, positions, pages, placement)
     cache, kr = _store(cache, "k_rope", k_rope, positions, pages, placement)
     lat = placement.constrain(lat, ("batch", "cache_seq", None))
     kr = placement.constrain(kr, ("batch", "cache_seq", None))
-    if "indexer" in p:
-        cache, keys = _store(cache, "index_k", dsa.index_keys(p["indexer"], x, cos_sin), positions, pages, placement)
+    if index is not None:
+        index_k, index_q, head_weights = index
+        cache, keys = _store(cache, "index_k", index_k, positions, pages, placement)
         keys = placement.constrain(keys, ("batch", "cache_seq", None))
-        selected = dsa.select(p["indexer"], x, q_lat, cos_sin, keys, _causal_mask(positions, lat.shape[1]), c)
+        selected = dsa.select(index_q, head_weights, keys, _causal_mask(positions, lat.shape[1]), c)
 
     def mask(q0, tq, k0, tk):  # [B, 1, tq, tk]
         visible = _causal_mask(_slice(positions, q0, tq, 1), tk, 0, k0)
@@ -294,7 +282,7 @@ def mla(
         2,
     ).astype(lat.dtype)  # [B, H, T, R]
     out = jnp.einsum("bhtr,rhv->bthv", out_lat, p["w_uv"])
-    return residual + jnp.einsum("bthv,hvd->btd", out, p["o"]), cache, selected
+    return projections.out(placement.decode, p, out, residual, c), cache, selected
 
 
 def attention(p, x, norm, positions, cos_sin, cache, c: ModelConfig, placement, selected=None, window=0, pages=None):

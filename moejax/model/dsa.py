@@ -25,17 +25,24 @@ def layer_norm(x: jax.Array, w: jax.Array, b: jax.Array, eps: float) -> jax.Arra
     return (xf * w + b).astype(x.dtype)
 
 
-def index_keys(p: dict, x: jax.Array, cos_sin) -> jax.Array:
-    """x: [B, T, D] -> indexer keys [B, T, Dk]; rope (interleaved) on the first rope dims only."""
-    k = layer_norm(x @ p["wk"], p["k_norm"], p["k_norm_bias"], LAYER_NORM_EPS)
+def index_keys(p: dict, projected: jax.Array, cos_sin) -> jax.Array:
+    """projected: [B, T, Dk] the normed rows times `wk` -> indexer keys [B, T, Dk]; rope (interleaved)
+    on the first rope dims only."""
+    k = layer_norm(projected, p["k_norm"], p["k_norm_bias"], LAYER_NORM_EPS)
     return apply_rope(k[:, :, None], *cos_sin, interleave=True)[:, :, 0]
 
 
-def select(
-    p: dict, x: jax.Array, q_lat: jax.Array, cos_sin, keys: jax.Array, visible: jax.Array, c: ModelConfig
-) -> jax.Array:
-    """x: [B, T, D], q_lat: [B, T, R] (MLA's normed query latent), keys: [B, S, Dk] (cache, this
-    step's keys written), visible: bool [B, T, S] (causal) -> selected: bool [B, T, S].
+def index_queries(p: dict, x: jax.Array, q_lat: jax.Array, cos_sin) -> tuple[jax.Array, jax.Array]:
+    """x: [B, T, D] the normed rows, q_lat: [B, T, R] (MLA's normed query latent) -> (the indexer's
+    queries [B, T, H, Dk], rope (interleaved) on each head's first rope dims; its per-row head
+    weights float32 [B, T, H], unscaled)."""
+    q = apply_rope(jnp.einsum("btr,rhk->bthk", q_lat, p["wq"]), *cos_sin, interleave=True)
+    return q, x.astype(jnp.float32) @ p["head_weights"]
+
+
+def select(q: jax.Array, head_weights: jax.Array, keys: jax.Array, visible: jax.Array, c: ModelConfig) -> jax.Array:
+    """q: [B, T, H, Dk], head_weights: float32 [B, T, H] (`index_queries`), keys: [B, S, Dk] (cache,
+    this step's keys written), visible: bool [B, T, S] (causal) -> selected: bool [B, T, S].
 
     Fewer than `index_topk` visible positions: every one is selected (top_k ranks the masked
     ones, at -inf, last; they stay invisible through `visible`). A cache of at most `index_topk`
@@ -43,10 +50,9 @@ def select(
     after gathering every device's scores to every device under DP attention)."""
     if c.index_topk >= visible.shape[-1]:
         return jnp.ones(visible.shape, bool)
-    q = apply_rope(jnp.einsum("btr,rhk->bthk", q_lat, p["wq"]), *cos_sin, interleave=True)
     dk, heads = q.shape[-1], q.shape[-2]
     scores = jax.nn.relu(jnp.einsum("bthk,bsk->bths", q.astype(jnp.float32), keys.astype(jnp.float32)) * dk**-0.5)
-    head_weights = (x.astype(jnp.float32) @ p["head_weights"]) * heads**-0.5  # [B, T, H]
+    head_weights = head_weights * heads**-0.5
     index = jnp.where(visible, jnp.einsum("bth,bths->bts", head_weights, scores), -jnp.inf)
     b, t, s = index.shape
     _, top = jax.lax.top_k(index, min(c.index_topk, s))  # [B, T, k]

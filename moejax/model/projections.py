@@ -9,7 +9,11 @@ of products is one kernel (`pallas_kernels/linear.py`) that reads its weights on
 
 - attention's q, k and v: the input RMSNorm, the three projections, the q/k norms and the rotary
   embedding (`qkv`);
-- attention's output projection with the residual add (`out`);
+- MLA's (DeepSeek-V3, GLM-5) in two: the normed rows times q_a, kv_a's latent and its rotated rope
+  key, and a DSA indexer's keys and head weights; then the query latent, normed, times q_b (each
+  head's rope part rotated) and the indexer's queries (`latent`), where the set's dense kernel takes
+  their epilogues (`catalog.Kernel.latent_heads`: Triton's);
+- attention's output projection with the residual add (`out`, MLA's too);
 - the router: the MoE's input RMSNorm and the logits, then top-k and the picks' weights (`route`);
 - a dense MLP (or shared expert): gate|up with the gated activation, then down with the residual add.
 
@@ -29,11 +33,14 @@ ops do.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 from moejax.base.platform import DecodeKernels
 from moejax.config import ModelConfig
+from moejax.model import dsa
 from moejax.model.layers import apply_rope, rms_norm, silu_glu
 from moejax.model.router import route as xla_route
 from pallas_kernels import layered
@@ -43,11 +50,11 @@ from pallas_kernels.epilogue import gate_up_columns
 def dense_widths(c: ModelConfig, group: str) -> list[tuple[int, int, bool]]:
     """(K, N, gated) of each product of dense group `group` (`platform.DENSE_GROUPS`), a head's
     pieces among them as N (the rotated halves, the rest: a head epilogue's columns): the widths a
-    dense kernel's shape check reads. MLA's attention has none here (its products are XLA's)."""
+    dense kernel's shape check reads."""
     d = c.hidden_size
     if group == "attention":
         if c.is_mla:
-            return []
+            return _latent_widths(c)
         h, kv, dh, r = c.num_heads, c.num_kv_heads, c.head_dim, c.rotary_dim
         pieces = [(d, w, False) for w in (r // 2, dh - r) if w]
         return [(d, (h + 2 * kv) * dh, False), (h * dh, d, False), *pieces]
@@ -57,27 +64,47 @@ def dense_widths(c: ModelConfig, group: str) -> list[tuple[int, int, bool]]:
     return [(d, 2 * f, True), (f, d, False)] if f else []
 
 
-def _fused(
-    decode: DecodeKernels, x: jax.Array, weights: tuple, *, heads: int = 0, residual=None, rope=None, **kw
-) -> tuple:
+def _latent_widths(c: ModelConfig) -> list[tuple[int, int, bool]]:
+    """`dense_widths` of MLA's attention (`latent`, `out`): the rows' product (q_a or q, kv_a, and a
+    DSA indexer's keys and head weights), the query latent's (q_b, the indexer's queries), the output
+    projection; the heads' pieces."""
+    d, h, r = c.hidden_size, c.num_heads, c.qk_rope_head_dim
+    index = (c.index_head_dim + c.index_n_heads, c.index_n_heads * c.index_head_dim) if c.is_dsa else (0, 0)
+    first = c.q_lora_rank or h * c.qk_head_dim
+    products = [(d, first + c.kv_lora_rank + r + index[0]), (h * c.v_head_dim, d)]
+    if c.q_lora_rank:
+        products.append((c.q_lora_rank, h * c.qk_head_dim + index[1]))
+    pieces = [c.qk_nope_head_dim, r // 2, c.index_head_dim - r if c.is_dsa else 0]
+    return [(k, n, False) for k, n in products] + [(d, w, False) for w in pieces if w]
+
+
+def _fused(decode: DecodeKernels, x: jax.Array, weights: tuple, *, residual=None, rope=None, **kw) -> tuple:
     """The decode set's dense kernel (`pallas_kernels.fused_linear`) of rows x [M, K] and weight
     segments, on each device's rows (`DecodeKernels.run`; residual [M, N] and rope's cos, sin
-    [M, R/2] are rows too); `heads`: the columns of the segments with a head epilogue, a program
-    each per head (the rest take the table's column tile), unless K splits (then every column takes
-    the tile, in each slice: the epilogue runs on the slices' sum). kw: the kernel's other
-    arguments, its arrays (norm, biases, head_norms) whole."""
+    [M, R/2] are rows too). Its segments with a head epilogue (head norms, rope) take a program per
+    head, the rest the table's column tile, unless K splits (then every column takes the tile, in
+    each slice: the epilogue runs on the slices' sum). kw: the kernel's other arguments, its arrays
+    (norm, biases, head_norms) whole."""
     import pallas_kernels  # the kernels, loaded where they run
     from pallas_kernels.linear_segments import columns
 
     arrays = {name: kw.pop(name) for name in ("norm", "biases", "head_norms") if name in kw}
-    widths = [columns(w, x.shape[1]) for w in weights]
-    n = sum(widths)
-    head_dim = kw.get("head_dim") or 1
+    count = len(weights)
+    windows = kw.get("windows") or (None,) * count
+    widths = [
+        columns(w, x.shape[1]) if window is None else window[1] - window[0] for w, window in zip(weights, windows)
+    ]
+    head_dims = kw.get("head_dim")
+    head_dims = head_dims if isinstance(head_dims, tuple) else (head_dims,) * count
+    heads = [
+        dh if hn is not None or rot else 0
+        for dh, hn, rot in zip(head_dims, arrays.get("head_norms") or (None,) * count, kw.get("rotate") or (0,) * count)
+    ]
 
     def programs(tn: int, splits: int) -> int:  # the kernel's layout: a head a program, unless K splits
         if splits > 1:
             return sum(-(-w // tn) for w in widths) * splits
-        return heads // head_dim + -(-(n - heads) // tn)
+        return sum(w // dh if dh else -(-w // tn) for w, dh in zip(widths, heads))
 
     def kernel(rows, whole):  # one device's rows
         (x, residual, rope), (weights, arrays) = rows, whole
@@ -133,7 +160,6 @@ def qkv(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, cos_sin, 
         decode,
         x.reshape(b * t, d),
         weights,
-        heads=(c.num_heads + c.num_kv_heads) * c.head_dim,
         norm=norm,
         eps=c.rms_norm_eps,
         biases=biases,
@@ -144,6 +170,103 @@ def qkv(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, cos_sin, 
         out_dtype=x.dtype,
     )
     return tuple(y.reshape(b, t, -1, c.head_dim) for y in (q, k, v))
+
+
+class Latent(NamedTuple):
+    """MLA's projections of a layer's rows (`latent`)."""
+
+    q_nope: jax.Array  # [B, T, H, Dn]
+    q_rope: jax.Array  # [B, T, H, R], rotated
+    latent: jax.Array  # [B, T, R_kv], normed: the cached latent
+    k_rope: jax.Array  # [B, T, R], rotated: the rope key all heads share
+    # DSA: (the indexer's keys [B, T, Dk], queries [B, T, H_i, Dk], head weights float32 [B, T, H_i]), else None
+    index: tuple | None
+
+
+@jax.named_scope("latent")
+def latent(decode: DecodeKernels, p: dict, residual: jax.Array, norm: jax.Array, cos_sin, c: ModelConfig) -> Latent:
+    """MLA's (DeepSeek's) projections of residual [B, T, D], `norm` the layer's attention norm, and a
+    DSA layer's indexer's (`p["indexer"]`). In the kernels, two launches: the normed rows times q_a
+    (or a plain q's rotated heads), kv_a's latent and rotated rope key, the indexer's keys and head
+    weights; then the query latent, RMS-normed, times q_b (each head's rope part rotated) and the
+    indexer's queries (rotated). The latent's RMSNorm and the indexer keys' LayerNorm and rope stay
+    XLA's ops: a whole-row norm over a segment is one program's columns, which would read all of
+    the weight's [D, 512] alone."""
+    b, t, d = residual.shape
+    cos, sin = cos_sin
+    nope, r, lr, eps = c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank, c.rms_norm_eps
+    indexer = p.get("indexer")
+    if not decode.fuses_dense(b * t, "attention"):
+        x = rms_norm(residual, norm, eps)
+        if c.q_lora_rank:
+            q_lat = rms_norm(x @ p["q_a"], p["q_a_norm"], eps)
+            q = jnp.einsum("btr,rhk->bthk", q_lat, p["q_b"])
+        else:
+            q = jnp.einsum("btd,dhk->bthk", x, p["q"])
+        kv = x @ p["kv_a"]
+        latent = rms_norm(kv[..., :lr], p["kv_a_norm"], eps)
+        k_rope = apply_rope(kv[..., lr:][:, :, None], cos, sin, c.rope_interleave)[:, :, 0]
+        q_rope = apply_rope(q[..., nope:], cos, sin, c.rope_interleave)
+        index = None
+        if indexer is not None:
+            keys = dsa.index_keys(indexer, x @ indexer["wk"], cos_sin)
+            index = (keys, *dsa.index_queries(indexer, x, q_lat, cos_sin))
+        return Latent(q[..., :nope], q_rope, latent, k_rope, index)
+    rows = lambda a: a.reshape(b * t, -1)  # noqa: E731
+    rope = (rows(cos), rows(sin))
+    h, qk, interleave = c.num_heads, c.qk_head_dim, c.rope_interleave
+    kv = p["kv_a"]  # the latent's columns, then the rope key's: one weight, two segments' windows
+    first = [
+        _Seg(p["q_a"]) if c.q_lora_rank else _Seg(p["q"].reshape(d, -1), qk, nope, interleave),
+        _Seg(kv, window=(0, lr)),
+        _Seg(kv, r, 0, interleave, window=(lr, lr + r)),
+    ]
+    if indexer is not None:
+        first += [_Seg(indexer["wk"]), _Seg(indexer["head_weights"])]
+    outs = _segments(decode, rows(residual), first, rope, norm=norm, eps=eps)
+    q, latent, k_rope = outs[:3]
+    if c.q_lora_rank:
+        second = [_Seg(p["q_b"].reshape(c.q_lora_rank, -1), qk, nope, interleave)]
+        if indexer is not None:  # the indexer's rope: interleaved, on each head's first columns
+            second.append(_Seg(indexer["wq"].reshape(c.q_lora_rank, -1), c.index_head_dim, 0, True))
+        q, *index_q = _segments(decode, q, second, rope, norm=p["q_a_norm"], eps=eps)
+    q = q.reshape(b, t, h, qk)
+    index = None
+    if indexer is not None:
+        keys = dsa.index_keys(indexer, outs[3].reshape(b, t, -1), cos_sin)
+        index = (keys, index_q[0].reshape(b, t, c.index_n_heads, -1), outs[4].reshape(b, t, -1))
+    latent = rms_norm(latent.reshape(b, t, lr), p["kv_a_norm"], eps)
+    return Latent(q[..., :nope], q[..., nope:], latent, k_rope.reshape(b, t, r), index)
+
+
+class _Seg(NamedTuple):
+    """A weight segment of `_segments`: weight [K, N], its heads' width (None: no head epilogue), the
+    first rotated column of a head (None: not rotated), whether its rope's pairs are interleaved, and
+    the window of its columns it multiplies (None: all)."""
+
+    weight: jax.Array
+    head: int | None = None
+    rope_at: int | None = None
+    interleave: bool = False
+    window: tuple[int, int] | None = None
+
+
+def _segments(decode: DecodeKernels, x: jax.Array, segs: list, rope, **kw) -> tuple:
+    """`_fused` of rows x [M, K] and segments `segs` (`_Seg`), rope (cos, sin) [M, R/2] where one
+    rotates; each output in its product's dtype."""
+    rotate = tuple(seg.rope_at is not None for seg in segs)
+    return _fused(
+        decode,
+        x,
+        tuple(seg.weight for seg in segs),
+        windows=tuple(seg.window for seg in segs),
+        head_dim=tuple(seg.head for seg in segs),
+        rope=rope if any(rotate) else None,
+        rotate=rotate,
+        rope_at=tuple(seg.rope_at or 0 for seg in segs),
+        interleave=tuple(seg.interleave for seg in segs),
+        **kw,
+    )
 
 
 @jax.named_scope("out")
