@@ -16,10 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import jax
@@ -27,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import test_paged_attention_mgpu
-from compile_only import lower, on
+from compile_only import in_own_process, lower, on
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
@@ -121,15 +118,8 @@ def b200_ffn(kernel: str, fmt: str) -> str:
 @functools.cache
 def b200_programs() -> dict[str, str]:
     """Every kernel's FFN in every format compiled for a B200 -> {"kernel/fmt": optimized HLO}, in a
-    process of their own: the first GPU architecture a process assembles a Mosaic GPU kernel for is
-    the one ptxas assembles every later kernel for (jaxlib 0.10.2), and this process compiles the
-    Hopper kernels for an H100."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "programs.json"
-        root = str(Path(__file__).parents[1])  # moejax and pallas_kernels, whether installed or not
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        subprocess.run([sys.executable, __file__, str(out)], check=True, capture_output=True, env=env)
-        return json.loads(out.read_text())
+    process of their own (`in_own_process`): this process compiles the Hopper kernels for an H100."""
+    return in_own_process(__file__)
 
 
 @pytest.mark.parametrize("fmt", FMTS)

@@ -29,7 +29,7 @@ from moejax.model import attention, paged
 from pallas_kernels import paged_attention as kernels
 from pallas_kernels import paged_attention_mgpu as mgpu
 from pallas_kernels import tiles
-from pallas_kernels.paged_layout_mgpu import SMEM_BYTES, smem_bytes
+from pallas_kernels.paged_layout_mgpu import SMEM_BYTES, latent_smem_bytes, smem_bytes
 from sharding import make_placement
 from sharding.placement import Placement
 
@@ -152,6 +152,25 @@ def test_gpu_blocks_fit_smem_and_cover_the_sms(shape):
         or splits == -(-p // pages)
         or splits == rule["max_splits"]
     )
+
+
+# MLA shapes (B, H, C, R, page size, P): GLM-5.3's 64 heads of a device under DP attention (8
+# requests), its 8 under TP attention (64 requests), and a small latent.
+LATENT_BLOCKS = [(8, 64, 512, 64, 16, 256), (64, 8, 512, 64, 64, 64), (4, 16, 64, 16, 4, 8)]
+
+
+@pytest.mark.parametrize("shape", LATENT_BLOCKS)
+def test_latent_blocks_take_the_most_heads_smem_holds(shape):
+    """The MLA attention's heads a CTA on an H100: a divisor of H, the largest whose CTA fits SMEM
+    (all H where they fit: the latent read once for them), and `gpu_blocks`' rule for the rest."""
+    b, h, c, r, ps, p = shape
+    heads, pages, splits = kernels.latent_blocks(b, h, c, r, ps, p, "bfloat16", H100)
+    assert h % heads == 0
+    assert latent_smem_bytes(heads, c, r, ps, pages, splits, "bfloat16") <= SMEM_BYTES
+    larger = [n for n in range(heads + 1, h + 1) if h % n == 0]
+    assert all(latent_smem_bytes(n, c, r, ps, 1, 1, "bfloat16") > SMEM_BYTES for n in larger)
+    waves = tiles.lookup("paged_attention_mgpu", H100)["waves"]
+    assert splits <= -(-waves * H100[1] // (b * (h // heads)))  # CTAs cover the SMs about `waves` times
 
 
 @pytest.mark.parametrize("t", [1, 3], ids=["decode", "prefill_chunk"])
