@@ -256,6 +256,7 @@ class LatentCase:
     heads_per_cta: int
     pages_per_block: int
     splits: int
+    keeps: bool  # DSA's selection (else DeepSeek's MLA: every position)
 
     @property
     def lens(self) -> np.ndarray:
@@ -264,14 +265,14 @@ class LatentCase:
 
 
 LATENT_CASES = {
-    # Pages of 6 (copies of 8 rows; request 0 reads the pool's last page), a latent of 40 f32 (5
-    # register chunks of 8 columns), 6 heads in CTAs of 3, 3 splits.
-    "odd_pages_head_groups": LatentCase("float32", 6, 40, 8, 6, 3, 2, 3),
+    # Pages of 6 (copies of 8 rows; request 0 reads the pool's last page, its flags shifted as its
+    # rows), a latent of 40 f32 (5 register chunks of 8 columns), 6 heads in CTAs of 3, 3 splits.
+    "odd_pages_head_groups": LatentCase("float32", 6, 40, 8, 6, 3, 2, 3, True),
     # bf16, a latent of 48 and a rope key of 16 (3 and 1 chunks), every head in one CTA (their
-    # queries padded to whole copies), one split.
-    "bf16_one_cta_per_request": LatentCase("bfloat16", 16, 48, 16, 6, 6, 1, 1),
+    # queries padded to whole copies), one split, no selection.
+    "bf16_one_cta_per_request": LatentCase("bfloat16", 16, 48, 16, 6, 6, 1, 1, False),
     # A page per split over every page of the table (`WIDE`): 12 splits, partials in two copies.
-    "splits_in_chunks": LatentCase("float32", 4, 24, 8, 2, 2, 1, 12),
+    "splits_in_chunks": LatentCase("float32", 4, 24, 8, 2, 2, 1, 12, True),
 }
 
 
@@ -289,7 +290,7 @@ def latent_inputs(case: LatentCase, table, seed: int = 0):
 
 
 @functools.cache
-def latent_kernel(case: LatentCase, keeps: bool):
+def latent_kernel(case: LatentCase):
     """The kernel of `case` interpreted, jitted: one compile for any table or lens."""
     return jax.jit(
         lambda q, q_rope, latent, k_rope, table, lens, keep: mgpu.latent_attention(
@@ -299,7 +300,7 @@ def latent_kernel(case: LatentCase, keeps: bool):
             k_rope,
             table,
             lens,
-            keep if keeps else None,
+            keep if case.keeps else None,
             scale=SCALE,
             heads=case.heads_per_cta,
             pages_per_block=case.pages_per_block,
@@ -328,33 +329,21 @@ def latent_reference(q, q_rope, latent, k_rope, table, lens, keep=None) -> np.nd
     return out
 
 
-def run_latent(name: str, table=TABLE, lens=None, keeps: bool = True):
-    """(the kernel's output, waited for, the float64 reference's)."""
-    case = LATENT_CASES[name]
-    lens = case.lens if lens is None else lens
-    q, q_rope, latent, k_rope, keep = latent_inputs(case, table)
-    got = latent_kernel(case, keeps)(q, q_rope, latent, k_rope, jnp.asarray(table), jnp.asarray(lens), keep)
-    want = latent_reference(q, q_rope, latent, k_rope, table, lens, keep if keeps else None)
-    return got.block_until_ready(), want
-
-
 @pytest.mark.parametrize("name", LATENT_CASES)
 def test_interpreted_latent_attention_equals_a_float64_reference(name):
-    """MLA's absorbed decode attention over a DSA selection, against float64: partial last pages,
-    empty table slots, heads in CTAs of fewer, splits combined."""
+    """MLA's absorbed decode attention, against float64: partial last pages, empty table slots,
+    heads in CTAs of fewer, splits combined, and DSA's selection where the case has one (the
+    positions it drops change the output)."""
     case = LATENT_CASES[name]
-    table, lens = (WIDE, np.array([39, 30, 17], np.int32)) if name == "splits_in_chunks" else (TABLE, None)
-    got, want = run_latent(name, table, lens)
+    table, lens = (WIDE, np.array([39, 30, 17], np.int32)) if name == "splits_in_chunks" else (TABLE, case.lens)
+    q, q_rope, latent, k_rope, keep = latent_inputs(case, table)
+    got = latent_kernel(case)(q, q_rope, latent, k_rope, jnp.asarray(table), jnp.asarray(lens), keep)
+    want = latent_reference(q, q_rope, latent, k_rope, table, lens, keep if case.keeps else None)
     assert got.shape == (len(table), case.heads, case.latent) and got.dtype == case.dtype
     tol = dict(rtol=2e-2, atol=2e-2) if case.dtype == "bfloat16" else dict(rtol=1e-5, atol=1e-5)
-    assert_close(got, want, **tol)
-
-
-def test_latent_attention_masks_the_positions_dsa_drops():
-    """Without a selection every position is read; with one, the dropped positions change the output."""
-    every, want = run_latent("odd_pages_head_groups", keeps=False)
-    assert_close(every, want, rtol=1e-5, atol=1e-5)
-    assert np.abs(np.asarray(every) - run_latent("odd_pages_head_groups")[1]).max() > 0.1
+    assert_close(got.block_until_ready(), want, **tol)
+    if case.keeps:
+        assert np.abs(want - latent_reference(q, q_rope, latent, k_rope, table, lens)).max() > 0.1
 
 
 @functools.cache
