@@ -29,11 +29,11 @@ MLA's absorbed decode attention (`latent_attention`) is the same flash decoding 
 the latent [pages, ps, C] (keys and values both) and the rope key [pages, ps, R], one of each per
 position, shared by every query head. One CTA per (split, request, group of `heads` query heads)
 copies a block's latent and rope rows once for its group (all H heads where SMEM holds their
-accumulators: a head's [C] f32 sum and partials), and scores each head as q . latent + q_rope .
-rope key, the latent's columns a register tile at a time; its weighted sum is of the same latent
-rows in SMEM. DSA's selection comes as a flag per position, laid out by XLA as the compute blocks
-hold their rows (`_keep_rows`) and copied beside each block. Same split combine, no sinks, no
-windows.
+[C] f32 sums beside the block: 16 of GLM-5.3's 64 at C = 512; the split's partials reuse the
+blocks' SMEM after the last block), and scores each head as q . latent + q_rope . rope key, the
+latent's columns a register tile at a time; its weighted sum is of the same latent rows in SMEM.
+DSA's selection comes as a flag per position, laid out by XLA as the compute blocks hold their
+rows (`_keep_rows`) and copied beside each block. Same split combine, no sinks, no windows.
 
 The pools' and blocks' shapes, and what is padded or masked: `paged_layout_mgpu`.
 
@@ -297,14 +297,20 @@ def latent_attention(
     chunk = partials_chunk(splits, 2 * gq * c * 4)
     if splits > 1:  # the other splits' partials, in whole chunks (the last one's tail never written nor read)
         out_type.append(jax.ShapeDtypeStruct((n, round_up(splits - 1, chunk), 2, *chunked), jnp.float32))
-    scratch = [
+    slots = (
         plgpu.SMEM((2, block, c), q.dtype, transforms=_tiled(c, q.dtype)),  # the latent: two slots
         plgpu.SMEM((2, block, r), q.dtype, transforms=_tiled(r, q.dtype)),  # the rope keys
         *([plgpu.SMEM((2, block), jnp.float32)] if keep is not None else []),  # the kept flags
+    )
+    # The blocks' slots, read until the last block's sums, then the partials (this split's, then a
+    # chunk of the others'), written after: one SMEM for both (a head's partial is as wide as its
+    # sum, 2 KB at C = 512; SMEM would hold half the heads with both). The interpreter has no unions.
+    partials = plgpu.SMEM((chunk, 2, *chunked), jnp.float32)
+    scratch = [
+        (slots, partials) if interpret else plgpu.RefUnion(slots, partials),
         plgpu.SMEM(chunked, q.dtype),  # the queries, then the outputs
         plgpu.SMEM((gq, r), q.dtype),
         plgpu.SMEM(chunked, jnp.float32),  # the heads' weighted latents
-        plgpu.SMEM((chunk, 2, *chunked), jnp.float32),  # partials: this split's, then a chunk of the others'
         plgpu.Barrier(num_arrivals=2 * pages_per_block + (keep is not None), num_barriers=2),  # a slot's copies
         plgpu.Barrier(num_arrivals=2),  # the queries
         plgpu.Barrier(),  # partials
@@ -502,9 +508,8 @@ def _latent_kernel(*refs, config):
     keep_ref = refs.pop(0) if c.keeps else None
     out_ref, *refs = refs
     part_ref = refs.pop(0) if c.splits > 1 else None
-    lat_smem, rope_smem, *refs = refs
-    keep_smem = refs.pop(0) if c.keeps else None
-    qo_smem, qr_smem, acc_smem, part_smem, kv_barrier, q_barrier, barrier = refs
+    (slots, part_smem), qo_smem, qr_smem, acc_smem, kv_barrier, q_barrier, barrier = refs
+    lat_smem, rope_smem, keep_smem = (*slots, None)[:3]
 
     split, seq = lax.axis_index("split"), lax.axis_index("seq")
     span = _Span.of(c, table_ref, lens_ref, lat_ref.shape[0], seq // c.hkv, 0, 0, split)
@@ -567,6 +572,8 @@ def _latent_kernel(*refs, config):
 
     init = tuple((jnp.float32(-jnp.inf), jnp.float32(0.0)) for _ in range(c.groups))
     stats = lax.fori_loop(span.start, span.stop, step, init)
+    # The partials overwrite the slots: every copy into them was waited for, and every warp's last
+    # read of them came before the last sum's exchange between the warps.
     _combine(c, stats, acc_smem, part_smem, part_ref, qo_smem, out_ref, barrier, seq, split, head_rows=n_chunks)
 
 

@@ -88,11 +88,11 @@ def latent_query_rows(heads: int, widths: tuple[int, ...], dtype) -> int:
 
 def latent_smem_bytes(heads: int, c: int, r: int, page_size: int, pages_per_block: int, splits: int, dtype) -> int:
     """The SMEM the MLA kernel's buffers take for `heads` query heads per CTA over a latent of c
-    and a rope key of r: two slots of a block's latent, rope keys and kept flags, the queries (then
-    the outputs), the weighted latents and a chunk of partials."""
+    and a rope key of r: two slots of a block's latent, rope keys and kept flags (a chunk of
+    partials after them, in the same SMEM), the queries (then the outputs) and the weighted latents."""
     itemsize = jnp.dtype(dtype).itemsize
     gq = latent_query_rows(heads, (c, r), dtype)
     block = round_up(pages_per_block * page_rows(page_size), ROWS)
     slots = 2 * block * ((c + r) * itemsize + 4)
     partial = 2 * gq * c * 4
-    return slots + gq * (c + r) * itemsize + gq * c * 4 + partials_chunk(splits, partial) * partial
+    return max(slots, partials_chunk(splits, partial) * partial) + gq * (c + r) * itemsize + gq * c * 4

@@ -290,8 +290,9 @@ def latent_inputs(case: LatentCase, table, seed: int = 0):
 
 
 @functools.cache
-def latent_kernel(case: LatentCase):
-    """The kernel of `case` interpreted, jitted: one compile for any table or lens."""
+def latent_kernel(case: LatentCase, interpret: bool = True):
+    """The kernel of `case` (interpreted, or compiled for this GPU), jitted: one compile for any
+    table or lens."""
     return jax.jit(
         lambda q, q_rope, latent, k_rope, table, lens, keep: mgpu.latent_attention(
             q,
@@ -305,7 +306,7 @@ def latent_kernel(case: LatentCase):
             heads=case.heads_per_cta,
             pages_per_block=case.pages_per_block,
             splits=case.splits,
-            interpret=True,
+            interpret=interpret,
         )
     )
 
@@ -329,21 +330,32 @@ def latent_reference(q, q_rope, latent, k_rope, table, lens, keep=None) -> np.nd
     return out
 
 
+def run_latent(name: str, interpret: bool = True) -> tuple:
+    """(the kernel's output of LATENT_CASES[name], waited for; the float64 reference's; the
+    reference's with no selection), its tables TABLE (WIDE for "splits_in_chunks")."""
+    case = LATENT_CASES[name]
+    table, lens = (WIDE, np.array([39, 30, 17], np.int32)) if name == "splits_in_chunks" else (TABLE, case.lens)
+    q, q_rope, latent, k_rope, keep = latent_inputs(case, table)
+    got = latent_kernel(case, interpret)(q, q_rope, latent, k_rope, jnp.asarray(table), jnp.asarray(lens), keep)
+    every = latent_reference(q, q_rope, latent, k_rope, table, lens)
+    want = latent_reference(q, q_rope, latent, k_rope, table, lens, keep) if case.keeps else every
+    return got.block_until_ready(), want, every
+
+
+def latent_tolerance(name: str) -> dict:
+    return dict(rtol=2e-2, atol=2e-2) if LATENT_CASES[name].dtype == "bfloat16" else dict(rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", LATENT_CASES)
 def test_interpreted_latent_attention_equals_a_float64_reference(name):
     """MLA's absorbed decode attention, against float64: partial last pages, empty table slots,
     heads in CTAs of fewer, splits combined, and DSA's selection where the case has one (the
     positions it drops change the output)."""
     case = LATENT_CASES[name]
-    table, lens = (WIDE, np.array([39, 30, 17], np.int32)) if name == "splits_in_chunks" else (TABLE, case.lens)
-    q, q_rope, latent, k_rope, keep = latent_inputs(case, table)
-    got = latent_kernel(case)(q, q_rope, latent, k_rope, jnp.asarray(table), jnp.asarray(lens), keep)
-    want = latent_reference(q, q_rope, latent, k_rope, table, lens, keep if case.keeps else None)
-    assert got.shape == (len(table), case.heads, case.latent) and got.dtype == case.dtype
-    tol = dict(rtol=2e-2, atol=2e-2) if case.dtype == "bfloat16" else dict(rtol=1e-5, atol=1e-5)
-    assert_close(got.block_until_ready(), want, **tol)
-    if case.keeps:
-        assert np.abs(want - latent_reference(q, q_rope, latent, k_rope, table, lens)).max() > 0.1
+    got, want, every = run_latent(name)
+    assert got.shape == (3, case.heads, case.latent) and got.dtype == case.dtype
+    assert_close(got, want, **latent_tolerance(name))
+    assert not case.keeps or np.abs(want - every).max() > 0.1
 
 
 @functools.cache
