@@ -311,6 +311,7 @@ def latent_attention(
         plgpu.SMEM(chunked, q.dtype),  # the queries, then the outputs
         plgpu.SMEM((gq, r), q.dtype),
         plgpu.SMEM(chunked, jnp.float32),  # the heads' weighted latents
+        plgpu.SMEM((2, heads), jnp.float32),  # the heads' running max and total
         plgpu.Barrier(num_arrivals=2 * pages_per_block + (keep is not None), num_barriers=2),  # a slot's copies
         plgpu.Barrier(num_arrivals=2),  # the queries
         plgpu.Barrier(),  # partials
@@ -508,7 +509,7 @@ def _latent_kernel(*refs, config):
     keep_ref = refs.pop(0) if c.keeps else None
     out_ref, *refs = refs
     part_ref = refs.pop(0) if c.splits > 1 else None
-    (slots, part_smem), qo_smem, qr_smem, acc_smem, kv_barrier, q_barrier, barrier = refs
+    (slots, part_smem), qo_smem, qr_smem, acc_smem, stats_smem, kv_barrier, q_barrier, barrier = refs
     lat_smem, rope_smem, keep_smem = (*slots, None)[:3]
 
     split, seq = lax.axis_index("split"), lax.axis_index("seq")
@@ -533,6 +534,8 @@ def _latent_kernel(*refs, config):
     plgpu.barrier_wait(q_barrier)
     for row in range(c.groups * n_chunks):
         acc_smem[row] = c.cast(jnp.zeros((cols,), jnp.float32), COL)
+    for i in range(c.groups):
+        stats_smem[0, i], stats_smem[1, i] = jnp.float32(-jnp.inf), jnp.float32(0.0)
 
     def dot(keys_ref, q_ref):
         """[block] (ROW): the rows of keys_ref [block, w] times q_ref [w] (SMEM views), in f32. Each
@@ -552,8 +555,11 @@ def _latent_kernel(*refs, config):
         plgpu.barrier_wait(kv_barrier.at[slot])
         if c.keeps:
             visible = visible & (c.cast(keep_smem[slot], ROW) > 0)
-        out = []
-        for i, (top, total) in enumerate(carry):
+
+        def head(i, carry):
+            """Head i's scores, softmax and weighted sum over the block; its running (max, total)
+            in stats_smem: read before the sums over the block's rows, written after them."""
+            top, total = stats_smem[0, i], stats_smem[1, i]
             s = dot(rope_smem.at[slot], qr_smem.at[i])
             for t in range(n_chunks):
                 s = s + dot(lat_smem.at[slot, :, pl.ds(t * cols, cols)], qo_smem.at[i * n_chunks + t])
@@ -567,11 +573,15 @@ def _latent_kernel(*refs, config):
                 # Read before the sum over the block's rows, whose exchange orders the warps (`_kernel`).
                 acc = c.cast(acc_smem[i * n_chunks + t], COL) * kept
                 acc_smem[i * n_chunks + t] = acc + (values * p).sum(axis=0)
-            out.append((new_top, new_total))
-        return tuple(out)
+            stats_smem[0, i], stats_smem[1, i] = new_top, new_total
+            return carry
 
-    init = tuple((jnp.float32(-jnp.inf), jnp.float32(0.0)) for _ in range(c.groups))
-    stats = lax.fori_loop(span.start, span.stop, step, init)
+        # A loop over the heads: unrolled, 16 heads' code took a minute to compile.
+        lax.fori_loop(0, c.groups, head, 0)
+        return carry
+
+    lax.fori_loop(span.start, span.stop, step, 0)
+    stats = [(stats_smem[0, i], stats_smem[1, i]) for i in range(c.groups)]
     # The partials overwrite the slots: every copy into them was waited for, and every warp's last
     # read of them came before the last sum's exchange between the warps.
     _combine(c, stats, acc_smem, part_smem, part_ref, qo_smem, out_ref, barrier, seq, split, head_rows=n_chunks)
