@@ -55,7 +55,7 @@ class Kernel:
     # "metadata" (group sizes of rows sorted by group), "picks" (each row's expert ids, unsorted);
     # a paged attention: "kv" (one pool of keys and values interleaved by head, else pools k and v),
     # "prefill" (a prefill chunk's many positions per request, else one: decode steps), "windows"
-    # (sliding windows and attention sinks).
+    # (sliding windows and attention sinks), "latent" (MLA's pools latent and k_rope, DSA's selection).
     reads: frozenset = frozenset()
     scales_columns: bool = False  # applies a 4-bit stack's column-wise tensor scales itself
     prepares: str | None = None  # its module's function taking 4-bit experts to its own layout (once, at load)
@@ -303,7 +303,7 @@ _ATTENTIONS = (
         platform="gpu",
         architectures=(9, 10),
         needs="an NVIDIA Hopper or Blackwell GPU (TMA)",
-        reads=frozenset({"windows"}),
+        reads=frozenset({"windows", "latent"}),
         api=ATTENTION_API,
     ),
     Kernel(
@@ -313,7 +313,7 @@ _ATTENTIONS = (
         "mosaic_gpu",
         "paged_attention",
         interpreted=True,
-        reads=frozenset({"windows"}),
+        reads=frozenset({"windows", "latent"}),
         api=ATTENTION_API,
     ),
 )

@@ -64,10 +64,35 @@ def smem_bytes(groups: int, w: int, page_size: int, pages_per_block: int, splits
     return kv + gq * w * (itemsize + 4) + partials
 
 
-# The other splits' partials the combining CTA holds at a time (SMEM holds a few of them, not 60).
+# The other splits' partials the combining CTA holds at a time (SMEM holds a few of them, not 60),
+# and the most SMEM they take where a partial is wide (MLA's heads of the latent's 512).
 PARTIALS_CHUNK = 8
+PARTIALS_BYTES = 64 * 1024
 
 
-def partials_chunk(splits: int) -> int:
-    """The partials a copy brings to the combining CTA: every other split's, at most PARTIALS_CHUNK."""
-    return min(max(splits - 1, 1), PARTIALS_CHUNK)
+def partials_chunk(splits: int, partial_bytes: int = 0) -> int:
+    """The partials a copy brings to the combining CTA: every other split's, at most PARTIALS_CHUNK
+    and (given a partial's bytes) as many as PARTIALS_BYTES hold, at least one."""
+    most = PARTIALS_CHUNK if not partial_bytes else max(1, min(PARTIALS_CHUNK, PARTIALS_BYTES // partial_bytes))
+    return min(max(splits - 1, 1), most)
+
+
+def latent_query_rows(heads: int, widths: tuple[int, ...], dtype) -> int:
+    """MLA's query heads per CTA as the kernel holds them: the least count from `heads` that is
+    `query_rows` of itself at each of the query's widths (the latent's C and the rope's R)."""
+    n = heads
+    while any(query_rows(n, w, dtype) != n for w in widths):
+        n += 1
+    return n
+
+
+def latent_smem_bytes(heads: int, c: int, r: int, page_size: int, pages_per_block: int, splits: int, dtype) -> int:
+    """The SMEM the MLA kernel's buffers take for `heads` query heads per CTA over a latent of c
+    and a rope key of r: two slots of a block's latent, rope keys and kept flags (a chunk of
+    partials after them, in the same SMEM), the queries (then the outputs) and the weighted latents."""
+    itemsize = jnp.dtype(dtype).itemsize
+    gq = latent_query_rows(heads, (c, r), dtype)
+    block = round_up(pages_per_block * page_rows(page_size), ROWS)
+    slots = 2 * block * ((c + r) * itemsize + 4)
+    partial = 2 * gq * c * 4
+    return max(slots, partials_chunk(splits, partial) * partial) + gq * (c + r) * itemsize + gq * c * 4

@@ -139,14 +139,7 @@ class MeshPlacement(Placement, abc.ABC):
         local_pages = pool[name].shape[1] // (self.devices if split else 1)
         pages = paged.LayerPages(pages.table, jnp.asarray(pages.layer, jnp.int32))
 
-        def per_device(q, k, v, positions, pages, pool, *sinks):
-            first = jax.lax.axis_index(rules.ALL) * local_pages if split else jnp.int32(0)
-            out, pool = fn(first, q, k, v, positions, pages, pool, *sinks)
-            if split and rows is None:  # every device runs every row: the rank holding a row's pages answers
-                own = jnp.any(paged.local(pages.table, first, local_pages) < local_pages, axis=1)  # [B]
-                out = jax.lax.psum(jnp.where(own[:, None, None, None], out, 0), rules.ALL)
-            return out, pool
-
+        per_device = self._on_own_pages(fn, split, rows, local_pages, pages_at=4)
         heads_spec, rows_spec = P(rows, None, heads, None), P(rows, None)
         pages_spec = paged.LayerPages(rows_spec, P())
         # The sinks [H] slice as q's heads do (none: an argument fewer).
@@ -159,6 +152,54 @@ class MeshPlacement(Placement, abc.ABC):
             out_specs=(heads_spec, pool_specs),
             check_vma=False,
         )(q, k, v, positions, pages, pool, *sinks_args)
+
+    def on_latent(self, fn, q, q_rope, latent, k_rope, positions, pages, pool: dict, keep=None):
+        """`on_pages` for MLA: each device its requests (DP attention) or its query heads (TP
+        attention; the latent is every head's, each device holds all of it), the run's pools as
+        they lie."""
+        axes = self.cache_axes([pool], pool=True)[0]
+        pool_specs = {name: self.spec(axes[name], a.shape) for name, a in pool.items()}
+        rows = self.spec(("batch",), q.shape[:1])[0]
+        heads = self.spec(("heads",), q.shape[2:3])[0]
+        split = pool_specs["latent"][1] is not None  # the pages axis: each rank its own
+        local_pages = pool["latent"].shape[1] // (self.devices if split else 1)
+        pages = paged.LayerPages(pages.table, jnp.asarray(pages.layer, jnp.int32))
+        per_device = self._on_own_pages(fn, split, rows, local_pages, pages_at=5)
+        heads_spec, new_spec, rows_spec = P(rows, None, heads, None), P(rows, None, None), P(rows, None)
+        keep_args, keep_specs = ((), ()) if keep is None else ((keep,), (new_spec,))
+        return jax.shard_map(
+            per_device,
+            mesh=self.mesh,
+            in_specs=(
+                heads_spec,
+                heads_spec,
+                new_spec,
+                new_spec,
+                rows_spec,
+                paged.LayerPages(rows_spec, P()),
+                pool_specs,
+                *keep_specs,
+            ),
+            out_specs=(heads_spec, pool_specs),
+            check_vma=False,
+        )(q, q_rope, latent, k_rope, positions, pages, pool, *keep_args)
+
+    @staticmethod
+    def _on_own_pages(fn, split: bool, rows, local_pages: int, pages_at: int):
+        """fn(first_page, *args) -> (out [B, ...], pool) as one device's program under `on_pages`'
+        shard_map: its first page (`split`: the pages axis split over the ranks), and where every
+        device runs every row (`rows` None), each row's answer from the rank holding its pages
+        (args[pages_at]: the `paged.LayerPages`)."""
+
+        def per_device(*args):
+            first = jax.lax.axis_index(rules.ALL) * local_pages if split else jnp.int32(0)
+            out, pool = fn(first, *args)
+            if split and rows is None:  # every device runs every row: the rank holding a row's pages answers
+                own = jnp.any(paged.local(args[pages_at].table, first, local_pages) < local_pages, axis=1)  # [B]
+                out = jax.lax.psum(jnp.where(own.reshape(-1, *[1] * (out.ndim - 1)), out, 0), rules.ALL)
+            return out, pool
+
+        return per_device
 
     def store_pages(self, pool, new, positions, pages, seq_axis, view=True):
         """Under DP attention (the pool's pages axis split over every device) under shard_map: each

@@ -230,6 +230,13 @@ class Placement:
         q's heads) or None; first_page: the first page this device holds."""
         return fn(jnp.int32(0), q, k, v, positions, pages, pool, sinks)
 
+    def on_latent(self, fn, q, q_rope, latent, k_rope, positions, pages, pool: dict, keep=None):
+        """MLA's `on_pages`: fn(first_page, q, q_rope, latent, k_rope, positions, pages, pool, keep)
+        -> (out, pool) on each device's own requests, heads and pages: q [B, T, H, C], q_rope
+        [B, T, H, R], the new latent [B, T, C] and k_rope [B, T, R], positions [B, T], pages:
+        `paged.LayerPages` into the run's pools latent and k_rope, keep: bool [B, T, S] or None."""
+        return fn(jnp.int32(0), q, q_rope, latent, k_rope, positions, pages, pool, keep)
+
     def store_pages(self, pool: jax.Array, new, positions, pages, seq_axis: int, view: bool = True):
         """`paged.store` on each device's own pages of one pool entry ([pages, ...], or a run's
         [layers, pages, ...] with `paged.LayerPages`): new [B, T, ...] at positions [B, T]
@@ -345,7 +352,7 @@ def paged_kernel(config: Config, platform: Platform, device=None) -> str:
         None
         if name == "xla"
         else catalog.attention(name).why_not(platform.name, device or jax.devices()[0])
-        or paged.kernel_refusal(config.model, name)
+        or paged.kernel_refusal(config.model, name, platform.run_dtype(config.engine.dtype))
     )
     if refusal and config.attention_kernel != "auto":
         raise ConfigError(

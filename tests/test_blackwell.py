@@ -7,7 +7,8 @@ Each kernel is compiled for a compile-only B200: XLA:GPU's compile runs Mosaic G
 MLIR passes, PTX for sm_100a, ptxas), so a kernel that Mosaic cannot lower or that ptxas refuses
 fails here; what only a GPU shows (numerics, races, hangs, speed) is tests/test_gpu.py's, on an
 sm_100 GPU. Here: the operands as the kernels read them, and the bf16 kernel's decode (the
-function its decoding warpgroup runs) against `formats.dequantize`.
+function its decoding warpgroup runs) against `formats.dequantize`. The Mosaic GPU paged attention's
+MLA decode is compiled for the B200 in the same process (`test_paged_attention_mgpu.py` checks it).
 """
 
 from __future__ import annotations
@@ -15,17 +16,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from compile_only import lower, on
+import test_paged_attention_mgpu
+from compile_only import in_own_process, lower, on
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
@@ -119,15 +118,8 @@ def b200_ffn(kernel: str, fmt: str) -> str:
 @functools.cache
 def b200_programs() -> dict[str, str]:
     """Every kernel's FFN in every format compiled for a B200 -> {"kernel/fmt": optimized HLO}, in a
-    process of their own: the first GPU architecture a process assembles a Mosaic GPU kernel for is
-    the one ptxas assembles every later kernel for (jaxlib 0.10.2), and this process compiles the
-    Hopper kernels for an H100."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "programs.json"
-        root = str(Path(__file__).parents[1])  # moejax and pallas_kernels, whether installed or not
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        subprocess.run([sys.executable, __file__, str(out)], check=True, capture_output=True, env=env)
-        return json.loads(out.read_text())
+    process of their own (`in_own_process`): this process compiles the Hopper kernels for an H100."""
+    return in_own_process(__file__)
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -223,5 +215,14 @@ def test_bf16_kernel_refuses_what_it_cannot_multiply(case):
         call()
 
 
+def test_mla_attention_compiles_for_a_b200():
+    """The Mosaic GPU paged attention's MLA decode (`latent_attention`, its CUDA-core code written for
+    Hopper) assembles for sm_100a too: the kernel and the selection laid out as its blocks, one split."""
+    launches = test_paged_attention_mgpu.latent_launches(b200_programs()["latent_attention"])
+    assert launches == {"kernels": ["mosaic_gpu_v2"], "fusions": ["f32[4,4,64]{2,1,0}"]}
+
+
 if __name__ == "__main__":  # b200_programs' process
-    Path(sys.argv[1]).write_text(json.dumps({f"{k}/{f}": b200_ffn(k, f) for k in FFNS for f in FMTS}))
+    programs = {f"{k}/{f}": b200_ffn(k, f) for k in FFNS for f in FMTS}
+    programs["latent_attention"] = test_paged_attention_mgpu.latent_program("b200", 1)
+    Path(sys.argv[1]).write_text(json.dumps(programs))

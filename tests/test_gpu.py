@@ -191,3 +191,35 @@ def test_mosaic_gpu_paged_attention_at_gpt_oss_size_equals_the_xla_path_on_the_g
         got = step(q, k, v, jnp.asarray(table), jnp.asarray(lens), jnp.int32(window), sinks)
         want = mgpu_cases.reference(q, k, v, table, lens, window, np.asarray(sinks))
         np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=1e-2)  # bf16's rounding of ~2
+
+
+# Its MLA attention (`latent_attention`), compiled for this GPU.
+@pytest.mark.parametrize("name", mgpu_cases.LATENT_CASES)
+def test_mosaic_gpu_latent_attention_equals_float64_on_the_gpu(name):
+    got, want, _ = mgpu_cases.run_latent(name, interpret=False)
+    mgpu_cases.assert_close(got, want, **mgpu_cases.latent_tolerance(name))
+
+
+@pytest.mark.parametrize("splits", [1, 16])
+def test_mosaic_gpu_latent_attention_at_glm_size_equals_float64_on_the_gpu(splits):
+    """GLM-5.3's MLA on a device under DP attention: 64 heads over a latent of 512 and a rope key of
+    64 in bf16, in CTAs of 16 heads (`latent_blocks`' choice), one request of 4,000 positions and one
+    of 130 (pages of 64, scattered), half the positions selected, against float64."""
+    keys = jax.random.split(jax.random.PRNGKey(2), 5)
+    pages, h, c, r, ps = 80, 64, 512, 64, 64
+    latent = jax.random.normal(keys[0], (pages, ps, c), jnp.bfloat16)
+    k_rope = jax.random.normal(keys[1], (pages, ps, r), jnp.bfloat16)
+    q = (jax.random.normal(keys[2], (2, h, c)) / 8).astype(jnp.bfloat16)
+    q_rope = jax.random.normal(keys[3], (2, h, r), jnp.bfloat16)
+    table = np.full((2, 64), pages, np.int32)
+    table[0, :63] = np.random.default_rng(0).permutation(pages)[:63]
+    table[1, :3] = np.arange(3) * 5
+    lens = np.array([4000, 130], np.int32)
+    keep = jax.random.bernoulli(keys[4], 0.5, (2, 64 * ps))
+    got = jax.jit(
+        lambda *a: paged_attention_mgpu.latent_attention(
+            *a, scale=mgpu_cases.SCALE, heads=16, pages_per_block=1, splits=splits
+        )
+    )(q, q_rope, latent, k_rope, jnp.asarray(table), jnp.asarray(lens), keep)
+    want = mgpu_cases.latent_reference(q, q_rope, latent, k_rope, table, lens, keep)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=2e-2)

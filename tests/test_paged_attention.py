@@ -29,7 +29,7 @@ from moejax.model import attention, paged
 from pallas_kernels import paged_attention as kernels
 from pallas_kernels import paged_attention_mgpu as mgpu
 from pallas_kernels import tiles
-from pallas_kernels.paged_layout_mgpu import SMEM_BYTES, smem_bytes
+from pallas_kernels.paged_layout_mgpu import SMEM_BYTES, latent_smem_bytes, smem_bytes
 from sharding import make_placement
 from sharding.placement import Placement
 
@@ -39,6 +39,8 @@ C = preset("tiny-qwen3-moe")  # 4 query heads over 2 kv heads of 16
 # of 6) pages copied as 8 rows, the rows after them masked.
 ODD = dataclasses.replace(C, head_dim=20, num_heads=6)
 GPT_OSS = preset("tiny-gpt-oss")  # sinks, and sliding-window layers (their own page group)
+# MLA and DSA: a dense layer and a MoE layer with an indexer (few layers: the kernel is slow interpreted).
+GLM = dataclasses.replace(preset("tiny-glm-5.3"), num_layers=2, dsa_shared_layers=())
 PAGES, PAGE_SIZE = 12, 4
 TABLE = np.array([[5, 2, 7], [1, 9, 0], [3, 11, 12]], np.int32)  # 12: no page (row 2 holds 2)
 LENS = np.array([5, 12, 8])  # positions each request holds after the call
@@ -152,6 +154,25 @@ def test_gpu_blocks_fit_smem_and_cover_the_sms(shape):
     )
 
 
+# MLA shapes (B, H, C, R, page size, P): GLM-5.3's 64 heads of a device under DP attention (8
+# requests), its 8 under TP attention (64 requests), and a small latent.
+LATENT_BLOCKS = [(8, 64, 512, 64, 16, 256), (64, 8, 512, 64, 64, 64), (4, 16, 64, 16, 4, 8)]
+
+
+@pytest.mark.parametrize("shape", LATENT_BLOCKS)
+def test_latent_blocks_take_the_most_heads_smem_holds(shape):
+    """The MLA attention's heads a CTA on an H100: a divisor of H, the largest whose CTA fits SMEM
+    (all H where they fit: the latent read once for them), and `gpu_blocks`' rule for the rest."""
+    b, h, c, r, ps, p = shape
+    heads, pages, splits = kernels.latent_blocks(b, h, c, r, ps, p, "bfloat16", H100)
+    assert h % heads == 0
+    assert latent_smem_bytes(heads, c, r, ps, pages, splits, "bfloat16") <= SMEM_BYTES
+    larger = [n for n in range(heads + 1, h + 1) if h % n == 0]
+    assert all(latent_smem_bytes(n, c, r, ps, 1, 1, "bfloat16") > SMEM_BYTES for n in larger)
+    waves = tiles.lookup("paged_attention_mgpu", H100)["waves"]
+    assert splits <= -(-waves * H100[1] // (b * (h // heads)))  # CTAs cover the SMs about `waves` times
+
+
 @pytest.mark.parametrize("t", [1, 3], ids=["decode", "prefill_chunk"])
 def test_xla_path_reads_a_kernels_wider_pool(t):
     """A prefill chunk (the XLA path: the GPU kernel reads decode steps only) over the GPU kernel's
@@ -240,7 +261,12 @@ def test_tp_attention_slices_the_sinks_as_the_heads_on_h100s():
     assert (c.num_kv_heads, c.num_heads) == (2, 4) and "f32[1,2]" in call.operand_types
 
 
-MODELS = {"gqa": C, "odd": ODD, "gpt_oss": GPT_OSS}  # by name: a config with dicts is no cache key
+MODELS = {
+    "gqa": C,
+    "odd": ODD,
+    "gpt_oss": GPT_OSS,
+    "glm": preset("tiny-glm-5.3"),
+}  # by name: a config with dicts is no cache key
 
 
 @functools.cache
@@ -277,11 +303,33 @@ def test_engine_decoding_gpt_oss_through_the_gpu_kernel_gives_the_xla_tokens(mon
     assert seen == {(0, True), (GPT_OSS.sliding_window, True)}
 
 
-@pytest.mark.parametrize("name", ["pallas_tpu", "mosaic_gpu"])
-def test_a_kernel_named_for_mla_is_refused_with_the_reason(name):
-    config = Config(model=preset("tiny"), attention_kernel=name).validate()
+def test_engine_decoding_glm_through_the_gpu_kernel_gives_the_xla_tokens(monkeypatch):
+    """GLM-5.3's MLA decode steps through the kernel's `latent_attention` (the latent and rope pools
+    as the XLA path keeps them), each over its DSA selection (past `index_topk` positions it drops
+    some): the XLA path's tokens."""
+    kept = []
+    traced = mgpu.latent_attention
+
+    def spy(q, q_rope, latent, k_rope, table, lens, keep, **kw):
+        kept.append(keep is not None)
+        return traced(q, q_rope, latent, k_rope, table, lens, keep, **kw)
+
+    monkeypatch.setattr(mgpu, "latent_attention", spy)
+    assert tokens("interpret_mosaic_gpu", "glm") == tokens("xla", "glm")
+    assert kept and all(kept)
+
+
+def test_the_tpu_kernel_named_for_mla_is_refused_with_the_reason():
+    config = Config(model=preset("tiny"), attention_kernel="pallas_tpu").validate()
     with pytest.raises(ConfigError, match="MLA and DSA cache one latent"):
-        make_placement(config, platform=resolve({"pallas_tpu": "tpu", "mosaic_gpu": "cuda"}[name]))
+        make_placement(config, platform=resolve("tpu"))
+
+
+def test_the_gpu_kernel_named_for_mla_rows_of_no_whole_granules_is_refused_with_the_reason():
+    """The tiny model's rope key of 8 is 16 bytes in bf16: no TMA copy of whole granules."""
+    config = Config(model=preset("tiny"), attention_kernel="mosaic_gpu", engine=EngineConfig(dtype="bfloat16"))
+    with pytest.raises(ConfigError, match=r"rope key \(8\) must be whole 32-byte rows in bfloat16"):
+        make_placement(config.validate(), platform=resolve("cuda"))
 
 
 @pytest.mark.parametrize(
@@ -289,9 +337,12 @@ def test_a_kernel_named_for_mla_is_refused_with_the_reason(name):
 )
 def test_auto_reads_what_the_kernels_cannot_through_xla(platform, kernel, gemm):
     """`auto` takes the platform's kernels wherever they read the model (any head width, GQA
-    group, expert width; the GPU's sinks and windows too) and reads its pages through XLA where
-    they cannot (MLA; the TPU's sinks and windows)."""
-    assert make_placement(Config(model=preset("tiny")).validate(), platform=resolve(platform)).attention_kernel == "xla"
+    group, expert width; the GPU's sinks and windows, and MLA, too) and reads its pages through
+    XLA where they cannot (the TPU's MLA, sinks and windows)."""
+    # MLA: the rope key of 16 is whole 32-byte rows in bf16 (the GPU's run dtype), the tiny model's 8 is not.
+    for rope, reads in ((8, False), (16, kernels.reads_latent(kernel))):
+        mla = Config(model=dataclasses.replace(preset("tiny"), qk_rope_head_dim=rope)).validate()
+        assert make_placement(mla, platform=resolve(platform)).attention_kernel == (kernel if reads else "xla")
     windows = make_placement(Config(model=GPT_OSS).validate(), platform=resolve(platform)).attention_kernel
     assert windows == (kernel if kernels.reads_windows(kernel) else "xla")
     for c in (C, ODD, dataclasses.replace(ODD, hidden_size=40, moe_intermediate_size=24)):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import compile_only
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -241,3 +242,177 @@ def test_this_jax_has_every_api_the_kernel_uses(monkeypatch):
     assert record.why_not("gpu") is None
     monkeypatch.delattr(mgpu.plgpu, "broadcasted_iota")
     assert "jax.experimental.pallas.mosaic_gpu.broadcasted_iota" in record.why_not("gpu")
+
+
+# MLA's absorbed attention (`latent_attention`) over the pools latent [pages, ps, C] and k_rope
+# [pages, ps, R], DSA's selection as a flag per position.
+@dataclasses.dataclass(frozen=True)
+class LatentCase:
+    dtype: str
+    page_size: int
+    latent: int  # C
+    rope: int  # R
+    heads: int  # H
+    heads_per_cta: int
+    pages_per_block: int
+    splits: int
+    keeps: bool  # DSA's selection (else DeepSeek's MLA: every position)
+
+    @property
+    def lens(self) -> np.ndarray:
+        ps = self.page_size
+        return np.array([4 * ps - 1, 3 * ps - 2, ps - 3], np.int32)
+
+
+LATENT_CASES = {
+    # Pages of 6 (copies of 8 rows; request 0 reads the pool's last page, its flags shifted as its
+    # rows), a latent of 40 f32 (5 register chunks of 8 columns), 6 heads in CTAs of 3, 3 splits.
+    "odd_pages_head_groups": LatentCase("float32", 6, 40, 8, 6, 3, 2, 3, True),
+    # bf16, a latent of 48 and a rope key of 16 (3 and 1 chunks), every head in one CTA (their
+    # queries padded to whole copies), one split, no selection.
+    "bf16_one_cta_per_request": LatentCase("bfloat16", 16, 48, 16, 6, 6, 1, 1, False),
+    # A page per split over every page of the table (`WIDE`): 12 splits, partials in two copies.
+    "splits_in_chunks": LatentCase("float32", 4, 24, 8, 2, 2, 1, 12, True),
+}
+
+
+def latent_inputs(case: LatentCase, table, seed: int = 0):
+    """q [B, H, C], q_rope [B, H, R], pools latent [PAGES, ps, C], k_rope [PAGES, ps, R] and a
+    selection keep [B, P * ps] that drops about a third of the positions."""
+    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+    dtype, b, h, ps = jnp.dtype(case.dtype), len(table), case.heads, case.page_size
+    q = jax.random.normal(keys[0], (b, h, case.latent)).astype(dtype)
+    q_rope = jax.random.normal(keys[1], (b, h, case.rope)).astype(dtype)
+    latent = jax.random.normal(keys[2], (PAGES, ps, case.latent)).astype(dtype)
+    k_rope = jax.random.normal(keys[3], (PAGES, ps, case.rope)).astype(dtype)
+    keep = jax.random.bernoulli(keys[4], 0.7, (b, table.shape[1] * ps))
+    return jax.block_until_ready((q, q_rope, latent, k_rope, keep))
+
+
+@functools.cache
+def latent_kernel(case: LatentCase, interpret: bool = True):
+    """The kernel of `case` (interpreted, or compiled for this GPU), jitted: one compile for any
+    table or lens."""
+    return jax.jit(
+        lambda q, q_rope, latent, k_rope, table, lens, keep: mgpu.latent_attention(
+            q,
+            q_rope,
+            latent,
+            k_rope,
+            table,
+            lens,
+            keep if case.keeps else None,
+            scale=SCALE,
+            heads=case.heads_per_cta,
+            pages_per_block=case.pages_per_block,
+            splits=case.splits,
+            interpret=interpret,
+        )
+    )
+
+
+def latent_reference(q, q_rope, latent, k_rope, table, lens, keep=None) -> np.ndarray:
+    """float64 numpy: each head's softmax over the positions before its length that its table
+    names a page of the pool for (and `keep` keeps), of q . latent + q_rope . k_rope, times the latent."""
+    q, q_rope, latent, k_rope = (np.asarray(x, np.float64) for x in (q, q_rope, latent, k_rope))
+    pages, ps, _ = latent.shape
+    out = np.zeros(q.shape)
+    for i, n in enumerate(lens):
+        p = np.arange(n)
+        p = p[(table[i, p // ps] >= 0) & (table[i, p // ps] < pages)]
+        p = p if keep is None else p[np.asarray(keep)[i, p]]
+        values, rope = latent[table[i, p // ps], p % ps], k_rope[table[i, p // ps], p % ps]
+        for j in range(q.shape[1]):
+            logits = (values @ q[i, j] + rope @ q_rope[i, j]) * SCALE
+            if logits.size:
+                w = np.exp(logits - logits.max())
+                out[i, j] = w @ values / w.sum()
+    return out
+
+
+def run_latent(name: str, interpret: bool = True) -> tuple:
+    """(the kernel's output of LATENT_CASES[name], waited for; the float64 reference's; the
+    reference's with no selection), its tables TABLE (WIDE for "splits_in_chunks")."""
+    case = LATENT_CASES[name]
+    table, lens = (WIDE, np.array([39, 30, 17], np.int32)) if name == "splits_in_chunks" else (TABLE, case.lens)
+    q, q_rope, latent, k_rope, keep = latent_inputs(case, table)
+    got = latent_kernel(case, interpret)(q, q_rope, latent, k_rope, jnp.asarray(table), jnp.asarray(lens), keep)
+    every = latent_reference(q, q_rope, latent, k_rope, table, lens)
+    want = latent_reference(q, q_rope, latent, k_rope, table, lens, keep) if case.keeps else every
+    return got.block_until_ready(), want, every
+
+
+def latent_tolerance(name: str) -> dict:
+    return dict(rtol=2e-2, atol=2e-2) if LATENT_CASES[name].dtype == "bfloat16" else dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", LATENT_CASES)
+def test_interpreted_latent_attention_equals_a_float64_reference(name):
+    """MLA's absorbed decode attention, against float64: partial last pages, empty table slots,
+    heads in CTAs of fewer, splits combined, and DSA's selection where the case has one (the
+    positions it drops change the output)."""
+    case = LATENT_CASES[name]
+    got, want, every = run_latent(name)
+    assert got.shape == (3, case.heads, case.latent) and got.dtype == case.dtype
+    assert_close(got, want, **latent_tolerance(name))
+    assert not case.keeps or np.abs(want - every).max() > 0.1
+
+
+@functools.cache
+def latent_program(target: str, splits: int) -> str:
+    """Compiled text of a bf16 decode step's MLA attention on `target`: 4 requests of 8 heads
+    over a latent of 128 and a rope key of 64, pages of 16, tables of 16 pages, a selection."""
+    b, h, c, r, ps, p = 4, 8, 128, 64, 16, 16
+    step = jax.jit(
+        lambda q, q_rope, latent, k_rope, table, lens, keep: mgpu.latent_attention(
+            q, q_rope, latent, k_rope, table, lens, keep, scale=SCALE, heads=h, pages_per_block=4, splits=splits
+        )
+    )
+    on = functools.partial(compile_only.on, target)
+    args = [on((b, h, c), jnp.bfloat16), on((b, h, r), jnp.bfloat16), on((64, ps, c), jnp.bfloat16)]
+    args += [on((64, ps, r), jnp.bfloat16), on((b, p), jnp.int32), on((b,), jnp.int32), on((b, p * ps), jnp.bool_)]
+    return lower(step, *args).compile().as_text()
+
+
+def latent_launches(text: str) -> dict:
+    """A compiled `latent_program`'s launches: {"kernels": custom calls' targets, "fusions": types}."""
+    runs = hlo.launches(text)
+    return {
+        "kernels": [r.instr.target for r in runs if r.instr.opcode == "custom-call"],
+        "fusions": sorted(r.instr.type for r in runs if r.instr.opcode == "fusion"),
+    }
+
+
+def test_latent_attention_compiles_for_h100_into_one_mosaic_gpu_kernel():
+    """The kernel, the selection laid out as its blocks (a fusion) and the split's semaphores
+    zero-filled; nothing else (the B200's: `test_blackwell.py`, a process of its own)."""
+    launches = latent_launches(latent_program("h100", 4))
+    assert launches == {"kernels": ["mosaic_gpu_v2"], "fusions": ["f32[4,4,64]{2,1,0}", "s32[4]{0}"]}
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(k_rope=jnp.zeros((PAGES, 8, 24))), "must share R"),
+        (dict(latent=jnp.zeros((PAGES, 8, 20)), q=jnp.zeros((3, 4, 20))), "whole 32-byte granules"),
+        (dict(keep=jnp.ones((3, 5), bool)), "a flag per request and position"),
+        (dict(heads=3), "not groups of 3"),
+        (dict(pages_per_block=256), "bytes of SMEM"),
+    ],
+    ids=["rope_unlike", "latent_not_granules", "keep_not_per_position", "heads_not_groups", "smem"],
+)
+def test_bad_latent_input_is_refused_with_the_reason(change, message):
+    args = dict(
+        q=jnp.zeros((3, 4, 16)),
+        q_rope=jnp.zeros((3, 4, 8)),
+        latent=jnp.zeros((PAGES, 8, 16)),
+        k_rope=jnp.zeros((PAGES, 8, 8)),
+        table=jnp.asarray(TABLE),
+        lens=jnp.zeros(3, jnp.int32),
+        keep=None,
+    )
+    kw = dict(scale=SCALE, heads=4, pages_per_block=1, splits=1)
+    args.update({n: x for n, x in change.items() if n in args})
+    kw.update({n: x for n, x in change.items() if n in kw})
+    with pytest.raises(ValueError, match=message):
+        mgpu.latent_attention(**args, **kw)

@@ -247,15 +247,44 @@ def mla(
     without one is handed the previous layer's `selected` (bool [B, T, S]). Returns
     (residual + out, cache, selected)."""
     q_nope, q_rope, latent, k_rope, index = projections.latent(placement.decode, p, residual, norm, cos_sin, c)
-    cache, lat = _store(cache, "latent", latent, positions, pages, placement)
-    cache, kr = _store(cache, "k_rope", k_rope, positions, pages, placement)
-    lat = placement.constrain(lat, ("batch", "cache_seq", None))
-    kr = placement.constrain(kr, ("batch", "cache_seq", None))
     if index is not None:
         index_k, index_q, head_weights = index
         cache, keys = _store(cache, "index_k", index_k, positions, pages, placement)
         keys = placement.constrain(keys, ("batch", "cache_seq", None))
-        selected = dsa.select(index_q, head_weights, keys, _causal_mask(positions, lat.shape[1]), c)
+        selected = dsa.select(index_q, head_weights, keys, _causal_mask(positions, keys.shape[1]), c)
+    q_abs = jnp.einsum("bthk,rhk->bhtr", q_nope, p["w_uk"])  # query in the latent space
+    if _kernel_reads(placement.attention_kernel, q_nope, pages):
+        out_lat, cache = _mla_kernel(q_abs, q_rope, latent, k_rope, positions, cache, c, placement, selected, pages)
+    else:
+        out_lat, cache = _mla_xla(q_abs, q_rope, latent, k_rope, positions, cache, c, placement, selected, pages)
+    out = jnp.einsum("bhtr,rhv->bthv", out_lat, p["w_uv"])
+    return projections.out(placement.decode, p, out, residual, c), cache, selected
+
+
+def _mla_kernel(q_abs, q_rope, latent, k_rope, positions, cache: dict, c: ModelConfig, placement, selected, pages):
+    """`_mla_xla` through the placement's paged-attention kernel, which writes and reads the pools
+    latent and k_rope itself, per device (the placement's shard_map)."""
+    pool = {name: cache[name] for name in ("latent", "k_rope")}
+    attend = functools.partial(
+        paged.store_and_attend_latent,
+        placement.attention_kernel,
+        c.softmax_scale,
+        device=tile_device(placement.first_device),
+    )
+    q = q_abs.transpose(0, 2, 1, 3)  # [B, T, H, C]: T = 1, a relabelling
+    out, pool = placement.on_latent(attend, q, q_rope, latent, k_rope, positions, pages, pool, selected)
+    return out.transpose(0, 2, 1, 3), {**cache, **pool}
+
+
+def _mla_xla(q_abs, q_rope, latent, k_rope, positions, cache: dict, c: ModelConfig, placement, selected, pages):
+    """q_abs: [B, H, T, C] (the query in the latent space), q_rope: [B, T, H, R], the new latent
+    [B, T, C] and rope keys [B, T, R] -> (the latent's weighted sum [B, H, T, C], cache): masked
+    attention over the contiguous cache, or the view of the request's pages, positions off
+    `selected` (DSA's, bool [B, T, S]; None: none) masked."""
+    cache, lat = _store(cache, "latent", latent, positions, pages, placement)
+    cache, kr = _store(cache, "k_rope", k_rope, positions, pages, placement)
+    lat = placement.constrain(lat, ("batch", "cache_seq", None))
+    kr = placement.constrain(kr, ("batch", "cache_seq", None))
 
     def mask(q0, tq, k0, tk):  # [B, 1, tq, tk]
         visible = _causal_mask(_slice(positions, q0, tq, 1), tk, 0, k0)
@@ -264,7 +293,6 @@ def mla(
         return visible[:, None]
 
     # Queries as [B, H, T, .]: the scores [B, H, T, S] come out of their dots as laid out (as GQA's).
-    q_abs = jnp.einsum("bthk,rhk->bhtr", q_nope, p["w_uk"])  # query in the latent space
     q_rope = q_rope.transpose(0, 2, 1, 3)
     out_lat = _attend(
         lambda q0, tq, k0, tk: (
@@ -280,9 +308,8 @@ def mla(
         lat.shape[1],
         q_abs.shape,
         2,
-    ).astype(lat.dtype)  # [B, H, T, R]
-    out = jnp.einsum("bhtr,rhv->bthv", out_lat, p["w_uv"])
-    return projections.out(placement.decode, p, out, residual, c), cache, selected
+    ).astype(lat.dtype)  # [B, H, T, C]
+    return out_lat, cache
 
 
 def attention(p, x, norm, positions, cos_sin, cache, c: ModelConfig, placement, selected=None, window=0, pages=None):

@@ -19,10 +19,11 @@ back to the window pool. Each layer reads and writes its own group's pool (`Grou
 Attention writes a step's keys through the table and reads back the view of the request's
 P pages as a contiguous [B, ..., P * page_size, ...] cache, so the masked attention after it
 is the contiguous cache's, over the request's live pages only. With a Pallas paged-attention
-kernel (`pallas_kernels/paged_attention.py`, GQA only) the kernel reads the pages itself, per
+kernel (`pallas_kernels/paged_attention.py`) the kernel reads the pages itself, per
 device (`store_and_attend`); TPU's wants one pool "kv" [pages, page_size, 2 * H_kv, Dh padded
 to 128] of each position's keys and values interleaved by head, written here and read by that
-kernel only, and reads no sinks or windows (`kernel_refusal`); the GPU's (Mosaic GPU) reads the
+kernel only, and reads no sinks or windows (`kernel_refusal`); the GPU's (Mosaic GPU) reads MLA's
+latent and rope key pools as they lie (`store_and_attend_latent`), and GQA's
 pools k, v with Dh padded to whole 32-byte granules (`kernels.head_dim`), which the XLA path
 reads too (a prefill chunk's attention) as zeros after each head's Dh, and masks a window
 layer's window and adds its sinks itself: a window layer's decode step reads its own group's
@@ -132,11 +133,14 @@ def page_size_of(cache) -> int:
     return run["kv"].shape[-3] if "kv" in run else next(iter(run.values())).shape[-2]
 
 
-def kernel_refusal(c, kernel: str) -> str | None:
-    """Why paged-attention `kernel` cannot read this model's cache (None: it can). MLA caches a
-    latent; the TPU kernel's softmax has no sink logit and masks no sliding window."""
+def kernel_refusal(c, kernel: str, dtype) -> str | None:
+    """Why paged-attention `kernel` cannot read this model's cache in `dtype` (None: it can). MLA
+    caches a latent, which only the GPU kernel reads (rows of whole granules); the TPU kernel's
+    softmax has no sink logit and masks no sliding window."""
     if c.is_mla:
-        return "MLA and DSA cache one latent per position, not GQA heads"
+        if not kernels.reads_latent(kernel):
+            return "MLA and DSA cache one latent per position, not GQA heads"
+        return kernels.latent_refusal(c.kv_lora_rank, c.qk_rope_head_dim, dtype)
     if (c.attention_sinks or c.sliding_layers) and not kernels.reads_windows(kernel):
         return "its softmax takes no attention sinks or sliding windows"
     return None
@@ -192,11 +196,7 @@ def store_and_attend(
     softmax, the kernel's blocks chosen for `device` (device kind, SMs; `platform.tile_device`)
     -> (out [B, T, H, Dh], pool)."""
     shapes = {name: a.shape for name, a in pool.items()}
-    layers, n = next(iter(shapes.values()))[:2]
-    # The run's pools as one pool of layers * n pages (a bitcast): the kernels read no layer axis.
-    table = local(pages.table, first_page, n)
-    table = jnp.where(table < n, table + pages.layer * n, layers * n)  # another device's page, or none
-    pool = {name: a.reshape(layers * n, *a.shape[2:]) for name, a in pool.items()}
+    table, pool = _one_pool(first_page, pages, pool)
     if kernels.combined(kernel):
         b, t, h, dh = k.shape
         kv = jnp.stack([k, v], axis=3).reshape(b, t, 2 * h, dh)  # k0 v0 k1 v1 ..
@@ -208,6 +208,45 @@ def store_and_attend(
         }
     out = kernels.attend(kernel, q, pool, positions[:, -1] + 1, table, scale, window, sinks, device)
     return out, {name: a.reshape(shapes[name]) for name, a in pool.items()}
+
+
+def store_and_attend_latent(
+    kernel: str,
+    scale: float,
+    first_page,
+    q,
+    q_rope,
+    latent,
+    k_rope,
+    positions,
+    pages: LayerPages,
+    pool: dict,
+    keep=None,
+    *,
+    device: tuple[str, int] = ("", 0),
+):
+    """MLA's `store_and_attend`: writes latent [B, T, C] and k_rope [B, T, R] at positions [B, T]
+    through `pages` into the run's pools latent and k_rope [layers, n, ps, .] (this device holds
+    pages first_page..) and attends q: [B, T, H, C] (the absorbed query) and q_rope: [B, T, H, R]
+    over them with `kernel`, positions off `keep` (bool [B, T, P * ps], DSA's selection; None:
+    none) masked -> (the latent's weighted sum [B, T, H, C], pool)."""
+    shapes = {name: a.shape for name, a in pool.items()}
+    table, pool = _one_pool(first_page, pages, pool)
+    pool = {
+        name: write(pool[name], new, positions, table, seq_axis=1)
+        for name, new in (("latent", latent), ("k_rope", k_rope))
+    }
+    out = kernels.attend_latent(kernel, q, q_rope, pool, positions[:, -1] + 1, table, scale, keep, device)
+    return out, {name: a.reshape(shapes[name]) for name, a in pool.items()}
+
+
+def _one_pool(first_page, pages: LayerPages, pool: dict) -> tuple[jax.Array, dict]:
+    """(the tables [B, P] as ids into one pool of the run's layers * n pages, that pool of each
+    entry): a bitcast, since the kernels read no layer axis; another device's page, or none: none."""
+    layers, n = next(iter(pool.values())).shape[:2]
+    table = local(pages.table, first_page, n)
+    table = jnp.where(table < n, table + pages.layer * n, layers * n)
+    return table, {name: a.reshape(layers * n, *a.shape[2:]) for name, a in pool.items()}
 
 
 def write(pool: jax.Array, new: jax.Array, positions: jax.Array, pages, seq_axis: int) -> jax.Array:
