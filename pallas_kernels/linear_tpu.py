@@ -83,9 +83,10 @@ def _pick(stack: jax.Array, layer) -> jax.Array:
 def _kernel(*refs, n_layers, tree, n_in, segs, at, eps, precision, normed):
     """Step p: a column block of whichever segment it falls in. layers: each stacked operand's
     layer ([1] int32 each) (`at`: where the norm's, and each segment's bias's and head norm's, lies in it).
-    Refs: x [M, K], norm [L, K]; per segment its weight block ([K, c], [K, hb, Dh] or [H, Dh, c]),
+    Refs: x [M, K] (or [M, H, Dh]), norm [L, K]; per segment its weight block ([K, c], [K, hb, Dh] or [H, Dh, c]),
     bias block [L, c], head norm [L, Dh]; cos, sin [M, R/2]; residual block [M, c]; then the
-    outputs (`normed`: h [M, K] first), per segment its block [M, c]; scratch: h [M, K]."""
+    outputs (`normed`: h [M, K] first), per segment its block [M, c] (heads: [M, hb, Dh]); scratch:
+    h, x's shape."""
     layers, refs = [r[0] for r in refs[:n_layers]], refs[n_layers:]
     ins = jax.tree.unflatten(tree, refs[:n_in])
     *outs, h_ref = refs[n_in:]
@@ -110,9 +111,12 @@ def _kernel(*refs, n_layers, tree, n_in, segs, at, eps, precision, normed):
         h = h_ref[...].astype(seg["cdtype"])
         bias = None if refs["bias"] is None else _pick(refs["bias"][...], layers[where["bias"]])
         if seg["form"] != "heads":
-            w = refs["w"][...]
-            w = w.reshape(-1, w.shape[-1])  # [H, Dh, c] -> [K, c]: its leading dims, Dh whole sublane tiles
-            y = epilogue.finish(dot(h, w.astype(seg["cdtype"])), seg["out_dtype"], bias=bias)
+            w = refs["w"][...].astype(seg["cdtype"])
+            if len(h_ref.shape) == 3:  # rows of heads [M, H, Dh] times [H, Dh, c]: a product a head, f32 sums
+                acc = sum(dot(h_ref[:, j, :].astype(seg["cdtype"]), w[j]) for j in range(h_ref.shape[1]))
+            else:  # [H, Dh, c] -> [K, c]: its leading dims, Dh whole sublane tiles
+                acc = dot(h, w.reshape(-1, w.shape[-1]))
+            y = epilogue.finish(acc, seg["out_dtype"], bias=bias)
             if ins["residual"] is not None:
                 y = (ins["residual"][...] + y).astype(seg["out_dtype"])
             out_ref[...] = y.astype(out_ref.dtype)
@@ -132,7 +136,7 @@ def _kernel(*refs, n_layers, tree, n_in, segs, at, eps, precision, normed):
                 y1, y2 = rotate_half(yf[:, :half], yf[:, half : 2 * half], cos, sin)
                 rest = [yf[:, 2 * half :]] if 2 * half < dh else []  # the unrotated columns
                 y = jnp.concatenate([y1, y2, *rest], axis=1).astype(seg["out_dtype"])
-            out_ref[:, cols] = y.astype(out_ref.dtype)
+            out_ref[:, j, :] = y.astype(out_ref.dtype)
 
     for seg, refs, where, out_ref in zip(segs, ins["segments"], at["segments"], outs):
         pl.when((p >= seg["first"]) & (p < seg["first"] + seg["count"]))(
@@ -181,7 +185,9 @@ def fused_linear(
     """`linear.fused_linear`'s contract on a TPU: rows x [M, K] (M <= 128: one block) times each
     weight segment -> one output per segment [M, N_i] (with `normed`, the normed rows [M, K] first).
     A segment is [K, N_i], or in its model's shape [K, H, Dh] (N_i = H * Dh; a segment with a head
-    epilogue is one) or [H, Dh, N_i] (K = H * Dh); each weight, the norm [K], the
+    epilogue is one), whose output is [M, H, Dh], or [H, Dh, N_i] (K = H * Dh), which also takes
+    rows of heads x [M, H, Dh] (the layouts attention writes and reads: a TPU's reshape of [M, K]
+    to [M, H, Dh] or back is a copy, their last two dims its tiled ones); each weight, the norm [K], the
     biases [N_i] and the head norms [head_dim] an array or a `layered.LayerOf` of its run's stack,
     read where it lies. The epilogue's arguments are `linear.fused_linear`'s; act is refused (a
     gated product is XLA's here). precision: None or "highest" (float32 products). tiles: the
@@ -192,20 +198,24 @@ def fused_linear(
         raise ValueError("fused_linear: the TPU dense kernel has no gated activation (XLA's ops run it)")
     if tiles.n < 1:
         raise ValueError(f"fused_linear: tiles.n must be positive, got {tiles.n}")
-    if x.ndim != 2 or x.shape[0] > 128:
-        raise ValueError(f"fused_linear: rows must be [M <= 128, K], got shape {x.shape}")
+    if x.ndim not in (2, 3) or x.shape[0] > 128:
+        raise ValueError(f"fused_linear: rows must be [M <= 128, K] or [M, H, Dh], got shape {x.shape}")
     check_normed(normed, norm)
-    m, k = x.shape
+    m, k = x.shape[0], math.prod(x.shape[1:])
     count = len(weights)
     shapes = [tuple(w.shape) for w in weights]
     forms = [_form(s, k) for s in shapes]
+    if x.ndim == 3 and (norm is not None or any(f != "rows" or s[:2] != x.shape[1:] for f, s in zip(forms, shapes))):
+        raise ValueError(
+            f"fused_linear: rows of heads {x.shape} take no norm and weights [H, Dh, N] of their heads, got {shapes}"
+        )
     biases, head_norms = biases or (None,) * count, head_norms or (None,) * count
     # The arguments checked, and the segments' output dtypes, as the GPU twins lay them out.
     as_columns = lambda w, s, f: jax.ShapeDtypeStruct(  # noqa: E731
         (k, s[1] * s[2] if f == "heads" else s[-1]), layered.stored(w).dtype
     )
     laid_out = segments(
-        x,
+        jax.ShapeDtypeStruct((m, k), x.dtype),
         tuple(as_columns(w, s, f) for w, s, f in zip(weights, shapes, forms)),
         norm=_abstract(norm),
         biases=tuple(_abstract(b, flat=True) for b in biases),  # [N], or a head segment's [H, Dh]
@@ -274,7 +284,7 @@ def fused_linear(
         at["segments"].append(where)
         half = 0 if rope is None else rope[0].shape[1]
         segs.append(dict(form=f, first=first, count=blocks, cols=cols, head_dim=head_dim, half=half,
-                         rotate=seg.rotate, cdtype=seg.cdtype, out_dtype=seg.out_dtype))  # fmt: skip
+                         rotate=seg.rotate, cdtype=seg.cdtype, out_dtype=seg.out_dtype, shape=s))  # fmt: skip
         first += blocks
     if rope is not None:
         pairs["rope"] = tuple((a.astype(jnp.float32), whole) for a in rope)
@@ -287,11 +297,18 @@ def fused_linear(
     tree = jax.tree.structure(jax.tree.map(lambda _: 0, pairs, is_leaf=is_pair))
 
     h_dtype = x.dtype if norm is None else jnp.result_type(layered.stored(norm).dtype, x.dtype)
-    out_shape = [metadata.varying_struct((m, seg.n), seg.out_dtype, x, *operands) for seg in laid_out]
-    out_specs = [
-        pl.BlockSpec((m, sg["cols"]), lambda i, *ls, sg=sg: (0, jnp.clip(i - sg["first"], 0, sg["count"] - 1)))
-        for sg in segs
-    ]
+
+    def out(sg, seg):  # (a segment's output, its BlockSpec): heads [M, H, Dh] in blocks of heads, else [M, N]
+        block = lambda i: jnp.clip(i - sg["first"], 0, sg["count"] - 1)  # noqa: E731
+        if sg["form"] == "heads":
+            _, heads, dh = sg["shape"]
+            spec = pl.BlockSpec((m, sg["cols"] // dh, dh), lambda i, *ls: (0, block(i), 0))
+            return metadata.varying_struct((m, heads, dh), seg.out_dtype, x, *operands), spec
+        return metadata.varying_struct((m, seg.n), seg.out_dtype, x, *operands), pl.BlockSpec(
+            (m, sg["cols"]), lambda i, *ls: (0, block(i))
+        )
+
+    out_shape, out_specs = (list(a) for a in zip(*(out(sg, seg) for sg, seg in zip(segs, laid_out))))
     if normed:
         out_shape.insert(0, metadata.varying_struct((m, k), h_dtype, x, *operands))
         out_specs.insert(0, pl.BlockSpec((m, k), lambda i, *ls: (0, 0)))
@@ -329,7 +346,7 @@ def fused_linear(
             in_specs=in_specs,
             out_specs=tuple(out_specs),
             grid=(first,),
-            scratch_shapes=[pltpu.VMEM((m, k), h_dtype)],
+            scratch_shapes=[pltpu.VMEM(x.shape, h_dtype)],
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=max(vmem, 16 << 20)),
         interpret=interpret,

@@ -65,7 +65,7 @@ def expected_attention(x, norm, ws, biases, head_norms, rope):
             x1, x2 = z[..., :HALF], z[..., HALF : 2 * HALF]
             c, s = f64(rope[0])[:, None], f64(rope[1])[:, None]
             z = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, z[..., 2 * HALF :]], axis=-1)
-        outs.append(z.reshape(M, -1))
+        outs.append(z)  # [M, H, Dh]: heads as attention reads them
     return outs
 
 
@@ -89,8 +89,8 @@ def qkv(x, norm, ws, biases, head_norms, rope, precision=None, tiles=TILES):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_qkv_is_normed_rows_times_heads_biased_normed_and_rotated(dtype):
-    """q|k|v in one call, the weights in their model's shape [K, H, Dh]: the input RMSNorm, each
-    product, its bias, q's and k's head norms and the rotate-half rotary of their first 48 columns;
+    """q|k|v in one call, the weights in their model's shape [K, H, Dh], each output [M, H, Dh]: the
+    input RMSNorm, each product, its bias, q's and k's head norms and the rotate-half rotary of their first 48 columns;
     float32 at full precision ("highest": float32 products)."""
     case = attention_case(dtype)
     outs = qkv(*case, precision="highest" if dtype == jnp.float32 else None)
@@ -116,17 +116,18 @@ def test_a_layer_is_read_in_its_stacks():
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-@pytest.mark.parametrize("shape", ["rows", "columns"])
+@pytest.mark.parametrize("shape", ["heads", "rows", "columns"])
 def test_output_projection_adds_bias_and_residual(shape):
-    """The output projection: attended rows [M, H * Dh] times o in its model's shape [H, Dh, N]
-    (N 200: one block) or a [K, N] of three 128-column blocks, its bias, then the residual."""
-    n = 200 if shape == "rows" else 384
-    a, residual, bias = arrays(jnp.bfloat16, 5, (M, H * DH), (M, n), (n,))
-    (o,) = arrays(jnp.bfloat16, 6, (H, DH, n) if shape == "rows" else (H * DH, n), scale=(H * DH) ** -0.5)
+    """The output projection: attended rows [M, H * Dh] (or of heads [M, H, Dh], as attention wrote
+    them) times o in its model's shape [H, Dh, N] (N 200: one block) or a [K, N] of three 128-column
+    blocks, its bias, then the residual."""
+    n = 384 if shape == "columns" else 200
+    a, residual, bias = arrays(jnp.bfloat16, 5, (M, H, DH) if shape == "heads" else (M, H * DH), (M, n), (n,))
+    (o,) = arrays(jnp.bfloat16, 6, (H * DH, n) if shape == "columns" else (H, DH, n), scale=(H * DH) ** -0.5)
     (y,) = jax.jit(
         lambda a, o, bias, res: fused_linear(a, (o,), biases=(bias,), residual=res, tiles=Tiles(128), interpret=True)
     )(a, o, bias, residual)
-    check(y, f64(a) @ f64(o).reshape(H * DH, n) + f64(bias) + f64(residual), jnp.bfloat16)
+    check(y, f64(a).reshape(M, -1) @ f64(o).reshape(H * DH, n) + f64(bias) + f64(residual), jnp.bfloat16)
 
 
 def test_normed_rows_come_first_and_float32_weights_multiply_at_float32():
@@ -142,7 +143,8 @@ def test_normed_rows_come_first_and_float32_weights_multiply_at_float32():
 
 def test_refusals_name_what_is_wrong():
     """A gated product is XLA's (the kernel has no activation; the catalog's check refuses it, so a
-    dense MLP keeps XLA's ops); a head epilogue needs its segment in heads [K, H, head_dim]."""
+    dense MLP keeps XLA's ops); a head epilogue needs its segment in heads [K, H, head_dim]; rows of
+    heads take weights [H, Dh, N] of their heads."""
     x, norm, ws, biases, head_norms, rope = attention_case(jnp.float32)
     with pytest.raises(ValueError, match="no gated activation"):
         fused_linear(x, (ws[0].reshape(K, -1),), act=jax.nn.silu, tiles=TILES, interpret=True)
@@ -152,12 +154,14 @@ def test_refusals_name_what_is_wrong():
         assert record.why_not("tpu", None, "bfloat16", "unquantized", [(K, 72, False)]) is None
     with pytest.raises(ValueError, match=r"a head epilogue takes a segment of heads \[K, H, head_dim=72\]"):
         fused_linear(x, (ws[0].reshape(K, -1),), head_dim=DH, head_norms=(head_norms[0],), tiles=TILES, interpret=True)
+    with pytest.raises(ValueError, match=r"rows of heads \(3, 16, 72\) take no norm and weights \[H, Dh, N\]"):
+        fused_linear(jnp.zeros((M, H, DH)), (jnp.zeros((H * DH, 8)),), tiles=TILES, interpret=True)
 
 
 def compiled_layer(rows: int):
     """Qwen3-30B-A3B's q|k|v (input norm, q [2048, 32, 128], k and v [2048, 4, 128], head norms, full
-    rotary) and output projection ([32, 128, 2048] and the residual) of stacks of 2 layers, bf16, on a
-    v5e: each call's launches and temporary bytes."""
+    rotary) and output projection ([32, 128, 2048] and the residual, reading q's [rows, 32, 128] as it
+    lies) of stacks of 2 layers, bf16, on a v5e: each call's launches and temporary bytes."""
     dt = jnp.bfloat16
 
     def step(x, norm, q, k, v, qn, kn, cos, sin, o, i):

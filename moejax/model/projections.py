@@ -102,8 +102,9 @@ ATTENTION_WEIGHTS = ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias",
 
 
 def _shaped(decode: DecodeKernels, w, flat: tuple):
-    """Weight w as the decode set's dense kernel reads it: in its model's shape where the kernel reads a
-    layer in its stack (a TPU's, whose reshape of a tiled [D, H, Dh] is a copy), else reshaped to `flat`."""
+    """Weight (or rows of heads) w as the decode set's dense kernel reads it: in its model's shape where
+    the kernel reads a layer in its stack (a TPU's, whose reshape of a tiled [D, H, Dh] is a copy), else
+    reshaped to `flat`."""
     return w if decode.linear_reads_stacks else w.reshape(flat)
 
 
@@ -156,7 +157,7 @@ def out(decode: DecodeKernels, p: dict, attended: jax.Array, residual: jax.Array
         return residual + (y + p["o_bias"] if c.o_bias else y)
     (y,) = _fused(
         decode,
-        attended.reshape(b * t, h * dh),
+        _shaped(decode, attended.reshape(b * t, h, dh), (b * t, h * dh)),  # a TPU's: its heads as attention wrote them
         (_shaped(decode, p["o"], (h * dh, -1)),),
         biases=(p["o_bias"],) if c.o_bias else None,
         residual=residual.reshape(b * t, -1),
