@@ -85,8 +85,8 @@ def _kernel(*refs, n_layers, tree, n_in, segs, at, eps, precision, normed):
     layer ([1] int32 each) (`at`: where the norm's, and each segment's bias's and head norm's, lies in it).
     Refs: x [M, K] (or [M, H, Dh]), norm [L, K]; per segment its weight block ([K, c], [K, hb, Dh] or [H, Dh, c]),
     bias block [L, c], head norm [L, Dh]; cos, sin [M, R/2]; residual block [M, c]; then the
-    outputs (`normed`: h [M, K] first), per segment its block [M, c] (heads: [M, hb, Dh]); scratch:
-    h, x's shape."""
+    outputs (`normed`: h [M, K] first), per segment its block [M, c] (heads: [M, hb, Dh]; an
+    interleaved pair's one [M, 2H, Dh]); scratch: h, x's shape."""
     layers, refs = [r[0] for r in refs[:n_layers]], refs[n_layers:]
     ins = jax.tree.unflatten(tree, refs[:n_in])
     *outs, h_ref = refs[n_in:]
@@ -136,11 +136,12 @@ def _kernel(*refs, n_layers, tree, n_in, segs, at, eps, precision, normed):
                 y1, y2 = rotate_half(yf[:, :half], yf[:, half : 2 * half], cos, sin)
                 rest = [yf[:, 2 * half :]] if 2 * half < dh else []  # the unrotated columns
                 y = jnp.concatenate([y1, y2, *rest], axis=1).astype(seg["out_dtype"])
-            out_ref[:, j, :] = y.astype(out_ref.dtype)
+            row = j if seg["pair"] is None else 2 * j + seg["pair"]  # interleaved: k's head j at 2j, v's at 2j + 1
+            out_ref[:, row, :] = y.astype(out_ref.dtype)
 
-    for seg, refs, where, out_ref in zip(segs, ins["segments"], at["segments"], outs):
+    for seg, refs, where in zip(segs, ins["segments"], at["segments"]):
         pl.when((p >= seg["first"]) & (p < seg["first"] + seg["count"]))(
-            functools.partial(step, seg, refs, where, out_ref)
+            functools.partial(step, seg, refs, where, outs[seg["out"]])
         )
 
 
@@ -178,6 +179,7 @@ def fused_linear(
     act=None,
     out_dtype=None,
     normed: bool = False,
+    interleave: bool = False,
     precision: str | None = None,
     tiles: Tiles,
     interpret: bool = False,
@@ -187,7 +189,10 @@ def fused_linear(
     A segment is [K, N_i], or in its model's shape [K, H, Dh] (N_i = H * Dh; a segment with a head
     epilogue is one), whose output is [M, H, Dh], or [H, Dh, N_i] (K = H * Dh), which also takes
     rows of heads x [M, H, Dh] (the layouts attention writes and reads: a TPU's reshape of [M, K]
-    to [M, H, Dh] or back is a copy, their last two dims its tiled ones); each weight, the norm [K], the
+    to [M, H, Dh] or back is a copy, their last two dims its tiled ones); `interleave`: the last two
+    segments, heads of one shape (attention's k and v), as one output [M, 2H, Dh], their heads
+    alternating (k0 v0 k1 v1 ..: the rows of the interleaved page pool), each read in one step;
+    each weight, the norm [K], the
     biases [N_i] and the head norms [head_dim] an array or a `layered.LayerOf` of its run's stack,
     read where it lies. The epilogue's arguments are `linear.fused_linear`'s; act is refused (a
     gated product is XLA's here). precision: None or "highest" (float32 products). tiles: the
@@ -209,6 +214,8 @@ def fused_linear(
         raise ValueError(
             f"fused_linear: rows of heads {x.shape} take no norm and weights [H, Dh, N] of their heads, got {shapes}"
         )
+    if interleave and (count < 2 or forms[-2:] != ["heads", "heads"] or shapes[-2] != shapes[-1]):
+        raise ValueError(f"fused_linear: interleave takes two last segments of heads of one shape, got {shapes}")
     biases, head_norms = biases or (None,) * count, head_norms or (None,) * count
     # The arguments checked, and the segments' output dtypes, as the GPU twins lay them out.
     as_columns = lambda w, s, f: jax.ShapeDtypeStruct(  # noqa: E731
@@ -251,9 +258,10 @@ def fused_linear(
     if norm is not None:
         pairs["norm"], at["norm"] = stacked(norm, None, None)
     segs, first = [], 0
-    for w, b, hn, s, f, seg in zip(weights, biases, head_norms, shapes, forms, laid_out):
+    for i, (w, b, hn, s, f, seg) in enumerate(zip(weights, biases, head_norms, shapes, forms, laid_out)):
+        pair = i - (count - 2) if interleave and i >= count - 2 else None  # 0: k, 1: v, of one output
         if f == "heads":
-            hb = _head_block(s[1], s[2], tiles.n)
+            hb = s[1] if pair is not None else _head_block(s[1], s[2], tiles.n)
             blocks, cols = s[1] // hb, hb * s[2]
         else:
             cols = _columns(s[-1], tiles.n)
@@ -284,7 +292,8 @@ def fused_linear(
         at["segments"].append(where)
         half = 0 if rope is None else rope[0].shape[1]
         segs.append(dict(form=f, first=first, count=blocks, cols=cols, head_dim=head_dim, half=half,
-                         rotate=seg.rotate, cdtype=seg.cdtype, out_dtype=seg.out_dtype, shape=s))  # fmt: skip
+                         rotate=seg.rotate, cdtype=seg.cdtype, out_dtype=seg.out_dtype, shape=s,
+                         pair=pair, out=min(i, count - 2) if interleave else i))  # fmt: skip
         first += blocks
     if rope is not None:
         pairs["rope"] = tuple((a.astype(jnp.float32), whole) for a in rope)
@@ -300,6 +309,11 @@ def fused_linear(
 
     def out(sg, seg):  # (a segment's output, its BlockSpec): heads [M, H, Dh] in blocks of heads, else [M, N]
         block = lambda i: jnp.clip(i - sg["first"], 0, sg["count"] - 1)  # noqa: E731
+        if sg["pair"] is not None:  # the pair's [M, 2H, Dh], whole for the call
+            _, heads, dh = sg["shape"]
+            return metadata.varying_struct((m, 2 * heads, dh), seg.out_dtype, x, *operands), pl.BlockSpec(
+                (m, 2 * heads, dh), lambda i, *ls: (0, 0, 0)
+            )
         if sg["form"] == "heads":
             _, heads, dh = sg["shape"]
             spec = pl.BlockSpec((m, sg["cols"] // dh, dh), lambda i, *ls: (0, block(i), 0))
@@ -308,7 +322,8 @@ def fused_linear(
             (m, sg["cols"]), lambda i, *ls: (0, block(i))
         )
 
-    out_shape, out_specs = (list(a) for a in zip(*(out(sg, seg) for sg, seg in zip(segs, laid_out))))
+    kept = [(sg, seg) for sg, seg in zip(segs, laid_out) if sg["pair"] != 1]  # an interleaved pair's output once
+    out_shape, out_specs = (list(a) for a in zip(*(out(sg, seg) for sg, seg in kept)))
     if normed:
         out_shape.insert(0, metadata.varying_struct((m, k), h_dtype, x, *operands))
         out_specs.insert(0, pl.BlockSpec((m, k), lambda i, *ls: (0, 0)))

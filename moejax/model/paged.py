@@ -185,7 +185,8 @@ def store_and_attend(
     *,
     device: tuple[str, int] = ("", 0),
 ):
-    """One device's requests and pages: writes k, v: [B, T, H_kv, Dh] at positions [B, T]
+    """One device's requests and pages: writes k, v: [B, T, H_kv, Dh] (a kernel reading the
+    interleaved pool, `kernels.combined`: k the two `interleaved` [B, T, 2 * H_kv, Dh], v None) at positions [B, T]
     through `pages` (global page ids; this device holds pages first_page.. of the run's pools
     [layers, n, ...]) and attends q: [B, T, H, Dh] over them with `kernel`, keys older than
     `window` positions masked (0: none) and the device's heads' `sinks` [H] (or None) in the
@@ -198,9 +199,7 @@ def store_and_attend(
     table = jnp.where(table < n, table + pages.layer * n, layers * n)  # another device's page, or none
     pool = {name: a.reshape(layers * n, *a.shape[2:]) for name, a in pool.items()}
     if kernels.combined(kernel):
-        b, t, h, dh = k.shape
-        kv = jnp.stack([k, v], axis=3).reshape(b, t, 2 * h, dh)  # k0 v0 k1 v1 ..
-        pool = {"kv": write(pool["kv"], widen(kv, pool["kv"].shape[-1]), positions, table, seq_axis=1)}
+        pool = {"kv": write(pool["kv"], widen(k, pool["kv"].shape[-1]), positions, table, seq_axis=1)}
     else:
         pool = {
             name: write(pool[name], widen(new, pool[name].shape[-1]), positions, table, seq_axis=2)
@@ -208,6 +207,12 @@ def store_and_attend(
         }
     out = kernels.attend(kernel, q, pool, positions[:, -1] + 1, table, scale, window, sinks, device)
     return out, {name: a.reshape(shapes[name]) for name, a in pool.items()}
+
+
+def interleaved(k: jax.Array, v: jax.Array) -> jax.Array:
+    """k, v: [B, T, H_kv, Dh] -> [B, T, 2 * H_kv, Dh], k0 v0 k1 v1 ..: a position's row of the "kv" pool."""
+    b, t, h, dh = k.shape
+    return jnp.stack([k, v], axis=3).reshape(b, t, 2 * h, dh)
 
 
 def write(pool: jax.Array, new: jax.Array, positions: jax.Array, pages, seq_axis: int) -> jax.Array:
