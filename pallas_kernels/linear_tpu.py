@@ -15,7 +15,10 @@ a reshape of [D, H, Dh] to [D, H * Dh] is one too: the last two dims are its til
 segment is [K, N] (column blocks of `Tiles.n`), [K, H, Dh] (q, k, v: blocks of whole heads, each
 head its own product) or [H, Dh, N] (the output projection, K = H * Dh: column blocks). The
 vectors (the norm, head norms, biases' stacks [L, N]) are small: read whole, their layer's row
-picked in VMEM (a one-row block of a stack is no whole sublane tile).
+picked in VMEM (a one-row block of a stack is no whole sublane tile). For the same reason its
+rows meet attention in attention's layouts: q comes out as heads [M, H, Dh], k and v as one
+[M, 2 * H_kv, Dh] of the interleaved page pool's rows (`interleave`), and the output projection
+takes attention's heads [M, H, Dh] as they lie (on a v5e each relayout was an op a layer).
 
 bf16 rows and weights multiply in bf16 with f32 sums; float32 ones in float32 at the run's precision
 ("highest": float32 products, not one bf16 pass). The gated activation (a dense MLP's, the shared
