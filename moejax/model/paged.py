@@ -221,7 +221,11 @@ def write(pool: jax.Array, new: jax.Array, positions: jax.Array, pages, seq_axis
     (1: [N, ps, R]; 2: [N, H, ps, Dh] with new [B, T, H, Dh])."""
     lead, table = _at(pages)
     ps, n = pool.shape[len(lead) + seq_axis], pool.shape[len(lead)]
-    page = jnp.take_along_axis(table, positions // ps, axis=1, mode="fill", fill_value=n)  # [B, T]; off the table: none
+    slot = positions // ps  # [B, T]
+    # Each position's page as a masked sum over its table's row (a TPU's gather of it was six ops a
+    # layer at batch 64); off the table: none (n).
+    page = jnp.sum(jnp.where(slot[..., None] == jnp.arange(table.shape[1]), table[:, None, :], 0), axis=-1)
+    page = jnp.where(slot < table.shape[1], page, n)  # [B, T]
     index = (*lead, page, *[slice(None)] * (seq_axis - 1), positions % ps)
     # No index is negative (a page off the table is n): a wrap of negatives was three ops a layer on a TPU.
     return pool.at[index].set(new.astype(pool.dtype), mode="drop", wrap_negative_indices=False)
