@@ -15,7 +15,10 @@ a reshape of [D, H, Dh] to [D, H * Dh] is one too: the last two dims are its til
 segment is [K, N] (column blocks of `Tiles.n`), [K, H, Dh] (q, k, v: blocks of whole heads, each
 head its own product) or [H, Dh, N] (the output projection, K = H * Dh: column blocks). The
 vectors (the norm, head norms, biases' stacks [L, N]) are small: read whole, their layer's row
-picked in VMEM (a one-row block of a stack is no whole sublane tile).
+picked in VMEM (a one-row block of a stack is no whole sublane tile). For the same reason its
+rows meet attention in attention's layouts: q comes out as heads [M, H, Dh], k and v as one
+[M, 2 * H_kv, Dh] of the interleaved page pool's rows (`interleave`), and the output projection
+takes attention's heads [M, H, Dh] as they lie (on a v5e each relayout was an op a layer).
 
 bf16 rows and weights multiply in bf16 with f32 sums; float32 ones in float32 at the run's precision
 ("highest": float32 products, not one bf16 pass). The gated activation (a dense MLP's, the shared
@@ -83,9 +86,10 @@ def _pick(stack: jax.Array, layer) -> jax.Array:
 def _kernel(*refs, n_layers, tree, n_in, segs, at, eps, precision, normed):
     """Step p: a column block of whichever segment it falls in. layers: each stacked operand's
     layer ([1] int32 each) (`at`: where the norm's, and each segment's bias's and head norm's, lies in it).
-    Refs: x [M, K], norm [L, K]; per segment its weight block ([K, c], [K, hb, Dh] or [H, Dh, c]),
+    Refs: x [M, K] (or [M, H, Dh]), norm [L, K]; per segment its weight block ([K, c], [K, hb, Dh] or [H, Dh, c]),
     bias block [L, c], head norm [L, Dh]; cos, sin [M, R/2]; residual block [M, c]; then the
-    outputs (`normed`: h [M, K] first), per segment its block [M, c]; scratch: h [M, K]."""
+    outputs (`normed`: h [M, K] first), per segment its block [M, c] (heads: [M, hb, Dh]; an
+    interleaved pair's one [M, 2H, Dh]); scratch: h, x's shape."""
     layers, refs = [r[0] for r in refs[:n_layers]], refs[n_layers:]
     ins = jax.tree.unflatten(tree, refs[:n_in])
     *outs, h_ref = refs[n_in:]
@@ -110,9 +114,12 @@ def _kernel(*refs, n_layers, tree, n_in, segs, at, eps, precision, normed):
         h = h_ref[...].astype(seg["cdtype"])
         bias = None if refs["bias"] is None else _pick(refs["bias"][...], layers[where["bias"]])
         if seg["form"] != "heads":
-            w = refs["w"][...]
-            w = w.reshape(-1, w.shape[-1])  # [H, Dh, c] -> [K, c]: its leading dims, Dh whole sublane tiles
-            y = epilogue.finish(dot(h, w.astype(seg["cdtype"])), seg["out_dtype"], bias=bias)
+            w = refs["w"][...].astype(seg["cdtype"])
+            if len(h_ref.shape) == 3:  # rows of heads [M, H, Dh] times [H, Dh, c]: a product a head, f32 sums
+                acc = sum(dot(h_ref[:, j, :].astype(seg["cdtype"]), w[j]) for j in range(h_ref.shape[1]))
+            else:  # [H, Dh, c] -> [K, c]: its leading dims, Dh whole sublane tiles
+                acc = dot(h, w.reshape(-1, w.shape[-1]))
+            y = epilogue.finish(acc, seg["out_dtype"], bias=bias)
             if ins["residual"] is not None:
                 y = (ins["residual"][...] + y).astype(seg["out_dtype"])
             out_ref[...] = y.astype(out_ref.dtype)
@@ -132,11 +139,12 @@ def _kernel(*refs, n_layers, tree, n_in, segs, at, eps, precision, normed):
                 y1, y2 = rotate_half(yf[:, :half], yf[:, half : 2 * half], cos, sin)
                 rest = [yf[:, 2 * half :]] if 2 * half < dh else []  # the unrotated columns
                 y = jnp.concatenate([y1, y2, *rest], axis=1).astype(seg["out_dtype"])
-            out_ref[:, cols] = y.astype(out_ref.dtype)
+            row = j if seg["pair"] is None else 2 * j + seg["pair"]  # interleaved: k's head j at 2j, v's at 2j + 1
+            out_ref[:, row, :] = y.astype(out_ref.dtype)
 
-    for seg, refs, where, out_ref in zip(segs, ins["segments"], at["segments"], outs):
+    for seg, refs, where in zip(segs, ins["segments"], at["segments"]):
         pl.when((p >= seg["first"]) & (p < seg["first"] + seg["count"]))(
-            functools.partial(step, seg, refs, where, out_ref)
+            functools.partial(step, seg, refs, where, outs[seg["out"]])
         )
 
 
@@ -174,6 +182,7 @@ def fused_linear(
     act=None,
     out_dtype=None,
     normed: bool = False,
+    interleave: bool = False,
     precision: str | None = None,
     tiles: Tiles,
     interpret: bool = False,
@@ -181,7 +190,12 @@ def fused_linear(
     """`linear.fused_linear`'s contract on a TPU: rows x [M, K] (M <= 128: one block) times each
     weight segment -> one output per segment [M, N_i] (with `normed`, the normed rows [M, K] first).
     A segment is [K, N_i], or in its model's shape [K, H, Dh] (N_i = H * Dh; a segment with a head
-    epilogue is one) or [H, Dh, N_i] (K = H * Dh); each weight, the norm [K], the
+    epilogue is one), whose output is [M, H, Dh], or [H, Dh, N_i] (K = H * Dh), which also takes
+    rows of heads x [M, H, Dh] (the layouts attention writes and reads: a TPU's reshape of [M, K]
+    to [M, H, Dh] or back is a copy, their last two dims its tiled ones); `interleave`: the last two
+    segments, heads of one shape (attention's k and v), as one output [M, 2H, Dh], their heads
+    alternating (k0 v0 k1 v1 ..: the rows of the interleaved page pool), each read in one step;
+    each weight, the norm [K], the
     biases [N_i] and the head norms [head_dim] an array or a `layered.LayerOf` of its run's stack,
     read where it lies. The epilogue's arguments are `linear.fused_linear`'s; act is refused (a
     gated product is XLA's here). precision: None or "highest" (float32 products). tiles: the
@@ -192,21 +206,27 @@ def fused_linear(
         raise ValueError("fused_linear: the TPU dense kernel has no gated activation (XLA's ops run it)")
     if tiles.n < 1:
         raise ValueError(f"fused_linear: tiles.n must be positive, got {tiles.n}")
-    if x.ndim != 2 or x.shape[0] > 128:
-        raise ValueError(f"fused_linear: rows must be [M <= 128, K], got shape {x.shape}")
+    if x.ndim not in (2, 3) or x.shape[0] > 128:
+        raise ValueError(f"fused_linear: rows must be [M <= 128, K] or [M, H, Dh], got shape {x.shape}")
     check_normed(normed, norm)
     uniform_heads("fused_linear (TPU)", head_dim)
-    m, k = x.shape
+    m, k = x.shape[0], math.prod(x.shape[1:])
     count = len(weights)
     shapes = [tuple(w.shape) for w in weights]
     forms = [_form(s, k) for s in shapes]
+    if x.ndim == 3 and (norm is not None or any(f != "rows" or s[:2] != x.shape[1:] for f, s in zip(forms, shapes))):
+        raise ValueError(
+            f"fused_linear: rows of heads {x.shape} take no norm and weights [H, Dh, N] of their heads, got {shapes}"
+        )
+    if interleave and (count < 2 or forms[-2:] != ["heads", "heads"] or shapes[-2] != shapes[-1]):
+        raise ValueError(f"fused_linear: interleave takes two last segments of heads of one shape, got {shapes}")
     biases, head_norms = biases or (None,) * count, head_norms or (None,) * count
     # The arguments checked, and the segments' output dtypes, as the GPU twins lay them out.
     as_columns = lambda w, s, f: jax.ShapeDtypeStruct(  # noqa: E731
         (k, s[1] * s[2] if f == "heads" else s[-1]), layered.stored(w).dtype
     )
     laid_out = segments(
-        x,
+        jax.ShapeDtypeStruct((m, k), x.dtype),
         tuple(as_columns(w, s, f) for w, s, f in zip(weights, shapes, forms)),
         norm=_abstract(norm),
         biases=tuple(_abstract(b, flat=True) for b in biases),  # [N], or a head segment's [H, Dh]
@@ -242,9 +262,10 @@ def fused_linear(
     if norm is not None:
         pairs["norm"], at["norm"] = stacked(norm, None, None)
     segs, first = [], 0
-    for w, b, hn, s, f, seg in zip(weights, biases, head_norms, shapes, forms, laid_out):
+    for i, (w, b, hn, s, f, seg) in enumerate(zip(weights, biases, head_norms, shapes, forms, laid_out)):
+        pair = i - (count - 2) if interleave and i >= count - 2 else None  # 0: k, 1: v, of one output
         if f == "heads":
-            hb = _head_block(s[1], s[2], tiles.n)
+            hb = s[1] if pair is not None else _head_block(s[1], s[2], tiles.n)
             blocks, cols = s[1] // hb, hb * s[2]
         else:
             cols = _columns(s[-1], tiles.n)
@@ -275,7 +296,8 @@ def fused_linear(
         at["segments"].append(where)
         half = 0 if rope is None else rope[0].shape[1]
         segs.append(dict(form=f, first=first, count=blocks, cols=cols, head_dim=head_dim, half=half,
-                         rotate=seg.rotate, cdtype=seg.cdtype, out_dtype=seg.out_dtype))  # fmt: skip
+                         rotate=seg.rotate, cdtype=seg.cdtype, out_dtype=seg.out_dtype, shape=s,
+                         pair=pair, out=min(i, count - 2) if interleave else i))  # fmt: skip
         first += blocks
     if rope is not None:
         pairs["rope"] = tuple((a.astype(jnp.float32), whole) for a in rope)
@@ -288,11 +310,24 @@ def fused_linear(
     tree = jax.tree.structure(jax.tree.map(lambda _: 0, pairs, is_leaf=is_pair))
 
     h_dtype = x.dtype if norm is None else jnp.result_type(layered.stored(norm).dtype, x.dtype)
-    out_shape = [metadata.varying_struct((m, seg.n), seg.out_dtype, x, *operands) for seg in laid_out]
-    out_specs = [
-        pl.BlockSpec((m, sg["cols"]), lambda i, *ls, sg=sg: (0, jnp.clip(i - sg["first"], 0, sg["count"] - 1)))
-        for sg in segs
-    ]
+
+    def out(sg, seg):  # (a segment's output, its BlockSpec): heads [M, H, Dh] in blocks of heads, else [M, N]
+        block = lambda i: jnp.clip(i - sg["first"], 0, sg["count"] - 1)  # noqa: E731
+        if sg["pair"] is not None:  # the pair's [M, 2H, Dh], whole for the call
+            _, heads, dh = sg["shape"]
+            return metadata.varying_struct((m, 2 * heads, dh), seg.out_dtype, x, *operands), pl.BlockSpec(
+                (m, 2 * heads, dh), lambda i, *ls: (0, 0, 0)
+            )
+        if sg["form"] == "heads":
+            _, heads, dh = sg["shape"]
+            spec = pl.BlockSpec((m, sg["cols"] // dh, dh), lambda i, *ls: (0, block(i), 0))
+            return metadata.varying_struct((m, heads, dh), seg.out_dtype, x, *operands), spec
+        return metadata.varying_struct((m, seg.n), seg.out_dtype, x, *operands), pl.BlockSpec(
+            (m, sg["cols"]), lambda i, *ls: (0, block(i))
+        )
+
+    kept = [(sg, seg) for sg, seg in zip(segs, laid_out) if sg["pair"] != 1]  # an interleaved pair's output once
+    out_shape, out_specs = (list(a) for a in zip(*(out(sg, seg) for sg, seg in kept)))
     if normed:
         out_shape.insert(0, metadata.varying_struct((m, k), h_dtype, x, *operands))
         out_specs.insert(0, pl.BlockSpec((m, k), lambda i, *ls: (0, 0)))
@@ -330,7 +365,7 @@ def fused_linear(
             in_specs=in_specs,
             out_specs=tuple(out_specs),
             grid=(first,),
-            scratch_shapes=[pltpu.VMEM((m, k), h_dtype)],
+            scratch_shapes=[pltpu.VMEM(x.shape, h_dtype)],
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=max(vmem, 16 << 20)),
         interpret=interpret,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import chex
 import jax
@@ -292,7 +293,7 @@ def fused_linear(x, weights, *, backend: str, device: tuple[str, int] = ("", 0),
     call's programs at N tile tn and K in `splits` slices). kw: `fused_linear`'s other arguments."""
     record = catalog.kernel(catalog.DECODE, backend)
     kernel = record.kernel_module()
-    m, k = x.shape
+    m, k = x.shape[0], math.prod(x.shape[1:])  # a TPU's rows may be of heads [M, H, Dh] (its kernel's contract)
     # A TPU's segments may come in their model's shape ([K, H, Dh], [H, Dh, N]) and in their stack (`layered.LayerOf`).
     dtype = layered.stored(weights[0]).dtype
     itemsize = dtype.itemsize

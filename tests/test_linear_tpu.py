@@ -65,12 +65,12 @@ def expected_attention(x, norm, ws, biases, head_norms, rope):
             x1, x2 = z[..., :HALF], z[..., HALF : 2 * HALF]
             c, s = f64(rope[0])[:, None], f64(rope[1])[:, None]
             z = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, z[..., 2 * HALF :]], axis=-1)
-        outs.append(z.reshape(M, -1))
+        outs.append(z)  # [M, H, Dh]: heads as attention reads them
     return outs
 
 
-@functools.partial(jax.jit, static_argnames=("precision", "tiles"))
-def qkv(x, norm, ws, biases, head_norms, rope, precision=None, tiles=TILES):
+@functools.partial(jax.jit, static_argnames=("precision", "tiles", "interleave"))
+def qkv(x, norm, ws, biases, head_norms, rope, precision=None, tiles=TILES, interleave=False):
     return fused_linear(
         x,
         ws,
@@ -82,6 +82,7 @@ def qkv(x, norm, ws, biases, head_norms, rope, precision=None, tiles=TILES):
         rope=rope,
         rotate=(True, True, False),
         precision=precision,
+        interleave=interleave,
         tiles=tiles,
         interpret=True,
     )
@@ -89,13 +90,26 @@ def qkv(x, norm, ws, biases, head_norms, rope, precision=None, tiles=TILES):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_qkv_is_normed_rows_times_heads_biased_normed_and_rotated(dtype):
-    """q|k|v in one call, the weights in their model's shape [K, H, Dh]: the input RMSNorm, each
-    product, its bias, q's and k's head norms and the rotate-half rotary of their first 48 columns;
+    """q|k|v in one call, the weights in their model's shape [K, H, Dh], each output [M, H, Dh]: the
+    input RMSNorm, each product, its bias, q's and k's head norms and the rotate-half rotary of their first 48 columns;
     float32 at full precision ("highest": float32 products)."""
     case = attention_case(dtype)
     outs = qkv(*case, precision="highest" if dtype == jnp.float32 else None)
     for out, want in zip(outs, expected_attention(*case), strict=True):
         check(out, want, dtype)
+
+
+def test_k_and_v_interleaved_are_one_output_of_alternating_heads():
+    """`interleave`: k and v (two heads each here) as one output [M, 2 * H_kv, Dh], k's head j at row
+    2j and v's at 2j + 1 (the interleaved page pool's), each its own values."""
+    x, norm, ws, biases, head_norms, rope = attention_case(jnp.float32)
+    ws = (ws[0], jnp.concatenate([ws[1], ws[1][:, :, ::-1]], axis=1), jnp.concatenate([ws[2], 2 * ws[2]], axis=1))
+    biases = (biases[0], jnp.concatenate([biases[1], -biases[1]]), jnp.concatenate([biases[2], biases[2]]))
+    q, k, v = qkv(x, norm, ws, biases, head_norms, rope, precision="highest")
+    q2, kv = qkv(x, norm, ws, biases, head_norms, rope, precision="highest", interleave=True)
+    assert kv.shape == (M, 4, DH)
+    np.testing.assert_array_equal(np.asarray(q2), np.asarray(q))
+    np.testing.assert_array_equal(np.asarray(kv), np.asarray(jnp.stack([k, v], axis=2).reshape(M, 4, DH)))
 
 
 def test_a_layer_is_read_in_its_stacks():
@@ -116,17 +130,18 @@ def test_a_layer_is_read_in_its_stacks():
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-@pytest.mark.parametrize("shape", ["rows", "columns"])
+@pytest.mark.parametrize("shape", ["heads", "rows", "columns"])
 def test_output_projection_adds_bias_and_residual(shape):
-    """The output projection: attended rows [M, H * Dh] times o in its model's shape [H, Dh, N]
-    (N 200: one block) or a [K, N] of three 128-column blocks, its bias, then the residual."""
-    n = 200 if shape == "rows" else 384
-    a, residual, bias = arrays(jnp.bfloat16, 5, (M, H * DH), (M, n), (n,))
-    (o,) = arrays(jnp.bfloat16, 6, (H, DH, n) if shape == "rows" else (H * DH, n), scale=(H * DH) ** -0.5)
+    """The output projection: attended rows [M, H * Dh] (or of heads [M, H, Dh], as attention wrote
+    them) times o in its model's shape [H, Dh, N] (N 200: one block) or a [K, N] of three 128-column
+    blocks, its bias, then the residual."""
+    n = 384 if shape == "columns" else 200
+    a, residual, bias = arrays(jnp.bfloat16, 5, (M, H, DH) if shape == "heads" else (M, H * DH), (M, n), (n,))
+    (o,) = arrays(jnp.bfloat16, 6, (H * DH, n) if shape == "columns" else (H, DH, n), scale=(H * DH) ** -0.5)
     (y,) = jax.jit(
         lambda a, o, bias, res: fused_linear(a, (o,), biases=(bias,), residual=res, tiles=Tiles(128), interpret=True)
     )(a, o, bias, residual)
-    check(y, f64(a) @ f64(o).reshape(H * DH, n) + f64(bias) + f64(residual), jnp.bfloat16)
+    check(y, f64(a).reshape(M, -1) @ f64(o).reshape(H * DH, n) + f64(bias) + f64(residual), jnp.bfloat16)
 
 
 def test_normed_rows_come_first_and_float32_weights_multiply_at_float32():
@@ -142,7 +157,8 @@ def test_normed_rows_come_first_and_float32_weights_multiply_at_float32():
 
 def test_refusals_name_what_is_wrong():
     """A gated product is XLA's (the kernel has no activation; the catalog's check refuses it, so a
-    dense MLP keeps XLA's ops); a head epilogue needs its segment in heads [K, H, head_dim]."""
+    dense MLP keeps XLA's ops); a head epilogue needs its segment in heads [K, H, head_dim]; rows of
+    heads take weights [H, Dh, N] of their heads."""
     x, norm, ws, biases, head_norms, rope = attention_case(jnp.float32)
     with pytest.raises(ValueError, match="no gated activation"):
         fused_linear(x, (ws[0].reshape(K, -1),), act=jax.nn.silu, tiles=TILES, interpret=True)
@@ -152,21 +168,25 @@ def test_refusals_name_what_is_wrong():
         assert record.why_not("tpu", None, "bfloat16", "unquantized", [(K, 72, False)]) is None
     with pytest.raises(ValueError, match=r"a head epilogue takes a segment of heads \[K, H, head_dim=72\]"):
         fused_linear(x, (ws[0].reshape(K, -1),), head_dim=DH, head_norms=(head_norms[0],), tiles=TILES, interpret=True)
+    with pytest.raises(ValueError, match=r"interleave takes two last segments of heads of one shape"):
+        fused_linear(x, ws[:2], head_dim=DH, interleave=True, tiles=TILES, interpret=True)
+    with pytest.raises(ValueError, match=r"rows of heads \(3, 16, 72\) take no norm and weights \[H, Dh, N\]"):
+        fused_linear(jnp.zeros((M, H, DH)), (jnp.zeros((H * DH, 8)),), tiles=TILES, interpret=True)
 
 
 def compiled_layer(rows: int):
     """Qwen3-30B-A3B's q|k|v (input norm, q [2048, 32, 128], k and v [2048, 4, 128], head norms, full
-    rotary) and output projection ([32, 128, 2048] and the residual) of stacks of 2 layers, bf16, on a
-    v5e: each call's launches and temporary bytes."""
+    rotary; k|v interleaved) and output projection ([32, 128, 2048] and the residual, reading q's [rows, 32, 128] as it
+    lies) of stacks of 2 layers, bf16, on a v5e: each call's launches and temporary bytes."""
     dt = jnp.bfloat16
 
     def step(x, norm, q, k, v, qn, kn, cos, sin, o, i):
         view = lambda a: LayerOf(a, i)  # noqa: E731
-        q, k, v = fused_linear(x, (view(q), view(k), view(v)), norm=view(norm), head_dim=128,
+        q, kv = fused_linear(x, (view(q), view(k), view(v)), norm=view(norm), head_dim=128,
                                head_norms=(view(qn), view(kn), None), rope=(cos, sin), rotate=(True, True, False),
-                               out_dtype=dt, tiles=TILES)  # fmt: skip
+                               out_dtype=dt, interleave=True, tiles=TILES)  # fmt: skip
         (y,) = fused_linear(q, (view(o),), residual=x, out_dtype=dt, tiles=TILES)
-        return y, k, v
+        return y, kv
 
     shapes = [((rows, 2048), dt), ((2, 2048), dt), ((2, 2048, 32, 128), dt), ((2, 2048, 4, 128), dt)]
     shapes += [((2, 2048, 4, 128), dt), ((2, 128), dt), ((2, 128), dt), ((rows, 64), jnp.float32)]

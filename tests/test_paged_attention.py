@@ -83,6 +83,7 @@ def kernel(name: str, t: int, c=C, page_size=PAGE_SIZE, window=0, sinks=None):
     q, k, v, positions, pool = inputs(t, c, page_size)
     if kernels.combined(name):
         pool = interleaved(pool, name, c)
+        k, v = paged.interleaved(k, v), None  # its pool's rows, as the TPU's q|k|v kernel writes them
     else:
         pool = {n: paged.widen(a, kernels.head_dim(name, c.head_dim, jnp.float32)) for n, a in pool.items()}
     # As layer 1 of a run of two: the kernel reads the run's pools flattened, layer 0's untouched.

@@ -185,16 +185,18 @@ def test_a_tpu_decode_block_runs_each_layers_router_and_experts_as_a_kernel_each
 
 
 # A v5e layer of Qwen3-30B-A3B's decode step at batch 1, synchronous ops (docs/design.md's table): the
-# five kernels, their outputs' and inputs' relayouts, the page write's indices, the layer loop's own.
-V5E_OPS_PER_LAYER = 23
+# five kernels, the page write and its indices, the attention's table and metadata, the layer loop's own.
+V5E_OPS_PER_LAYER = 19
 
 
 def test_a_v5e_layer_of_qwen3_30b_runs_its_moe_as_two_kernels_in_few_ops():
     """Qwen3-30B-A3B's decode step on one v5e at batch 1 over 4,096 positions, a layer of it
     (`layer_ops`: the steps of 4 and 3 layers less one another): q|k|v (with the input norm, head
     norms and rotary), the paged attention, the output projection (with the residual), the router
-    (with the experts' slot table) and the experts, five Mosaic calls; nothing sorted; at most
-    V5E_OPS_PER_LAYER synchronous ops (batch 64: `moejax plan`, docs/design.md)."""
+    (with the experts' slot table) and the experts, five Mosaic calls; nothing sorted; q|k|v and the
+    output projection their calls alone (q as heads [M, H, Dh] and k|v as the page pool's interleaved
+    rows from the one, attention's heads read as they lie by the other: no relayout between them); at
+    most V5E_OPS_PER_LAYER synchronous ops (batch 64: `moejax plan`, docs/design.md)."""
     config = Config(
         model=preset("qwen3-moe-30b-a3b"),
         layout=LayoutConfig(devices=1),
@@ -211,4 +213,6 @@ def test_a_v5e_layer_of_qwen3_30b_runs_its_moe_as_two_kernels_in_few_ops():
         "moe/router",
         "moe/experts",
     }
+    dense = [p for p in ops["parts"] if p["part"] in ("attention/qkv", "attention/out")]
+    assert [p["kind"] for p in dense] == ["custom-call tpu_custom_call"] * 2, dense
     assert ops["ops"] <= V5E_OPS_PER_LAYER, ops

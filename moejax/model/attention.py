@@ -139,19 +139,21 @@ def gqa(
     pages=None,
 ):
     """x: [B, T, D] the residual stream, `norm` the attention norm's weight -> (x + attention, cache)."""
-    q, k, v = projections.qkv(placement.decode, p, x, norm, cos_sin, c)
-    if _kernel_reads(placement.attention_kernel, q, pages):
+    reads = _kernel_reads(placement.attention_kernel, x, pages)
+    interleave = reads and kernels.combined(placement.attention_kernel)  # k|v as its pool's rows, v None
+    q, k, v = projections.qkv(placement.decode, p, x, norm, cos_sin, c, interleave)
+    if reads:
         out, cache = _gqa_kernel(p, q, k, v, positions, cache, c, placement, pages)
     else:
         out, cache = _gqa_xla(p, q, k, v, positions, cache, c, placement, window, pages)
     return projections.out(placement.decode, p, out, x, c), cache
 
 
-def _kernel_reads(kernel: str, q, pages) -> bool:
+def _kernel_reads(kernel: str, x, pages) -> bool:
     """Whether the paged-attention `kernel` reads this call's pages: a decode step (or any call, for
     a kernel that prefills), and with page groups a layer whose group is known as it is traced (a
     scan over mixed layers picks it at run time: the XLA path's `lax.cond`)."""
-    if pages is None or kernel == "xla" or not (q.shape[1] == 1 or kernels.prefills(kernel)):
+    if pages is None or kernel == "xla" or not (x.shape[1] == 1 or kernels.prefills(kernel)):
         return False
     return not isinstance(pages, paged.GroupPages) or isinstance(pages.window, bool)
 
@@ -159,7 +161,8 @@ def _kernel_reads(kernel: str, q, pages) -> bool:
 def _gqa_kernel(p: dict, q, k, v, positions, cache: dict, c: ModelConfig, placement, pages):
     """`_gqa_xla` through the placement's paged-attention kernel, which reads the pages itself, per
     device (the placement's shard_map): over the layer's own group's pool entries and tables (with
-    page groups: `GroupPages`), a window layer's window masked, and the heads' sinks."""
+    page groups: `GroupPages`), a window layer's window masked, and the heads' sinks (k, v: as
+    `paged.store_and_attend` takes them)."""
     prefix, window = "", 0
     if isinstance(pages, paged.GroupPages):
         prefix, pages = pages.group(pages.window)

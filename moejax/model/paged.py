@@ -189,7 +189,8 @@ def store_and_attend(
     *,
     device: tuple[str, int] = ("", 0),
 ):
-    """One device's requests and pages: writes k, v: [B, T, H_kv, Dh] at positions [B, T]
+    """One device's requests and pages: writes k, v: [B, T, H_kv, Dh] (a kernel reading the
+    interleaved pool, `kernels.combined`: k the two `interleaved` [B, T, 2 * H_kv, Dh], v None) at positions [B, T]
     through `pages` (global page ids; this device holds pages first_page.. of the run's pools
     [layers, n, ...]) and attends q: [B, T, H, Dh] over them with `kernel`, keys older than
     `window` positions masked (0: none) and the device's heads' `sinks` [H] (or None) in the
@@ -198,9 +199,7 @@ def store_and_attend(
     shapes = {name: a.shape for name, a in pool.items()}
     table, pool = _one_pool(first_page, pages, pool)
     if kernels.combined(kernel):
-        b, t, h, dh = k.shape
-        kv = jnp.stack([k, v], axis=3).reshape(b, t, 2 * h, dh)  # k0 v0 k1 v1 ..
-        pool = {"kv": write(pool["kv"], widen(kv, pool["kv"].shape[-1]), positions, table, seq_axis=1)}
+        pool = {"kv": write(pool["kv"], widen(k, pool["kv"].shape[-1]), positions, table, seq_axis=1)}
     else:
         pool = {
             name: write(pool[name], widen(new, pool[name].shape[-1]), positions, table, seq_axis=2)
@@ -249,13 +248,23 @@ def _one_pool(first_page, pages: LayerPages, pool: dict) -> tuple[jax.Array, dic
     return table, {name: a.reshape(layers * n, *a.shape[2:]) for name, a in pool.items()}
 
 
+def interleaved(k: jax.Array, v: jax.Array) -> jax.Array:
+    """k, v: [B, T, H_kv, Dh] -> [B, T, 2 * H_kv, Dh], k0 v0 k1 v1 ..: a position's row of the "kv" pool."""
+    b, t, h, dh = k.shape
+    return jnp.stack([k, v], axis=3).reshape(b, t, 2 * h, dh)
+
+
 def write(pool: jax.Array, new: jax.Array, positions: jax.Array, pages, seq_axis: int) -> jax.Array:
     """pool <- new: [B, T, ...] at positions [B, T] through `pages` (a table [B, P], or
     LayerPages into stacked pools). seq_axis: the page offset's axis in a layer's pool
     (1: [N, ps, R]; 2: [N, H, ps, Dh] with new [B, T, H, Dh])."""
     lead, table = _at(pages)
     ps, n = pool.shape[len(lead) + seq_axis], pool.shape[len(lead)]
-    page = jnp.take_along_axis(table, positions // ps, axis=1, mode="fill", fill_value=n)  # [B, T]; off the table: none
+    slot = positions // ps  # [B, T]
+    # Each position's page as a masked sum over its table's row (a TPU's gather of it was six ops a
+    # layer at batch 64); off the table: none (n).
+    page = jnp.sum(jnp.where(slot[..., None] == jnp.arange(table.shape[1]), table[:, None, :], 0), axis=-1)
+    page = jnp.where(slot < table.shape[1], page, n)  # [B, T]
     index = (*lead, page, *[slice(None)] * (seq_axis - 1), positions % ps)
     # No index is negative (a page off the table is n): a wrap of negatives was three ops a layer on a TPU.
     return pool.at[index].set(new.astype(pool.dtype), mode="drop", wrap_negative_indices=False)

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from moejax.base.platform import DecodeKernels
 from moejax.config import ModelConfig
-from moejax.model import dsa
+from moejax.model import dsa, paged
 from moejax.model.layers import apply_rope, rms_norm, silu_glu
 from moejax.model.router import route as xla_route
 from pallas_kernels import layered
@@ -129,15 +129,18 @@ ATTENTION_WEIGHTS = ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias",
 
 
 def _shaped(decode: DecodeKernels, w, flat: tuple):
-    """Weight w as the decode set's dense kernel reads it: in its model's shape where the kernel reads a
-    layer in its stack (a TPU's, whose reshape of a tiled [D, H, Dh] is a copy), else reshaped to `flat`."""
+    """Weight (or rows of heads) w as the decode set's dense kernel reads it: in its model's shape where
+    the kernel reads a layer in its stack (a TPU's, whose reshape of a tiled [D, H, Dh] is a copy), else
+    reshaped to `flat`."""
     return w if decode.linear_reads_stacks else w.reshape(flat)
 
 
 @jax.named_scope("qkv")  # `moejax trace` and the compiled-program checks find its ops
-def qkv(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, cos_sin, c: ModelConfig):
+def qkv(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, cos_sin, c: ModelConfig, interleave=False):
     """x: [B, T, D] the residual stream, `norm` the layer's attention norm -> q [B, T, H, Dh],
-    k, v [B, T, H_kv, Dh]: normed rows projected, biased, q and k normed per head and rotated."""
+    k, v [B, T, H_kv, Dh]: normed rows projected, biased, q and k normed per head and rotated;
+    `interleave`: k|v as the interleaved page pool's rows [B, T, 2 * H_kv, Dh] in k's place (a TPU's
+    dense kernel writes them so: its interleave of k and v was two ops a layer), v None."""
     b, t, d = x.shape
     cos, sin = cos_sin
     if not decode.fuses_dense(b * t, "attention"):
@@ -151,12 +154,13 @@ def qkv(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, cos_sin, 
             q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
         if c.qk_norm:
             q, k = rms_norm(q, p["q_norm"], c.rms_norm_eps), rms_norm(k, p["k_norm"], c.rms_norm_eps)
-        return apply_rope(q, cos, sin, c.rope_interleave), apply_rope(k, cos, sin, c.rope_interleave), v
+        q, k = apply_rope(q, cos, sin, c.rope_interleave), apply_rope(k, cos, sin, c.rope_interleave)
+        return (q, paged.interleaved(k, v), None) if interleave else (q, k, v)
     names = ("q", "k", "v")
     weights = tuple(_shaped(decode, p[n], (d, -1)) for n in names)
     biases = tuple(_shaped(decode, p[n + "_bias"], (-1,)) for n in names) if c.attention_bias else None
     head_norms = (p["q_norm"], p["k_norm"], None) if c.qk_norm else None
-    q, k, v = _fused(
+    outs = _fused(
         decode,
         x.reshape(b * t, d),
         weights,
@@ -168,8 +172,10 @@ def qkv(decode: DecodeKernels, p: dict, x: jax.Array, norm: jax.Array, cos_sin, 
         rope=(cos.reshape(b * t, -1), sin.reshape(b * t, -1)),
         rotate=(True, True, False),
         out_dtype=x.dtype,
+        **({"interleave": True} if interleave else {}),  # the TPU's dense kernel's (a combined pool's set)
     )
-    return tuple(y.reshape(b, t, -1, c.head_dim) for y in (q, k, v))
+    q, k, *v = (y.reshape(b, t, -1, c.head_dim) for y in outs)
+    return q, k, (v or [None])[0]
 
 
 class Latent(NamedTuple):
@@ -279,7 +285,7 @@ def out(decode: DecodeKernels, p: dict, attended: jax.Array, residual: jax.Array
         return residual + (y + p["o_bias"] if c.o_bias else y)
     (y,) = _fused(
         decode,
-        attended.reshape(b * t, h * dh),
+        _shaped(decode, attended.reshape(b * t, h, dh), (b * t, h * dh)),  # a TPU's: its heads as attention wrote them
         (_shaped(decode, p["o"], (h * dh, -1)),),
         biases=(p["o_bias"],) if c.o_bias else None,
         residual=residual.reshape(b * t, -1),

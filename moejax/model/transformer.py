@@ -174,7 +174,9 @@ def forward(
     forced: int32 [MoE layers, B*T, k] picks replacing the router's (a routing override), or None.
     """
     x = placement.constrain(params["embed"][tokens], ROWS)
-    cos_sin = rope_cos_sin(c, positions)
+    # Computed once a step: the TPU compiler sinks the sin and cos into a layer loop that reads them
+    # (a fusion a layer), where they stay outside the barrier.
+    cos_sin = jax.lax.optimization_barrier(rope_cos_sin(c, positions))
     b, t = tokens.shape
     # DSA: the selection a layer without an indexer reuses (layer 0 always has its own).
     seq = jax.tree.leaves(cache)[0].shape[-2] if pages is None else paged.width(pages) * paged.page_size_of(cache)
